@@ -1,0 +1,92 @@
+import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScheduledRequest(_message.Message):
+    __slots__ = ("request_id", "num_computed_tokens", "token_ids", "num_draft_tokens", "sample", "next_token_id", "sampling", "num_spec_tokens", "draft_probs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_computed_tokens: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    sample: bool
+    next_token_id: int
+    sampling: _common_pb2.SamplingParams
+    num_spec_tokens: int
+    draft_probs: _common_pb2.DraftProbs
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("iteration", "requests", "finished_request_ids")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifiedRequest(_message.Message):
+    __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "draft_token_ids", "draft_probs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_rejected: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _common_pb2.DraftProbs
+    def __init__(self, request_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
+
+class VerifyTiming(_message.Message):
+    __slots__ = ("prepare_ns", "forward_ns", "sample_ns", "propose_ns")
+    PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_NS_FIELD_NUMBER: _ClassVar[int]
+    prepare_ns: int
+    forward_ns: int
+    sample_ns: int
+    propose_ns: int
+    def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., propose_ns: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results", "drafter_ok", "drafter_error", "timing", "hidden_state_bytes")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_OK_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifiedRequest]
+    drafter_ok: bool
+    drafter_error: str
+    timing: VerifyTiming
+    hidden_state_bytes: int
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifiedRequest, _Mapping]]] = ..., drafter_ok: _Optional[bool] = ..., drafter_error: _Optional[str] = ..., timing: _Optional[_Union[VerifyTiming, _Mapping]] = ..., hidden_state_bytes: _Optional[int] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_free_blocks",)
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
