@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"Z\n\nDraftProbs\x12\'\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x16\n\x0enum_iterations\x18\x05 \x01(\x03\"\xde\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\"\x15\n\x13GetModelInfoRequest*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"Z\n\nDraftProbs\x12\'\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x16\n\x0enum_iterations\x18\x05 \x01(\x03\"\xde\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\"\x15\n\x13GetModelInfoRequest*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=686
-  _globals['_DTYPE']._serialized_end=808
+  _globals['_DTYPE']._serialized_start=701
+  _globals['_DTYPE']._serialized_end=823
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=103
   _globals['_SAMPLINGPARAMS']._serialized_start=105
-  _globals['_SAMPLINGPARAMS']._serialized_end=200
-  _globals['_DRAFTPROBS']._serialized_start=202
-  _globals['_DRAFTPROBS']._serialized_end=292
-  _globals['_SPECSTATS']._serialized_start=295
-  _globals['_SPECSTATS']._serialized_end=436
-  _globals['_MODELINFO']._serialized_start=439
-  _globals['_MODELINFO']._serialized_end=661
-  _globals['_GETMODELINFOREQUEST']._serialized_start=663
-  _globals['_GETMODELINFOREQUEST']._serialized_end=684
+  _globals['_SAMPLINGPARAMS']._serialized_end=215
+  _globals['_DRAFTPROBS']._serialized_start=217
+  _globals['_DRAFTPROBS']._serialized_end=307
+  _globals['_SPECSTATS']._serialized_start=310
+  _globals['_SPECSTATS']._serialized_end=451
+  _globals['_MODELINFO']._serialized_start=454
+  _globals['_MODELINFO']._serialized_end=676
+  _globals['_GETMODELINFOREQUEST']._serialized_start=678
+  _globals['_GETMODELINFOREQUEST']._serialized_end=699
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,9 @@
+"""specsplit: MTP speculative decoding split into coordinator, verifier and drafter services.
+
+This package is torch-free: the client SDK, CLI, errors and shared server plumbing.
+"""
+
+from specsplit.client import AsyncClient, Client, GenerationDelta, GenerationResult, SpecStats
+from specsplit.errors import SpecsplitError
+
+__all__ = ["AsyncClient", "Client", "GenerationDelta", "GenerationResult", "SpecStats", "SpecsplitError"]

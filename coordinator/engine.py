@@ -1,0 +1,186 @@
+"""The coordinator's engine loop: schedule → Verify (→ propose, inside the verifier) → post_step.
+
+One iteration is in flight at a time. Outputs are pushed to per-request asyncio queues that the
+Generate handlers stream from. The verifier is the only peer: if a Verify fails, the iteration's
+effect is unknown, so every running request is re-prefilled from the tokens held here — nothing
+the client already received is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator import wire
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.request import Request, RequestStats
+from coordinator.scheduler import Scheduler, SchedulerOutput
+from protos import verifier_pb2_grpc
+from specsplit.errors import SpecsplitError, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta of a request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: SpecsplitError | None = None
+
+
+class _Stream:
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer):
+        self.request = request
+        self.detokenizer = detokenizer
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        verifier: verifier_pb2_grpc.VerifierStub,
+        tokenizer,
+        *,
+        verify_timeout_s: float = 120.0,
+        verifier_unavailable_s: float = 30.0,
+    ):
+        self.scheduler = scheduler
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.verify_timeout_s = verify_timeout_s
+        self.verifier_unavailable_s = verifier_unavailable_s
+        self.totals = RequestStats()
+        self.num_finished = 0
+        self.num_iterations = 0
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._failing_since: float | None = None
+        self._num_failures = 0
+
+    # ---- public API used by the servicer ---------------------------------------------------------
+    def add_request(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        self.scheduler.add_request(request)
+        stream = _Stream(
+            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        )
+        self._streams[request.request_id] = stream
+        self._wakeup.set()
+        return stream.queue
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; it leaves the batch before the next iteration."""
+        found = self.scheduler.finish_request(request_id, "abort")
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._finish_stream(stream, "abort")
+        self._wakeup.set()
+        return found
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- loop --------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            output = self.scheduler.schedule()
+            if not output.scheduled and not output.finished_request_ids:
+                await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
+                continue
+            try:
+                response = await self.verifier.Verify(wire.verify_request(output), timeout=self.verify_timeout_s)
+            except grpc.RpcError as err:
+                await self._on_verify_error(output, err)
+                continue
+            except asyncio.CancelledError:
+                raise
+            self._failing_since = None
+            self._num_failures = 0
+            self.num_iterations += 1
+            try:
+                updates = self.scheduler.update_from_output(output, wire.verify_results(response))
+            except SpecsplitError as err:
+                log.error("bad verifier response: %s; re-prefilling", err)
+                self.scheduler.reset_all()
+                continue
+            for update in updates:
+                self._emit(update.request, update.new_token_ids, update.finished)
+
+    def _emit(self, request: Request, new_token_ids: list[int], finished: bool) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        if request.first_token_time is None and new_token_ids:
+            request.first_token_time = time.monotonic()
+        text = stream.detokenizer.add_tokens(new_token_ids)
+        if stream.detokenizer.stopped and not finished:
+            self.scheduler.finish_request(request.request_id, "stop")
+            finished = True
+        if finished:
+            text += stream.detokenizer.flush()
+        stream.queue.put_nowait(RequestOutput(request.request_id, new_token_ids, text))
+        if finished:
+            self._streams.pop(request.request_id, None)
+            self._finish_stream(stream, request.finish_reason or "stop")
+
+    def _finish_stream(self, stream: _Stream, reason: str) -> None:
+        stats = stream.request.stats
+        t = self.totals
+        t.num_drafts += stats.num_drafts
+        t.num_draft_tokens += stats.num_draft_tokens
+        t.num_accepted_tokens += stats.num_accepted_tokens
+        t.num_iterations += stats.num_iterations
+        for i, n in enumerate(stats.accepted_per_position):
+            if i >= len(t.accepted_per_position):
+                t.accepted_per_position.append(0)
+            t.accepted_per_position[i] += n
+        self.num_finished += 1
+        stream.queue.put_nowait(RequestOutput(stream.request.request_id, [], "", finish_reason=reason))
+
+    async def _on_verify_error(self, output: SchedulerOutput, err: grpc.RpcError) -> None:
+        code = err.code()
+        log.warning("Verify failed (%s: %s); re-prefilling running requests", code.name, err.details())
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+            # Retrying the same batch would fail the same way: fail its requests.
+            for item in output.scheduled:
+                self._fail(item.request.request_id, SpecsplitError(f"verifier: {err.details()}", code))
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        self.scheduler.reset_all()
+        if now - self._failing_since > self.verifier_unavailable_s:
+            for request_id in list(self._streams):
+                self._fail(
+                    request_id,
+                    Unavailable(
+                        f"verifier unreachable for {now - self._failing_since:.0f}s ({code.name}: {err.details()})"
+                    ),
+                )
+        self._num_failures += 1
+        await asyncio.sleep(min(1.0, 0.05 * 2 ** min(self._num_failures, 5)))
+
+    def _fail(self, request_id: str, error: SpecsplitError) -> None:
+        self.scheduler.finish_request(request_id, "error")
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(RequestOutput(request_id, [], "", finish_reason="error", error=error))

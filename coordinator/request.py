@@ -1,0 +1,95 @@
+"""Request state held by the coordinator (pure Python, no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters of one request."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # None: the server's k
+
+
+@dataclass
+class RequestStats:
+    """Speculative-decoding counts of one request."""
+
+    num_drafts: int = 0  # iterations that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_iterations: int = 0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_iterations += 1
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Invariant while decoding: `num_computed_tokens == num_tokens - 1` — every token but the
+    last is in the verifier's KV cache. `spec_token_ids` are the drafts the previous iteration's
+    propose left for this iteration to verify; they are not part of `output_token_ids`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = None  # opaque protos DraftProbs, passed back to the verifier
+    status: RequestStatus = RequestStatus.WAITING
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

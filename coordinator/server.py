@@ -1,0 +1,81 @@
+"""`specsplit serve coordinator`: loads the tokenizer, waits for the verifier, serves clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+
+from coordinator.config import SchedulerConfig
+from coordinator.engine import Engine
+from coordinator.scheduler import Scheduler
+from coordinator.servicer import CoordinatorServicer
+from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2_grpc
+from specsplit.grpc_server import ServiceServer, announce, insecure_channel, run_until_signal
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
+    p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
+
+
+async def _wait_for_model_info(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> common_pb2.ModelInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"verifier did not answer within {timeout_s:.0f}s: {err.details()}") from err
+            await asyncio.sleep(0.2)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer  # tokenizers backend only; no torch
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    servicer = CoordinatorServicer(tokenizer)
+    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    server = ServiceServer("coordinator", args.host, args.port, [service])
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
+    await server.start()
+    channel = insecure_channel(args.verifier)
+    stub = verifier_pb2_grpc.VerifierStub(channel)
+    info = await _wait_for_model_info(stub, args.startup_timeout)
+    k = args.num_speculative_tokens
+    model_info = common_pb2.ModelInfo()
+    model_info.CopyFrom(info)
+    model_info.num_speculative_tokens = k
+    eos = list(info.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    config = SchedulerConfig(
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        num_speculative_tokens=k,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, k + 1),
+        max_waiting=args.max_waiting,
+    )
+    engine = Engine(Scheduler(config, eos), stub, tokenizer)
+    engine.start()
+    servicer.ready(engine, model_info)
+    await server.mark_serving()
+    announce("coordinator", server.address)
+
+    async def on_stop() -> None:
+        await engine.stop()
+        await channel.close()
+
+    await run_until_signal(server, on_stop)

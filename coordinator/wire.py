@@ -1,0 +1,49 @@
+"""Scheduler objects ↔ protobuf messages of the Verifier service (protobuf stays at the edge)."""
+
+from __future__ import annotations
+
+from coordinator.request import RequestStats
+from coordinator.scheduler import SchedulerOutput, VerifyResult
+from protos import common_pb2, verifier_pb2
+
+
+def verify_request(output: SchedulerOutput) -> verifier_pb2.VerifyRequest:
+    msg = verifier_pb2.VerifyRequest(iteration=output.iteration, finished_request_ids=output.finished_request_ids)
+    for item in output.scheduled:
+        s = item.request.sampling
+        pb = msg.requests.add(
+            request_id=item.request.request_id,
+            num_computed_tokens=item.num_computed_tokens,
+            token_ids=item.token_ids,
+            num_draft_tokens=item.num_draft_tokens,
+            sample=item.sample,
+            next_token_id=item.next_token_id,
+            sampling=common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+            num_spec_tokens=item.num_spec_tokens,
+        )
+        if item.draft_probs is not None:
+            pb.draft_probs.CopyFrom(item.draft_probs)
+    return msg
+
+
+def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
+    return [
+        VerifyResult(
+            request_id=r.request_id,
+            sampled_token_ids=list(r.sampled_token_ids),
+            num_rejected=r.num_rejected,
+            draft_token_ids=list(r.draft_token_ids),
+            draft_probs=r.draft_probs if r.HasField("draft_probs") else None,
+        )
+        for r in response.results
+    ]
+
+
+def spec_stats(stats: RequestStats) -> common_pb2.SpecStats:
+    return common_pb2.SpecStats(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=stats.accepted_per_position,
+        num_iterations=stats.num_iterations,
+    )

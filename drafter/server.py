@@ -1,0 +1,55 @@
+"""`specsplit serve drafter`: loads the MTP module (+ shared embedding and head), serves Propose."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specsplit.grpc_server import ServiceServer, announce, run_until_signal
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from drafter.runner import DrafterRunner
+    from drafter.servicer import DrafterServicer
+    from models.loader import load_mtp
+
+    service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+    server = ServiceServer("drafter", args.host, args.port, [service])
+    servicer = DrafterServicer()
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
+    await server.start()  # health says NOT_SERVING until the weights are loaded
+    dtype = getattr(torch, args.dtype)
+    loop = asyncio.get_running_loop()
+    mtp = await loop.run_in_executor(None, lambda: load_mtp(args.model, dtype=dtype, device=args.device))
+    config = mtp.config
+    info = common_pb2.ModelInfo(
+        model=Path(args.model).resolve().name,
+        architecture=config.architecture,
+        vocab_size=config.vocab_size,
+        max_model_len=config.max_position_embeddings,
+        eos_token_ids=config.eos_token_ids,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        hidden_size=config.hidden_size,
+    )
+    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size)), info)
+    await server.mark_serving()
+    announce("drafter", server.address)
+    log.info("serving MTP of %s on %s", args.model, args.device)
+    await run_until_signal(server)

@@ -1,0 +1,84 @@
+"""Drafter gRPC servicer: ProposeRequest → propose() → drafts."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import grpc
+
+from drafter.runner import DrafterRunner, ProposeItem
+from models.wire import tensor_from_proto
+from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specsplit.errors import InvalidArgument, SpecsplitError
+
+
+def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
+    items, seen = [], set()
+    for r in msg.requests:
+        if not r.request_id or r.request_id in seen:
+            raise InvalidArgument(f"empty or repeated request_id {r.request_id!r}")
+        seen.add(r.request_id)
+        if r.start_position < 0:
+            raise InvalidArgument(f"request {r.request_id!r}: negative start_position {r.start_position}")
+        if not r.next_token_ids:
+            raise InvalidArgument(f"request {r.request_id!r}: no next_token_ids (no hidden-state rows)")
+        if any(not 0 <= t < vocab_size for t in r.next_token_ids):
+            raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
+        if not 0 <= r.num_spec_tokens <= 64:
+            raise InvalidArgument(f"request {r.request_id!r}: num_spec_tokens {r.num_spec_tokens} not in [0, 64]")
+        items.append(ProposeItem(r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens))
+    return items
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
+
+    def __init__(self):
+        self.runner: DrafterRunner | None = None
+        self.model_info: common_pb2.ModelInfo | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-step")
+        self._lock = asyncio.Lock()
+
+    def ready(self, runner: DrafterRunner, model_info: common_pb2.ModelInfo) -> None:
+        self.runner = runner
+        self.model_info = model_info
+
+    async def _require_ready(self, context) -> None:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
+
+    def _propose(self, request: drafter_pb2.ProposeRequest):
+        self.runner.free(list(request.finished_request_ids))
+        items = parse_items(request, self.model_info.vocab_size)
+        rows = sum(len(item.next_token_ids) for item in items)
+        try:
+            hidden = tensor_from_proto(request.hidden_states, expected_shape=(rows, self.model_info.hidden_size))
+        except ValueError as err:
+            raise InvalidArgument(f"hidden_states: {err}") from err
+        param = next(self.runner.mtp.parameters())
+        hidden = hidden.to(device=param.device, dtype=param.dtype)
+        return self.runner.propose(items, hidden)
+
+    async def Propose(self, request, context):
+        await self._require_ready(context)
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            try:
+                out = await loop.run_in_executor(self._executor, self._propose, request)
+            except SpecsplitError as err:
+                await context.abort(err.code, err.message)
+        response = drafter_pb2.ProposeResponse(step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns)
+        for r, drafts in zip(request.requests, out.drafts):
+            response.drafts.add(request_id=r.request_id, token_ids=drafts)
+        return response
+
+    async def Free(self, request, context):
+        await self._require_ready(context)
+        async with self._lock:
+            self.runner.free(list(request.request_ids))
+        return drafter_pb2.DrafterFreeResponse(num_free_blocks=self.runner.kv_cache.num_free_blocks)
+
+    async def GetModelInfo(self, request, context):
+        await self._require_ready(context)
+        return self.model_info

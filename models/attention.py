@@ -1,0 +1,62 @@
+"""Paged causal attention over a ragged batch.
+
+`paged_attention` is the one seam a fused kernel replaces: it gets one layer's cache views and the
+step's `AttentionMetadata`, writes the new K/V at `slot_mapping`, and returns the attention output.
+This reference version loops over requests and calls `scaled_dot_product_attention` on the gathered
+K/V; query j of a request's n new tokens sees cache indices 0 .. seq_len - n + j.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.kv_cache import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    attn: AttentionMetadata,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    if q.shape[0] != attn.num_tokens:
+        raise ValueError(f"{q.shape[0]} query tokens but the attention metadata describes {attn.num_tokens}")
+    write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    out = torch.empty_like(q)
+    qsl, ctx = attn.query_start_loc_host, attn.context_start_loc_host
+    for r, seq_len in enumerate(attn.seq_lens_host):
+        q_start, q_end = qsl[r], qsl[r + 1]
+        n = q_end - q_start
+        slots = attn.context_slots[ctx[r] : ctx[r + 1]]
+        keys = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+        values = flat_v.index_select(0, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+        # GQA without copying K/V: fold each kv head's query group into the query length.
+        queries = q[q_start:q_end].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        queries = queries.reshape(kv_heads, group * n, head_dim)
+        mask = None
+        if n > 1:
+            cache_index = torch.arange(seq_len, device=q.device)
+            last_visible = torch.arange(seq_len - n, seq_len, device=q.device)
+            mask = (cache_index[None, :] <= last_visible[:, None]).repeat(group, 1)  # [group * n, seq_len]
+        o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        out[q_start:q_end] = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    return out

@@ -1,0 +1,155 @@
+"""The model configuration every other module in `models/` is built from.
+
+`ModelConfig.from_pretrained(path)` reads a Hugging Face checkpoint directory (never the hub) and
+normalises the differences between Llama, Qwen2, Qwen3 and MiMo into one flat, frozen record.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Keys of a MiMo config.json that transformers' Qwen2Config must not see (MiMo = Qwen2 + MTP layers;
+# its model_type "mimo" is only known through trust_remote_code, which we never use).
+_MIMO_ONLY_KEYS = ("model_type", "auto_map", "architectures", "transformers_version")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama", "qwen2", "qwen3", "mimo"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE, else the scaling parameters with "rope_type" ("linear" | "llama3").
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q_proj, k_proj, v_proj (Qwen2 always; Llama/Qwen3 when configured)
+    o_proj_bias: bool  # bias on o_proj (Llama/Qwen3 `attention_bias` covers it, Qwen2 never has it)
+    mlp_bias: bool  # bias on gate/up/down (Llama `mlp_bias`)
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    num_nextn_predict_layers: int  # MTP layers shipped in the checkpoint (0 = none)
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
+        """Reads `config.json` (+ `generation_config.json`) of a local checkpoint directory."""
+        path = pathlib.Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
+        raw = json.loads(config_file.read_text())
+        architectures = raw.get("architectures") or []
+        architecture = architectures[0] if architectures else ""
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r} in {str(config_file)!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if architecture == "MiMoForCausalLM":
+            hf = transformers.Qwen2Config(**{k: v for k, v in raw.items() if k not in _MIMO_ONLY_KEYS})
+            model_type = "mimo"
+        else:
+            hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            model_type = hf.model_type
+        return _from_hf_config(hf, architecture, model_type, raw, _read_eos_token_ids(path, raw))
+
+
+def _from_hf_config(
+    hf: Any, architecture: str, model_type: str, raw: dict[str, Any], eos_token_ids: list[int]
+) -> ModelConfig:
+    hidden_act = getattr(hf, "hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu' is implemented)")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    num_heads = hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    rope_theta, rope_scaling = _rope_parameters(hf)
+    is_qwen2 = architecture in ("Qwen2ForCausalLM", "MiMoForCausalLM")
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", False))),
+        attention_bias=True if is_qwen2 else attention_bias,
+        o_proj_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        eos_token_ids=eos_token_ids,
+        torch_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+    )
+
+
+def _rope_parameters(hf: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 5 `rope_parameters` or 4.x fields."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    params.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def _read_eos_token_ids(path: pathlib.Path, raw: dict[str, Any]) -> list[int]:
+    """EOS ids as `generate` uses them: generation_config.json first, config.json otherwise."""
+    eos = None
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        eos = json.loads(generation_file.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = raw.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,188 @@
+"""Paged KV cache with per-request block tables and rollback.
+
+Each request caches its tokens contiguously from cache index 0: cache index i is the i-th token of the
+request's cached sequence, stored at slot `block_table[i // block_size] * block_size + i % block_size`.
+Rollback (`truncate`) only moves the request's length back and returns whole blocks past it; stale
+K/V left in a kept block is overwritten by the next `prepare_step`, never read, because attention
+reads only cache indices below `seq_len`.
+
+The cache owns the block accounting of its own requests; RoPE positions are the caller's business.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks for a step; the cache is left exactly as it was."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of one ragged step go, and what each request attends over."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, prefix sum of new tokens per request
+    seq_lens: torch.Tensor  # [num_reqs] int32, cached + new tokens per request after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, -1 padded
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token
+    # Flat slots of every cached token (old and new) of every request, request after request:
+    # request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
+    context_slots: torch.Tensor  # [sum(seq_lens)] int64
+    # Host copies, so a per-request loop needs no device→host sync.
+    query_start_loc_host: list[int] = field(default_factory=list)  # [num_reqs + 1]
+    seq_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
+    context_start_loc_host: list[int] = field(default_factory=list)  # [num_reqs + 1]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_host[-1]
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_layers < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_layers, num_blocks and block_size must be >= 1, got {num_layers}, {num_blocks}, {block_size}"
+            )
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def num_tokens(self, req_id: str) -> int:
+        request = self._requests.get(req_id)
+        return request.num_tokens if request is not None else 0
+
+    def block_table(self, req_id: str) -> list[int]:
+        request = self._requests.get(req_id)
+        return list(request.blocks) if request is not None else []
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Forget tokens at cache index >= num_tokens; return the blocks no longer needed."""
+        cached = self.num_tokens(req_id)
+        if not 0 <= num_tokens <= cached:
+            raise ValueError(f"cannot truncate request {req_id!r} to {num_tokens} tokens: it has {cached} cached")
+        request = self._requests.get(req_id)
+        if request is None:
+            return
+        keep = self._blocks_for(num_tokens)
+        self._free.extend(reversed(request.blocks[keep:]))
+        del request.blocks[keep:]
+        request.num_tokens = num_tokens
+
+    def free(self, req_id: str) -> None:
+        request = self._requests.pop(req_id, None)
+        if request is not None:
+            self._free.extend(reversed(request.blocks))
+
+    def can_append(self, req_ids: list[str], num_new_tokens: list[int]) -> bool:
+        self._check_step(req_ids, num_new_tokens)
+        return self._blocks_needed(req_ids, num_new_tokens) <= len(self._free)
+
+    def prepare_step(self, req_ids: list[str], num_new_tokens: list[int]) -> AttentionMetadata:
+        """Allocates room for each request's new tokens after its cached ones and describes the step.
+
+        Advances every request's cached length by its new tokens (the caller then runs the forward
+        that writes them). Raises KVCacheFull, changing nothing, when blocks run out.
+        """
+        self._check_step(req_ids, num_new_tokens)
+        needed = self._blocks_needed(req_ids, num_new_tokens)
+        if needed > len(self._free):
+            raise KVCacheFull(f"step needs {needed} new KV blocks, only {len(self._free)} free")
+
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        slot_mapping: list[int] = []
+        size = self.block_size
+        for req_id, num_new in zip(req_ids, num_new_tokens):
+            request = self._requests.setdefault(req_id, _RequestBlocks())
+            start, end = request.num_tokens, request.num_tokens + num_new
+            while len(request.blocks) < self._blocks_for(end):
+                request.blocks.append(self._free.pop())
+            request.num_tokens = end
+            slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+
+        max_blocks = max(len(self._requests[r].blocks) for r in req_ids)
+        block_tables = torch.tensor(
+            [self._requests[r].blocks + [-1] * (max_blocks - len(self._requests[r].blocks)) for r in req_ids],
+            dtype=torch.int32,
+        )
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        device = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device),
+            seq_lens=seq_lens_t.to(device),
+            block_tables=block_tables.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+            context_slots=self._context_slots(block_tables, seq_lens_t).to(device),
+            query_start_loc_host=query_start_loc,
+            seq_lens_host=seq_lens,
+            context_start_loc_host=[0, *itertools.accumulate(seq_lens)],
+        )
+
+    def _context_slots(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        # block_tables: [num_reqs, max_blocks] int32, seq_lens: [num_reqs] → [sum(seq_lens)] int64
+        size = self.block_size
+        offsets = torch.arange(size, dtype=torch.int64)
+        slots = (block_tables.long()[:, :, None] * size + offsets).flatten(1)  # [num_reqs, max_blocks * size]
+        cache_index = torch.arange(slots.shape[1], dtype=torch.int64)
+        return slots[cache_index[None, :] < seq_lens[:, None].long()]
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _blocks_needed(self, req_ids: list[str], num_new_tokens: list[int]) -> int:
+        return sum(
+            self._blocks_for(self.num_tokens(r) + n) - len(self.block_table(r)) for r, n in zip(req_ids, num_new_tokens)
+        )
+
+    @staticmethod
+    def _check_step(req_ids: list[str], num_new_tokens: list[int]) -> None:
+        if len(req_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(req_ids)} request ids but {len(num_new_tokens)} token counts")
+        if not req_ids:
+            raise ValueError("a step needs at least one request")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"duplicate request ids in one step: {req_ids}")
+        if any(n < 1 for n in num_new_tokens):
+            raise ValueError(f"every request needs >= 1 new token, got {num_new_tokens}")

@@ -1,0 +1,131 @@
+"""Builds models from a local Hugging Face checkpoint directory, loading only the tensors they need.
+
+Models are constructed on the meta device (no random init), then each parameter is read from its
+safetensors shard, checked against the expected shape, cast and assigned.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+
+import safetensors
+import torch
+import transformers
+from torch import nn
+
+from models.config import ModelConfig
+from models.mtp import MTPModule
+from models.target import TargetModel
+
+
+def load_target(
+    path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TargetModel:
+    path = _checkpoint_dir(path)
+    config = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    tied = config.tie_word_embeddings
+
+    def candidates(name: str) -> list[str]:
+        return ["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else [name]
+
+    _load(model, path, candidates, dtype=dtype, device=device)
+    return model.eval()
+
+
+def load_mtp(
+    path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> MTPModule:
+    """MTP layer 0 plus the shared embedding and LM head (see `models.mtp_layout` for the names)."""
+    path = _checkpoint_dir(path)
+    config = ModelConfig.from_pretrained(path)
+    if not config.has_mtp:
+        raise ValueError(
+            f"checkpoint {str(path)!r} has no MTP weights (num_nextn_predict_layers is 0 or missing "
+            "in config.json); it cannot serve as a drafter"
+        )
+    with torch.device("meta"):
+        model = MTPModule(config)
+    _load(model, path, lambda name: model.layout.checkpoint_candidates(config, name), dtype=dtype, device=device)
+    return model.eval()
+
+
+def load_tokenizer(path: str | pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+    return transformers.AutoTokenizer.from_pretrained(str(_checkpoint_dir(path)), local_files_only=True)
+
+
+def _checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    return path
+
+
+def _tensor_index(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name → the safetensors file holding it (single file or sharded with an index)."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        shards = {shard: path / shard for shard in set(weight_map.values())}
+        absent = sorted(shard for shard, file in shards.items() if not file.is_file())
+        if absent:
+            raise FileNotFoundError(f"shards listed in {str(index_file)!r} are missing: {', '.join(absent)}")
+        return {name: shards[shard] for name, shard in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}")
+    with safetensors.safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _load(
+    model: nn.Module,
+    path: pathlib.Path,
+    candidates: Callable[[str], list[str]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> None:
+    """Fills every parameter of a meta-device `model`; parameters sharing one checkpoint tensor
+    (tied embeddings / heads) end up as one tensor."""
+    index = _tensor_index(path)
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    chosen: dict[str, str] = {}  # parameter name → checkpoint tensor name
+    missing: list[str] = []
+    for param_name in expected:
+        names = candidates(param_name)
+        found = next((n for n in names if n in index), None)
+        if found is None:
+            missing.append(" or ".join(names))
+        else:
+            chosen[param_name] = found
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} lacks tensors: {', '.join(missing)}")
+
+    by_file: dict[pathlib.Path, dict[str, list[str]]] = {}  # file → tensor name → parameters using it
+    for param_name, tensor_name in chosen.items():
+        by_file.setdefault(index[tensor_name], {}).setdefault(tensor_name, []).append(param_name)
+    for file, tensors in by_file.items():  # check every shape before loading anything
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            for tensor_name, param_names in tensors.items():
+                got = tuple(f.get_slice(tensor_name).get_shape())
+                want = tuple(expected[param_names[0]].shape)
+                if got != want:
+                    raise ValueError(
+                        f"tensor {tensor_name!r} in {str(path)!r} has shape {got}, "
+                        f"expected {want} (for {param_names[0]!r})"
+                    )
+    for file, tensors in by_file.items():
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            for tensor_name, param_names in tensors.items():
+                param = nn.Parameter(f.get_tensor(tensor_name).to(device=device, dtype=dtype), requires_grad=False)
+                for param_name in param_names:  # one Parameter for tied names
+                    _set_parameter(model, param_name, param)
+
+
+def _set_parameter(model: nn.Module, name: str, value: nn.Parameter) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(module_name), leaf, value)

@@ -1,0 +1,82 @@
+"""torch.Tensor ↔ `specsplit.v1.Tensor` (dtype, shape, raw little-endian bytes).
+
+Receiving is zero-copy: the returned tensor views the message's bytes (read-only memory), so treat it
+as read-only or pass `copy=True`; moving it to a device (`.to("cuda")`) copies anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from protos import common_pb2
+
+_TO_PROTO = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+    torch.int32: common_pb2.DTYPE_INT32,
+    torch.int64: common_pb2.DTYPE_INT64,
+}
+_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+
+if sys.byteorder != "little":  # raw bytes are little-endian; a big-endian host would need byte swaps
+    raise ImportError("models.wire supports little-endian hosts only")
+
+
+def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
+    if t.dtype not in _TO_PROTO:
+        raise ValueError(f"cannot send a {t.dtype} tensor; supported: {', '.join(map(str, _TO_PROTO))}")
+    host = t.detach().contiguous().cpu()
+    data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    return common_pb2.Tensor(dtype=_TO_PROTO[t.dtype], shape=list(host.shape), data=data)
+
+
+def tensor_from_proto(
+    msg: common_pb2.Tensor,
+    *,
+    expected_dtype: torch.dtype | None = None,
+    expected_shape: Sequence[int | None] | None = None,
+    copy: bool = False,
+) -> torch.Tensor:
+    """Decodes and validates a Tensor message; raises ValueError naming what is wrong.
+
+    expected_shape: one entry per dimension, None where any size is accepted.
+    """
+    dtype = _FROM_PROTO.get(msg.dtype)
+    if dtype is None:
+        raise ValueError(f"tensor has unknown or unset dtype {msg.dtype} ({_dtype_name(msg.dtype)})")
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor shape {shape} has a negative dimension")
+    if expected_dtype is not None and dtype != expected_dtype:
+        raise ValueError(f"tensor dtype is {dtype}, expected {expected_dtype}")
+    if expected_shape is not None and (
+        len(shape) != len(expected_shape) or any(e is not None and e != d for d, e in zip(shape, expected_shape))
+    ):
+        wanted = ["*" if e is None else e for e in expected_shape]
+        raise ValueError(f"tensor shape {shape} does not match expected {wanted}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if len(msg.data) != numel * itemsize:
+        raise ValueError(
+            f"tensor data has {len(msg.data)} bytes, expected {numel * itemsize} "
+            f"({numel} elements of {dtype} for shape {shape})"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # bytes are immutable; the tensor is documented as read-only
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return t.clone() if copy else t
+
+
+def _dtype_name(value: int) -> str:
+    try:
+        return common_pb2.DType.Name(value)
+    except ValueError:
+        return "not a DType"

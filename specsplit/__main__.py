@@ -1,0 +1,3 @@
+from specsplit.cli import main
+
+raise SystemExit(main())

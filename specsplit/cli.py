@@ -1,0 +1,211 @@
+"""The `specsplit` command: serve one service, bring all three up, generate, train the demo model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "checkpoints" / "demo")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specsplit.grpc_server import setup_logging
+
+    setup_logging(args.role, args.log_level)
+    if args.role == "coordinator":
+        from coordinator.server import serve
+    elif args.role == "verifier":
+        from verifier.server import serve
+    else:
+        from drafter.server import serve
+    asyncio.run(serve(args))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from specsplit.launcher import LocalCluster
+
+    cluster = LocalCluster(
+        args.model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster.start(timeout_s=args.startup_timeout)
+    print(f"coordinator listening on {cluster.address}", flush=True)
+    try:
+        while not stop["now"]:
+            for svc in cluster.services.values():
+                if svc.proc.poll() is not None:
+                    print(f"{svc.role} exited with code {svc.proc.returncode}", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _print_stats(result, out) -> None:
+    s = result.stats
+    per_pos = ", ".join(f"{a:.2f}" for a in s.acceptance_per_position) or "-"
+    print(
+        f"\n--- {result.completion_tokens} tokens, finish_reason={result.finish_reason}; "
+        f"{s.num_iterations} iterations, drafts {s.num_draft_tokens}, accepted {s.num_accepted_tokens} "
+        f"(rate {s.acceptance_rate:.2f}), acceptance per position [{per_pos}], "
+        f"mean accepted length {s.mean_accepted_length:.2f} tokens/iteration",
+        file=out,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specsplit.client import Client, GenerationResult, SpecStats
+    from specsplit.errors import SpecsplitError
+
+    cluster = None
+    address = args.address
+    if args.local:
+        from specsplit.launcher import LocalCluster
+
+        log_dir = Path(args.log_dir) if args.log_dir else Path(".specsplit-logs")
+        cluster = LocalCluster(
+            args.model,
+            num_speculative_tokens=args.num_speculative_tokens,
+            device=args.device,
+            dtype=args.dtype,
+            log_dir=log_dir,
+        )
+        t0 = time.monotonic()
+        cluster.start(timeout_s=args.startup_timeout)
+        address = cluster.address
+        if not args.json:
+            print(
+                f"[three services up in {time.monotonic() - t0:.1f}s: coordinator {address}, "
+                f"verifier {cluster.services['verifier'].address}, "
+                f"drafter {cluster.services['drafter'].address}; logs in {log_dir}/]",
+                file=sys.stderr,
+            )
+    try:
+        with Client(address) as client:
+            kwargs = dict(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop or None,
+            )
+            if args.num_speculative_tokens is not None and not args.local:
+                kwargs["num_speculative_tokens"] = args.num_speculative_tokens
+            t0 = time.monotonic()
+            ids, text, last = [], [], None
+            for delta in client.stream(args.prompt, **kwargs):
+                ids.extend(delta.token_ids)
+                text.append(delta.text)
+                last = delta
+                if not args.json:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            elapsed = time.monotonic() - t0
+            result = GenerationResult(
+                last.request_id,
+                ids,
+                "".join(text),
+                last.finish_reason,
+                last.stats or SpecStats(),
+                last.prompt_tokens,
+                last.completion_tokens,
+            )
+            if args.json:
+                print(json.dumps({**result.to_dict(), "elapsed_s": round(elapsed, 3)}))
+            else:
+                _print_stats(result, sys.stdout)
+                print(f"--- {result.completion_tokens / elapsed:.1f} tokens/s", file=sys.stdout)
+    except SpecsplitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return 0
+
+
+def _train_demo(argv: list[str]) -> int:
+    from training.train_demo import main as train_main
+
+    return train_main(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service")
+    roles = serve.add_subparsers(dest="role", required=True)
+    from coordinator.server import add_arguments as coordinator_args
+    from drafter.server import add_arguments as drafter_args
+    from verifier.server import add_arguments as verifier_args
+
+    for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
+        r = roles.add_parser(role)
+        r.add_argument("--host", default="127.0.0.1")
+        r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
+        r.add_argument("--log-level", default="INFO")
+        add(r)
+    serve.set_defaults(func=_serve)
+
+    up = sub.add_parser("up", help="start the three services on this machine")
+    up.add_argument("--model", default=DEFAULT_MODEL)
+    up.add_argument("--num-speculative-tokens", type=int, default=3)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--device", default="cpu")
+    up.add_argument("--dtype", default="float32")
+    up.add_argument("--startup-timeout", type=float, default=600.0)
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="generate from a prompt (streams text)")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--address", default="127.0.0.1:50051")
+    where.add_argument("--local", action="store_true", help="start the three services, generate, stop them")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="with --local: checkpoint directory")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--num-speculative-tokens", type=int, default=None)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--log-dir", default=None, help="with --local: where service logs go")
+    gen.add_argument("--startup-timeout", type=float, default=600.0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=_generate)
+
+    sub.add_parser("train-demo", help="train the demo checkpoint (see training/)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-demo"]:
+        return _train_demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "generate" and args.local and args.num_speculative_tokens is None:
+        args.num_speculative_tokens = 3
+    return args.func(args)

@@ -1,0 +1,325 @@
+"""Client SDK: `Client` (blocking) and `AsyncClient` (asyncio) for the coordinator's API.
+
+    from specsplit import Client
+    with Client("127.0.0.1:50051") as client:
+        out = client.generate("def fib(n):", max_tokens=64)
+        print(out.text, out.stats.acceptance_rate)
+
+Errors raise `SpecsplitError` whose `.code` is the gRPC status (INVALID_ARGUMENT, UNAVAILABLE, …).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specsplit.errors import from_rpc_error
+from specsplit.grpc_server import CHANNEL_OPTIONS
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding statistics of one request (or of a server)."""
+
+    num_drafts: int = 0  # verify iterations that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_iterations: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify iteration that carried drafts: accepted + 1."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.SpecStats) -> SpecStats:
+        return cls(
+            pb.num_drafts,
+            pb.num_draft_tokens,
+            pb.num_accepted_tokens,
+            list(pb.accepted_per_position),
+            pb.num_iterations,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": self.accepted_per_position,
+            "num_iterations": self.num_iterations,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+        }
+
+
+@dataclass
+class GenerationDelta:
+    """One streamed message: new tokens and text; the last one has finish_reason and stats."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]  # generated ids only
+    text: str
+    finish_reason: str
+    stats: SpecStats
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "stats": self.stats.to_dict(),
+        }
+
+
+def _request(
+    prompt,
+    prompt_token_ids,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    ignore_eos,
+    num_speculative_tokens,
+    request_id,
+) -> coordinator_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    msg = coordinator_pb2.GenerateRequest(
+        request_id=request_id or "",
+        prompt_token_ids=list(prompt_token_ids or []),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        ignore_eos=ignore_eos,
+    )
+    if prompt is not None:
+        msg.prompt = prompt
+    if num_speculative_tokens is not None:
+        msg.num_speculative_tokens = num_speculative_tokens
+    return msg
+
+
+def _delta(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
+    final = bool(pb.finish_reason)
+    return GenerationDelta(
+        request_id=pb.request_id,
+        token_ids=list(pb.token_ids),
+        text=pb.text,
+        finish_reason=pb.finish_reason or None,
+        stats=SpecStats.from_pb(pb.spec_stats) if final else None,
+        prompt_tokens=pb.usage.prompt_tokens,
+        completion_tokens=pb.usage.completion_tokens,
+    )
+
+
+class _Collector:
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.last: GenerationDelta | None = None
+
+    def add(self, d: GenerationDelta) -> None:
+        self.token_ids.extend(d.token_ids)
+        self.text.append(d.text)
+        self.last = d
+
+    def result(self) -> GenerationResult:
+        last = self.last
+        if last is None or last.finish_reason is None:
+            raise RuntimeError("stream ended without a finish reason")
+        return GenerationResult(
+            last.request_id,
+            self.token_ids,
+            "".join(self.text),
+            last.finish_reason,
+            last.stats or SpecStats(),
+            last.prompt_tokens,
+            last.completion_tokens,
+        )
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+
+    def __init__(self, address: str, *, timeout: float | None = None):
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.timeout = timeout
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[GenerationDelta]:
+        msg = _request(
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            ignore_eos,
+            num_speculative_tokens,
+            request_id,
+        )
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout)
+        try:
+            for pb in call:
+                yield _delta(pb)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the request when the caller stops early
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        collector = _Collector()
+        for d in self.stream(prompt, **kwargs):
+            collector.add(d)
+        return collector.result()
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            return self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id), timeout=self.timeout).found
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        try:
+            return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def server_stats(self) -> tuple[SpecStats, coordinator_pb2.ServerStats]:
+        try:
+            pb = self._stub.GetStats(coordinator_pb2.GetStatsRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return SpecStats.from_pb(pb.spec_stats), pb
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client mirroring `Client`."""
+
+    def __init__(self, address: str, *, timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.timeout = timeout
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        msg = _request(
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            ignore_eos,
+            num_speculative_tokens,
+            request_id,
+        )
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout)
+        try:
+            async for pb in call:
+                yield _delta(pb)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        collector = _Collector()
+        async for d in self.stream(prompt, **kwargs):
+            collector.add(d)
+        return collector.result()
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            resp = await self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return resp.found
+
+    async def model_info(self) -> common_pb2.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

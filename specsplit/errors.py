@@ -1,0 +1,51 @@
+"""Errors that cross a service boundary, with the gRPC status code each one maps to."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecsplitError(Exception):
+    """An error with a gRPC status code and a message a person can act on."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class InvalidArgument(SpecsplitError):
+    """The caller sent something malformed; retrying the same call cannot succeed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(SpecsplitError):
+    """The call is well formed but does not fit the server's state (e.g. unknown request)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(SpecsplitError):
+    """The server is full (queue, KV cache); retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecsplitError):
+    """A service this call needs cannot be reached."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def from_rpc_error(err: grpc.RpcError) -> SpecsplitError:
+    """Turns a grpc error raised by a stub into a SpecsplitError carrying the same code."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return SpecsplitError(f"{code.name}: {details}", code)

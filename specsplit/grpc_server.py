@@ -1,0 +1,112 @@
+"""Start-up and shutdown shared by the three services: health, reflection, graceful stop.
+
+Each service builds its servicer, then calls `serve()`; the server reports NOT_SERVING on
+`grpc.health.v1` until `mark_serving()` (weights loaded, dependencies reachable) and goes back to
+NOT_SERVING as soon as SIGTERM/SIGINT arrives, before draining in-flight calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Hidden states of a large batch exceed gRPC's 4 MiB default; this bounds every message.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+CHANNEL_OPTIONS = [
+    # Reconnect quickly to a restarted peer (the default backoff grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to a peer service with the project's reconnect and size options."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class ServiceServer:
+    """A grpc.aio server with health and reflection, bound to host:port (0 = pick a free port)."""
+
+    def __init__(self, role: str, host: str, port: int, service_names: list[str]):
+        self.role = role
+        self.server = grpc.aio.server(options=server_options())
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self._service_names = service_names
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"{role}: cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def mark_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_all(self, status: int) -> None:
+        for name in ["", *self._service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+def announce(role: str, address: str) -> None:
+    """Prints the line `specsplit up` and operators wait for."""
+    print(f"{role} listening on {address}", flush=True)
+    sys.stdout.flush()
+
+
+async def run_until_signal(
+    server: ServiceServer,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float = 10.0,
+) -> None:
+    """Waits for SIGTERM/SIGINT, then: NOT_SERVING, drain for grace_s, run on_stop, return."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("%s: stopping (grace %.1fs)", server.role, grace_s)
+    await server.stop(grace_s)
+    if on_stop is not None:
+        await on_stop()
+    waiter.cancel()
+    stopper.cancel()
+
+
+def setup_logging(role: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

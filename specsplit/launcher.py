@@ -1,0 +1,198 @@
+"""Starts coordinator, verifier and drafter as three processes on this machine (`specsplit up`).
+
+Each child runs `python -m specsplit serve <role> …`, so its command line names its role and
+operators can find and signal it. Ports are picked free up front so the three load in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    role: str
+    proc: subprocess.Popen
+    address: str
+    lines: queue.Queue = field(default_factory=queue.Queue)
+    log_path: Path | None = None
+
+    def log_tail(self, n: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+class LocalCluster:
+    """The three services as child processes. Use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        num_speculative_tokens: int = 3,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        log_dir: str | Path | None = None,
+        with_drafter: bool = True,
+        verifier_args: list[str] | None = None,
+        drafter_args: list[str] | None = None,
+        coordinator_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.model = str(model)
+        self.k = num_speculative_tokens
+        self.host = host
+        self.port = port or free_port(host)
+        self.device = device
+        self.dtype = dtype
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.with_drafter = with_drafter
+        self.extra = {
+            "verifier": verifier_args or [],
+            "drafter": drafter_args or [],
+            "coordinator": coordinator_args or [],
+        }
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.services: dict[str, Service] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def command(self, role: str, port: int, peer: str | None = None) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "specsplit",
+            "serve",
+            role,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--model",
+            self.model,
+        ]
+        if role in ("verifier", "drafter"):
+            cmd += ["--device", self.device, "--dtype", self.dtype]
+        if role == "verifier" and peer:
+            cmd += ["--drafter", peer]
+        if role == "coordinator":
+            cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
+        return cmd + self.extra[role]
+
+    def spawn(self, role: str, port: int, peer: str | None = None) -> Service:
+        log_path = None
+        stderr = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{role}.log"
+            stderr = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(
+            self.command(role, port, peer),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+        svc = Service(role, proc, f"{self.host}:{port}", log_path=log_path)
+        threading.Thread(target=self._pump, args=(svc,), daemon=True).start()
+        self.services[role] = svc
+        return svc
+
+    @staticmethod
+    def _pump(svc: Service) -> None:
+        for line in svc.proc.stdout:
+            svc.lines.put(line.rstrip("\n"))
+        svc.lines.put(None)
+
+    def start_drafter(self, port: int | None = None) -> Service:
+        return self.spawn("drafter", port or free_port(self.host))
+
+    def start_verifier(self, port: int | None = None) -> Service:
+        drafter = self.services.get("drafter")
+        return self.spawn("verifier", port or free_port(self.host), drafter.address if drafter else None)
+
+    def start(self, timeout_s: float = 300.0) -> LocalCluster:
+        if self.with_drafter:
+            self.start_drafter()
+        self.start_verifier()
+        self.spawn("coordinator", self.port, self.services["verifier"].address)
+        deadline = time.monotonic() + timeout_s
+        try:
+            for svc in list(self.services.values()):
+                self.wait_ready(svc, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, svc: Service, deadline: float) -> None:
+        want = f"{svc.role} listening on "
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{svc.role} was not ready in time\n{svc.log_tail()}")
+            try:
+                line = svc.lines.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"{svc.role} exited with code {svc.proc.wait()}\n{svc.log_tail()}")
+            if line.startswith(want):
+                return
+
+    def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
+        svc = self.services[role]
+        svc.proc.send_signal(sig)
+        svc.proc.wait(timeout=30)
+
+    def restart(self, role: str, timeout_s: float = 120.0) -> Service:
+        """Starts a stopped service again on the same address."""
+        old = self.services[role]
+        port = int(old.address.rsplit(":", 1)[1])
+        peer = None
+        if role == "verifier" and "drafter" in self.services:
+            peer = self.services["drafter"].address
+        if role == "coordinator":
+            peer = self.services["verifier"].address
+        svc = self.spawn(role, port, peer)
+        self.wait_ready(svc, time.monotonic() + timeout_s)
+        return svc
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for svc in self.services.values():
+            if svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for svc in self.services.values():
+            try:
+                svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+                svc.proc.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,90 @@
+"""propose(): incremental MTP steps equal recomputing from scratch; rollback drops the speculative
+entries so a drafter fed iteration by iteration equals one fed everything at once."""
+
+import pytest
+import torch
+
+from drafter.runner import DrafterRunner, ProposeItem
+from models.loader import load_mtp, load_target
+from models.tiny import write_tiny_checkpoint
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("d") / "m", architecture="llama", seed=5)
+    return load_target(ckpt), load_mtp(ckpt)
+
+
+def target_hidden(target, tokens):
+    cache = target.make_kv_cache(32, 4)
+    attn = cache.prepare_step(["r"], [len(tokens)])
+    with torch.inference_mode():
+        return target(torch.tensor(tokens), torch.arange(len(tokens)), cache, attn)
+
+
+def fresh(mtp):
+    return DrafterRunner(mtp, mtp.make_kv_cache(32, 4))
+
+
+def recompute_drafts(mtp, hidden, next_ids, k):
+    """Reference: every draft step recomputes the whole MTP sequence with a fresh cache."""
+    hs, xs, drafts = list(hidden), list(next_ids), []
+    for _ in range(k):
+        cache = mtp.make_kv_cache(32, 4)
+        attn = cache.prepare_step(["r"], [len(xs)])
+        with torch.inference_mode():
+            out = mtp(torch.tensor(xs), torch.stack(hs), torch.arange(1, len(xs) + 1), cache, attn)
+            tok = int(mtp.compute_logits(out[-1:]).argmax(-1))
+        drafts.append(tok)
+        hs.append(out[-1])
+        xs.append(tok)
+    return drafts
+
+
+def test_propose_equals_recomputing_every_step(models):
+    target, mtp = models
+    tokens = PROMPT + [20]
+    hidden = target_hidden(target, tokens)[: len(PROMPT)]
+    out = fresh(mtp).propose([ProposeItem("r", 0, tokens[1:], 3)], hidden)
+    assert out.drafts == [recompute_drafts(mtp, hidden, tokens[1:], 3)]
+
+
+def test_rollback_across_iterations_equals_one_shot(models):
+    target, mtp = models
+    tokens = PROMPT + [20, 21, 22]
+    hidden = target_hidden(target, tokens)
+    n = len(PROMPT)
+    runner = fresh(mtp)
+    # iteration 1: prompt pairs, 3 drafts (writes 2 speculative MTP entries)
+    runner.propose([ProposeItem("r", 0, tokens[1 : n + 1], 3)], hidden[:n])
+    # iteration 2: 2 positions were valid (one draft accepted + its correction)
+    two = runner.propose([ProposeItem("r", n, tokens[n + 1 : n + 3], 3)], hidden[n : n + 2])
+    one_shot = fresh(mtp).propose([ProposeItem("r", 0, tokens[1 : n + 3], 3)], hidden[: n + 2])
+    assert two.drafts == one_shot.drafts
+    assert runner.kv_cache.num_tokens("r") == n + 2 + 2
+
+
+def test_batch_of_requests_equals_each_alone(models):
+    target, mtp = models
+    a, b = PROMPT + [20], PROMPT[:4] + [30]
+    ha, hb = target_hidden(target, a)[:-1], target_hidden(target, b)[:-1]
+    batched = fresh(mtp).propose(
+        [ProposeItem("a", 0, a[1:], 3), ProposeItem("b", 0, b[1:], 1), ProposeItem("c", 0, b[1:], 0)],
+        torch.cat([ha, hb, hb]),
+    )
+    alone_a = fresh(mtp).propose([ProposeItem("a", 0, a[1:], 3)], ha).drafts[0]
+    alone_b = fresh(mtp).propose([ProposeItem("b", 0, b[1:], 1)], hb).drafts[0]
+    assert batched.drafts == [alone_a, alone_b, []]
+
+
+def test_missing_history_restarts_the_request_instead_of_failing(models):
+    target, mtp = models
+    tokens = PROMPT + [20]
+    hidden = target_hidden(target, tokens)
+    runner = fresh(mtp)
+    out = runner.propose([ProposeItem("late", 5, tokens[6:8], 2)], hidden[5:7])
+    assert len(out.drafts[0]) == 2 and runner.kv_cache.num_tokens("late") == 2 + 1
+    runner.free(["late"])
+    assert runner.kv_cache.num_free_blocks == runner.kv_cache.num_blocks

@@ -1,0 +1,116 @@
+"""Client-facing API: health and reflection on every service, model info, abort, cancel, deadlines."""
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specsplit import AsyncClient, Client, SpecsplitError
+
+
+@pytest.mark.parametrize(
+    "role, service",
+    [
+        ("coordinator", "specsplit.v1.Coordinator"),
+        ("verifier", "specsplit.v1.Verifier"),
+        ("drafter", "specsplit.v1.Drafter"),
+    ],
+)
+def test_every_service_serves_health_and_reflection(cluster, role, service):
+    with grpc.insecure_channel(cluster.services[role].address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", service):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (resp,) = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {service, "grpc.health.v1.Health"} <= names
+
+
+def test_model_info(cluster):
+    with Client(cluster.address, timeout=10) as client:
+        info = client.model_info()
+    assert info.architecture == "LlamaForCausalLM" and info.vocab_size > 0
+    assert info.num_speculative_tokens == 3 and info.max_model_len > 0
+
+
+def _wait_idle(client: Client, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, pb = client.server_stats()
+        if pb.num_running == 0 and pb.num_waiting == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running: {pb}")
+
+
+def test_abort_by_id_ends_the_stream_with_abort(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        reasons = []
+        for delta in client.stream(prompt_token_ids=[4, 5], max_tokens=400, ignore_eos=True, request_id="to-abort"):
+            if delta.token_ids and not reasons:
+                reasons.append("started")
+                assert client.abort("to-abort")
+            if delta.finish_reason:
+                reasons.append(delta.finish_reason)
+        assert reasons == ["started", "abort"]
+        assert not client.abort("to-abort")
+        _wait_idle(client)
+
+
+def test_cancelling_the_stream_aborts_the_request(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        stream = client.stream(prompt_token_ids=[4, 5], max_tokens=400, ignore_eos=True)
+        next(stream)
+        stream.close()  # cancels the RPC
+        _wait_idle(client)
+
+
+def test_deadline_is_honoured_and_the_request_aborted(cluster):
+    with Client(cluster.address) as client:
+        with pytest.raises(SpecsplitError) as err:
+            client.generate(prompt_token_ids=[4, 5], max_tokens=5000, ignore_eos=True, timeout=0.5)
+        assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_idle(client)
+
+
+def test_async_client_mirrors_the_blocking_one(cluster):
+    import asyncio
+
+    async def main():
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            outs = await asyncio.gather(*[client.generate(prompt_token_ids=[9, i], max_tokens=6) for i in range(3)])
+            return outs
+
+    outs = asyncio.run(main())
+    with Client(cluster.address, timeout=60) as client:
+        for i, out in enumerate(outs):
+            assert out.token_ids == client.generate(prompt_token_ids=[9, i], max_tokens=6).token_ids
+
+
+def test_server_stats_aggregate_requests(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        before, pb0 = client.server_stats()
+        out = client.generate(prompt_token_ids=[3, 3, 3], max_tokens=10, ignore_eos=True)
+        after, pb1 = client.server_stats()
+    assert pb1.num_finished_requests == pb0.num_finished_requests + 1
+    assert after.num_draft_tokens - before.num_draft_tokens == out.stats.num_draft_tokens
+
+
+def test_concurrent_threads_share_one_client(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        outs = [None] * 4
+
+        def run(i):
+            outs[i] = client.generate(prompt_token_ids=[i + 3], max_tokens=5, ignore_eos=True)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert all(o is not None and len(o.token_ids) == 5 for o in outs)

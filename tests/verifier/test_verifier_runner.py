@@ -1,0 +1,118 @@
+"""Verifier runner in process: drafts equal to the target's greedy continuation are all accepted,
+a wrong draft is rejected at its position and replaced by the target's token, and the KV cache is
+rolled back so later steps equal plain decoding."""
+
+import pytest
+import torch
+
+from models.loader import load_target
+from models.tiny import write_tiny_checkpoint
+from protos import common_pb2, verifier_pb2
+from specsplit.errors import FailedPrecondition, InvalidArgument
+from verifier.input_batch import build_input_batch
+from verifier.runner import VerifierRunner
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("v") / "m", architecture="qwen3", seed=3)
+    model = load_target(ckpt)
+    return VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+
+
+def step(runner, reqs, it=1):
+    msg = verifier_pb2.VerifyRequest(iteration=it)
+    for rid, nc, tokens, d, sample in reqs:
+        msg.requests.add(
+            request_id=rid,
+            num_computed_tokens=nc,
+            token_ids=tokens,
+            num_draft_tokens=d,
+            sample=sample,
+            next_token_id=tokens[0] if not sample else 0,
+            sampling=common_pb2.SamplingParams(top_p=1.0),
+            num_spec_tokens=2,
+        )
+    batch = build_input_batch(
+        msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
+    )
+    return runner.step(batch)
+
+
+def greedy(runner, rid, n):
+    """Plain decoding (no drafts) for n tokens."""
+    out = step(runner, [(rid, 0, PROMPT, 0, True)]).sampled_token_ids[0]
+    while len(out) < n:
+        nc = len(PROMPT) + len(out) - 1
+        out += step(runner, [(rid, nc, [out[-1]], 0, True)]).sampled_token_ids[0]
+    runner.free([rid])
+    return out
+
+
+def test_oracle_drafts_are_all_accepted_and_wrong_draft_rejected_at_its_position(runner):
+    ref = greedy(runner, "plain", 8)
+    first = step(runner, [("a", 0, PROMPT, 0, True)])
+    assert first.sampled_token_ids[0] == ref[:1]
+    nc = len(PROMPT)
+    # all 3 drafts correct → 3 accepted + bonus
+    out = step(runner, [("a", nc, [ref[0], *ref[1:4]], 3, True)])
+    assert out.sampled_token_ids[0] == ref[1:5] and out.num_rejected[0] == 0
+    # hidden states of the 4 valid positions go to the drafter, paired with the sampled tokens
+    assert out.start_positions[0] == nc and out.next_token_ids[0] == ref[1:5]
+    assert out.hidden_states.shape[0] == 4
+    nc += 4
+    # draft 2 wrong: accepted 1, recovered = target's token, 2 rejected
+    bad = [ref[5], (ref[6] + 1) % 300, 1]
+    out = step(runner, [("a", nc, [ref[4], *bad], 3, True)])
+    assert out.sampled_token_ids[0] == ref[5:7] and out.num_rejected[0] == 2
+    nc += 4 - 2
+    out = step(runner, [("a", nc, [ref[6]], 0, True)])  # KV rolled back: plain decode continues right
+    assert out.sampled_token_ids[0] == ref[7:8]
+    runner.free(["a"])
+
+
+def test_prefill_chunks_send_every_position_to_the_drafter(runner):
+    out = step(runner, [("c", 0, PROMPT[:4], 0, False)])
+    assert out.sampled_token_ids[0] == [] and out.next_token_ids[0] == PROMPT[1:4] + [PROMPT[0]]
+    out2 = step(runner, [("c", 4, PROMPT[4:], 0, True)])
+    assert out2.start_positions[0] == 4 and out2.next_token_ids[0][:1] == PROMPT[5:6]
+    assert out2.hidden_states.shape[0] == 2
+    runner.free(["c"])
+
+
+def test_ragged_batch_equals_each_request_alone(runner):
+    ref = greedy(runner, "plain", 4)
+    out = step(runner, [("x", 0, PROMPT, 0, True), ("y", 0, PROMPT[:3], 0, False)])
+    assert out.sampled_token_ids[0] == ref[:1]
+    out = step(runner, [("y", 3, PROMPT[3:], 0, True), ("x", 6, [ref[0], ref[1], ref[2]], 2, True)])
+    assert out.sampled_token_ids[0] == ref[:1] and out.sampled_token_ids[1] == ref[1:4]
+    runner.free(["x", "y"])
+
+
+def test_unknown_request_with_computed_tokens_is_failed_precondition(runner):
+    with pytest.raises(FailedPrecondition, match="re-prefill"):
+        step(runner, [("ghost", 10, [1], 0, True)])
+
+
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (("a", 0, [], 0, True), "no token_ids"),
+        (("a", -1, [1], 0, True), "negative"),
+        (("a", 0, [1, 2], 2, True), "num_draft_tokens 2 not in"),
+        (("a", 0, [1, 2], 1, False), "drafts in a prefill chunk"),
+        (("a", 0, [10**6], 0, True), "outside the vocabulary"),
+    ],
+)
+def test_bad_verify_request_is_invalid_argument(runner, req, message):
+    with pytest.raises(InvalidArgument, match=message):
+        step(runner, [req])
+
+
+def test_hidden_states_are_float_rows_of_hidden_size(runner):
+    out = step(runner, [("h", 0, PROMPT, 0, True)])
+    assert out.hidden_states.dtype == torch.float32
+    assert out.hidden_states.shape == (len(PROMPT), runner.model.config.hidden_size)
+    runner.free(["h"])

@@ -1,0 +1,102 @@
+"""The verifier's model runner: roll back, target forward, rejection sampling, hidden states out.
+
+One `step()` is one iteration for a batch. After it, each request's KV cache holds
+`num_computed_tokens + len(token_ids)` tokens; the rejected tail is rolled back at the start of
+the request's next step (the coordinator sends the new `num_computed_tokens`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.rejection import rejection_sample
+from models.kv_cache import KVCacheFull, PagedKVCache
+from models.target import TargetModel
+from specsplit.errors import ResourceExhausted
+from verifier.input_batch import InputBatch
+
+
+@dataclass
+class StepOutput:
+    sampled_token_ids: list[list[int]]  # per request; empty for a non-final prefill chunk
+    num_rejected: list[int]  # per request
+    # What the drafter needs, per request: the first hidden-state row's position and the token
+    # that follows each row; rows of all requests concatenated in `hidden_states`.
+    start_positions: list[int]
+    next_token_ids: list[list[int]]
+    hidden_states: torch.Tensor  # [num_rows, hidden_size]
+    prepare_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+
+
+class VerifierRunner:
+    def __init__(self, model: TargetModel, kv_cache: PagedKVCache, sampler_backend: str = "auto"):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler_backend = sampler_backend
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.kv_cache.free(rid)
+
+    @torch.inference_mode()
+    def step(self, batch: InputBatch) -> StepOutput:
+        t0 = time.perf_counter_ns()
+        cache = self.kv_cache
+        for rid, nc in zip(batch.req_ids, batch.num_computed_tokens):
+            if cache.has(rid):
+                cache.truncate(rid, nc)
+        try:
+            attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens)
+        except KVCacheFull as err:
+            raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
+        t1 = time.perf_counter_ns()
+        hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
+        t2 = time.perf_counter_ns()
+        out = rejection_sample(
+            logits,
+            batch.draft_token_ids,
+            batch.cu_num_draft,
+            batch.temperature,
+            batch.top_k,
+            batch.top_p,
+            batch.seeds,
+            batch.first_logits_positions,
+            backend=self.sampler_backend,
+        )
+        sampled = out.sampled.tolist()
+        num_sampled = out.num_sampled.tolist()
+        t3 = time.perf_counter_ns()
+
+        sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        num_rejected = [0] * batch.num_reqs
+        for j, i in enumerate(batch.sampling_indices):
+            sampled_ids[i] = sampled[j][: num_sampled[j]]
+            num_rejected[i] = batch.num_draft_tokens_per_req[j] + 1 - num_sampled[j]
+        rows, start_positions, next_ids = [], [], []
+        for i in range(batch.num_reqs):
+            n, tokens, qs = batch.num_new_tokens[i], batch.token_ids[i], batch.query_start[i]
+            if batch.sample[i]:
+                # Prompt rows (if any), then the rows of the last token and accepted drafts.
+                follow = tokens[1 : n - batch.num_draft_tokens[i]] + sampled_ids[i]
+            else:
+                follow = tokens[1:] + [batch.next_token_ids[i]]
+            rows.extend(range(qs, qs + len(follow)))
+            start_positions.append(batch.num_computed_tokens[i])
+            next_ids.append(follow)
+        hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+        return StepOutput(
+            sampled_ids,
+            num_rejected,
+            start_positions,
+            next_ids,
+            hidden_rows,
+            prepare_ns=t1 - t0,
+            forward_ns=t2 - t1,
+            sample_ns=t3 - t2,
+        )
