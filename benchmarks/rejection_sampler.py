@@ -1,0 +1,162 @@
+"""Rejection sampler speed on one GPU: our Triton kernels vs the torch reference (and vLLM's).
+
+    python benchmarks/rejection_sampler.py --out runs/rejection_sampler.json \
+        [--vllm-src DIR] [--quick]
+
+For every vocab in {32000, 151936}, batch in {1, 8, 64, 256}, drafts per request k in {1, 3, 5} and
+mode in {greedy, one_hot, dense, sparse} it times one verification step (median of
+``triton.testing.do_bench``) and reports the effective bandwidth: the bytes one read of the inputs
+takes (all logits rows, plus q for dense / sparse) over the time, against the H200's 4.8 TB/s.
+(The kernels read a rejected dense / sparse stop row twice, so actual traffic is a little higher.)
+
+Drafts are the target's argmax: greedy rows accept all, random rows accept with p(argmax). top-k /
+top-p are off and passed as None and ``max_num_draft`` is given, so our Triton path makes no host
+sync (as inside a CUDA graph). Sparse q keeps the top 16 ids (the last one swapped for the draft
+when missing).
+
+``--vllm-src DIR``: an unpacked vllm source tree (``pip download vllm==0.26.0 --no-deps
+--only-binary :all:``, then unzip the wheel). Adds vLLM's V1 and V2 Triton rejection samplers, see
+``benchmarks/vllm_rejection_samplers.py`` for what their timings include. vLLM takes dense q only,
+so its sparse rows are fed the densified q. A sampler whose file is missing or whose API differs is
+reported and skipped.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+import vllm_rejection_samplers  # benchmarks/ is on sys.path when this file is run as a script
+
+from kernels import SparseDraftProbs, rejection_sample
+
+PEAK_BYTES_PER_S = 4.8e12
+MODES = ("greedy", "one_hot", "dense", "sparse")
+SPARSE_K = 16
+
+
+def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str) -> dict:
+    gen = torch.Generator(device=device).manual_seed(vocab_size + batch * 10 + k)
+    num_logits = batch * (k + 1)
+    logits = torch.randn(num_logits, vocab_size, device=device, generator=gen) * 3
+    draft_rows = torch.arange(num_logits, device=device).view(batch, k + 1)[:, :k].reshape(-1)
+    inputs = dict(
+        target_logits=logits,
+        draft_token_ids=logits[draft_rows].argmax(-1),
+        cu_num_draft=torch.arange(batch + 1, device=device, dtype=torch.int32) * k,
+        temperature=torch.full((batch,), 0.0 if mode == "greedy" else 0.8, device=device),
+        top_k=None,
+        top_p=None,
+        seeds=torch.arange(batch, device=device, dtype=torch.int64),
+        positions=torch.full((batch,), 1000, device=device, dtype=torch.int64),
+        max_num_draft=k,
+    )
+    if mode in ("dense", "sparse"):
+        q = (torch.randn(batch * k, vocab_size, device=device, generator=gen) * 3).softmax(-1)
+        if mode == "sparse":
+            ids = q.topk(SPARSE_K, dim=-1).indices
+            drafts = inputs["draft_token_ids"]
+            missing = ~(ids == drafts[:, None]).any(-1)
+            ids[missing, -1] = drafts[missing]  # the draft was sampled from q: it is in its support
+            probs = q.gather(1, ids)
+            q = SparseDraftProbs(ids, probs / probs.sum(-1, keepdim=True))
+        inputs["draft_probs"] = q
+    return inputs
+
+
+def input_bytes(inputs: dict) -> int:
+    n = inputs["target_logits"].numel() * inputs["target_logits"].element_size()
+    q = inputs.get("draft_probs")
+    if isinstance(q, torch.Tensor):
+        n += q.numel() * q.element_size()
+    elif isinstance(q, SparseDraftProbs):
+        n += q.ids.numel() * q.ids.element_size() + q.probs.numel() * q.probs.element_size()
+    return n
+
+
+def median_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def measure(vocab_size: int, batch: int, k: int, mode: str, vllm_samplers: dict) -> dict:
+    inputs = make_inputs(vocab_size, batch, k, mode, "cuda")
+    row = dict(vocab=vocab_size, batch=batch, k=k, mode=mode, bytes=input_bytes(inputs))
+    row["triton_us"] = median_us(lambda: rejection_sample(**inputs, backend="triton"))
+    row["reference_us"] = median_us(lambda: rejection_sample(**inputs, backend="reference"))
+    row["effective_gbps"] = row["bytes"] / (row["triton_us"] * 1e-6) / 1e9
+    row["fraction_of_peak"] = row["effective_gbps"] * 1e9 / PEAK_BYTES_PER_S
+    row["mean_num_sampled"] = rejection_sample(**inputs, backend="triton").num_sampled.float().mean().item()
+    for name, builder in vllm_samplers.items():
+        row[f"vllm_{name}_us"] = None
+        if callable(builder):
+            try:
+                row[f"vllm_{name}_us"] = median_us(builder(inputs, batch, k, mode))
+            except Exception as err:  # report and keep going
+                row[f"vllm_{name}_error"] = repr(err)[:300]
+    return row
+
+
+def markdown(rows: list[dict], vllm_names: list[str]) -> list[str]:
+    columns = ["vocab", "batch", "k", "mode", "triton µs", "reference µs", "vs reference"]
+    columns += [f"vLLM {n} µs" for n in vllm_names] + [f"vs vLLM {n}" for n in vllm_names]
+    lines = ["| " + " | ".join(columns + ["GB/s", "% of 4.8 TB/s"]) + " |", "|---" * (len(columns) + 2) + "|"]
+    for r in rows:
+        cells = [r["vocab"], r["batch"], r["k"], r["mode"], f"{r['triton_us']:.1f}", f"{r['reference_us']:.1f}"]
+        cells.append(f"{r['reference_us'] / r['triton_us']:.1f}x")
+        vllm = [r.get(f"vllm_{n}_us") for n in vllm_names]
+        cells += [f"{t:.1f}" if t else "-" for t in vllm] + [f"{t / r['triton_us']:.2f}x" if t else "-" for t in vllm]
+        cells += [f"{r['effective_gbps']:.0f}", f"{100 * r['fraction_of_peak']:.1f}%"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
+    parser.add_argument("--vllm-src", type=Path, help="unpacked vllm source tree to compare against")
+    parser.add_argument("--quick", action="store_true", help="vocab 151936, batch {1, 64}, k 3 only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+
+    vllm_samplers = vllm_rejection_samplers.load(args.vllm_src) if args.vllm_src else {}
+    vllm_status = {n: "ok" if callable(b) else b for n, b in vllm_samplers.items()}
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"vLLM samplers: {vllm_status or 'not requested'}\n")
+    vllm_names = [n for n, b in vllm_samplers.items() if callable(b)]
+    if args.quick:
+        vocabs, batches, ks = (151936,), (1, 64), (3,)
+    else:
+        vocabs, batches, ks = (32000, 151936), (1, 8, 64, 256), (1, 3, 5)
+
+    rows = []
+    print("\n".join(markdown([], vllm_names)))
+    for vocab_size in vocabs:
+        for batch in batches:
+            for k in ks:
+                for mode in MODES:
+                    rows.append(measure(vocab_size, batch, k, mode, vllm_samplers))
+                    print(markdown(rows[-1:], vllm_names)[-1], flush=True)
+                    torch.cuda.empty_cache()
+
+    summary = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        vllm=vllm_status,
+        median_speedup_vs_reference=statistics.median(r["reference_us"] / r["triton_us"] for r in rows),
+    )
+    for name in vllm_names:
+        ratios = [r[f"vllm_{name}_us"] / r["triton_us"] for r in rows if r.get(f"vllm_{name}_us")]
+        summary[f"median_speedup_vs_vllm_{name}"] = statistics.median(ratios) if ratios else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(summary=summary, results=rows), indent=2))
+    print(f"\n{json.dumps(summary)}\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
