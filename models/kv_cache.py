@@ -7,6 +7,8 @@ K/V left in a kept block is overwritten by the next `prepare_step`, never read, 
 reads only cache indices below `seq_len`.
 
 The cache owns the block accounting of its own requests; RoPE positions are the caller's business.
+`PagedBlocks` is that accounting; `PagedKVCache` adds per-head K and V, and DeepSeek-V3's
+`models.deepseek_v3.latent_cache.LatentKVCache` one MLA latent per token instead.
 """
 
 from __future__ import annotations
@@ -52,25 +54,16 @@ class _RequestBlocks:
     num_tokens: int = 0
 
 
-class PagedKVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        if num_layers < 1 or num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"num_layers, num_blocks and block_size must be >= 1, got {num_layers}, {num_blocks}, {block_size}"
-            )
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+class PagedBlocks:
+    """The block accounting every paged cache shares: per-request block tables over a pool of
+    `num_blocks` blocks of `block_size` tokens, rollback, and the metadata of a step.
+
+    Subclasses own the cache tensors (indexed by slot) and say on which `device` they live.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
@@ -78,7 +71,7 @@ class PagedKVCache:
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        raise NotImplementedError
 
     @property
     def num_free_blocks(self) -> int:
@@ -186,3 +179,31 @@ class PagedKVCache:
             raise ValueError(f"duplicate request ids in one step: {req_ids}")
         if any(n < 1 for n in num_new_tokens):
             raise ValueError(f"every request needs >= 1 new token, got {num_new_tokens}")
+
+
+class PagedKVCache(PagedBlocks):
+    """Full K and V per layer and KV head (Llama-style attention)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_layers < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_layers, num_blocks and block_size must be >= 1, got {num_layers}, {num_blocks}, {block_size}"
+            )
+        super().__init__(num_blocks, block_size)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device

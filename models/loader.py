@@ -16,17 +16,26 @@ import transformers
 from torch import nn
 
 from models.config import ModelConfig
+from models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target, is_deepseek_v3_checkpoint
 from models.mtp import MTPModule
 from models.target import TargetModel
 
 
+def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
+    """The configuration of a checkpoint, as the record of its model family."""
+    path = _checkpoint_dir(path)
+    if is_deepseek_v3_checkpoint(path):
+        return DeepseekV3Config.from_pretrained(path)
+    return ModelConfig.from_pretrained(path)
+
+
 def load_target(
     path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> TargetModel:
+) -> TargetModel | DeepseekV3Target:
     path = _checkpoint_dir(path)
-    config = ModelConfig.from_pretrained(path)
+    config = load_config(path)
     with torch.device("meta"):
-        model = TargetModel(config)
+        model = DeepseekV3Target(config) if isinstance(config, DeepseekV3Config) else TargetModel(config)
     tied = config.tie_word_embeddings
 
     def candidates(name: str) -> list[str]:
@@ -38,17 +47,17 @@ def load_target(
 
 def load_mtp(
     path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> MTPModule:
+) -> MTPModule | DeepseekV3MTP:
     """MTP layer 0 plus the shared embedding and LM head (see `models.mtp_layout` for the names)."""
     path = _checkpoint_dir(path)
-    config = ModelConfig.from_pretrained(path)
+    config = load_config(path)
     if not config.has_mtp:
         raise ValueError(
             f"checkpoint {str(path)!r} has no MTP weights (num_nextn_predict_layers is 0 or missing "
             "in config.json); it cannot serve as a drafter"
         )
     with torch.device("meta"):
-        model = MTPModule(config)
+        model = DeepseekV3MTP(config) if isinstance(config, DeepseekV3Config) else MTPModule(config)
     _load(model, path, lambda name: model.layout.checkpoint_candidates(config, name), dtype=dtype, device=device)
     return model.eval()
 
@@ -90,7 +99,8 @@ def _load(
     device: torch.device | str,
 ) -> None:
     """Fills every parameter of a meta-device `model`; parameters sharing one checkpoint tensor
-    (tied embeddings / heads) end up as one tensor."""
+    (tied embeddings / heads) end up as one tensor. A module may name parameters that stay float32
+    whatever `dtype` (`keep_in_float32`, e.g. the DeepSeek-V3 router)."""
     index = _tensor_index(path)
     expected = dict(model.named_parameters(remove_duplicate=False))
     chosen: dict[str, str] = {}  # parameter name → checkpoint tensor name
@@ -121,9 +131,15 @@ def _load(
     for file, tensors in by_file.items():
         with safetensors.safe_open(str(file), framework="pt") as f:
             for tensor_name, param_names in tensors.items():
-                param = nn.Parameter(f.get_tensor(tensor_name).to(device=device, dtype=dtype), requires_grad=False)
+                tensor = f.get_tensor(tensor_name).to(device=device, dtype=_param_dtype(model, param_names[0], dtype))
+                param = nn.Parameter(tensor, requires_grad=False)
                 for param_name in param_names:  # one Parameter for tied names
                     _set_parameter(model, param_name, param)
+
+
+def _param_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    module_name, _, leaf = name.rpartition(".")
+    return torch.float32 if leaf in getattr(model.get_submodule(module_name), "keep_in_float32", ()) else dtype
 
 
 def _set_parameter(model: nn.Module, name: str, value: nn.Parameter) -> None:
