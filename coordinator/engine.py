@@ -11,16 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from coordinator import observability as obs
 from coordinator import wire
+from coordinator.acceptance import AcceptanceMonitor
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.request import Request, RequestStats
 from coordinator.scheduler import Scheduler, SchedulerOutput
 from protos import verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
+from specsplit.telemetry import outgoing_metadata
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,10 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._failing_since: float | None = None
         self._num_failures = 0
+        self._previous_iteration: trace.SpanContext | None = None
+        self.coordinator_id = uuid.uuid4().hex
+        self.acceptance = AcceptanceMonitor()
+        obs.observe_queue(scheduler)
 
     # ---- public API used by the servicer ---------------------------------------------------------
     def add_request(self, request: Request) -> asyncio.Queue[RequestOutput]:
@@ -104,26 +114,42 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            t_schedule = time.time_ns()
             output = self.scheduler.schedule()
+            t_scheduled = time.time_ns()
             if not output.scheduled and not output.finished_request_ids:
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
                 continue
+            span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
+            self._previous_iteration = span.get_span_context()
             try:
-                response = await self.verifier.Verify(wire.verify_request(output), timeout=self.verify_timeout_s)
+                with trace.use_span(span, end_on_exit=True):
+                    obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
+                    await self._iteration(output, span)
             except grpc.RpcError as err:
                 await self._on_verify_error(output, err)
-                continue
-            except asyncio.CancelledError:
-                raise
-            self._failing_since = None
-            self._num_failures = 0
-            self.num_iterations += 1
+            finally:
+                obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
+
+    async def _iteration(self, output: SchedulerOutput, span: trace.Span) -> None:
+        with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
+            response = await self.verifier.Verify(
+                wire.verify_request(output, self.coordinator_id),
+                timeout=self.verify_timeout_s,
+                metadata=outgoing_metadata(),
+            )
+        self._failing_since = None
+        self._num_failures = 0
+        self.num_iterations += 1
+        with obs.tracer.start_as_current_span("post_step"):
+            results = wire.verify_results(response)
             try:
-                updates = self.scheduler.update_from_output(output, wire.verify_results(response))
+                updates = self.scheduler.update_from_output(output, results)
             except SpecsplitError as err:
                 log.error("bad verifier response: %s; re-prefilling", err)
                 self.scheduler.reset_all()
-                continue
+                return
+            self.acceptance.record(*obs.record_verify(span, output, results, response))
             for update in updates:
                 self._emit(update.request, update.new_token_ids, update.finished)
 
@@ -133,6 +159,7 @@ class Engine:
             return
         if request.first_token_time is None and new_token_ids:
             request.first_token_time = time.monotonic()
+            obs.record_first_token(request)
         text = stream.detokenizer.add_tokens(new_token_ids)
         if stream.detokenizer.stopped and not finished:
             self.scheduler.finish_request(request.request_id, "stop")
@@ -167,17 +194,23 @@ class Engine:
                 self._fail(item.request.request_id, SpecsplitError(f"verifier: {err.details()}", code))
         now = time.monotonic()
         self._failing_since = self._failing_since or now
-        self.scheduler.reset_all()
-        if now - self._failing_since > self.verifier_unavailable_s:
-            for request_id in list(self._streams):
+        self.scheduler.reset_all()  # the iteration's effect is unknown: recompute from held tokens
+        self._num_failures += 1
+        backoff = min(1.0, 0.05 * 2 ** min(self._num_failures, 5))
+        down_for = now - self._failing_since
+        for request_id, stream in list(self._streams.items()):
+            deadline = stream.request.deadline
+            # Give up on a request when its deadline falls before the verifier could answer again,
+            # or when the verifier has been unreachable for verifier_unavailable_s.
+            if down_for > self.verifier_unavailable_s or (deadline is not None and deadline - now < backoff + 0.25):
                 self._fail(
                     request_id,
                     Unavailable(
-                        f"verifier unreachable for {now - self._failing_since:.0f}s ({code.name}: {err.details()})"
+                        f"verifier unreachable for {down_for:.1f}s ({code.name}: {err.details()}); "
+                        "the request was aborted before its deadline"
                     ),
                 )
-        self._num_failures += 1
-        await asyncio.sleep(min(1.0, 0.05 * 2 ** min(self._num_failures, 5)))
+        await asyncio.sleep(backoff)
 
     def _fail(self, request_id: str, error: SpecsplitError) -> None:
         self.scheduler.finish_request(request_id, "error")

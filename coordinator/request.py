@@ -73,6 +73,9 @@ class Request:
     num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step
     num_preemptions: int = 0
     finish_reason: str | None = None
+    span: object | None = None  # the request's OpenTelemetry span (observability.py)
+    admitted_time: float | None = None
+    deadline: float | None = None  # time.monotonic() by which the client wants the answer
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ KV blocks live in the verifier; the coordinator does their accounting here, so i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class ScheduledRequest:
     next_token_id: int  # token after a non-final chunk (for the drafter's pairs); 0 otherwise
     num_spec_tokens: int  # drafts to propose after this step
     draft_probs: object | None = None  # opaque DraftProbs of the drafts, when sampled
+    queue_time_ms: float | None = None  # set on a request's first admission
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -172,6 +174,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.admitted_time is None:
+                request.admitted_time = time.monotonic()
+                item.queue_time_ms = (request.admitted_time - request.arrival_time) * 1e3
             free_blocks -= need
             budget -= len(item.token_ids)
             scheduled.append(item)

@@ -14,7 +14,8 @@ from coordinator.engine import Engine
 from coordinator.scheduler import Scheduler
 from coordinator.servicer import CoordinatorServicer
 from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2_grpc
-from specsplit.grpc_server import ServiceServer, announce, insecure_channel, run_until_signal
+from specsplit.grpc_server import ServiceServer, announce, peer_channel, run_until_signal
+from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
+    p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
 
 
 async def _wait_for_model_info(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> common_pb2.ModelInfo:
@@ -46,10 +48,20 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     servicer = CoordinatorServicer(tokenizer)
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-    server = ServiceServer("coordinator", args.host, args.port, [service])
+    tls = load_tls(args.tls_dir)
+    tokens = load_tokens(args.auth_token_file)
+    server = ServiceServer(
+        "coordinator",
+        args.host,
+        args.port,
+        [service],
+        tls=tls,
+        interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
+        max_message_bytes=args.max_message_mb * 2**20,
+    )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
-    channel = insecure_channel(args.verifier)
+    channel = peer_channel(args.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await _wait_for_model_info(stub, args.startup_timeout)
     k = args.num_speculative_tokens
@@ -78,4 +90,4 @@ async def serve(args: argparse.Namespace) -> None:
         await engine.stop()
         await channel.close()
 
-    await run_until_signal(server, on_stop)
+    await run_until_signal(server, on_stop, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)

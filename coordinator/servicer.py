@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
+from coordinator import observability as obs
 from coordinator import wire
 from coordinator.engine import Engine
 from coordinator.validation import build_request
 from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.errors import SpecsplitError
+from specsplit.telemetry import incoming_context
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         engine = await self._require_engine(context)
         info = self.model_info
+        req = None
         try:
             req = build_request(
                 request,
@@ -41,19 +45,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 max_model_len=info.max_model_len,
                 num_speculative_tokens=info.num_speculative_tokens,
             )
+            remaining = context.time_remaining()
+            if remaining is not None:
+                req.deadline = time.monotonic() + remaining
+            req.span = obs.start_request_span(req, info.model, incoming_context(context.invocation_metadata()))
             queue = engine.add_request(req)
         except SpecsplitError as err:
+            if req is not None:
+                obs.end_request_span(req.span, req, "rejected", err)
             await context.abort(err.code, err.message)
         finished = False
+        reason, error = "abort", None
         num_completion = 0
         try:
             while True:
                 out = await queue.get()
                 if out.error is not None:
                     finished = True
+                    reason, error = "error", out.error
                     await context.abort(out.error.code, out.error.message)
                 if out.finish_reason is not None:
                     finished = True
+                    reason = out.finish_reason
                     yield coordinator_pb2.GenerateResponse(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,
@@ -71,6 +84,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             if not finished:  # cancelled by the client, deadline, or server shutdown
                 engine.abort(req.request_id)
+            obs.end_request_span(req.span, req, reason, error)
 
     async def Abort(self, request, context):
         engine = await self._require_engine(context)

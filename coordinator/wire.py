@@ -7,8 +7,10 @@ from coordinator.scheduler import SchedulerOutput, VerifyResult
 from protos import common_pb2, verifier_pb2
 
 
-def verify_request(output: SchedulerOutput) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest(iteration=output.iteration, finished_request_ids=output.finished_request_ids)
+def verify_request(output: SchedulerOutput, coordinator_id: str) -> verifier_pb2.VerifyRequest:
+    msg = verifier_pb2.VerifyRequest(
+        iteration=output.iteration, finished_request_ids=output.finished_request_ids, coordinator_id=coordinator_id
+    )
     for item in output.scheduled:
         s = item.request.sampling
         pb = msg.requests.add(

@@ -15,10 +15,11 @@ starts afresh at the first new position: drafts may be worse for a while, output
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from drafter.sampling import pick_drafts
 from models.kv_cache import PagedKVCache
 from models.mtp import MTPModule
 
@@ -29,18 +30,31 @@ class ProposeItem:
     start_position: int  # position p of the first hidden-state row
     next_token_ids: list[int]  # x_{p+1} per row
     num_spec_tokens: int
+    temperature: float = 0.0  # > 0: sampled drafts with their sparse q
+    seed: int = 0
 
 
 @dataclass
 class ProposeOutput:
     drafts: list[list[int]]
-    step0_ns: int
-    later_steps_ns: int
+    # Wall-clock stamps (time.time_ns): start, MTP step 0 done, steps 1..k-1 done.
+    stamps_ns: tuple[int, int, int]
+    # Per request, for sampled drafts: q's support and probabilities, [num_drafts, K] each.
+    draft_probs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+    @property
+    def step0_ns(self) -> int:
+        return self.stamps_ns[1] - self.stamps_ns[0]
+
+    @property
+    def later_steps_ns(self) -> int:
+        return self.stamps_ns[2] - self.stamps_ns[1]
 
 
 class DrafterRunner:
-    def __init__(self, mtp: MTPModule, kv_cache: PagedKVCache):
+    def __init__(self, mtp: MTPModule, kv_cache: PagedKVCache, draft_top_k: int = 16):
         self.mtp = mtp
+        self.draft_top_k = draft_top_k
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
         self._first_position: dict[str, int] = {}  # pair position held at cache index 0
@@ -66,8 +80,10 @@ class DrafterRunner:
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem], hidden_states: torch.Tensor) -> ProposeOutput:
         """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order."""
-        t0 = time.perf_counter_ns()
+        t0 = time.time_ns()
         drafts: list[list[int]] = [[] for _ in items]
+        if not items:  # an iteration that only frees finished requests
+            return ProposeOutput(drafts, (t0, t0, t0))
         for item in items:
             self._rollback(item)
         counts = [len(item.next_token_ids) for item in items]
@@ -75,7 +91,8 @@ class DrafterRunner:
         if not self.kv_cache.can_append(ids, counts):
             # Out of MTP cache: drop these requests' MTP state; they continue without drafts.
             self.free(ids)
-            return ProposeOutput(drafts, time.perf_counter_ns() - t0, 0)
+            now = time.time_ns()
+            return ProposeOutput(drafts, (t0, now, now))
         attn = self.kv_cache.prepare_step(ids, counts)
         input_ids = self._tensor([t for item in items for t in item.next_token_ids])
         # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
@@ -85,16 +102,25 @@ class DrafterRunner:
         out = self.mtp(input_ids, hidden_states, positions, self.kv_cache, attn)  # [T, H]
         last_rows = torch.tensor(counts, device=self.device).cumsum(0) - 1
         active = [i for i, item in enumerate(items) if item.num_spec_tokens > 0]
-        t1 = time.perf_counter_ns()
+        t1 = time.time_ns()
         if not active:
-            return ProposeOutput(drafts, t1 - t0, 0)
+            return ProposeOutput(drafts, (t0, t1, t1))
         hidden = out[last_rows[active]]  # [num_active, H]
-        tokens = self.mtp.compute_logits(hidden).argmax(dim=-1)  # [num_active]
+        temps = torch.tensor([it.temperature for it in items], dtype=torch.float32, device=self.device)
+        seeds = torch.tensor([it.seed for it in items], dtype=torch.int64, device=self.device)
         last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
-        for step in range(max(items[i].num_spec_tokens for i in active)):
-            for j, tok in zip(active, tokens.tolist()):
+        q_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in active if temps[i] > 0}
+        num_steps = max(items[i].num_spec_tokens for i in active)
+        for step in range(num_steps):
+            idx = self._tensor(active)
+            pick = pick_drafts(
+                self.mtp.compute_logits(hidden), temps[idx], seeds[idx], self._tensor(last_pos) + 1, self.draft_top_k
+            )
+            for a, (j, tok) in enumerate(zip(active, pick.tokens.tolist())):
                 drafts[j].append(tok)
-            if step + 1 == max(items[i].num_spec_tokens for i in active):
+                if j in q_rows:
+                    q_rows[j].append((pick.q_ids[a], pick.q_probs[a]))
+            if step + 1 == num_steps:
                 break
             keep = [a for a, i in enumerate(active) if items[i].num_spec_tokens > step + 1]
             active = [active[a] for a in keep]
@@ -103,6 +129,8 @@ class DrafterRunner:
                 break
             attn = self.kv_cache.prepare_step(ids, [1] * len(ids))
             last_pos = [last_pos[a] + 1 for a in keep]
-            hidden = self.mtp(tokens[keep], hidden[keep], self._tensor(last_pos), self.kv_cache, attn)
-            tokens = self.mtp.compute_logits(hidden).argmax(dim=-1)
-        return ProposeOutput(drafts, t1 - t0, time.perf_counter_ns() - t1)
+            hidden = self.mtp(pick.tokens[keep], hidden[keep], self._tensor(last_pos), self.kv_cache, attn)
+        probs = [None] * len(items)
+        for j, rows in q_rows.items():
+            probs[j] = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+        return ProposeOutput(drafts, (t0, t1, time.time_ns()), probs)

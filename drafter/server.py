@@ -9,6 +9,7 @@ from pathlib import Path
 
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.grpc_server import ServiceServer, announce, run_until_signal
+from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
+    p.add_argument(
+        "--draft-top-k",
+        type=int,
+        default=16,
+        help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -29,7 +36,15 @@ async def serve(args: argparse.Namespace) -> None:
     from models.loader import load_mtp
 
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-    server = ServiceServer("drafter", args.host, args.port, [service])
+    server = ServiceServer(
+        "drafter",
+        args.host,
+        args.port,
+        [service],
+        tls=load_tls(args.tls_dir),
+        require_client_cert=True,
+        max_message_bytes=args.max_message_mb * 2**20,
+    )
     servicer = DrafterServicer()
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
     await server.start()  # health says NOT_SERVING until the weights are loaded
@@ -48,8 +63,8 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         hidden_size=config.hidden_size,
     )
-    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size)), info)
+    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k), info)
     await server.mark_serving()
     announce("drafter", server.address)
     log.info("serving MTP of %s on %s", args.model, args.device)
-    await run_until_signal(server)
+    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import grpc
+import torch
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem
-from models.wire import tensor_from_proto
+from models.wire import tensor_from_proto, tensor_to_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.errors import InvalidArgument, SpecsplitError
+from specsplit.telemetry import incoming_context
+
+tracer = trace.get_tracer("specsplit.drafter")
+meter = metrics.get_meter("specsplit.drafter")
+propose_latency = meter.create_histogram(
+    "specsplit.drafter.propose_latency", unit="s", description="Propose handling time, queueing included"
+)
 
 
 def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
@@ -25,9 +36,23 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
             raise InvalidArgument(f"request {r.request_id!r}: no next_token_ids (no hidden-state rows)")
         if any(not 0 <= t < vocab_size for t in r.next_token_ids):
             raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
+        if not 0 <= r.num_rejected <= 64:
+            raise InvalidArgument(f"request {r.request_id!r}: num_rejected {r.num_rejected} not in [0, 64]")
         if not 0 <= r.num_spec_tokens <= 64:
             raise InvalidArgument(f"request {r.request_id!r}: num_spec_tokens {r.num_spec_tokens} not in [0, 64]")
-        items.append(ProposeItem(r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens))
+        temperature = r.sampling.temperature
+        if not (temperature >= 0 and temperature <= 1e4):
+            raise InvalidArgument(f"request {r.request_id!r}: temperature {temperature} not in [0, 1e4]")
+        items.append(
+            ProposeItem(
+                r.request_id,
+                r.start_position,
+                list(r.next_token_ids),
+                r.num_spec_tokens,
+                temperature,
+                r.sampling.seed & (2**63 - 1),
+            )
+        )
     return items
 
 
@@ -39,6 +64,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.model_info: common_pb2.ModelInfo | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-step")
         self._lock = asyncio.Lock()
+        self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
+
+        def queue_depth(_options):
+            yield metrics.Observation(self._queued)
+
+        meter.create_observable_gauge(
+            "specsplit.drafter.queue_depth", [queue_depth], description="Propose calls waiting or running"
+        )
 
     def ready(self, runner: DrafterRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -63,14 +96,33 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Propose(self, request, context):
         await self._require_ready(context)
         loop = asyncio.get_running_loop()
-        async with self._lock:
+        t_arrival = time.time_ns()
+        attrs = {
+            "specsplit.iteration": request.iteration,
+            "specsplit.batch_size": len(request.requests),
+            "specsplit.hidden_state_bytes": len(request.hidden_states.data),
+        }
+        parent = incoming_context(context.invocation_metadata())
+        with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
+            self._queued += 1
             try:
-                out = await loop.run_in_executor(self._executor, self._propose, request)
+                async with self._lock:
+                    out = await loop.run_in_executor(self._executor, self._propose, request)
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
+            finally:
+                self._queued -= 1
+            t0, t1, t2 = out.stamps_ns
+            tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
+            if t2 > t1:
+                tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
+        propose_latency.record((time.time_ns() - t_arrival) / 1e9)
         response = drafter_pb2.ProposeResponse(step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns)
-        for r, drafts in zip(request.requests, out.drafts):
-            response.drafts.add(request_id=r.request_id, token_ids=drafts)
+        for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
+            d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
+            if probs is not None:
+                d.draft_probs.token_ids.CopyFrom(tensor_to_proto(probs[0].to(torch.int32).cpu()))
+                d.draft_probs.probs.CopyFrom(tensor_to_proto(probs[1].to(torch.float32).cpu()))
         return response
 
     async def Free(self, request, context):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import signal
 import sys
 import time
@@ -14,16 +16,21 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "checkpoints" / "de
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from specsplit import telemetry
     from specsplit.grpc_server import setup_logging
 
     setup_logging(args.role, args.log_level)
+    telemetry.setup(args.role, metrics_port=args.metrics_port)
     if args.role == "coordinator":
         from coordinator.server import serve
     elif args.role == "verifier":
         from verifier.server import serve
     else:
         from drafter.server import serve
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    finally:
+        telemetry.shutdown()
     return 0
 
 
@@ -71,45 +78,60 @@ def _print_stats(result, out) -> None:
     )
 
 
+def _start_local(args: argparse.Namespace):
+    """Starts the three services for `generate --local`; the demo traces to local span files."""
+    from specsplit.launcher import LocalCluster
+
+    log_dir = Path(args.log_dir) if args.log_dir else Path(".specsplit-logs")
+    env = {}
+    if not any(k.startswith("OTEL_") for k in os.environ):
+        trace_dir = (log_dir / "traces").resolve()
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        env = {"SPECSPLIT_TRACE_DIR": str(trace_dir)}
+        os.environ.update(env)  # this process (the client) traces too
+    cluster = LocalCluster(
+        args.model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        log_dir=log_dir,
+        env=env,
+    )
+    t0 = time.monotonic()
+    cluster.start(timeout_s=args.startup_timeout)
+    if not args.json:
+        print(
+            f"[three services up in {time.monotonic() - t0:.1f}s: coordinator {cluster.address}, "
+            f"verifier {cluster.services['verifier'].address}, drafter {cluster.services['drafter'].address}; "
+            f"logs in {log_dir}/]",
+            file=sys.stderr,
+        )
+    return cluster, env.get("SPECSPLIT_TRACE_DIR")
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from opentelemetry import trace
+
+    from specsplit import telemetry
     from specsplit.client import Client, GenerationResult, SpecStats
     from specsplit.errors import SpecsplitError
 
-    cluster = None
-    address = args.address
-    if args.local:
-        from specsplit.launcher import LocalCluster
-
-        log_dir = Path(args.log_dir) if args.log_dir else Path(".specsplit-logs")
-        cluster = LocalCluster(
-            args.model,
-            num_speculative_tokens=args.num_speculative_tokens,
-            device=args.device,
-            dtype=args.dtype,
-            log_dir=log_dir,
-        )
-        t0 = time.monotonic()
-        cluster.start(timeout_s=args.startup_timeout)
-        address = cluster.address
-        if not args.json:
-            print(
-                f"[three services up in {time.monotonic() - t0:.1f}s: coordinator {address}, "
-                f"verifier {cluster.services['verifier'].address}, "
-                f"drafter {cluster.services['drafter'].address}; logs in {log_dir}/]",
-                file=sys.stderr,
-            )
+    cluster, trace_dir = _start_local(args) if args.local else (None, None)
+    address = cluster.address if cluster else args.address
+    telemetry.setup("client")
+    tracer = trace.get_tracer("specsplit.client")
+    kwargs = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+    )
+    if args.num_speculative_tokens is not None and not args.local:
+        kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     try:
-        with Client(address) as client:
-            kwargs = dict(
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                stop=args.stop or None,
-            )
-            if args.num_speculative_tokens is not None and not args.local:
-                kwargs["num_speculative_tokens"] = args.num_speculative_tokens
+        with Client(address) as client, tracer.start_as_current_span("client generate"):
             t0 = time.monotonic()
             ids, text, last = [], [], None
             for delta in client.stream(args.prompt, **kwargs):
@@ -120,27 +142,36 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
             elapsed = time.monotonic() - t0
-            result = GenerationResult(
-                last.request_id,
-                ids,
-                "".join(text),
-                last.finish_reason,
-                last.stats or SpecStats(),
-                last.prompt_tokens,
-                last.completion_tokens,
-            )
-            if args.json:
-                print(json.dumps({**result.to_dict(), "elapsed_s": round(elapsed, 3)}))
-            else:
-                _print_stats(result, sys.stdout)
-                print(f"--- {result.completion_tokens / elapsed:.1f} tokens/s", file=sys.stdout)
+        result = GenerationResult(
+            last.request_id,
+            ids,
+            "".join(text),
+            last.finish_reason,
+            last.stats or SpecStats(),
+            last.prompt_tokens,
+            last.completion_tokens,
+        )
+        if args.json:
+            print(json.dumps({**result.to_dict(), "elapsed_s": round(elapsed, 3)}))
+        else:
+            _print_stats(result, sys.stdout)
+            print(f"--- {result.completion_tokens / elapsed:.1f} tokens/s", file=sys.stdout)
     except SpecsplitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         if cluster is not None:
             cluster.stop()
+        telemetry.shutdown()
+    if trace_dir and not args.json:
+        print(f"--- spans in {trace_dir}/ (view: specsplit trace {trace_dir})", file=sys.stderr)
     return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from specsplit.trace_view import main as trace_main
+
+    return trace_main(args.files, args.request, args.output)
 
 
 def _train_demo(argv: list[str]) -> int:
@@ -157,13 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     from coordinator.server import add_arguments as coordinator_args
     from drafter.server import add_arguments as drafter_args
+    from specsplit.grpc_server import add_common_arguments
     from verifier.server import add_arguments as verifier_args
 
     for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
         r = roles.add_parser(role)
-        r.add_argument("--host", default="127.0.0.1")
         r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
-        r.add_argument("--log-level", default="INFO")
+        add_common_arguments(r)
         add(r)
     serve.set_defaults(func=_serve)
 
@@ -196,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.add_argument("prompt")
     gen.set_defaults(func=_generate)
+
+    tr = sub.add_parser("trace", help="draw one request's iterations from span files (SVG) and summarise")
+    tr.add_argument("files", nargs="+", help="span files (*.jsonl) or directories holding them")
+    tr.add_argument("--request", default=None, help="request id (default: the latest request)")
+    tr.add_argument("--output", "-o", default="trace.svg")
+    tr.set_defaults(func=_trace)
 
     sub.add_parser("train-demo", help="train the demo checkpoint (see training/)", add_help=False)
     return p

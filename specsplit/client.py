@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.errors import from_rpc_error
 from specsplit.grpc_server import CHANNEL_OPTIONS
+from specsplit.telemetry import outgoing_metadata
 
 
 @dataclass
@@ -169,11 +171,32 @@ class _Collector:
         )
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+def _credentials(tls_ca: str | bytes | None, token: str | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None:
+        if token is not None:
+            raise ValueError("a bearer token needs TLS (tls_ca): tokens are never sent in plaintext")
+        return None
+    ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+    creds = grpc.ssl_channel_credentials(root_certificates=ca)
+    if token is not None:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return creds
 
-    def __init__(self, address: str, *, timeout: float | None = None):
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call.
+
+    `tls_ca` (a CA file path or PEM bytes) connects over TLS; `token` sends `authorization: Bearer`.
+    """
+
+    def __init__(
+        self, address: str, *, timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None
+    ):
+        creds = _credentials(tls_ca, token)
+        if creds is None:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout = timeout
 
@@ -206,7 +229,7 @@ class Client:
             num_speculative_tokens,
             request_id,
         )
-        call = self._stub.Generate(msg, timeout=timeout or self.timeout)
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
             for pb in call:
                 yield _delta(pb)
@@ -251,10 +274,16 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client mirroring `Client`."""
+    """asyncio client mirroring `Client` (same TLS and token options)."""
 
-    def __init__(self, address: str, *, timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str, *, timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None
+    ):
+        creds = _credentials(tls_ca, token)
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout = timeout
 
@@ -287,7 +316,7 @@ class AsyncClient:
             num_speculative_tokens,
             request_id,
         )
-        call = self._stub.Generate(msg, timeout=timeout or self.timeout)
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
             async for pb in call:
                 yield _delta(pb)

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit.security import TlsFiles
+
 log = logging.getLogger(__name__)
 
 # Hidden states of a large batch exceed gRPC's 4 MiB default; this bounds every message.
@@ -45,23 +47,52 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-class ServiceServer:
-    """A grpc.aio server with health and reflection, bound to host:port (0 = pick a free port)."""
+def peer_channel(address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
+    """A channel to a peer service: mutual TLS when the service has TLS files, else plaintext."""
+    if tls is None:
+        return insecure_channel(address)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
-    def __init__(self, role: str, host: str, port: int, service_names: list[str]):
+
+class ServiceServer:
+    """A grpc.aio server with health and reflection, bound to host:port (0 = pick a free port).
+
+    With `tls`, the port serves TLS and, when `require_client_cert`, mutual TLS (internal services).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        host: str,
+        port: int,
+        service_names: list[str],
+        *,
+        tls: TlsFiles | None = None,
+        require_client_cert: bool = False,
+        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
         self.role = role
-        self.server = grpc.aio.server(options=server_options())
+        self.server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         self._service_names = service_names
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials(require_client_cert))
         if self.port == 0:
             raise OSError(f"{role}: cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
 
     async def start(self) -> None:
+        # Signals are caught from here on, so a SIGTERM during start-up also drains gracefully.
+        self.stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
 
@@ -71,6 +102,9 @@ class ServiceServer:
     async def _set_all(self, status: int) -> None:
         for name in ["", *self._service_names]:
             await self.health.set(name, status)
+
+    async def set_not_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -86,22 +120,50 @@ def announce(role: str, address: str) -> None:
 async def run_until_signal(
     server: ServiceServer,
     on_stop: Callable[[], Awaitable[None]] | None = None,
-    grace_s: float = 10.0,
+    *,
+    grace_s: float = 30.0,
+    delay_s: float = 0.0,
 ) -> None:
-    """Waits for SIGTERM/SIGINT, then: NOT_SERVING, drain for grace_s, run on_stop, return."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    """Waits for SIGTERM/SIGINT, then drains: health NOT_SERVING at once; after delay_s (time for
+    load balancers and probes to notice) no new calls are admitted; in-flight calls get grace_s to
+    finish; then on_stop runs and this returns (the process exits 0)."""
     waiter = asyncio.ensure_future(server.server.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
+    stopper = asyncio.ensure_future(server.stop_requested.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    log.info("%s: stopping (grace %.1fs)", server.role, grace_s)
+    log.info("%s: stopping (delay %.1fs, grace %.1fs)", server.role, delay_s, grace_s)
+    await server.set_not_serving()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
     await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()
     waiter.cancel()
     stopper.cancel()
+
+
+def add_common_arguments(p) -> None:
+    """Flags every service takes: address, logging, metrics, TLS and message size."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--tls-dir",
+        default=None,
+        help="directory with tls.crt, tls.key, ca.crt: TLS to clients, mutual TLS between services",
+    )
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    p.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds between reporting NOT_SERVING and refusing new calls after SIGTERM",
+    )
+    p.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
+        help="largest gRPC message accepted or sent, MiB",
+    )
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:

@@ -56,6 +56,7 @@ class LocalCluster:
         drafter_args: list[str] | None = None,
         coordinator_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        tls_dir: str | Path | None = None,
     ):
         self.model = str(model)
         self.k = num_speculative_tokens
@@ -72,6 +73,7 @@ class LocalCluster:
         }
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.services: dict[str, Service] = {}
+        self.tls_dir = str(tls_dir) if tls_dir else None
 
     @property
     def address(self) -> str:
@@ -97,6 +99,8 @@ class LocalCluster:
             cmd += ["--drafter", peer]
         if role == "coordinator":
             cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
+        if self.tls_dir:
+            cmd += ["--tls-dir", self.tls_dir]
         return cmd + self.extra[role]
 
     def spawn(self, role: str, port: int, peer: str | None = None) -> Service:

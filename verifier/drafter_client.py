@@ -1,21 +1,27 @@
-"""Sends an iteration's hidden states to the drafter and brings back its drafts.
+"""Sends an iteration's hidden states to the drafter replicas and brings back their drafts.
 
-Losing the drafter never changes output: any failure here means "no drafts this iteration",
-and the requests decode plainly until the drafter answers again. Frees that could not be
-delivered are kept and sent with the next successful call.
+The batch is split by the replica that owns each request (`DrafterPool`): one Propose call per
+replica, all concurrent, drafts merged back in batch order. Losing a replica never changes output:
+its requests get no drafts this iteration and are placed on another replica from the next one on;
+with no replica at all, requests decode plainly. Frees go to the replica that owned the request,
+with its next call (or alone, in a Free call, when it has no request this iteration).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from models.wire import tensor_to_proto
-from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specsplit.grpc_server import insecure_channel
+from protos import common_pb2, drafter_pb2
+from specsplit.security import TlsFiles
+from specsplit.telemetry import outgoing_metadata
+from verifier.drafter_pool import DrafterPool, Replica, ReplicaStats, parse_targets
 from verifier.input_batch import InputBatch
 from verifier.runner import StepOutput
 
@@ -29,30 +35,64 @@ class Proposal:
     error: str = ""
     hidden_state_bytes: int = 0
     propose_ns: int = 0
+    draft_probs: list[common_pb2.DraftProbs | None] | None = None  # per request, for sampled drafts
+
+
+@dataclass
+class ProposeBatch:
+    """One iteration's drafter input before it is split by replica."""
+
+    iteration: int
+    items: list[drafter_pb2.ProposeItem]  # per request, batch order
+    row_offsets: list[int]  # [num_reqs + 1]: request i's hidden-state rows are [off[i], off[i+1])
+    hidden_states: torch.Tensor  # [num_rows, hidden_size]
+
+    @property
+    def hidden_state_bytes(self) -> int:
+        return self.hidden_states.numel() * self.hidden_states.element_size()
+
+    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
+        """The Propose call for the requests at `indices` (batch order kept)."""
+        if len(indices) == len(self.items):
+            rows = self.hidden_states
+        else:
+            off = self.row_offsets
+            rows = torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
+        return drafter_pb2.ProposeRequest(
+            iteration=self.iteration,
+            requests=[self.items[i] for i in indices],
+            hidden_states=tensor_to_proto(rows),
+            finished_request_ids=finished,
+        )
 
 
 class DrafterClient:
-    def __init__(self, address: str | None, timeout_s: float = 30.0):
+    """`address`: None (no speculation) or the `--drafter` targets, e.g. `a:50053,dns:///drafter:50053`."""
+
+    def __init__(
+        self,
+        address: str | None,
+        timeout_s: float = 30.0,
+        *,
+        tls: TlsFiles | None = None,
+        pool: DrafterPool | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address) if address else None
-        self._stub = drafter_pb2_grpc.DrafterStub(self._channel) if self._channel else None
-        self._pending_free: list[str] = []
-        self._was_ok = True
+        self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
 
     def free(self, request_ids: list[str]) -> None:
-        self._pending_free.extend(request_ids)
+        self.pool.free(request_ids)
+
+    def stats(self) -> dict[str, ReplicaStats]:
+        return self.pool.stats()
 
     def build_request(
         self, iteration: int, batch: InputBatch, step: StepOutput, sampling: list[common_pb2.SamplingParams]
-    ) -> drafter_pb2.ProposeRequest:
-        msg = drafter_pb2.ProposeRequest(
-            iteration=iteration,
-            hidden_states=tensor_to_proto(step.hidden_states),
-            finished_request_ids=self._pending_free,
-        )
+    ) -> ProposeBatch:
+        items, offsets = [], [0]
         for i, rid in enumerate(batch.req_ids):
-            item = msg.requests.add(
+            item = drafter_pb2.ProposeItem(
                 request_id=rid,
                 start_position=step.start_positions[i],
                 next_token_ids=step.next_token_ids[i],
@@ -60,37 +100,73 @@ class DrafterClient:
                 num_spec_tokens=batch.num_spec_tokens[i],
             )
             item.sampling.CopyFrom(sampling[i])
-        return msg
+            items.append(item)
+            offsets.append(offsets[-1] + len(step.next_token_ids[i]))
+        return ProposeBatch(iteration, items, offsets, step.hidden_states)
 
-    async def propose(self, msg: drafter_pb2.ProposeRequest, num_reqs: int) -> Proposal:
-        nbytes = len(msg.hidden_states.data)
-        if self._stub is None:
-            return Proposal(False, [[] for _ in range(num_reqs)], "no drafter configured", nbytes)
+    async def propose(self, plan: ProposeBatch, num_reqs: int) -> Proposal:
+        nbytes = plan.hidden_state_bytes
+        no_drafts = [[] for _ in range(num_reqs)]
+        if not self.pool.targets:
+            return Proposal(False, no_drafts, "no drafter configured", nbytes)
+        await self.pool.start()
+        owners = self.pool.assign([item.request_id for item in plan.items])
+        groups: dict[str, list[int]] = {}
+        for i, owner in enumerate(owners):
+            if owner is not None:
+                groups.setdefault(owner, []).append(i)
         t0 = time.perf_counter_ns()
+        replicas = self.pool.replicas  # read now: DNS re-resolution may change the set meanwhile
+        calls = [self._propose_on(replicas[addr], plan, indices) for addr, indices in groups.items()]
+        calls += [self._free_on(replicas[addr]) for addr in self.pool.healthy() if addr not in groups]
+        results = await asyncio.gather(*calls)
+        elapsed = time.perf_counter_ns() - t0
+        drafts, probs, errors = no_drafts, [None] * num_reqs, []
+        for (addr, indices), (got, error) in zip(groups.items(), results):
+            if error:
+                errors.append(f"{addr}: {error}")
+                continue
+            for i, d in zip(indices, got):
+                drafts[i] = list(d.token_ids)
+                probs[i] = d.draft_probs if d.HasField("draft_probs") else None
+        if None in owners and num_reqs:
+            errors.append("no healthy drafter replica")
+        return Proposal(not errors, drafts, "; ".join(errors), nbytes, elapsed, probs)
+
+    async def _propose_on(self, replica: Replica, plan: ProposeBatch, indices: list[int]) -> tuple[list, str]:
+        address = replica.address
+        finished = list(replica.pending_free)
         try:
-            resp = await self._stub.Propose(msg, timeout=self.timeout_s)
+            msg = plan.message(indices, finished)
+            resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
         except grpc.RpcError as err:
-            if self._was_ok:
-                log.warning(
-                    "drafter %s failed (%s: %s); continuing without drafts",
-                    self.address,
-                    err.code().name,
-                    err.details(),
-                )
-            self._was_ok = False
-            return Proposal(False, [[] for _ in range(num_reqs)], f"{err.code().name}: {err.details()}", nbytes)
-        if not self._was_ok:
-            log.info("drafter %s is back", self.address)
-        self._was_ok = True
-        del self._pending_free[: len(msg.finished_request_ids)]
-        drafts = [list(d.token_ids) for d in resp.drafts]
-        if len(drafts) != num_reqs:
-            return Proposal(False, [[] for _ in range(num_reqs)], "drafter returned a wrong count", nbytes)
-        return Proposal(True, drafts, "", nbytes, time.perf_counter_ns() - t0)
+            error = f"{err.code().name}: {err.details()}"
+            self.pool.record_call(address, len(indices), error)
+            return [], error
+        del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
+        if len(resp.drafts) != len(indices):
+            error = f"returned {len(resp.drafts)} drafts for {len(indices)} requests"
+            self.pool.record_call(address, len(indices), error)
+            return [], error
+        self.pool.record_call(address, len(indices))
+        return list(resp.drafts), ""
+
+    async def _free_on(self, replica: Replica) -> None:
+        address = replica.address
+        finished = list(replica.pending_free)
+        if not finished:
+            return
+        try:
+            msg = drafter_pb2.DrafterFreeRequest(request_ids=finished)
+            await replica.stub.Free(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+        except grpc.RpcError as err:
+            self.pool.record_call(address, 0, f"{err.code().name}: {err.details()}")
+            return
+        del replica.pending_free[: len(finished)]
+        self.pool.record_call(address, 0)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        await self.pool.close()
 
 
 def sampling_of(batch_msg) -> list[common_pb2.SamplingParams]:

@@ -28,9 +28,20 @@ class StepOutput:
     start_positions: list[int]
     next_token_ids: list[list[int]]
     hidden_states: torch.Tensor  # [num_rows, hidden_size]
-    prepare_ns: int = 0
-    forward_ns: int = 0
-    sample_ns: int = 0
+    # Wall-clock stamps (time.time_ns): start, inputs prepared, forward done, sampling done.
+    stamps_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def prepare_ns(self) -> int:
+        return self.stamps_ns[1] - self.stamps_ns[0]
+
+    @property
+    def forward_ns(self) -> int:
+        return self.stamps_ns[2] - self.stamps_ns[1]
+
+    @property
+    def sample_ns(self) -> int:
+        return self.stamps_ns[3] - self.stamps_ns[2]
 
 
 class VerifierRunner:
@@ -38,26 +49,35 @@ class VerifierRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler_backend = sampler_backend
+        self._request_ids: set[str] = set()  # requests holding KV blocks
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.kv_cache.free(rid)
+            self._request_ids.discard(rid)
+
+    def free_all(self) -> None:
+        self.free(list(self._request_ids))
 
     @torch.inference_mode()
     def step(self, batch: InputBatch) -> StepOutput:
-        t0 = time.perf_counter_ns()
+        t0 = time.time_ns()
+        if batch.num_reqs == 0:  # an iteration that only frees finished requests
+            hidden = torch.empty(0, self.model.config.hidden_size, device=self.kv_cache.device)
+            return StepOutput([], [], [], [], hidden, stamps_ns=(t0, t0, t0, t0))
         cache = self.kv_cache
         for rid, nc in zip(batch.req_ids, batch.num_computed_tokens):
             if cache.has(rid):
                 cache.truncate(rid, nc)
+        self._request_ids.update(batch.req_ids)
         try:
             attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens)
         except KVCacheFull as err:
             raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
-        t1 = time.perf_counter_ns()
+        t1 = time.time_ns()
         hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
-        t2 = time.perf_counter_ns()
+        t2 = time.time_ns()
         out = rejection_sample(
             logits,
             batch.draft_token_ids,
@@ -67,11 +87,12 @@ class VerifierRunner:
             batch.top_p,
             batch.seeds,
             batch.first_logits_positions,
+            draft_probs=batch.draft_probs,
             backend=self.sampler_backend,
         )
         sampled = out.sampled.tolist()
         num_sampled = out.num_sampled.tolist()
-        t3 = time.perf_counter_ns()
+        t3 = time.time_ns()
 
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         num_rejected = [0] * batch.num_reqs
@@ -96,7 +117,5 @@ class VerifierRunner:
             start_positions,
             next_ids,
             hidden_rows,
-            prepare_ns=t1 - t0,
-            forward_ns=t2 - t1,
-            sample_ns=t3 - t2,
+            stamps_ns=(t0, t1, t2, t3),
         )

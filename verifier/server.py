@@ -9,13 +9,19 @@ from pathlib import Path
 
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.grpc_server import ServiceServer, announce, run_until_signal
+from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--drafter", default=None, help="drafter address HOST:PORT (none: no speculation)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter replicas: comma-separated HOST:PORT and/or dns:///NAME:PORT (re-resolved every 5 s); "
+        "none: no speculation",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
@@ -49,8 +55,17 @@ async def serve(args: argparse.Namespace) -> None:
     from verifier.servicer import VerifierServicer
 
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
-    server = ServiceServer("verifier", args.host, args.port, [service])
-    drafter = DrafterClient(args.drafter, args.drafter_timeout)
+    tls = load_tls(args.tls_dir)
+    server = ServiceServer(
+        "verifier",
+        args.host,
+        args.port,
+        [service],
+        tls=tls,
+        require_client_cert=True,
+        max_message_bytes=args.max_message_mb * 2**20,
+    )
+    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls)
     servicer = VerifierServicer(drafter, args.device)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
     await server.start()  # health says NOT_SERVING until the weights are loaded
@@ -75,4 +90,4 @@ async def serve(args: argparse.Namespace) -> None:
         args.num_blocks,
         args.block_size,
     )
-    await run_until_signal(server, drafter.close)
+    await run_until_signal(server, drafter.close, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)

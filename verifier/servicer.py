@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 
 import grpc
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind
 
 from models.kv_cache import PagedKVCache
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specsplit.errors import SpecsplitError
+from specsplit.errors import FailedPrecondition, SpecsplitError
+from specsplit.telemetry import incoming_context
 from verifier.drafter_client import DrafterClient, sampling_of
 from verifier.input_batch import build_input_batch
 from verifier.runner import VerifierRunner
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specsplit.verifier")
+meter = metrics.get_meter("specsplit.verifier")
+verify_duration = meter.create_histogram("specsplit.verifier.verify_duration", unit="s")
+hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes", unit="By")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -29,6 +37,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-step")
         self._lock = asyncio.Lock()
+        self._coordinator_id: str | None = None
+        self._last_iteration = 0
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -42,7 +52,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def kv_cache(self) -> PagedKVCache:
         return self.runner.kv_cache
 
+    def _check_order(self, request: verifier_pb2.VerifyRequest) -> None:
+        """Iterations of one coordinator arrive in order; a new coordinator starts afresh."""
+        if request.coordinator_id != self._coordinator_id:
+            if self._coordinator_id is not None:
+                log.warning("new coordinator %r: dropping the KV cache of every request", request.coordinator_id)
+                self.runner.free_all()
+            self._coordinator_id = request.coordinator_id
+            self._last_iteration = 0
+        if request.iteration <= self._last_iteration:
+            raise FailedPrecondition(
+                f"iteration {request.iteration} arrived after iteration {self._last_iteration}; "
+                "iterations of a coordinator must strictly increase"
+            )
+        self._last_iteration = request.iteration
+
     def _prepare_and_step(self, request: verifier_pb2.VerifyRequest):
+        self._check_order(request)
         self.runner.free(list(request.finished_request_ids))
         batch = build_input_batch(
             request,
@@ -56,14 +82,30 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request, context):
         await self._require_ready(context)
         loop = asyncio.get_running_loop()
-        async with self._lock:
-            self.drafter.free(list(request.finished_request_ids))
-            try:
-                batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
-            except SpecsplitError as err:
-                await context.abort(err.code, err.message)
-            propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
-            proposal = await self.drafter.propose(propose_msg, batch.num_reqs)
+        attrs = {"specsplit.iteration": request.iteration, "specsplit.batch_size": len(request.requests)}
+        parent = incoming_context(context.invocation_metadata())
+        with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
+            async with self._lock:
+                self.drafter.free(list(request.finished_request_ids))
+                try:
+                    batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
+                except SpecsplitError as err:
+                    await context.abort(err.code, err.message)
+                t0, t1, t2, t3 = step.stamps_ns
+                tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
+                tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
+                tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
+                propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
+                nbytes = propose_msg.hidden_state_bytes
+                with tracer.start_as_current_span(
+                    "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
+                ) as send:
+                    proposal = await self.drafter.propose(propose_msg, batch.num_reqs)
+                    if not proposal.ok:
+                        send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+            span.set_attribute("specsplit.drafter_ok", proposal.ok)
+            hidden_state_bytes.add(nbytes)
+            verify_duration.record((time.time_ns() - t0) / 1e9)
         response = verifier_pb2.VerifyResponse(
             drafter_ok=proposal.ok,
             drafter_error=proposal.error,
@@ -75,13 +117,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 propose_ns=proposal.propose_ns,
             ),
         )
+        probs = proposal.draft_probs or [None] * batch.num_reqs
         for i, rid in enumerate(batch.req_ids):
-            response.results.add(
+            result = response.results.add(
                 request_id=rid,
                 sampled_token_ids=step.sampled_token_ids[i],
                 num_rejected=step.num_rejected[i],
                 draft_token_ids=proposal.drafts[i] if batch.sample[i] else [],
             )
+            if batch.sample[i] and probs[i] is not None:
+                result.draft_probs.CopyFrom(probs[i])
         return response
 
     async def Free(self, request, context):

@@ -114,3 +114,33 @@ def test_concurrent_threads_share_one_client(cluster):
         for t in threads:
             t.join(60)
     assert all(o is not None and len(o.token_ids) == 5 for o in outs)
+
+
+def _free_blocks(cluster) -> tuple[int, int, int, int]:
+    from protos import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
+        v = verifier_pb2_grpc.VerifierStub(ch)
+        v_free = v.Free(verifier_pb2.FreeRequest(), timeout=10).num_free_blocks
+        v_total = v.GetModelInfo(verifier_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
+    with grpc.insecure_channel(cluster.services["drafter"].address) as ch:
+        d = drafter_pb2_grpc.DrafterStub(ch)
+        d_free = d.Free(drafter_pb2.DrafterFreeRequest(), timeout=10).num_free_blocks
+        d_total = d.GetModelInfo(drafter_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
+    return v_free, v_total, d_free, d_total
+
+
+def test_kv_blocks_on_verifier_and_drafter_are_free_after_finish_and_abort(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        client.generate(prompt_token_ids=list(range(3, 60)), max_tokens=5)
+        stream = client.stream(prompt_token_ids=list(range(3, 40)), max_tokens=300, ignore_eos=True)
+        next(stream)
+        stream.close()
+        _wait_idle(client)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        v_free, v_total, d_free, d_total = _free_blocks(cluster)
+        if v_free == v_total and d_free == d_total:
+            break
+        time.sleep(0.1)
+    assert (v_free, d_free) == (v_total, d_total)

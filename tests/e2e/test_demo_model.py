@@ -1,0 +1,106 @@
+"""With the trained demo checkpoint (real acceptance): greedy output equals transformers' generate,
+and sampled output follows the target's distribution with sampled (sparse-q) drafts."""
+
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specsplit import Client
+from specsplit.launcher import LocalCluster
+
+DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+PROMPTS = [
+    "import os\n\n\ndef read_lines(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    'def _parse_header(line):\n    """Parse one header line."""\n',
+    "try:\n    import zlib\nexcept ImportError:\n",
+    "    @property\n    def name(self):\n",
+    "if __name__ == '__main__':\n",
+    "x = {",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_cluster(tmp_path_factory):
+    with LocalCluster(DEMO, num_speculative_tokens=3, log_dir=tmp_path_factory.mktemp("demo")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_demo():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(DEMO)
+
+
+def test_demo_greedy_with_real_acceptance_equals_transformers_generate(demo_cluster, hf_demo):
+    model, tok = hf_demo
+    outs: dict[int, object] = {}
+
+    def run(i):
+        with Client(demo_cluster.address, timeout=300) as client:
+            outs[i] = client.generate(PROMPTS[i], max_tokens=48)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=1)
+        assert outs[i].token_ids == ref[0, len(ids) :].tolist(), f"prompt {i}"
+        accepted += outs[i].stats.num_accepted_tokens
+    assert accepted > 100  # the drafts were mostly right, so the accept path carried most tokens
+
+
+def test_sampled_generation_follows_the_target_distribution(demo_cluster, hf_demo):
+    """Tokens 1 and 2 of N sampled generations (temperature 1, k = 3 sampled drafts with sparse q)
+    against the exact target marginals from transformers; chi-square, false-failure rate 1e-3 each."""
+    model, tok = hf_demo
+    prompt = "def add(a, b):\n    return"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    n = 600
+    firsts, seconds, drafted, accepted = [], [], [0], [0]
+    lock = threading.Lock()
+
+    def worker(w):
+        with Client(demo_cluster.address, timeout=300) as client:
+            for seed in range(w, n, 12):
+                out = client.generate(prompt_token_ids=ids, max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True)
+                with lock:
+                    firsts.append(out.token_ids[0])
+                    seconds.append(out.token_ids[1])
+                    drafted[0] += out.stats.num_draft_tokens
+                    accepted[0] += out.stats.num_accepted_tokens
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert len(firsts) == n
+    assert drafted[0] > 0 and 0 < accepted[0] < drafted[0]  # both accept and reject paths were taken
+
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+        support = torch.nonzero(p1 > 1e-7).flatten()
+        batch = torch.tensor([ids + [int(t)] for t in support])
+        p2_given = torch.softmax(model(batch).logits[:, -1].double(), -1)  # [|support|, V]
+        p2 = (p1[support, None] * p2_given).sum(0)
+    for observed, p in ((firsts, p1), (seconds, p2)):
+        counts = np.bincount(observed, minlength=p.numel()).astype(float)
+        expected = p.numpy() * n
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+        assert pvalue > 1e-3, f"chi-square p = {pvalue}"

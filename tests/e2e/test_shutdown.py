@@ -1,0 +1,74 @@
+"""Graceful shutdown: SIGTERM makes a service report NOT_SERVING, stop admitting work, finish what
+is in flight, and exit 0."""
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specsplit import Client, SpecsplitError
+from specsplit.launcher import LocalCluster
+
+
+def _health(address: str) -> str:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+@pytest.fixture
+def draining_cluster(tiny_checkpoint, tmp_path):
+    drain = ["--shutdown-delay", "1.0", "--shutdown-grace", "60"]
+    with LocalCluster(
+        tiny_checkpoint,
+        num_speculative_tokens=2,
+        log_dir=tmp_path,
+        coordinator_args=drain,
+        verifier_args=drain,
+        drafter_args=drain,
+    ) as c:
+        yield c
+
+
+def test_sigterm_on_the_coordinator_finishes_in_flight_streams_then_exits_0(draining_cluster):
+    c = draining_cluster
+    got, done = [], threading.Event()
+
+    def stream():
+        with Client(c.address, timeout=120) as client:
+            for delta in client.stream(prompt_token_ids=[5, 6], max_tokens=150, ignore_eos=True):
+                got.extend(delta.token_ids)
+                if delta.finish_reason:
+                    got.append(delta.finish_reason)
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while len(got) < 5:
+        time.sleep(0.01)
+    coordinator = c.services["coordinator"].proc
+    coordinator.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert _health(c.address) == "NOT_SERVING"  # during the delay, probes see it draining
+    time.sleep(1.0)
+    with Client(c.address, timeout=5) as client, pytest.raises(SpecsplitError) as err:
+        client.generate(prompt_token_ids=[5], max_tokens=2)  # no new work is admitted
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE
+    assert done.wait(60)
+    assert got[-1] == "length" and len(got) == 151  # the in-flight stream finished in full
+    assert coordinator.wait(30) == 0
+
+
+@pytest.mark.parametrize("role", ["drafter", "verifier"])
+def test_sigterm_on_a_model_service_reports_not_serving_and_exits_0(draining_cluster, role):
+    svc = draining_cluster.services[role]
+    svc.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert _health(svc.address) == "NOT_SERVING"
+    assert svc.proc.wait(30) == 0
