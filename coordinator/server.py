@@ -13,8 +13,8 @@ from coordinator.config import SchedulerConfig
 from coordinator.engine import Engine
 from coordinator.scheduler import Scheduler
 from coordinator.servicer import CoordinatorServicer
-from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2_grpc
-from specsplit.grpc_server import ServiceServer, announce, peer_channel, run_until_signal
+from protos import common_pb2, coordinator_pb2, verifier_pb2_grpc
+from specsplit.grpc_server import ServiceServer, add_service, announce, peer_channel, run_until_signal
 from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ async def serve(args: argparse.Namespace) -> None:
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
+    add_service(server.server, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], servicer)
     await server.start()
     channel = peer_channel(args.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)

@@ -7,8 +7,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specsplit.grpc_server import ServiceServer, announce, run_until_signal
+from protos import common_pb2, drafter_pb2
+from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_message_bytes=args.max_message_mb * 2**20,
     )
     servicer = DrafterServicer()
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
+    add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()

@@ -14,6 +14,9 @@ import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -40,6 +43,60 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (bad UTF-8, garbage)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _parser(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as err:
+            return _Malformed(f"cannot parse {message_cls.DESCRIPTOR.full_name}: {err}")
+
+    return parse
+
+
+def _guard(fn, streaming: bool):
+    """Refuses a malformed request with INVALID_ARGUMENT before the servicer sees it."""
+    if streaming:
+
+        async def stream_handler(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            async for response in fn(request, context):
+                yield response
+
+        return stream_handler
+
+    async def unary_handler(request, context):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await fn(request, context)
+
+    return unary_handler
+
+
+def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
+    """Registers `servicer` for `service` like the generated add_*_to_server, except that a request
+    that does not parse (invalid UTF-8 in a string field, garbage bytes) gets INVALID_ARGUMENT
+    rather than the UNKNOWN grpc answers by default."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            _guard(getattr(servicer, method.name), method.server_streaming),
+            request_deserializer=_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

@@ -7,8 +7,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specsplit.grpc_server import ServiceServer, announce, run_until_signal
+from protos import common_pb2, verifier_pb2
+from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls)
     servicer = VerifierServicer(drafter, args.device)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
+    add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()

@@ -45,3 +45,27 @@ def test_sdk_raises_specsplit_error_with_the_status_code(cluster):
     with Client(cluster.address, timeout=30) as client, pytest.raises(SpecsplitError) as err:
         client.generate("x", max_tokens=0)
     assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "role, method, streaming",
+    [
+        ("coordinator", "/specsplit.v1.Coordinator/Generate", True),
+        ("verifier", "/specsplit.v1.Verifier/Verify", False),
+        ("drafter", "/specsplit.v1.Drafter/Propose", False),
+    ],
+)
+@pytest.mark.parametrize("payload", [bytes([0x12, 3, 0xFF, 0xFE, 0x41, 0x20, 3]), b"\xff\xff\xff\xff"])
+def test_unparseable_bytes_and_invalid_utf8_are_invalid_argument(cluster, role, method, streaming, payload):
+    """Field 2 of GenerateRequest (prompt) / VerifyRequest / ProposeRequest with invalid UTF-8, or garbage."""
+    with grpc.insecure_channel(cluster.services[role].address) as ch:
+        make = ch.unary_stream if streaming else ch.unary_unary
+        call = make(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            result = call(payload, timeout=10)
+            if streaming:
+                list(result)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot parse specsplit.v1." in err.value.details()
+    with Client(cluster.address, timeout=30) as client:
+        assert client.generate(prompt_token_ids=[3, 4], max_tokens=2).token_ids
