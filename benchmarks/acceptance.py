@@ -55,14 +55,7 @@ def run_k(address: str, prompts: list[list[int]], k: int, new_tokens: int) -> Sp
                 prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k
             ).stats
         with lock:
-            total.num_drafts += s.num_drafts
-            total.num_draft_tokens += s.num_draft_tokens
-            total.num_accepted_tokens += s.num_accepted_tokens
-            total.num_iterations += s.num_iterations
-            for i, a in enumerate(s.accepted_per_position):
-                if i >= len(total.accepted_per_position):
-                    total.accepted_per_position.append(0)
-                total.accepted_per_position[i] += a
+            total.merge(s)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:

@@ -172,16 +172,7 @@ class Engine:
             self._finish_stream(stream, request.finish_reason or "stop")
 
     def _finish_stream(self, stream: _Stream, reason: str) -> None:
-        stats = stream.request.stats
-        t = self.totals
-        t.num_drafts += stats.num_drafts
-        t.num_draft_tokens += stats.num_draft_tokens
-        t.num_accepted_tokens += stats.num_accepted_tokens
-        t.num_iterations += stats.num_iterations
-        for i, n in enumerate(stats.accepted_per_position):
-            if i >= len(t.accepted_per_position):
-                t.accepted_per_position.append(0)
-            t.accepted_per_position[i] += n
+        self.totals.merge(stream.request.stats)
         self.num_finished += 1
         stream.queue.put_nowait(RequestOutput(stream.request.request_id, [], "", finish_reason=reason))
 

@@ -37,6 +37,17 @@ class RequestStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_iterations: int = 0
 
+    def merge(self, other: RequestStats) -> None:
+        """Adds another request's counts to these (server-wide totals)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_iterations += other.num_iterations
+        for i, n in enumerate(other.accepted_per_position):
+            if i == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += n
+
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_iterations += 1
         if num_draft_tokens == 0:

@@ -113,8 +113,9 @@ def _generate(args: argparse.Namespace) -> int:
     from opentelemetry import trace
 
     from specsplit import telemetry
-    from specsplit.client import Client, GenerationResult, SpecStats
+    from specsplit.client import Client
     from specsplit.errors import SpecsplitError
+    from specsplit.results import GenerationResult, SpecStats
 
     cluster, trace_dir = _start_local(args) if args.local else (None, None)
     address = cluster.address if cluster else args.address

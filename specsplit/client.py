@@ -11,7 +11,6 @@ Errors raise `SpecsplitError` whose `.code` is the gRPC status (INVALID_ARGUMENT
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -19,86 +18,8 @@ import grpc
 from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.errors import from_rpc_error
 from specsplit.grpc_server import CHANNEL_OPTIONS
+from specsplit.results import Collector, GenerationDelta, GenerationResult, SpecStats, delta_from_pb
 from specsplit.telemetry import outgoing_metadata
-
-
-@dataclass
-class SpecStats:
-    """Speculative-decoding statistics of one request (or of a server)."""
-
-    num_drafts: int = 0  # verify iterations that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    num_iterations: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per verify iteration that carried drafts: accepted + 1."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
-
-    @classmethod
-    def from_pb(cls, pb: common_pb2.SpecStats) -> SpecStats:
-        return cls(
-            pb.num_drafts,
-            pb.num_draft_tokens,
-            pb.num_accepted_tokens,
-            list(pb.accepted_per_position),
-            pb.num_iterations,
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": self.accepted_per_position,
-            "num_iterations": self.num_iterations,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-        }
-
-
-@dataclass
-class GenerationDelta:
-    """One streamed message: new tokens and text; the last one has finish_reason and stats."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stats: SpecStats | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]  # generated ids only
-    text: str
-    finish_reason: str
-    stats: SpecStats
-    prompt_tokens: int
-    completion_tokens: int
-
-    def to_dict(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-            "stats": self.stats.to_dict(),
-        }
 
 
 def _request(
@@ -130,45 +51,6 @@ def _request(
     if num_speculative_tokens is not None:
         msg.num_speculative_tokens = num_speculative_tokens
     return msg
-
-
-def _delta(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
-    final = bool(pb.finish_reason)
-    return GenerationDelta(
-        request_id=pb.request_id,
-        token_ids=list(pb.token_ids),
-        text=pb.text,
-        finish_reason=pb.finish_reason or None,
-        stats=SpecStats.from_pb(pb.spec_stats) if final else None,
-        prompt_tokens=pb.usage.prompt_tokens,
-        completion_tokens=pb.usage.completion_tokens,
-    )
-
-
-class _Collector:
-    def __init__(self):
-        self.token_ids: list[int] = []
-        self.text: list[str] = []
-        self.last: GenerationDelta | None = None
-
-    def add(self, d: GenerationDelta) -> None:
-        self.token_ids.extend(d.token_ids)
-        self.text.append(d.text)
-        self.last = d
-
-    def result(self) -> GenerationResult:
-        last = self.last
-        if last is None or last.finish_reason is None:
-            raise RuntimeError("stream ended without a finish reason")
-        return GenerationResult(
-            last.request_id,
-            self.token_ids,
-            "".join(self.text),
-            last.finish_reason,
-            last.stats or SpecStats(),
-            last.prompt_tokens,
-            last.completion_tokens,
-        )
 
 
 def _credentials(tls_ca: str | bytes | None, token: str | None) -> grpc.ChannelCredentials | None:
@@ -232,14 +114,14 @@ class Client:
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
             for pb in call:
-                yield _delta(pb)
+                yield delta_from_pb(pb)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
             call.cancel()  # no-op when finished; aborts the request when the caller stops early
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        collector = _Collector()
+        collector = Collector()
         for d in self.stream(prompt, **kwargs):
             collector.add(d)
         return collector.result()
@@ -319,14 +201,14 @@ class AsyncClient:
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
             async for pb in call:
-                yield _delta(pb)
+                yield delta_from_pb(pb)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
             call.cancel()
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        collector = _Collector()
+        collector = Collector()
         async for d in self.stream(prompt, **kwargs):
             collector.add(d)
         return collector.result()
