@@ -22,10 +22,11 @@ from coordinator import observability as obs
 from coordinator import wire
 from coordinator.acceptance import AcceptanceMonitor
 from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.request import Request, RequestStats
+from coordinator.request import Request
 from coordinator.scheduler import Scheduler, SchedulerOutput
 from protos import verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
+from specsplit.results import SpecStats
 from specsplit.telemetry import outgoing_metadata
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.verify_timeout_s = verify_timeout_s
         self.verifier_unavailable_s = verifier_unavailable_s
-        self.totals = RequestStats()
+        self.totals = SpecStats()
         self.num_finished = 0
         self.num_iterations = 0
         self._streams: dict[str, _Stream] = {}

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specsplit.results import SpecStats
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -28,40 +30,6 @@ class SamplingParams:
 
 
 @dataclass
-class RequestStats:
-    """Speculative-decoding counts of one request."""
-
-    num_drafts: int = 0  # iterations that verified at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    num_iterations: int = 0
-
-    def merge(self, other: RequestStats) -> None:
-        """Adds another request's counts to these (server-wide totals)."""
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.num_iterations += other.num_iterations
-        for i, n in enumerate(other.accepted_per_position):
-            if i == len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            self.accepted_per_position[i] += n
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_iterations += 1
-        if num_draft_tokens == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-
-@dataclass
 class Request:
     """One generation request.
 
@@ -78,7 +46,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: object | None = None  # opaque protos DraftProbs, passed back to the verifier
     status: RequestStatus = RequestStatus.WAITING
-    stats: RequestStats = field(default_factory=RequestStats)
+    stats: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step

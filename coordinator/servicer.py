@@ -8,7 +8,6 @@ import time
 import grpc
 
 from coordinator import observability as obs
-from coordinator import wire
 from coordinator.engine import Engine
 from coordinator.validation import build_request
 from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -73,7 +72,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         usage=coordinator_pb2.Usage(
                             prompt_tokens=req.num_prompt_tokens, completion_tokens=num_completion
                         ),
-                        spec_stats=wire.spec_stats(req.stats),
+                        spec_stats=req.stats.to_pb(),
                     )
                     return
                 num_completion += len(out.token_ids)
@@ -97,7 +96,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetStats(self, request, context):
         engine = await self._require_engine(context)
         return coordinator_pb2.ServerStats(
-            spec_stats=wire.spec_stats(engine.totals),
+            spec_stats=engine.totals.to_pb(),
             num_finished_requests=engine.num_finished,
             num_waiting=engine.scheduler.num_waiting,
             num_running=len(engine.scheduler.running),

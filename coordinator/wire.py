@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from coordinator.request import RequestStats
 from coordinator.scheduler import SchedulerOutput, VerifyResult
 from protos import common_pb2, verifier_pb2
 
@@ -39,13 +38,3 @@ def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
         )
         for r in response.results
     ]
-
-
-def spec_stats(stats: RequestStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(
-        num_drafts=stats.num_drafts,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        accepted_per_position=stats.accepted_per_position,
-        num_iterations=stats.num_iterations,
-    )

@@ -31,7 +31,7 @@ def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
 
 def load_target(
     path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> TargetModel | DeepseekV3Target:
+) -> TargetModel:
     path = _checkpoint_dir(path)
     config = load_config(path)
     with torch.device("meta"):

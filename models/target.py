@@ -16,22 +16,31 @@ from models.rotary import RotaryEmbedding
 
 
 class _DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config, make_layer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
+    """Embedding, decoder layers, final norm, LM head. Other families (models/deepseek_v3) subclass
+    it and override `_make_layer`, `_make_rotary` and `make_kv_cache`."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = _DecoderStack(config)
+        self.model = _DecoderStack(config, self._make_layer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self._make_rotary()
+
+    def _make_layer(self, index: int) -> nn.Module:
+        return DecoderLayer(self.config)
+
+    def _make_rotary(self):
+        return RotaryEmbedding(self.config)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

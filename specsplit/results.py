@@ -17,6 +17,19 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_iterations: int = 0
 
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Counts one verify iteration: drafts verified, and how many of them were accepted."""
+        self.num_iterations += 1
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
     def merge(self, other: SpecStats) -> None:
         """Adds another request's counts to these."""
         self.num_drafts += other.num_drafts
@@ -49,6 +62,15 @@ class SpecStats:
             pb.num_accepted_tokens,
             list(pb.accepted_per_position),
             pb.num_iterations,
+        )
+
+    def to_pb(self) -> common_pb2.SpecStats:
+        return common_pb2.SpecStats(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            accepted_per_position=self.accepted_per_position,
+            num_iterations=self.num_iterations,
         )
 
     def to_dict(self) -> dict:
