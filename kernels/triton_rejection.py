@@ -72,7 +72,11 @@ def rejection_sample_triton(
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 
-    threshold = row_thresholds(target_logits, cu_num_draft, temperature, top_k, top_p)
+    has_threshold = top_k is not None or top_p is not None
+    # Without filters the kernels read no threshold (no -inf fill to launch); the pointer is a placeholder.
+    threshold = (
+        row_thresholds(target_logits, cu_num_draft, temperature, top_k, top_p) if has_threshold else target_logits
+    )
     q_mode, q, q_ids, num_q_ids = ONE_HOT, target_logits, draft_token_ids, 1
     if isinstance(draft_probs, SparseDraftProbs):
         q_mode, q_ids = SPARSE, draft_probs.ids.to(torch.int64).contiguous()
@@ -94,16 +98,18 @@ def rejection_sample_triton(
     block_stats_kernel[(num_reqs, num_cols, num_blocks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, stats[0], stats[1], stats[2], block_token, vocab_size, num_blocks,
-        EXCLUDE_DRAFT=q_mode == ONE_HOT, CHUNK=chunk, BLOCK_V=block_v, num_warps=4, enable_fp_fusion=False,
+        EXCLUDE_DRAFT=q_mode == ONE_HOT, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     stop_max, stop_sum = torch.empty(2, num_reqs, dtype=torch.float32, device=device)
-    needs_residual = torch.zeros(num_reqs, dtype=torch.int8, device=device)
+    needs_residual = torch.empty(num_reqs, dtype=torch.int8, device=device)  # accept_kernel writes every entry
     accept_kernel[(num_reqs,)](
         stats[0], stats[1], stats[2], block_token, target_logits, target_logits.stride(0), draft_token_ids,
         cu_num_draft, temperature, seeds, positions, threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids,
         sampled, num_sampled, num_rejected, stop_max, stop_sum, needs_residual, vocab_size, num_blocks, num_cols,
-        Q_MODE=q_mode, NUM_BLOCKS_PAD=num_blocks_pad, BLOCK_K=triton.next_power_of_2(num_q_ids),
-        BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=1, enable_fp_fusion=False,
+        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, NUM_BLOCKS_PAD=num_blocks_pad,
+        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=1,
+        enable_fp_fusion=False,
     )  # fmt: skip
     if q_mode != ONE_HOT:
         res_best = torch.empty(num_reqs, num_blocks, dtype=torch.float32, device=device)
@@ -112,7 +118,8 @@ def rejection_sample_triton(
             target_logits, target_logits.stride(0), cu_num_draft, temperature, seeds, positions, threshold,
             q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, needs_residual,
             res_best, res_token, vocab_size, num_blocks,
-            Q_MODE=q_mode, CHUNK=chunk, BLOCK_V=block_v, num_warps=4, enable_fp_fusion=False,
+            Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, num_warps=4,
+            enable_fp_fusion=False,
         )  # fmt: skip
         patch_residual_kernel[(num_reqs,)](
             res_best, res_token, needs_residual, num_sampled, sampled, num_blocks, num_cols,

@@ -14,6 +14,15 @@ BIG_TOKEN = tl.constexpr(2147483647)
 
 
 @triton.jit
+def _threshold(threshold_ptr, row, HAS_THRESHOLD: tl.constexpr):
+    """The row's top-k / top-p logit threshold; -inf when no request filters."""
+    threshold = tl.full([], float("-inf"), tl.float32)
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+    return threshold
+
+
+@triton.jit
 def _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature):
     """x = logits / T where logits >= threshold, else -inf (also past the vocabulary)."""
     logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
@@ -60,7 +69,7 @@ def block_stats_kernel(
     temperature_ptr,  # [num_reqs] float32
     seeds_ptr,  # [num_reqs] int64
     positions_ptr,  # [num_reqs] int64
-    threshold_ptr,  # [num_logits] float32; -inf = no top-k/top-p
+    threshold_ptr,  # [num_logits] float32; -inf = no top-k/top-p (unused without HAS_THRESHOLD)
     block_max_ptr,  # [num_logits, num_blocks] float32 out: max of x (random rows)
     block_sum_ptr,  # [num_logits, num_blocks] float32 out: sum of exp(x - block max)
     block_best_ptr,  # [num_logits, num_blocks] float32 out: best race score (greedy: max logit)
@@ -68,6 +77,7 @@ def block_stats_kernel(
     vocab_size,
     num_blocks,
     EXCLUDE_DRAFT: tl.constexpr,  # one-hot q: the own draft drops out of the race
+    HAS_THRESHOLD: tl.constexpr,  # False: no row filters (top-k / top-p), threshold_ptr is not read
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -93,7 +103,7 @@ def block_stats_kernel(
                 best, token = _lane_argmax(logits, offs, best, token)
         else:
             inv_temperature = 1.0 / temperature
-            threshold = tl.load(threshold_ptr + logits_row)
+            threshold = _threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
             key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + row)
             excluded = tl.full([], -1, tl.int64)
             if EXCLUDE_DRAFT:
@@ -152,6 +162,7 @@ def accept_kernel(
     num_blocks,
     num_cols,  # max_num_draft + 1
     Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
+    HAS_THRESHOLD: tl.constexpr,
     NUM_BLOCKS_PAD: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -196,8 +207,8 @@ def accept_kernel(
                 )
                 safe_draft = tl.maximum(draft, 0)
                 x_d = _scaled_logits(
-                    logits_ptr + row * logits_stride, safe_draft, vocab_size, tl.load(threshold_ptr + row),
-                    inv_temperature,
+                    logits_ptr + row * logits_stride, safe_draft, vocab_size,
+                    _threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature,
                 )  # fmt: skip
                 p_d = tl.exp(x_d - row_max) / row_sum
                 q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + j,
@@ -247,6 +258,7 @@ def residual_kernel(
     vocab_size,
     num_blocks,
     Q_MODE: tl.constexpr,  # 1 dense, 2 sparse
+    HAS_THRESHOLD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -260,7 +272,7 @@ def residual_kernel(
         row_ptr = logits_ptr + row * logits_stride
         draft_index = draft_start + j
         inv_temperature = 1.0 / tl.load(temperature_ptr + req)
-        threshold = tl.load(threshold_ptr + row)
+        threshold = _threshold(threshold_ptr, row, HAS_THRESHOLD)
         row_max = tl.load(stop_max_ptr + req)
         row_sum = tl.load(stop_sum_ptr + req)
         key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
