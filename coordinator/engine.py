@@ -24,6 +24,7 @@ from coordinator.acceptance import AcceptanceMonitor
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler, SchedulerOutput
+from coordinator.verify_stream import VerifyStream
 from protos import verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
 from specsplit.results import SpecStats
@@ -75,6 +76,7 @@ class Engine:
         self._num_failures = 0
         self._previous_iteration: trace.SpanContext | None = None
         self.coordinator_id = uuid.uuid4().hex
+        self._stream = VerifyStream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
         obs.observe_queue(scheduler)
 
@@ -107,6 +109,7 @@ class Engine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._stream.close()
 
     # ---- loop --------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -134,11 +137,9 @@ class Engine:
 
     async def _iteration(self, output: SchedulerOutput, span: trace.Span) -> None:
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
-            response = await self.verifier.Verify(
-                wire.verify_request(output, self.coordinator_id),
-                timeout=self.verify_timeout_s,
-                metadata=outgoing_metadata(),
-            )
+            request = wire.verify_request(output, self.coordinator_id)
+            request.trace_context.update(outgoing_metadata())
+            response = await self._stream.verify(request)
         self._failing_since = None
         self._num_failures = 0
         self.num_iterations += 1

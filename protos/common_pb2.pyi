@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -32,7 +30,7 @@ class Tensor(_message.Message):
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: DType | str | None = ..., shape: _Iterable[int] | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -44,7 +42,7 @@ class SamplingParams(_message.Message):
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., seed: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -52,7 +50,7 @@ class DraftProbs(_message.Message):
     PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: Tensor
     probs: Tensor
-    def __init__(self, token_ids: Tensor | _Mapping | None = ..., probs: Tensor | _Mapping | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_iterations")
@@ -66,7 +64,7 @@ class SpecStats(_message.Message):
     num_accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     num_iterations: int
-    def __init__(self, num_drafts: int | None = ..., num_draft_tokens: int | None = ..., num_accepted_tokens: int | None = ..., accepted_per_position: _Iterable[int] | None = ..., num_iterations: int | None = ...) -> None: ...
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_iterations: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_speculative_tokens", "eos_token_ids", "block_size", "num_blocks", "dtype", "hidden_size")
@@ -90,7 +88,7 @@ class ModelInfo(_message.Message):
     num_blocks: int
     dtype: str
     hidden_size: int
-    def __init__(self, model: str | None = ..., architecture: str | None = ..., vocab_size: int | None = ..., max_model_len: int | None = ..., num_speculative_tokens: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., block_size: int | None = ..., num_blocks: int | None = ..., dtype: str | None = ..., hidden_size: int | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

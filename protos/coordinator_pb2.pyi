@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -27,7 +25,7 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     num_speculative_tokens: int
-    def __init__(self, request_id: str | None = ..., prompt: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., max_tokens: int | None = ..., sampling: _common_pb2.SamplingParams | _Mapping | None = ..., stop: _Iterable[str] | None = ..., ignore_eos: bool | None = ..., num_speculative_tokens: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "spec_stats")
@@ -43,7 +41,7 @@ class GenerateResponse(_message.Message):
     finish_reason: str
     usage: Usage
     spec_stats: _common_pb2.SpecStats
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ..., spec_stats: _common_pb2.SpecStats | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., spec_stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -51,19 +49,19 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: bool | None = ...) -> None: ...
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -79,4 +77,4 @@ class ServerStats(_message.Message):
     num_finished_requests: int
     num_waiting: int
     num_running: int
-    def __init__(self, spec_stats: _common_pb2.SpecStats | _Mapping | None = ..., num_finished_requests: int | None = ..., num_waiting: int | None = ..., num_running: int | None = ...) -> None: ...
+    def __init__(self, spec_stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -23,7 +21,7 @@ class ProposeItem(_message.Message):
     num_rejected: int
     num_spec_tokens: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: str | None = ..., start_position: int | None = ..., next_token_ids: _Iterable[int] | None = ..., num_rejected: int | None = ..., num_spec_tokens: int | None = ..., sampling: _common_pb2.SamplingParams | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("iteration", "requests", "hidden_states", "finished_request_ids")
@@ -35,7 +33,7 @@ class ProposeRequest(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[ProposeItem]
     hidden_states: _common_pb2.Tensor
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, iteration: int | None = ..., requests: _Iterable[ProposeItem | _Mapping] | None = ..., hidden_states: _common_pb2.Tensor | _Mapping | None = ..., finished_request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Drafts(_message.Message):
     __slots__ = ("request_id", "token_ids", "draft_probs")
@@ -45,7 +43,7 @@ class Drafts(_message.Message):
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.DraftProbs
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., draft_probs: _common_pb2.DraftProbs | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "step0_ns", "later_steps_ns")
@@ -55,16 +53,16 @@ class ProposeResponse(_message.Message):
     drafts: _containers.RepeatedCompositeFieldContainer[Drafts]
     step0_ns: int
     later_steps_ns: int
-    def __init__(self, drafts: _Iterable[Drafts | _Mapping] | None = ..., step0_ns: int | None = ..., later_steps_ns: int | None = ...) -> None: ...
+    def __init__(self, drafts: _Optional[_Iterable[_Union[Drafts, _Mapping]]] = ..., step0_ns: _Optional[int] = ..., later_steps_ns: _Optional[int] = ...) -> None: ...
 
 class DrafterFreeRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrafterFreeResponse(_message.Message):
     __slots__ = ("num_free_blocks",)
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
-    def __init__(self, num_free_blocks: int | None = ...) -> None: ...
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -29,19 +27,28 @@ class ScheduledRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     num_spec_tokens: int
     draft_probs: _common_pb2.DraftProbs
-    def __init__(self, request_id: str | None = ..., num_computed_tokens: int | None = ..., token_ids: _Iterable[int] | None = ..., num_draft_tokens: int | None = ..., sample: bool | None = ..., next_token_id: int | None = ..., sampling: _common_pb2.SamplingParams | _Mapping | None = ..., num_spec_tokens: int | None = ..., draft_probs: _common_pb2.DraftProbs | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id")
+    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     coordinator_id: str
-    def __init__(self, iteration: int | None = ..., requests: _Iterable[ScheduledRequest | _Mapping] | None = ..., finished_request_ids: _Iterable[str] | None = ..., coordinator_id: str | None = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifiedRequest(_message.Message):
     __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "draft_token_ids", "draft_probs")
@@ -55,7 +62,7 @@ class VerifiedRequest(_message.Message):
     num_rejected: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.DraftProbs
-    def __init__(self, request_id: str | None = ..., sampled_token_ids: _Iterable[int] | None = ..., num_rejected: int | None = ..., draft_token_ids: _Iterable[int] | None = ..., draft_probs: _common_pb2.DraftProbs | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
 
 class VerifyTiming(_message.Message):
     __slots__ = ("prepare_ns", "forward_ns", "sample_ns", "propose_ns")
@@ -67,7 +74,7 @@ class VerifyTiming(_message.Message):
     forward_ns: int
     sample_ns: int
     propose_ns: int
-    def __init__(self, prepare_ns: int | None = ..., forward_ns: int | None = ..., sample_ns: int | None = ..., propose_ns: int | None = ...) -> None: ...
+    def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., propose_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "drafter_ok", "drafter_error", "timing", "hidden_state_bytes")
@@ -81,16 +88,16 @@ class VerifyResponse(_message.Message):
     drafter_error: str
     timing: VerifyTiming
     hidden_state_bytes: int
-    def __init__(self, results: _Iterable[VerifiedRequest | _Mapping] | None = ..., drafter_ok: bool | None = ..., drafter_error: str | None = ..., timing: VerifyTiming | _Mapping | None = ..., hidden_state_bytes: int | None = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifiedRequest, _Mapping]]] = ..., drafter_ok: _Optional[bool] = ..., drafter_error: _Optional[str] = ..., timing: _Optional[_Union[VerifyTiming, _Mapping]] = ..., hidden_state_bytes: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_free_blocks",)
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
-    def __init__(self, num_free_blocks: int | None = ...) -> None: ...
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...

@@ -41,6 +41,11 @@ class VerifierStub:
                 request_serializer=verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specsplit.v1.Verifier/VerifyStream',
+                request_serializer=verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Free = channel.unary_unary(
                 '/specsplit.v1.Verifier/Free',
                 request_serializer=verifier__pb2.FreeRequest.SerializeToString,
@@ -66,6 +71,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """The same, over one persistent stream: the coordinator writes one VerifyRequest per iteration
+        and reads its VerifyResponse (in order), saving a call set-up per iteration. An error ends the
+        stream with that status; the coordinator opens a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Free(self, request, context):
         """Frees the KV cache of requests (finished, aborted or preempted).
         """
@@ -85,6 +99,11 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=verifier__pb2.VerifyRequest.FromString,
                     response_serializer=verifier__pb2.VerifyResponse.SerializeToString,
             ),
@@ -125,6 +144,33 @@ class Verifier:
             request,
             target,
             '/specsplit.v1.Verifier/Verify',
+            verifier__pb2.VerifyRequest.SerializeToString,
+            verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.Verifier/VerifyStream',
             verifier__pb2.VerifyRequest.SerializeToString,
             verifier__pb2.VerifyResponse.FromString,
             options,

@@ -62,9 +62,22 @@ def _parser(message_cls):
     return parse
 
 
-def _guard(fn, streaming: bool):
+def _guard(fn, client_streaming: bool, server_streaming: bool):
     """Refuses a malformed request with INVALID_ARGUMENT before the servicer sees it."""
-    if streaming:
+    if client_streaming:
+
+        async def bidi_handler(request_iterator, context):
+            async def checked():
+                async for request in request_iterator:
+                    if isinstance(request, _Malformed):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                    yield request
+
+            async for response in fn(checked(), context):
+                yield response
+
+        return bidi_handler
+    if server_streaming:
 
         async def stream_handler(request, context):
             if isinstance(request, _Malformed):
@@ -90,9 +103,16 @@ def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: o
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        if method.client_streaming and method.server_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif method.client_streaming:
+            raise NotImplementedError(f"{method.full_name}: client-streaming-only RPCs are not used")
+        else:
+            make = (
+                grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+            )
         handlers[method.name] = make(
-            _guard(getattr(servicer, method.name), method.server_streaming),
+            _guard(getattr(servicer, method.name), method.client_streaming, method.server_streaming),
             request_deserializer=_parser(request_cls),
             response_serializer=response_cls.SerializeToString,
         )

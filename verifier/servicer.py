@@ -81,16 +81,34 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         await self._require_ready(context)
+        try:
+            return await self._verify(request, self._parent(request, context))
+        except SpecsplitError as err:
+            await context.abort(err.code, err.message)
+
+    async def VerifyStream(self, request_iterator, context):
+        await self._require_ready(context)
+        async for request in request_iterator:
+            try:
+                yield await self._verify(request, self._parent(request, context))
+            except SpecsplitError as err:
+                await context.abort(err.code, err.message)
+
+    @staticmethod
+    def _parent(request: verifier_pb2.VerifyRequest, context):
+        """The caller's trace context: per message on streams, else from the call's metadata."""
+        if request.trace_context:
+            return incoming_context(list(request.trace_context.items()))
+        return incoming_context(context.invocation_metadata())
+
+    async def _verify(self, request: verifier_pb2.VerifyRequest, parent) -> verifier_pb2.VerifyResponse:
+        """One iteration; raises SpecsplitError with the status the caller should get."""
         loop = asyncio.get_running_loop()
         attrs = {"specsplit.iteration": request.iteration, "specsplit.batch_size": len(request.requests)}
-        parent = incoming_context(context.invocation_metadata())
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
             async with self._lock:
                 self.drafter.free(list(request.finished_request_ids))
-                try:
-                    batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
-                except SpecsplitError as err:
-                    await context.abort(err.code, err.message)
+                batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
                 t0, t1, t2, t3 = step.stamps_ns
                 tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
                 tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
