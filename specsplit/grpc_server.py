@@ -200,6 +200,7 @@ async def run_until_signal(
     *,
     grace_s: float = 30.0,
     delay_s: float = 0.0,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
     """Waits for SIGTERM/SIGINT, then drains: health NOT_SERVING at once; after delay_s (time for
     load balancers and probes to notice) no new calls are admitted; in-flight calls get grace_s to
@@ -209,6 +210,8 @@ async def run_until_signal(
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     log.info("%s: stopping (delay %.1fs, grace %.1fs)", server.role, delay_s, grace_s)
     await server.set_not_serving()
+    if on_drain is not None:
+        on_drain()  # e.g. end idle persistent streams, which would otherwise hold the grace period
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     await server.stop(grace_s)

@@ -90,4 +90,6 @@ async def serve(args: argparse.Namespace) -> None:
         args.num_blocks,
         args.block_size,
     )
-    await run_until_signal(server, drafter.close, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)
+    await run_until_signal(
+        server, drafter.close, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain
+    )

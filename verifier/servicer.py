@@ -38,6 +38,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-step")
         self._lock = asyncio.Lock()
         self._coordinator_id: str | None = None
+        self._draining = asyncio.Event()
         self._last_iteration = 0
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
@@ -88,11 +89,32 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def VerifyStream(self, request_iterator, context):
         await self._require_ready(context)
-        async for request in request_iterator:
+        requests = request_iterator.__aiter__()
+        while True:
+            request = await self._next_unless_draining(requests)
+            if request is None:  # the caller closed the stream, or SIGTERM arrived between iterations
+                return
             try:
                 yield await self._verify(request, self._parent(request, context))
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
+
+    def drain(self) -> None:
+        """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
+        self._draining.set()
+
+    async def _next_unless_draining(self, requests):
+        next_request = asyncio.ensure_future(requests.__anext__())
+        draining = asyncio.ensure_future(self._draining.wait())
+        done, _ = await asyncio.wait({next_request, draining}, return_when=asyncio.FIRST_COMPLETED)
+        draining.cancel()
+        if next_request not in done:
+            next_request.cancel()
+            return None
+        try:
+            return next_request.result()
+        except StopAsyncIteration:
+            return None
 
     @staticmethod
     def _parent(request: verifier_pb2.VerifyRequest, context):
