@@ -109,7 +109,7 @@ class DrafterRunner:
         temps = torch.tensor([it.temperature for it in items], dtype=torch.float32, device=self.device)
         seeds = torch.tensor([it.seed for it in items], dtype=torch.int64, device=self.device)
         last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
-        q_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in active if temps[i] > 0}
+        q_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in active if items[i].temperature > 0}
         num_steps = max(items[i].num_spec_tokens for i in active)
         for step in range(num_steps):
             idx = self._tensor(active)

@@ -5,14 +5,11 @@
 
 (MiMo: concat order [hnorm(h), enorm(e)] and the norm moved into forward; see `models.mtp_layout`.)
 
-Position convention (vLLM's, `v1/spec_decode/eagle.py` propose(): input ids shifted left by one,
-`target_positions` left unshifted; later steps do `positions += 1`): the pair (h_p, x_{p+1}) runs at
-RoPE position p, the target position of h_p; when the MTP cache holds a request's pairs from p = 0,
-its cache index is that position too. With p the last position that has a target hidden state
-(x_{p+1} is the token just sampled), step 0 gives draft 1 from the row at p, and step s >= 1 feeds
-(step s-1's output at that row, draft s) at position p + s to get draft s + 1.
-RoPE only sees position differences, so the other convention, p + 1 (the position of x_{p+1}),
-gives the same outputs up to rounding as long as it is used consistently (tested).
+Position convention: the module applies whatever RoPE positions its caller passes. specsplit's
+drafter runs the pair (h_p, x_{p+1}) at position p + 1, the position of x_{p+1} (the demo checkpoint
+was trained that way), and draft step s >= 1 one position further each time. vLLM
+(`v1/spec_decode/eagle.py`) uses p, the position of h_p; RoPE only sees position differences, so the
+two give the same outputs up to rounding as long as one is used consistently (tested).
 
 Unlike vLLM we do not zero the embedding at position 0: after the shift that row holds the real
 token x_1 (vllm-project/vllm#33299, "MTP does not mask embedding on position 0").
@@ -41,15 +38,25 @@ class MTPModule(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.layout = mtp_layout(config)
+        self.layout = self._make_layout()
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(config)
+        self.block = self._make_block()
         self.shared_head = SharedHead(config)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self._make_rotary()
+
+    # Other families (models/deepseek_v3) override these three and `make_kv_cache`.
+    def _make_layout(self):
+        return mtp_layout(self.config)
+
+    def _make_block(self) -> nn.Module:
+        return DecoderLayer(self.config)
+
+    def _make_rotary(self):
+        return RotaryEmbedding(self.config)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A one-layer cache for the MTP block, in the weights' dtype and on their device."""
@@ -68,7 +75,7 @@ class MTPModule(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64, x_{p+1}
         previous_hidden: torch.Tensor,  # [T, hidden], h_p: target post-norm hidden, or this module's output
-        positions: torch.Tensor,  # [T] int64, p (the target position of h_p; see module docstring)
+        positions: torch.Tensor,  # [T] int64 RoPE positions of the pairs (see the module docstring)
         kv_cache: PagedKVCache,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]

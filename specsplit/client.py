@@ -53,16 +53,17 @@ def _request(
     return msg
 
 
-def _credentials(tls_ca: str | bytes | None, token: str | None) -> grpc.ChannelCredentials | None:
+def _channel(api, address: str, tls_ca: str | bytes | None, token: str | None):
+    """A channel from `api` (grpc or grpc.aio): TLS when `tls_ca` is given, plus a bearer token."""
     if tls_ca is None:
         if token is not None:
             raise ValueError("a bearer token needs TLS (tls_ca): tokens are never sent in plaintext")
-        return None
+        return api.insecure_channel(address, options=CHANNEL_OPTIONS)
     ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
     creds = grpc.ssl_channel_credentials(root_certificates=ca)
     if token is not None:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-    return creds
+    return api.secure_channel(address, creds, options=CHANNEL_OPTIONS)
 
 
 class Client:
@@ -74,11 +75,7 @@ class Client:
     def __init__(
         self, address: str, *, timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None
     ):
-        creds = _credentials(tls_ca, token)
-        if creds is None:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        self._channel = _channel(grpc, address, tls_ca, token)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout = timeout
 
@@ -161,11 +158,7 @@ class AsyncClient:
     def __init__(
         self, address: str, *, timeout: float | None = None, tls_ca: str | bytes | None = None, token: str | None = None
     ):
-        creds = _credentials(tls_ca, token)
-        if creds is None:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        self._channel = _channel(grpc.aio, address, tls_ca, token)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout = timeout
 

@@ -12,32 +12,24 @@ checkpoint names come from `models.mtp_layout.DEEPSEEK_LAYOUT`.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.latent_cache import LatentKVCache
 from models.deepseek_v3.layers import DeepseekV3DecoderLayer
 from models.deepseek_v3.rotary import DeepseekRotary
-from models.kv_cache import AttentionMetadata
-from models.layers import RMSNorm, check_token_inputs
-from models.mtp import SharedHead
+from models.mtp import MTPModule
 from models.mtp_layout import DEEPSEEK_LAYOUT
 
 
-class DeepseekV3MTP(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.layout = DEEPSEEK_LAYOUT
-        hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DeepseekV3DecoderLayer(config, layer=config.num_hidden_layers)
-        self.shared_head = SharedHead(config)
-        self.rotary = DeepseekRotary(config)
+class DeepseekV3MTP(MTPModule):
+    def _make_layout(self):
+        return DEEPSEEK_LAYOUT
+
+    def _make_block(self) -> nn.Module:
+        return DeepseekV3DecoderLayer(self.config, layer=self.config.num_hidden_layers)
+
+    def _make_rotary(self):
+        return DeepseekRotary(self.config)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> LatentKVCache:
         """A one-layer latent cache for the MTP block, in the weights' dtype and on their device."""
@@ -50,26 +42,3 @@ class DeepseekV3MTP(nn.Module):
             dtype=weight.dtype,
             device=weight.device,
         )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64, x_{p+1}
-        previous_hidden: torch.Tensor,  # [T, hidden], h_p: target post-norm hidden, or this module's output
-        positions: torch.Tensor,  # [T] int64 (see models.mtp for the convention)
-        kv_cache: LatentKVCache,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], the block output before shared_head.norm
-        check_token_inputs(input_ids, positions)
-        if previous_hidden.shape != (input_ids.shape[0], self.config.hidden_size):
-            raise ValueError(
-                f"previous_hidden has shape {tuple(previous_hidden.shape)}, expected "
-                f"({input_ids.shape[0]}, {self.config.hidden_size})"
-            )
-        e = self.enorm(self.embed_tokens(input_ids))
-        h = self.hnorm(previous_hidden.to(e.dtype))
-        x = self.eh_proj(torch.cat([e, h], dim=-1))
-        return self.block(x, self.rotary(positions, x.dtype), kv_cache, 0, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] (output of forward) → [N, vocab] float32
-        return self.shared_head.head(self.shared_head.norm(hidden)).float()
