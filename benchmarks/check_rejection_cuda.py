@@ -1,12 +1,17 @@
 """On a CUDA GPU: the Triton rejection sampler against the torch reference on the same device,
 for random ragged batches of every mode (greedy, one-hot, dense, sparse q), k = 0..5, odd vocab
-sizes and top-k / top-p. Prints the number of requests whose tokens differ (expected 0; rare
-one-ulp ties are possible, see kernels/rng.py) and exits 1 on any mismatch.
+sizes and top-k / top-p. Prints the number of requests whose tokens differ and exits 1 on any
+mismatch that is not a near-tie: on the GPU the race kernel takes log2 from the hardware's
+``lg2.approx`` (about 2 ulp) where the reference's torch.log2 is correctly rounded, so when two
+candidates' race scores agree to ~1e-6 (relative) the two may pick different winners. Such a request
+(same accepted drafts, only the recovered / bonus token differs, both tokens' reference scores
+within 1e-5) is reported as a near-tie, not a failure.
 
     python benchmarks/check_rejection_cuda.py [--cases 200]
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -15,10 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import SparseDraftProbs, rejection_sample  # noqa: E402
+from kernels.filtering import logit_thresholds  # noqa: E402
+from kernels.reference import LOG2E, densify  # noqa: E402
+from kernels.rng import row_key, vocab_clocks  # noqa: E402
+
+NEAR_TIE = 1e-5
 
 
-def case(gen: torch.Generator, i: int) -> dict:
-    dev = "cuda"
+def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     vocab = [100, 1000, 32000, 151936][i % 4]
     batch = int(torch.randint(1, 9, (1,), generator=gen))
     ks = torch.randint(0, 6, (batch,), generator=gen)
@@ -52,22 +61,54 @@ def case(gen: torch.Generator, i: int) -> dict:
     )
 
 
+def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> float:
+    """Relative gap between two tokens' race scores at request r's stop column, as the reference
+    computes them (from p, or from max(p - q, 0) when a dense / sparse draft was rejected)."""
+    if float(inputs["temperature"][r]) <= 0:  # greedy: an argmax, not a race, may not differ
+        return 1.0
+    cu = inputs["cu_num_draft"].tolist()
+    row = cu[r] + r + col
+    logits = inputs["target_logits"][row : row + 1].float()
+    t = inputs["temperature"][r : r + 1]
+    threshold = logit_thresholds(logits, t, inputs["top_k"][r : r + 1], inputs["top_p"][r : r + 1])
+    x = (logits / t[:, None]).masked_fill(logits < threshold[:, None], float("-inf"))[0]
+    clocks = vocab_clocks(row_key(inputs["seeds"][r : r + 1], inputs["positions"][r : r + 1] + col), x.numel())[0]
+    has_draft = col < cu[r + 1] - cu[r]
+    q = inputs["draft_probs"]
+    if q is not None and has_draft:
+        q = densify(q, x.numel()) if isinstance(q, SparseDraftProbs) else q
+        score = (x.softmax(-1) - q[cu[r] + col]).clamp(min=0) / clocks
+    else:
+        score = x * LOG2E - clocks.log2()
+    a, b = float(score[token_a]), float(score[token_b])
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 1.0
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", type=int, default=200)
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
-    bad_reqs = total_reqs = 0
+    bad_reqs = near_ties = total_reqs = 0
     for i in range(args.cases):
         inputs = case(gen, i)
         a = rejection_sample(**inputs, backend="triton")
         b = rejection_sample(**inputs, backend="reference")
         diff = (a.sampled != b.sampled).any(-1) | (a.num_sampled != b.num_sampled)
-        bad_reqs += int(diff.sum())
         total_reqs += diff.numel()
+        for r in diff.nonzero().flatten().tolist():
+            col = int(b.num_sampled[r]) - 1
+            same_prefix = int(a.num_sampled[r]) == col + 1 and torch.equal(a.sampled[r, :col], b.sampled[r, :col])
+            gap = race_gap(inputs, r, col, int(a.sampled[r, col]), int(b.sampled[r, col])) if same_prefix else 1.0
+            near_ties += gap < NEAR_TIE
+            bad_reqs += gap >= NEAR_TIE
+            ours, ref = a.sampled[r].tolist(), b.sampled[r].tolist()
+            print(f"case {i} request {r}: triton {ours} reference {ref}, race-score gap {gap:.1e}")
     print(
         f"triton vs reference on {torch.cuda.get_device_name()}: {args.cases} batches, {total_reqs} requests, "
-        f"{bad_reqs} differ"
+        f"{bad_reqs} differ, {near_ties} near-ties (< {NEAR_TIE:g} relative race-score gap)"
     )
     sys.exit(1 if bad_reqs else 0)
 

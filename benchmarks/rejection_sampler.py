@@ -4,10 +4,16 @@
         [--vllm-src DIR] [--quick]
 
 For every vocab in {32000, 151936}, batch in {1, 8, 64, 256}, drafts per request k in {1, 3, 5} and
-mode in {greedy, one_hot, dense, sparse} it times one verification step (median of
-``triton.testing.do_bench``) and reports the effective bandwidth: the bytes one read of the inputs
-takes (all logits rows, plus q for dense / sparse) over the time, against the H200's 4.8 TB/s.
-(The kernels read a rejected dense / sparse stop row twice, so actual traffic is a little higher.)
+mode in {greedy, one_hot, dense, sparse} it times one verification step two ways, for every sampler:
+
+- ``graph``: the step captured in a CUDA graph and replayed (``triton.testing.do_bench_cudagraph``):
+  GPU work only, as inside a CUDA-graphed engine step. The ratios and the bandwidth use this.
+- ``eager``: plain calls (``triton.testing.do_bench``): includes Python and launch overhead, which
+  on the H200 host (~8-25 µs per launch) dominates every small batch and moves run to run.
+
+A sampler that cannot be captured (a host sync inside) is timed eagerly in both columns, marked *.
+Bandwidth: the bytes one read of the logits takes (plus q's rows for dense / sparse: the kernels
+read q only at the draft and, when it is rejected, on the stop row), against 4.8 TB/s.
 
 Drafts are the target's argmax: greedy rows accept all, random rows accept with p(argmax). top-k /
 top-p are off and passed as None and ``max_num_draft`` is given, so our Triton path makes no host
@@ -55,6 +61,8 @@ def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str) -> 
         positions=torch.full((batch,), 1000, device=device, dtype=torch.int64),
         max_num_draft=k,
     )
+    if mode == "greedy":  # what the verifier passes when every request is greedy (as vLLM's all_greedy)
+        inputs["all_greedy"] = True
     if mode in ("dense", "sparse"):
         q = (torch.randn(batch * k, vocab_size, device=device, generator=gen) * 3).softmax(-1)
         if mode == "sparse":
@@ -69,46 +77,62 @@ def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str) -> 
 
 
 def input_bytes(inputs: dict) -> int:
+    """One read of the logits, plus q at the drafts' rows (the bytes the step must touch)."""
     n = inputs["target_logits"].numel() * inputs["target_logits"].element_size()
     q = inputs.get("draft_probs")
-    if isinstance(q, torch.Tensor):
-        n += q.numel() * q.element_size()
-    elif isinstance(q, SparseDraftProbs):
+    if isinstance(q, SparseDraftProbs):
         n += q.ids.numel() * q.ids.element_size() + q.probs.numel() * q.probs.element_size()
     return n
 
 
-def median_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+def eager_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> tuple[float, bool]:
+    """(median µs, captured?): replayed from a CUDA graph, or eager when fn cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3, True
+    except Exception:  # a host sync or an allocation pattern capture refuses
+        torch.cuda.synchronize()
+        return eager_us(fn), False
 
 
 def measure(vocab_size: int, batch: int, k: int, mode: str, vllm_samplers: dict) -> dict:
     inputs = make_inputs(vocab_size, batch, k, mode, "cuda")
     row = dict(vocab=vocab_size, batch=batch, k=k, mode=mode, bytes=input_bytes(inputs))
-    row["triton_us"] = median_us(lambda: rejection_sample(**inputs, backend="triton"))
-    row["reference_us"] = median_us(lambda: rejection_sample(**inputs, backend="reference"))
+    ours = lambda: rejection_sample(**inputs, backend="triton")  # noqa: E731
+    row["triton_us"], _ = graph_us(ours)
+    row["triton_eager_us"] = eager_us(ours)
+    row["reference_us"] = eager_us(lambda: rejection_sample(**inputs, backend="reference"))
     row["effective_gbps"] = row["bytes"] / (row["triton_us"] * 1e-6) / 1e9
     row["fraction_of_peak"] = row["effective_gbps"] * 1e9 / PEAK_BYTES_PER_S
-    row["mean_num_sampled"] = rejection_sample(**inputs, backend="triton").num_sampled.float().mean().item()
+    row["mean_num_sampled"] = ours().num_sampled.float().mean().item()
     for name, builder in vllm_samplers.items():
         row[f"vllm_{name}_us"] = None
         if callable(builder):
             try:
-                row[f"vllm_{name}_us"] = median_us(builder(inputs, batch, k, mode))
+                step = builder(inputs, batch, k, mode)
+                row[f"vllm_{name}_us"], row[f"vllm_{name}_captured"] = graph_us(step)
+                row[f"vllm_{name}_eager_us"] = eager_us(step)
             except Exception as err:  # report and keep going
                 row[f"vllm_{name}_error"] = repr(err)[:300]
     return row
 
 
 def markdown(rows: list[dict], vllm_names: list[str]) -> list[str]:
-    columns = ["vocab", "batch", "k", "mode", "triton µs", "reference µs", "vs reference"]
-    columns += [f"vLLM {n} µs" for n in vllm_names] + [f"vs vLLM {n}" for n in vllm_names]
-    lines = ["| " + " | ".join(columns + ["GB/s", "% of 4.8 TB/s"]) + " |", "|---" * (len(columns) + 2) + "|"]
+    columns = ["vocab", "batch", "k", "mode", "ours graph µs", "ours eager µs", "reference eager µs"]
+    columns += [f"vLLM {n} graph µs" for n in vllm_names] + [f"vLLM {n} eager µs" for n in vllm_names]
+    columns += [f"vs vLLM {n} (graph)" for n in vllm_names] + ["GB/s", "% of 4.8 TB/s"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
-        cells = [r["vocab"], r["batch"], r["k"], r["mode"], f"{r['triton_us']:.1f}", f"{r['reference_us']:.1f}"]
-        cells.append(f"{r['reference_us'] / r['triton_us']:.1f}x")
+        cells = [r["vocab"], r["batch"], r["k"], r["mode"], f"{r['triton_us']:.1f}", f"{r['triton_eager_us']:.1f}"]
+        cells.append(f"{r['reference_us']:.0f}")
         vllm = [r.get(f"vllm_{n}_us") for n in vllm_names]
-        cells += [f"{t:.1f}" if t else "-" for t in vllm] + [f"{t / r['triton_us']:.2f}x" if t else "-" for t in vllm]
+        marks = ["" if r.get(f"vllm_{n}_captured", True) else "*" for n in vllm_names]
+        cells += [f"{t:.1f}{m}" if t else "-" for t, m in zip(vllm, marks)]
+        cells += [f"{r[f'vllm_{n}_eager_us']:.1f}" if r.get(f"vllm_{n}_eager_us") else "-" for n in vllm_names]
+        cells += [f"{t / r['triton_us']:.2f}x" if t else "-" for t in vllm]
         cells += [f"{r['effective_gbps']:.0f}", f"{100 * r['fraction_of_peak']:.1f}%"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
@@ -153,6 +177,7 @@ def main() -> None:
     for name in vllm_names:
         ratios = [r[f"vllm_{name}_us"] / r["triton_us"] for r in rows if r.get(f"vllm_{name}_us")]
         summary[f"median_speedup_vs_vllm_{name}"] = statistics.median(ratios) if ratios else None
+        summary[f"min_speedup_vs_vllm_{name}"] = min(ratios) if ratios else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(summary=summary, results=rows), indent=2))
     print(f"\n{json.dumps(summary)}\nwrote {args.out}")

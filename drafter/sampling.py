@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rng import row_key, vocab_exponential
+from kernels.rng import row_key, vocab_clocks
 
 DRAFT_SALT = 0x2545F4914F6CDD1D  # < 2**63, so salted seeds stay valid int64
 
@@ -43,7 +43,7 @@ def pick_drafts(
     probs = torch.softmax(logits / t[:, None], dim=-1)  # [n, V]
     top_p, top_ids = probs.topk(k, dim=-1)  # [n, K]
     q = top_p / top_p.sum(dim=-1, keepdim=True)
-    clocks = vocab_exponential(row_key(seeds ^ DRAFT_SALT, positions), vocab).gather(1, top_ids)  # [n, K] Exp(1)
+    clocks = vocab_clocks(row_key(seeds ^ DRAFT_SALT, positions), vocab).gather(1, top_ids)  # [n, K]
     choice = (q / clocks).argmax(dim=-1, keepdim=True)  # exponential race: P(choice = j) = q_j
     tokens = torch.where(sampled, top_ids.gather(1, choice).squeeze(1), greedy)
     return DraftStep(tokens, top_ids, q)

@@ -19,13 +19,14 @@ Terms (used the same way in the Triton kernels):
 ``q`` is one-hot on the draft when no draft probabilities are given.
 
 Sampling without a normalisation pass is an exponential race: with independent clocks
-``E_i ~ Exp(1)``, ``argmax_i w_i / E_i`` is distributed as ``w / sum(w)``. The reference runs the
-race in the form the kernels use:
+``E_i ~ Exp(1)``, ``argmax_i w_i / E_i`` is distributed as ``w / sum(w)``, and so is
+``argmax_i w_i / C_i`` with ``C_i = E_i / ln 2 = -log2(u_i)`` (one scale for all clocks; base 2 is
+one GPU instruction). The reference runs the race in the form the kernels use:
 
-- from p (bonus rows, padded drafts, one-hot residual): ``argmax_i x_i - log E_i`` with
-  ``x = filtered logits / T`` (Gumbel-max; needs neither the max nor the sum of the row). The one-hot
-  residual ``max(p - onehot(d), 0)`` is p with d removed, so the draft simply drops out of the race.
-- dense or sparse q: ``argmax_i max(p_i - q_i, 0) / E_i``; if the residual is all zero (p == q up to
+- from p (bonus rows, padded drafts, one-hot residual): ``argmax_i x_i * log2(e) - log2 C_i`` with
+  ``x = filtered logits / T`` (Gumbel-max in base 2; needs neither the max nor the sum of the row).
+  The one-hot residual ``max(p - onehot(d), 0)`` is p with d removed, so the draft simply drops out.
+- dense or sparse q: ``argmax_i max(p_i - q_i, 0) / C_i``; if the residual is all zero (p == q up to
   rounding) the token comes from p.
 
 The clocks and uniforms come from ``kernels/rng.py``: a function of (seed, position + row, index),
@@ -35,8 +36,10 @@ so a request's output does not depend on the rest of the batch. Ties go to the l
 import torch
 
 from kernels.filtering import logit_thresholds
-from kernels.rng import accept_uniform, row_key, vocab_exponential
+from kernels.rng import accept_uniform, row_key, vocab_clocks
 from kernels.types import RejectionOutput, SparseDraftProbs
+
+LOG2E = 1.4426950408889634
 
 
 def densify(
@@ -96,7 +99,7 @@ def rejection_sample_reference(
     # Noise: one acceptance uniform per row, one Exp(1) clock per (row, token).
     key = row_key(seeds[req], positions[req] + row)
     u = accept_uniform(key)
-    clocks = vocab_exponential(key, vocab_size)
+    clocks = vocab_clocks(key, vocab_size)
 
     # Acceptance of each row's own draft.
     p_d = p.gather(1, d).squeeze(1)
@@ -109,7 +112,7 @@ def rejection_sample_reference(
     accepted = has_draft & torch.where(greedy, draft == target_argmax, accepted_random)
 
     # The token a request emits if it stops at this row: recovered (rejected row) or bonus.
-    race = x - clocks.log()
+    race = x * LOG2E - clocks.log2()
     if draft_probs is None:
         own_draft = torch.zeros_like(race, dtype=torch.bool).scatter_(1, d, has_draft[:, None])
         random_token = race.masked_fill(own_draft, float("-inf")).argmax(dim=-1)

@@ -28,6 +28,7 @@ def rejection_sample(
     draft_probs: SparseDraftProbs | torch.Tensor | None = None,  # None: one-hot; [num_draft_total, V]
     backend: str = "auto",  # "reference" | "triton" | "auto" (triton on CUDA, else reference)
     max_num_draft: int | None = None,  # known on the host: saves a device sync
+    all_greedy: bool = False,  # known on the host: every temperature is 0 (saves the race launch)
 ) -> RejectionOutput:
     """Verify every request's drafts against the target's logits in one step.
 
@@ -79,6 +80,7 @@ def rejection_sample(
         positions,
         draft_probs,
         max_num_draft,
+        all_greedy,
     )
 
 

@@ -1,24 +1,25 @@
 """Triton rejection sampler: the same function as ``kernels/reference.py``, on the GPU.
 
 Terms (accepted / recovered / bonus, x, p, q, the exponential race) are defined in the reference's
-docstring. Every logits row is cut into chunks of ``CHUNK`` vocabulary ids; the kernels
+docstring. Every logits row is cut into chunks of ``CHUNK`` vocabulary ids; two launches
 (``kernels/triton_rejection_kernels.py``):
 
-1. ``block_stats_kernel``, grid ``(num_reqs, max_num_draft + 1, num_chunks)``: the only full pass
-   over the logits. Per (row, chunk): online softmax statistics (max, sum of exp) and the winner of
-   the race from p, ``argmax x_i - log E_i`` (the row's own draft left out when q is one-hot, which
-   makes the winner the one-hot recovered token); greedy rows: the argmax.
-2. ``accept_kernel``, grid ``(num_reqs,)``: per request, rows in order until the first rejection:
-   combine the chunk statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff
-   ``u * q(d) < p(d)`` (greedy: ``d == argmax``); write ``sampled`` / ``num_sampled`` /
-   ``num_rejected`` with the race winner of the stop row (recovered or bonus).
-3. dense / sparse q only, when the stop row rejected a draft: ``residual_kernel``, grid
-   ``(num_reqs, num_chunks)``, races ``max(p_i - q_i, 0) / E_i`` over that one row (sparse q is
-   matched against the row's K ids in registers; no dense q is built), and
-   ``patch_residual_kernel``, grid ``(num_reqs,)``, writes the winner over the stop token.
+1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_chunks)``: the only full pass
+   over the logits. Per (row, chunk): online softmax statistics (max, sum of exp); greedy rows: the
+   argmax. The request's last program then walks its rows until the first rejection: combine the
+   chunk statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff ``u * q(d) < p(d)``
+   (greedy: ``d == argmax``), write ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy
+   requests are done here.
+2. ``race_kernel``, grid ``(num_reqs, num_chunks)``: for random requests only, the exponential race
+   on the one stop row: from p (bonus row, padded draft), from p without the rejected draft (one-hot
+   q), or from ``max(p - q, 0)`` (dense q, or sparse q matched against the row's K ids in registers;
+   no dense q is built). The last program writes the winner into the stop column. Skipped when the
+   caller says every request is greedy.
 
-So the logits are read once, plus one row per request that rejected a dense / sparse draft. Ties
-go to the lowest id everywhere, as in ``torch.argmax``.
+So the logits are read once, plus one row per random request, and the per-token noise (a hash and a
+log per vocabulary id) is computed for that one row only. Ties go to the lowest id everywhere, as in
+``torch.argmax``. Scratch buffers live in a per-(device, stream) workspace reused across calls, so a
+call allocates only its outputs.
 
 Top-k / top-p rows take a slower path: a per-row logit threshold from ``kernels/filtering.py`` (a
 sort, in torch, of those rows only) before the kernels run; the kernels mask ``logits < threshold``.
@@ -31,10 +32,52 @@ import torch
 import triton
 
 from kernels.filtering import row_thresholds
-from kernels.triton_rejection_kernels import accept_kernel, block_stats_kernel, patch_residual_kernel, residual_kernel
+from kernels.triton_rejection_kernels import race_kernel, stats_accept_kernel
 from kernels.types import RejectionOutput, SparseDraftProbs
 
 ONE_HOT, DENSE, SPARSE = 0, 1, 2
+# Launch shape on a GPU (the interpreter uses larger programs): vocabulary ids per program, ids per
+# tile, warps per program.
+GPU_CHUNK, GPU_BLOCK_V, GPU_NUM_WARPS = 8192, 1024, 4
+
+
+class _Workspace:
+    """Scratch buffers of one (device, stream), grown on demand; counters stay 0 between calls."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.floats = torch.empty(0, dtype=torch.float32, device=device)
+        self.ints = torch.empty(0, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def take(self, num_logits: int, num_reqs: int, num_blocks: int) -> tuple[torch.Tensor, ...]:
+        n_float = 2 * num_logits * num_blocks + 2 * num_reqs * num_blocks + 2 * num_reqs
+        n_int = num_logits * num_blocks + 2 * num_reqs * num_blocks + num_reqs
+        if self.floats.numel() < n_float:
+            self.floats = torch.empty(2 * n_float, dtype=torch.float32, device=self.device)
+        if self.ints.numel() < n_int:
+            self.ints = torch.empty(2 * n_int, dtype=torch.int32, device=self.device)
+        if self.counters.numel() < 2 * num_reqs:
+            self.counters = torch.zeros(4 * num_reqs, dtype=torch.int32, device=self.device)
+        rows, reqs = num_logits * num_blocks, num_reqs * num_blocks
+        block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = self.floats[:n_float].split(
+            [rows, rows, reqs, reqs, num_reqs, num_reqs]
+        )
+        block_token, race_token, fallback_token, race_mode = self.ints[:n_int].split([rows, reqs, reqs, num_reqs])
+        stats_counter, race_counter = self.counters[: 2 * num_reqs].split([num_reqs, num_reqs])
+        return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
+                race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
+
+
+_workspaces: dict[tuple, _Workspace] = {}
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = _Workspace(device)
+    return ws
 
 
 def rejection_sample_triton(
@@ -48,6 +91,7 @@ def rejection_sample_triton(
     positions: torch.Tensor,  # [num_reqs] int64
     draft_probs: SparseDraftProbs | torch.Tensor | None = None,
     max_num_draft: int | None = None,
+    all_greedy: bool = False,  # the caller knows every temperature is 0: no race launch
     chunk: int | None = None,  # vocabulary ids per program; default by device
 ) -> RejectionOutput:
     """Launches the kernels. Host syncs: one for ``max_num_draft`` unless given, one to find the
@@ -58,22 +102,25 @@ def rejection_sample_triton(
     num_reqs = cu_num_draft.numel() - 1
     if target_logits.stride(1) != 1:
         target_logits = target_logits.contiguous()
-    cu_num_draft = cu_num_draft.to(torch.int32)
-    draft_token_ids = draft_token_ids.to(torch.int64)
-    temperature = temperature.float()
-    seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
+    if cu_num_draft.dtype != torch.int32:
+        cu_num_draft = cu_num_draft.to(torch.int32)
+    if draft_token_ids.dtype != torch.int64:
+        draft_token_ids = draft_token_ids.to(torch.int64)
+    if temperature.dtype != torch.float32:
+        temperature = temperature.float()
+    if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
+        seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
     if max_num_draft is None:
         max_num_draft = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if num_reqs else 0
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
-    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=device)
-    num_rejected = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    num_sampled, num_rejected = torch.empty(2, num_reqs, dtype=torch.int32, device=device)
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 
     has_threshold = top_k is not None or top_p is not None
-    # Without filters the kernels read no threshold (no -inf fill to launch); the pointer is a placeholder.
+    # Without filters the kernels read no threshold; the pointer is a placeholder.
     threshold = (
         row_thresholds(target_logits, cu_num_draft, temperature, top_k, top_p) if has_threshold else target_logits
     )
@@ -88,41 +135,30 @@ def rejection_sample_triton(
 
     interpreted = device.type == "cpu"  # TRITON_INTERPRET: few, large programs run fastest
     if chunk is None:
-        chunk = min(triton.next_power_of_2(vocab_size), 32768 if interpreted else 4096)
-    block_v = min(chunk, 16384 if interpreted else 1024)
+        chunk = min(triton.next_power_of_2(vocab_size), 32768 if interpreted else GPU_CHUNK)
+    block_v = min(chunk, 16384 if interpreted else GPU_BLOCK_V)
+    num_warps = 4 if interpreted else GPU_NUM_WARPS
     num_blocks = triton.cdiv(vocab_size, chunk)
     num_blocks_pad = triton.next_power_of_2(num_blocks)
+    (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
+     race_best, race_token, fallback_best, fallback_token, race_counter) = _workspace(device).take(
+        num_logits, num_reqs, num_blocks)  # fmt: skip
 
-    stats = torch.empty(3, num_logits, num_blocks, dtype=torch.float32, device=device)
-    block_token = torch.empty(num_logits, num_blocks, dtype=torch.int32, device=device)
-    block_stats_kernel[(num_reqs, num_cols, num_blocks)](
+    stats_accept_kernel[(num_reqs, num_cols, num_blocks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
-        threshold, stats[0], stats[1], stats[2], block_token, vocab_size, num_blocks,
-        EXCLUDE_DRAFT=q_mode == ONE_HOT, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, num_warps=4,
+        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, stats_counter,
+        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size, num_blocks, num_cols,
+        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, NUM_BLOCKS_PAD=num_blocks_pad,
+        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=num_warps,
         enable_fp_fusion=False,
     )  # fmt: skip
-    stop_max, stop_sum = torch.empty(2, num_reqs, dtype=torch.float32, device=device)
-    needs_residual = torch.empty(num_reqs, dtype=torch.int8, device=device)  # accept_kernel writes every entry
-    accept_kernel[(num_reqs,)](
-        stats[0], stats[1], stats[2], block_token, target_logits, target_logits.stride(0), draft_token_ids,
-        cu_num_draft, temperature, seeds, positions, threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids,
-        sampled, num_sampled, num_rejected, stop_max, stop_sum, needs_residual, vocab_size, num_blocks, num_cols,
-        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, NUM_BLOCKS_PAD=num_blocks_pad,
-        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=1,
-        enable_fp_fusion=False,
-    )  # fmt: skip
-    if q_mode != ONE_HOT:
-        res_best = torch.empty(num_reqs, num_blocks, dtype=torch.float32, device=device)
-        res_token = torch.empty(num_reqs, num_blocks, dtype=torch.int32, device=device)
-        residual_kernel[(num_reqs, num_blocks)](
-            target_logits, target_logits.stride(0), cu_num_draft, temperature, seeds, positions, threshold,
-            q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, needs_residual,
-            res_best, res_token, vocab_size, num_blocks,
-            Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, num_warps=4,
+    if not all_greedy:
+        race_kernel[(num_reqs, num_blocks)](
+            target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
+            threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, race_mode,
+            race_best, race_token, fallback_best, fallback_token, race_counter, sampled, vocab_size, num_blocks,
+            num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v,
+            NUM_BLOCKS_PAD=num_blocks_pad, FAST_LOG2=not interpreted, num_warps=num_warps,
             enable_fp_fusion=False,
-        )  # fmt: skip
-        patch_residual_kernel[(num_reqs,)](
-            res_best, res_token, needs_residual, num_sampled, sampled, num_blocks, num_cols,
-            NUM_BLOCKS_PAD=num_blocks_pad, num_warps=1,
         )  # fmt: skip
     return RejectionOutput(sampled, num_sampled, num_rejected)

@@ -1,16 +1,28 @@
-"""The Triton kernels of the rejection sampler; ``kernels/triton_rejection.py`` launches them.
+"""The two Triton kernels of the rejection sampler; ``kernels/triton_rejection.py`` launches them.
 
 Vocabulary rows are cut into chunks of ``CHUNK`` ids, so even a batch of one request fills the GPU.
 Terms and the algorithm: ``kernels/reference.py``. Tensors named ``block_*`` hold one entry per
-(logits row, chunk); ``res_*`` one per (request, chunk).
+(logits row, chunk); ``race_*`` one per (request, chunk).
+
+Each kernel ends with a "last program of the request" step instead of a third launch: every program
+of a request bumps the request's counter after writing its chunk's result (release), and the program
+that sees the count complete (acquire) reduces the chunks, resets the counter to 0 for the next call
+and writes the request's output. Its loads of other programs' results bypass L1 (``.cg``).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.triton_rng import accept_uniform, row_key, vocab_exponential
+from kernels.triton_rng import accept_uniform, log2, row_key, vocab_clocks
 
 BIG_TOKEN = tl.constexpr(2147483647)
+LOG2E = tl.constexpr(1.4426950408889634)
+# What the race kernel does for a request (race_mode): nothing (greedy), the race from p (bonus row or
+# padded draft), the race from p without the rejected one-hot draft, or the residual max(p - q, 0).
+NO_RACE = tl.constexpr(0)
+RACE_P = tl.constexpr(1)
+RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
+RACE_RESIDUAL = tl.constexpr(3)
 
 
 @triton.jit
@@ -44,6 +56,24 @@ def _first_argmax(best, token):
 
 
 @triton.jit
+def _last_of_request(counter_ptr, req, total):
+    """Count this program as done; True for the request's last one, which also resets the counter."""
+    tl.debug_barrier()  # every thread's stores of this program happen before the release below
+    last = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel") == total - 1
+    if last:
+        tl.store(counter_ptr + req, 0)
+    return last
+
+
+@triton.jit
+def _reduce_chunks(best_ptr, token_ptr, chunks, in_blocks):
+    """The winner over a row's chunks, read past L1 (other programs wrote them)."""
+    bests = tl.load(best_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
+    tokens = tl.load(token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
+    return _first_argmax(bests, tokens)
+
+
+@triton.jit
 def _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_index, draft, has_draft,
                 Q_MODE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """q(d) of the row's own draft d; 0 where the row has no draft (nothing is read there)."""
@@ -61,7 +91,7 @@ def _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_index
 
 
 @triton.jit
-def block_stats_kernel(
+def stats_accept_kernel(
     logits_ptr,  # [num_logits, V] float32 / bf16 / fp16, unit stride along V
     logits_stride,
     draft_ids_ptr,  # [num_draft_total] int64; -1 = padded
@@ -69,19 +99,35 @@ def block_stats_kernel(
     temperature_ptr,  # [num_reqs] float32
     seeds_ptr,  # [num_reqs] int64
     positions_ptr,  # [num_reqs] int64
-    threshold_ptr,  # [num_logits] float32; -inf = no top-k/top-p (unused without HAS_THRESHOLD)
-    block_max_ptr,  # [num_logits, num_blocks] float32 out: max of x (random rows)
-    block_sum_ptr,  # [num_logits, num_blocks] float32 out: sum of exp(x - block max)
-    block_best_ptr,  # [num_logits, num_blocks] float32 out: best race score (greedy: max logit)
-    block_token_ptr,  # [num_logits, num_blocks] int32 out: its token
+    threshold_ptr,  # [num_logits] float32 (read only with HAS_THRESHOLD)
+    q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]; one-hot: unused
+    q_stride,
+    q_ids_ptr,  # sparse: ids [num_draft_total, K] int64; otherwise unused
+    q_ids_stride,
+    num_q_ids,  # K
+    block_max_ptr,  # [num_logits, num_blocks] float32: max of x (greedy rows: max logit)
+    block_sum_ptr,  # [num_logits, num_blocks] float32: sum of exp(x - block max) (random rows)
+    block_token_ptr,  # [num_logits, num_blocks] int32: argmax (greedy rows)
+    counter_ptr,  # [num_reqs] int32, 0 between calls
+    sampled_ptr,  # [num_reqs, num_cols] int64 out (the stop column is patched by race_kernel)
+    num_sampled_ptr,  # [num_reqs] int32 out
+    num_rejected_ptr,  # [num_reqs] int32 out
+    stop_max_ptr,  # [num_reqs] float32 out: softmax max of the stop row
+    stop_sum_ptr,  # [num_reqs] float32 out: softmax sum of the stop row
+    race_mode_ptr,  # [num_reqs] int32 out: what race_kernel does for the request
     vocab_size,
     num_blocks,
-    EXCLUDE_DRAFT: tl.constexpr,  # one-hot q: the own draft drops out of the race
-    HAS_THRESHOLD: tl.constexpr,  # False: no row filters (top-k / top-p), threshold_ptr is not read
+    num_cols,  # max_num_draft + 1
+    Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
+    HAS_THRESHOLD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
-    """Grid (num_reqs, max_num_draft + 1, num_blocks): one pass over one chunk of one row."""
+    """Grid (num_reqs, max_num_draft + 1, num_blocks): the one full pass over the logits, one chunk
+    of one row per program; the request's last program then walks its rows to the first rejection."""
     req = tl.program_id(0)
     row = tl.program_id(1)
     blk = tl.program_id(2)
@@ -93,84 +139,54 @@ def block_stats_kernel(
         out = logits_row * num_blocks + blk
         chunk_start = blk * CHUNK
         lane = tl.arange(0, BLOCK_V)
-        token = chunk_start + lane
         temperature = tl.load(temperature_ptr + req)
         if temperature <= 0:  # greedy: the argmax of the raw logits
             best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
                 logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
                 best, token = _lane_argmax(logits, offs, best, token)
-        else:
+            top, top_token = _first_argmax(best, token)
+            tl.store(block_max_ptr + out, top)
+            tl.store(block_token_ptr + out, top_token)
+        else:  # online softmax per lane, one exp per element
             inv_temperature = 1.0 / temperature
             threshold = _threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
-            key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + row)
-            excluded = tl.full([], -1, tl.int64)
-            if EXCLUDE_DRAFT:
-                excluded = tl.load(draft_ids_ptr + draft_start + row, mask=row < num_draft, other=-1)
             lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
             lane_sum = tl.zeros([BLOCK_V], tl.float32)
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
-                # Online softmax per lane, one exp per element: exp(smaller - larger) either
-                # rescales the running sum or is the new term.
+                x = _scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature)
+                # exp(smaller - larger) either rescales the running sum or is the new term.
                 new_max = tl.maximum(lane_max, x)
                 ratio = tl.exp(tl.minimum(lane_max, x) - tl.where(new_max == float("-inf"), 0.0, new_max))
                 lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
                 lane_max = new_max
-                # The race from p: argmax x - log E (Gumbel-max).
-                score = x - tl.log(vocab_exponential(key, offs))
-                score = tl.where(offs == excluded, float("-inf"), score)
-                best, token = _lane_argmax(score, offs, best, token)
             chunk_max = tl.max(lane_max, axis=0)
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
             tl.store(block_max_ptr + out, chunk_max)
             tl.store(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
-        top, top_token = _first_argmax(best, token)
-        tl.store(block_best_ptr + out, top)
-        tl.store(block_token_ptr + out, top_token)
+        if _last_of_request(counter_ptr, req, (num_draft + 1) * num_blocks):
+            _accept_request(
+                req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
+                positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
+                block_sum_ptr, block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
+                stop_sum_ptr, race_mode_ptr, vocab_size, num_blocks, num_cols,
+                Q_MODE, HAS_THRESHOLD, NUM_BLOCKS_PAD, BLOCK_K, BLOCK_COLS,
+            )  # fmt: skip
 
 
 @triton.jit
-def accept_kernel(
-    block_max_ptr,  # [num_logits, num_blocks] float32
-    block_sum_ptr,  # [num_logits, num_blocks] float32
-    block_best_ptr,  # [num_logits, num_blocks] float32
-    block_token_ptr,  # [num_logits, num_blocks] int32
-    logits_ptr,  # [num_logits, V]
-    logits_stride,
-    draft_ids_ptr,  # [num_draft_total] int64
-    cu_num_draft_ptr,  # [num_reqs + 1] int32
-    temperature_ptr,  # [num_reqs] float32
-    seeds_ptr,  # [num_reqs] int64
-    positions_ptr,  # [num_reqs] int64
-    threshold_ptr,  # [num_logits] float32
-    q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]; one-hot: unused
-    q_stride,
-    q_ids_ptr,  # sparse: ids [num_draft_total, K] int64; otherwise unused
-    q_ids_stride,
-    num_q_ids,  # K
-    sampled_ptr,  # [num_reqs, num_cols] int64 out
-    num_sampled_ptr,  # [num_reqs] int32 out
-    num_rejected_ptr,  # [num_reqs] int32 out
-    stop_max_ptr,  # [num_reqs] float32 out (dense / sparse): softmax max of the stop row
-    stop_sum_ptr,  # [num_reqs] float32 out (dense / sparse): softmax sum of the stop row
-    needs_residual_ptr,  # [num_reqs] int8 out (dense / sparse): the stop row rejected a draft
-    vocab_size,
-    num_blocks,
-    num_cols,  # max_num_draft + 1
-    Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
-    HAS_THRESHOLD: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _accept_request(
+    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr, positions_ptr,
+    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, block_token_ptr,
+    sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
+    vocab_size, num_blocks, num_cols,
+    Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-):
-    """Grid (num_reqs,): walk the rows until the first rejection; write the request's output."""
-    req = tl.program_id(0)
-    draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
-    num_draft = tl.load(cu_num_draft_ptr + req + 1).to(tl.int64) - draft_start
+):  # fmt: skip
+    """One request's rows in order until the first rejection; writes its output but the stop token
+    of a random row, which ``race_kernel`` samples (``race_mode`` says from what)."""
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature <= 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -181,26 +197,31 @@ def accept_kernel(
 
     searching = tl.full([], 1, tl.int32)
     num_accepted = num_draft
-    stop_token = tl.zeros([], tl.int32)
+    stop_token = tl.full([], -1, tl.int32)
     stop_max = tl.zeros([], tl.float32)
     stop_sum = tl.full([], 1.0, tl.float32)
-    needs_residual = tl.zeros([], tl.int32)
+    race_mode = tl.zeros([], tl.int32)
+    if Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
+        draft_race = tl.full([], RACE_P_EXCLUDE_DRAFT, tl.int32)
+    else:
+        draft_race = tl.full([], RACE_RESIDUAL, tl.int32)
     for j in range(0, num_draft + 1):
         if searching != 0:
             row = draft_start + req + j
             chunks = row * num_blocks + blocks
-            best = tl.load(block_best_ptr + chunks, mask=in_blocks, other=float("-inf"))
-            tokens = tl.load(block_token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN)
-            _, token = _first_argmax(best, tokens)
+            chunk_max = tl.load(block_max_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
             draft = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_draft, other=-1)
             has_draft = draft >= 0
             if greedy:
+                tokens = tl.load(block_token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
+                _, token = _first_argmax(chunk_max, tokens)
                 accepted = (has_draft & (draft == token)).to(tl.int32)
                 row_max = tl.zeros([], tl.float32)
                 row_sum = tl.full([], 1.0, tl.float32)
+                mode = tl.full([], NO_RACE, tl.int32)
             else:
-                chunk_max = tl.load(block_max_ptr + chunks, mask=in_blocks, other=float("-inf"))
-                chunk_sum = tl.load(block_sum_ptr + chunks, mask=in_blocks, other=0.0)
+                token = tl.full([], -1, tl.int32)
+                chunk_sum = tl.load(block_sum_ptr + chunks, mask=in_blocks, other=0.0, cache_modifier=".cg")
                 row_max = tl.max(chunk_max, axis=0)
                 row_sum = tl.sum(
                     tl.where(chunk_max == float("-inf"), 0.0, chunk_sum * tl.exp(chunk_max - row_max)), axis=0
@@ -215,13 +236,14 @@ def accept_kernel(
                                   safe_draft, has_draft, Q_MODE, BLOCK_K)  # fmt: skip
                 u = accept_uniform(row_key(seed, position + j))
                 accepted = (has_draft & (q_d > 0) & (u * q_d < p_d)).to(tl.int32)
+                mode = tl.where(has_draft, draft_race, RACE_P).to(tl.int32)
             if accepted == 0:
                 searching = tl.zeros([], tl.int32)
                 num_accepted = j
                 stop_token = token
                 stop_max = row_max
                 stop_sum = row_sum
-                needs_residual = (has_draft & (temperature > 0)).to(tl.int32)
+                race_mode = mode
 
     col = tl.arange(0, BLOCK_COLS)
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)
@@ -229,16 +251,16 @@ def accept_kernel(
     tl.store(sampled_ptr + req * num_cols + col, sampled, mask=col < num_cols)
     tl.store(num_sampled_ptr + req, (num_accepted + 1).to(tl.int32))
     tl.store(num_rejected_ptr + req, (num_draft - num_accepted).to(tl.int32))
-    if Q_MODE != 0:
-        tl.store(stop_max_ptr + req, stop_max)
-        tl.store(stop_sum_ptr + req, stop_sum)
-        tl.store(needs_residual_ptr + req, needs_residual.to(tl.int8))
+    tl.store(stop_max_ptr + req, stop_max)
+    tl.store(stop_sum_ptr + req, stop_sum)
+    tl.store(race_mode_ptr + req, race_mode)
 
 
 @triton.jit
-def residual_kernel(
+def race_kernel(
     logits_ptr,  # [num_logits, V]
     logits_stride,
+    draft_ids_ptr,  # [num_draft_total] int64
     cu_num_draft_ptr,  # [num_reqs + 1] int32
     temperature_ptr,  # [num_reqs] float32
     seeds_ptr,  # [num_reqs] int64
@@ -252,20 +274,29 @@ def residual_kernel(
     num_sampled_ptr,  # [num_reqs] int32: the stop row is num_sampled - 1
     stop_max_ptr,  # [num_reqs] float32
     stop_sum_ptr,  # [num_reqs] float32
-    needs_residual_ptr,  # [num_reqs] int8
-    res_best_ptr,  # [num_reqs, num_blocks] float32 out: best of max(p - q, 0) / E
-    res_token_ptr,  # [num_reqs, num_blocks] int32 out
+    race_mode_ptr,  # [num_reqs] int32
+    race_best_ptr,  # [num_reqs, num_blocks] float32: best race score of the chunk
+    race_token_ptr,  # [num_reqs, num_blocks] int32
+    fallback_best_ptr,  # [num_reqs, num_blocks] float32: residual rows: the race from p
+    fallback_token_ptr,  # [num_reqs, num_blocks] int32
+    counter_ptr,  # [num_reqs] int32, 0 between calls
+    sampled_ptr,  # [num_reqs, num_cols] int64 in/out
     vocab_size,
     num_blocks,
-    Q_MODE: tl.constexpr,  # 1 dense, 2 sparse
+    num_cols,
+    Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
     HAS_THRESHOLD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr,
+    FAST_LOG2: tl.constexpr,  # the GPU's lg2.approx (see kernels/triton_rng.py)
 ):
-    """Grid (num_reqs, num_blocks): the residual race on the rejected stop row, one chunk."""
+    """Grid (num_reqs, num_blocks): the exponential race on each random request's stop row, one
+    chunk per program; the request's last program writes the winner into the stop column."""
     req = tl.program_id(0)
     blk = tl.program_id(1)
-    if tl.load(needs_residual_ptr + req) != 0:
+    race_mode = tl.load(race_mode_ptr + req)
+    if race_mode != NO_RACE:
         draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
         j = tl.load(num_sampled_ptr + req).to(tl.int64) - 1
         row = draft_start + req + j
@@ -273,51 +304,58 @@ def residual_kernel(
         draft_index = draft_start + j
         inv_temperature = 1.0 / tl.load(temperature_ptr + req)
         threshold = _threshold(threshold_ptr, row, HAS_THRESHOLD)
-        row_max = tl.load(stop_max_ptr + req)
-        row_sum = tl.load(stop_sum_ptr + req)
         key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
         chunk_start = blk * CHUNK
         lane = tl.arange(0, BLOCK_V)
-        best = tl.full([BLOCK_V], -1.0, tl.float32)
-        token = chunk_start + lane
-        for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-            offs = start + lane
-            x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
-            p = tl.exp(x - row_max) / row_sum
-            if Q_MODE == 1:
-                q = tl.load(q_ptr + draft_index * q_stride + offs, mask=offs < vocab_size, other=0.0).to(tl.float32)
-            else:
-                q = tl.zeros([BLOCK_V], tl.float32)
-                for k in range(num_q_ids):
-                    q_id = tl.load(q_ids_ptr + draft_index * q_ids_stride + k)
-                    q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
-                    q += tl.where(offs == q_id, q_prob, 0.0)
-            race = tl.maximum(p - q, 0.0) / vocab_exponential(key, offs)
-            best, token = _lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
-        top, top_token = _first_argmax(best, token)
-        tl.store(res_best_ptr + req * num_blocks + blk, top)
-        tl.store(res_token_ptr + req * num_blocks + blk, top_token)
-
-
-@triton.jit
-def patch_residual_kernel(
-    res_best_ptr,  # [num_reqs, num_blocks] float32
-    res_token_ptr,  # [num_reqs, num_blocks] int32
-    needs_residual_ptr,  # [num_reqs] int8
-    num_sampled_ptr,  # [num_reqs] int32
-    sampled_ptr,  # [num_reqs, num_cols] int64 in/out
-    num_blocks,
-    num_cols,
-    NUM_BLOCKS_PAD: tl.constexpr,
-):
-    """Grid (num_reqs,): the residual race's winner replaces the stop token (if it has mass)."""
-    req = tl.program_id(0)
-    if tl.load(needs_residual_ptr + req) != 0:
-        blocks = tl.arange(0, NUM_BLOCKS_PAD)
-        in_blocks = blocks < num_blocks
-        best = tl.load(res_best_ptr + req * num_blocks + blocks, mask=in_blocks, other=-1.0)
-        tokens = tl.load(res_token_ptr + req * num_blocks + blocks, mask=in_blocks, other=BIG_TOKEN)
-        top, token = _first_argmax(best, tokens)
-        if top > 0:
-            col = tl.load(num_sampled_ptr + req) - 1
-            tl.store(sampled_ptr + req * num_cols + col, token.to(tl.int64))
+        out = req * num_blocks + blk
+        if race_mode == RACE_RESIDUAL:  # argmax max(p - q, 0) / C, and the race from p if that is all 0
+            row_max = tl.load(stop_max_ptr + req)
+            row_sum = tl.load(stop_sum_ptr + req)
+            best = tl.full([BLOCK_V], -1.0, tl.float32)
+            token = chunk_start + lane
+            p_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            p_token = chunk_start + lane
+            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
+                offs = start + lane
+                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
+                p = tl.exp(x - row_max) / row_sum
+                if Q_MODE == 1:
+                    q = tl.load(q_ptr + draft_index * q_stride + offs, mask=offs < vocab_size, other=0.0)
+                    q = q.to(tl.float32)
+                else:
+                    q = tl.zeros([BLOCK_V], tl.float32)
+                    for k in range(num_q_ids):
+                        q_id = tl.load(q_ids_ptr + draft_index * q_ids_stride + k)
+                        q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
+                        q += tl.where(offs == q_id, q_prob, 0.0)
+                clock = vocab_clocks(key, offs, FAST_LOG2)
+                race = tl.maximum(p - q, 0.0) / clock
+                best, token = _lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
+                p_best, p_token = _lane_argmax(x * LOG2E - log2(clock, FAST_LOG2), offs, p_best, p_token)
+            top, top_token = _first_argmax(best, token)
+            p_top, p_top_token = _first_argmax(p_best, p_token)
+            tl.store(fallback_best_ptr + out, p_top)
+            tl.store(fallback_token_ptr + out, p_top_token)
+        else:  # the race from p: argmax x log2(e) - log2 C (Gumbel-max), maybe without the rejected draft
+            excluded = tl.full([], -1, tl.int64)
+            if race_mode == RACE_P_EXCLUDE_DRAFT:
+                excluded = tl.load(draft_ids_ptr + draft_index)
+            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            token = chunk_start + lane
+            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
+                offs = start + lane
+                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
+                score = x * LOG2E - log2(vocab_clocks(key, offs, FAST_LOG2), FAST_LOG2)
+                score = tl.where(offs == excluded, float("-inf"), score)
+                best, token = _lane_argmax(score, offs, best, token)
+            top, top_token = _first_argmax(best, token)
+        tl.store(race_best_ptr + out, top)
+        tl.store(race_token_ptr + out, top_token)
+        if _last_of_request(counter_ptr, req, num_blocks):
+            blocks = tl.arange(0, NUM_BLOCKS_PAD)
+            in_blocks = blocks < num_blocks
+            chunks = req * num_blocks + blocks
+            top, winner = _reduce_chunks(race_best_ptr, race_token_ptr, chunks, in_blocks)
+            if (race_mode == RACE_RESIDUAL) & (top <= 0):  # no residual mass (p == q up to rounding)
+                _, winner = _reduce_chunks(fallback_best_ptr, fallback_token_ptr, chunks, in_blocks)
+            tl.store(sampled_ptr + req * num_cols + j, winner.to(tl.int64))

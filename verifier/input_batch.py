@@ -43,6 +43,11 @@ class InputBatch:
     seeds: torch.Tensor  # [num_sampling] int64
     first_logits_positions: torch.Tensor  # [num_sampling] int64
     draft_probs: SparseDraftProbs | None = None  # q of every draft when any request sampled its drafts
+    # Known on the host, so the sampler needs no device sync: every temperature is 0; some request
+    # uses top-k / top-p; the most drafts of one request.
+    all_greedy: bool = False
+    any_filter: bool = True
+    max_num_draft: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -156,6 +161,9 @@ def build_input_batch(
         seeds=t(seeds, torch.int64),
         first_logits_positions=t(first_pos, torch.int64),
         draft_probs=_batch_q(q_rows, device),
+        all_greedy=all(t == 0 for t in temps),
+        any_filter=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
+        max_num_draft=max(num_drafts, default=0),
     )
 
 

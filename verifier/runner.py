@@ -83,12 +83,14 @@ class VerifierRunner:
             batch.draft_token_ids,
             batch.cu_num_draft,
             batch.temperature,
-            batch.top_k,
-            batch.top_p,
+            batch.top_k if batch.any_filter else None,
+            batch.top_p if batch.any_filter else None,
             batch.seeds,
             batch.first_logits_positions,
             draft_probs=batch.draft_probs,
             backend=self.sampler_backend,
+            max_num_draft=batch.max_num_draft,
+            all_greedy=batch.all_greedy,
         )
         sampled = out.sampled.tolist()
         num_sampled = out.num_sampled.tolist()

@@ -21,7 +21,7 @@ def _noise_kernel(
     key = triton_rng.row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     tl.store(accept_ptr + row, triton_rng.accept_uniform(key))
     offs = tl.arange(0, BLOCK_V)
-    clocks = triton_rng.vocab_exponential(key, offs)
+    clocks = triton_rng.vocab_clocks(key, offs, False)
     tl.store(clocks_ptr + row * vocab_size + offs, clocks, mask=offs < vocab_size)
 
 
@@ -36,7 +36,7 @@ def test_triton_noise_equals_torch_noise():
 
     key = rng.row_key(seeds, counters)
     assert torch.equal(accept, rng.accept_uniform(key))
-    torch.testing.assert_close(clocks, rng.vocab_exponential(key, vocab_size), rtol=3e-7, atol=0)
+    torch.testing.assert_close(clocks, rng.vocab_clocks(key, vocab_size), rtol=3e-7, atol=0)
 
 
 def test_uniforms_are_open_interval_and_uniform():
@@ -49,7 +49,7 @@ def test_uniforms_are_open_interval_and_uniform():
 
 def test_noise_depends_on_seed_counter_and_index():
     key = rng.row_key(torch.tensor([5, 5, 6]), torch.tensor([10, 11, 10]))
-    clocks = rng.vocab_exponential(key, 50)
+    clocks = rng.vocab_clocks(key, 50)
     assert len({tuple(row.tolist()) for row in clocks}) == 3
     assert clocks[0].unique().numel() == 50
     assert rng.accept_uniform(key).unique().numel() == 3

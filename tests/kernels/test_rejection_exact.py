@@ -187,3 +187,24 @@ def test_noise_comes_from_seed_and_position_only():
     by_seed = rejection_sample(*args, torch.arange(64), torch.full((64,), 3))
     by_position = rejection_sample(*args, torch.full((64,), 7), torch.arange(64))
     assert by_seed.sampled.unique().numel() > 50 and by_position.sampled.unique().numel() > 50
+
+
+def test_host_hints_give_the_same_output(batch_factory, same_output):
+    """What the verifier knows on the host (every request greedy, the longest draft list, no top-k /
+    top-p) skips launches and syncs but must not change a token."""
+    batch = batch_factory(13, [3, 0, 2, 4], vocab_size=100, greedy=[True] * 4, hit_rate=0.7)
+    args = (batch.logits, batch.drafts, batch.cu_num_draft, batch.temperature)
+    hinted = rejection_sample(
+        *args, None, None, batch.seeds, batch.positions, backend="triton", max_num_draft=4, all_greedy=True
+    )
+    same_output(hinted, batch.sample("one_hot", "reference"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calls_of_different_shapes_reuse_the_workspace(batch_factory, same_output, mode):
+    """The kernels' scratch buffers and per-request counters persist between calls (counters must be
+    back at 0 after every call, buffers grow): small, larger, small again, all exact."""
+    small = batch_factory(17, [2, 1], vocab_size=100, hit_rate=0.8)
+    large = batch_factory(19, [3, 0, 2, 4, 1, 3, 2], vocab_size=300, hit_rate=0.8)
+    for batch in (small, large, small, small):
+        same_output(batch.sample(mode, chunk=32), batch.sample(mode, "reference"))

@@ -116,3 +116,24 @@ def test_hidden_states_are_float_rows_of_hidden_size(runner):
     assert out.hidden_states.dtype == torch.float32
     assert out.hidden_states.shape == (len(PROMPT), runner.model.config.hidden_size)
     runner.free(["h"])
+
+
+@pytest.mark.parametrize(
+    ("sampling", "all_greedy", "any_filter"),
+    [
+        ([common_pb2.SamplingParams(top_p=1.0)] * 2, True, False),
+        ([common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(temperature=0.7)], False, False),
+        ([common_pb2.SamplingParams(temperature=0.7, top_k=5)], False, True),
+        ([common_pb2.SamplingParams(temperature=0.7, top_p=0.9)], False, True),
+    ],
+)
+def test_input_batch_tells_the_sampler_what_the_host_knows(sampling, all_greedy, any_filter):
+    """all_greedy / any_filter / max_num_draft let the sampler skip a launch and every device sync;
+    a wrong flag would change tokens (greedy race skipped, filters ignored), so they must be exact."""
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    for i, sp in enumerate(sampling):
+        msg.requests.add(
+            request_id=f"r{i}", token_ids=[5, 6, 7, 8][: 2 + i], num_draft_tokens=1 + i, sample=True, sampling=sp
+        )
+    batch = build_input_batch(msg, vocab_size=100, max_model_len=64, num_cached_tokens=lambda rid: 0)
+    assert (batch.all_greedy, batch.any_filter, batch.max_num_draft) == (all_greedy, any_filter, len(sampling))
