@@ -17,6 +17,7 @@ from kernels.triton_rng import accept_uniform, log2, row_key, vocab_clocks
 
 BIG_TOKEN = tl.constexpr(2147483647)
 LOG2E = tl.constexpr(1.4426950408889634)
+NO_MAX = tl.constexpr(-3.0e38)  # running max before any finite x (logits are far above it)
 # What the race kernel does for a request (race_mode): nothing (greedy), the race from p (bonus row or
 # padded draft), the race from p without the rejected one-hot draft, or the residual max(p - q, 0).
 NO_RACE = tl.constexpr(0)
@@ -35,10 +36,13 @@ def _threshold(threshold_ptr, row, HAS_THRESHOLD: tl.constexpr):
 
 
 @triton.jit
-def _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature):
+def _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD: tl.constexpr):
     """x = logits / T where logits >= threshold, else -inf (also past the vocabulary)."""
     logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-    return tl.where(logits >= threshold, logits * inv_temperature, float("-inf"))
+    x = logits * inv_temperature
+    if HAS_THRESHOLD:
+        x = tl.where(logits >= threshold, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -153,16 +157,18 @@ def stats_accept_kernel(
         else:  # online softmax per lane, one exp per element
             inv_temperature = 1.0 / temperature
             threshold = _threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
-            lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            # A finite start (below any logit) keeps exp's argument finite without a guard per element.
+            lane_max = tl.full([BLOCK_V], NO_MAX, tl.float32)
             lane_sum = tl.zeros([BLOCK_V], tl.float32)
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                x = _scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature)
+                x = _scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
                 # exp(smaller - larger) either rescales the running sum or is the new term.
                 new_max = tl.maximum(lane_max, x)
-                ratio = tl.exp(tl.minimum(lane_max, x) - tl.where(new_max == float("-inf"), 0.0, new_max))
+                ratio = tl.exp(tl.minimum(lane_max, x) - new_max)
                 lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
                 lane_max = new_max
             chunk_max = tl.max(lane_max, axis=0)
+            chunk_max = tl.where(chunk_max == NO_MAX, float("-inf"), chunk_max)  # nothing but -inf here
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
             tl.store(block_max_ptr + out, chunk_max)
             tl.store(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
@@ -229,7 +235,7 @@ def _accept_request(
                 safe_draft = tl.maximum(draft, 0)
                 x_d = _scaled_logits(
                     logits_ptr + row * logits_stride, safe_draft, vocab_size,
-                    _threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature,
+                    _threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature, HAS_THRESHOLD,
                 )  # fmt: skip
                 p_d = tl.exp(x_d - row_max) / row_sum
                 q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + j,
@@ -317,7 +323,7 @@ def race_kernel(
             p_token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
-                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
+                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
                 p = tl.exp(x - row_max) / row_sum
                 if Q_MODE == 1:
                     q = tl.load(q_ptr + draft_index * q_stride + offs, mask=offs < vocab_size, other=0.0)
@@ -344,7 +350,7 @@ def race_kernel(
             token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
-                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature)
+                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
                 score = x * LOG2E - log2(vocab_clocks(key, offs, FAST_LOG2), FAST_LOG2)
                 score = tl.where(offs == excluded, float("-inf"), score)
                 best, token = _lane_argmax(score, offs, best, token)
