@@ -18,6 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
     p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
     p.add_argument(
@@ -50,7 +56,9 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()
-    mtp = await loop.run_in_executor(None, lambda: load_mtp(args.model, dtype=dtype, device=args.device))
+    mtp = await loop.run_in_executor(
+        None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+    )
     config = mtp.config
     info = common_pb2.ModelInfo(
         model=Path(args.model).resolve().name,

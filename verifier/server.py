@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -71,7 +77,9 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(None, lambda: load_target(args.model, dtype=dtype, device=args.device))
+    model = await loop.run_in_executor(
+        None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+    )
     config = model.config
     kv_cache = model.make_kv_cache(args.num_blocks, args.block_size)
     max_model_len = min(
