@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from protos import common_pb2, drafter_pb2
@@ -34,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -> None:
+    """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
+    `benchmarks/forced_drafter.py`)."""
     import torch
 
     from drafter.runner import DrafterRunner
@@ -71,8 +74,9 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         hidden_size=config.hidden_size,
     )
-    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k), info)
+    runner = DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k)
+    servicer.ready(wrap_runner(runner) if wrap_runner else runner, info)
     await server.mark_serving()
     announce("drafter", server.address)
     log.info("serving MTP of %s on %s", args.model, args.device)
-    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)
+    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain)

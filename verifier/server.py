@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--sampler", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
+    p.add_argument(
+        "--drafter-rpc",
+        default="stream",
+        choices=["stream", "unary"],
+        help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
+    )
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -71,7 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
         require_client_cert=True,
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls)
+    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc)
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
