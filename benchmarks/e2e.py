@@ -2,24 +2,35 @@
 in one process, at several batch sizes and k, side by side in one run.
 
 (a) target_only  — the in-process engine with k = 0 (scheduler → verifier runner, no drafter)
-(c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 (b) services     — coordinator, verifier and drafter as three processes on loopback gRPC
+(c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
-tokens/s = B * new_tokens / wall time; time per output token per request; iterations.
+tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
+breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
+checked against the target-only greedy output (lossless); a mismatch fails the run after printing.
 
-    python benchmarks/e2e.py --model checkpoints/demo --device cuda --dtype bfloat16 \
+--alpha forces acceptance (`benchmarks/forced_acceptance.py`): drafts are the target's own greedy
+continuation kept with probability alpha per position, so speed vs acceptance is measured on
+random-weight models whose own drafts mean nothing.
+
+    # demo checkpoint, real drafts
+    python benchmarks/e2e.py --model checkpoints/demo --device cuda --dtype bfloat16 \\
         --batches 1 8 32 64 --ks 1 2 3 [--out results.json]
+    # Qwen2-7B shape, random weights built on the GPU, forced acceptance (about 6 minutes on an H200)
+    python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda \\
+        --dtype bfloat16 --batches 1 8 32 64 --ks 1 2 3 --new-tokens 64 --repeats 2 --out e2e_7b.json
+    # CPU smoke run
+    python benchmarks/e2e.py --shape qwen2-tiny --load-format dummy --alpha 0.8 --batches 1 --ks 1 --new-tokens 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,178 +39,137 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordinator.config import SchedulerConfig  # noqa: E402
-from coordinator.request import Request, SamplingParams  # noqa: E402
-from coordinator.scheduler import Scheduler, VerifyResult  # noqa: E402
-from coordinator.wire import verify_request  # noqa: E402
-from drafter.runner import DrafterRunner, ProposeItem  # noqa: E402
-from models.loader import load_mtp, load_target  # noqa: E402
-from specsplit import Client  # noqa: E402
+from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services  # noqa: E402
+from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noqa: E402
+from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
+from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.launcher import LocalCluster  # noqa: E402
-from verifier.input_batch import build_input_batch  # noqa: E402
-from verifier.runner import VerifierRunner  # noqa: E402
 
 PROMPT_LEN = 64
 
 
-def prompts(model: str, batch: int) -> list[list[int]]:
-    """PROMPT_LEN-token windows of the demo checkpoint's held-out stdlib files (code the drafter
-    can predict), several windows per file when the batch needs more."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    listed = Path(model) / "heldout_files.txt"
-    names = listed.read_text().split() if listed.exists() else []
+def make_prompts(model: Path, count: int, vocab_size: int) -> list[list[int]]:
+    """PROMPT_LEN-token windows of the checkpoint's held-out stdlib files (code the drafter can
+    predict) when it lists them, else seeded random tokens. Prompts for a smaller batch are a
+    prefix of those for a larger one."""
     out: list[list[int]] = []
-    for name in names:
-        if (stdlib / name).is_file():
-            ids = tok.encode((stdlib / name).read_text(errors="replace"), add_special_tokens=False)
-            out += [ids[i : i + PROMPT_LEN] for i in range(0, len(ids) - 2 * PROMPT_LEN, 4 * PROMPT_LEN)]
-    if len(out) < batch:  # no held-out files here: random tokens (low acceptance)
-        g = torch.Generator().manual_seed(batch)
-        out += [torch.randint(3, tok.vocab_size, (PROMPT_LEN,), generator=g).tolist() for _ in range(batch)]
-    step = max(1, len(out) // batch)
-    return out[::step][:batch]
+    listed = model / "heldout_files.txt"
+    if listed.exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model))
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        for name in listed.read_text().split():
+            if (stdlib / name).is_file():
+                ids = tok.encode((stdlib / name).read_text(errors="replace"), add_special_tokens=False)
+                out += [ids[i : i + PROMPT_LEN] for i in range(0, len(ids) - 2 * PROMPT_LEN, 4 * PROMPT_LEN)]
+        out = out[:: max(1, len(out) // count)]
+    if len(out) < count:  # random tokens (low acceptance with real drafts)
+        g = torch.Generator().manual_seed(count)
+        out += [torch.randint(3, vocab_size, (PROMPT_LEN,), generator=g).tolist() for _ in range(count - len(out))]
+    return out[:count]
 
 
-class InProcessEngine:
-    """The services' objects wired directly: what disaggregation is measured against."""
-
-    def __init__(self, model: str, device: str, dtype: torch.dtype, num_blocks: int = 4096, block_size: int = 16):
-        self.target = load_target(model, dtype=dtype, device=device)
-        self.mtp = load_mtp(model, dtype=dtype, device=device)
-        self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
-
-    def run(self, batch_prompts: list[list[int]], new_tokens: int, k: int) -> tuple[float, int]:
-        cfg = self.target.config
-        verifier = VerifierRunner(self.target, self.target.make_kv_cache(self.num_blocks, self.block_size))
-        drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(self.num_blocks, self.block_size))
-        sched = Scheduler(
-            SchedulerConfig(
-                max_model_len=cfg.max_position_embeddings,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                num_speculative_tokens=k,
-                max_num_seqs=len(batch_prompts),
-                max_num_batched_tokens=max(2048, len(batch_prompts) * (k + 1)),
-            ),
-            eos_token_ids=[],
-        )
-        for i, p in enumerate(batch_prompts):
-            sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)))
-        iterations = 0
-        sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        while sched.running or sched.waiting:
-            out = sched.schedule()
-            batch = build_input_batch(
-                verify_request(out, "bench"),
-                vocab_size=cfg.vocab_size,
-                max_model_len=cfg.max_position_embeddings,
-                num_cached_tokens=verifier.kv_cache.num_tokens,
-                device=self.device,
-            )
-            verifier.free(out.finished_request_ids)
-            drafter.free(out.finished_request_ids)
-            step = verifier.step(batch)
-            drafts = [[] for _ in batch.req_ids]
-            if k > 0:
-                items = [
-                    ProposeItem(rid, step.start_positions[i], step.next_token_ids[i], batch.num_spec_tokens[i])
-                    for i, rid in enumerate(batch.req_ids)
-                ]
-                drafts = drafter.propose(items, step.hidden_states).drafts
-            results = [
-                VerifyResult(rid, step.sampled_token_ids[i], step.num_rejected[i], drafts[i])
-                for i, rid in enumerate(batch.req_ids)
-            ]
-            sched.update_from_output(out, results)
-            iterations += 1
-        sync()
-        return time.perf_counter() - t0, iterations
+def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], failures: list[str]) -> None:
+    for r in runs:
+        for i, (got, want) in enumerate(zip(r.outputs, expected)):
+            if got != want:
+                first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
-def run_services(cluster: LocalCluster, batch_prompts: list[list[int]], new_tokens: int, k: int) -> tuple[float, int]:
-    iterations = []
-
-    def one(p):
-        with Client(cluster.address, timeout=900) as client:
-            out = client.generate(prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k)
-            iterations.append(out.stats.num_iterations)
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in batch_prompts]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, max(iterations)
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "checkpoints" / "demo"))
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "demo", help="checkpoint directory")
+    where.add_argument("--shape", choices=sorted(SHAPES), help="a model shape from benchmarks/shapes.py")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--alpha", type=float, default=None, help="forced acceptance rate per draft position")
+    p.add_argument("--seed", type=int, default=0, help="seed of the forced-acceptance coin")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="median over this many runs per cell")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
+    p.add_argument("--drafter-rpc", default="stream", choices=["stream", "unary"], help="verifier → drafter")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    dtype = getattr(torch, args.dtype)
-    engine = InProcessEngine(args.model, args.device, dtype)
-    rows = []
-    max_k = max(args.ks)
+    if args.shape and args.load_format != "dummy":
+        p.error("--shape has no weights: add --load-format dummy")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    t_begin = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
+    model = write_shape(args.shape, work / args.shape) if args.shape else args.model
+    engine = InProcessEngine(str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks)
+    max_k, max_batch = max(args.ks), max(args.batches)
+    all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
+    reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
+    role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if args.alpha is not None:
+        oracle = Oracle([p + o for p, o in zip(all_prompts, reference)], engine.target.config.vocab_size)
+        oracle.save(work / "oracle.json")
+        engine.wrap_drafter = lambda runner: ForcedAcceptanceRunner(runner, oracle, args.alpha, args.seed)
+        forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(work / "oracle.json")]
+        role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
+    rows, failures = [], []
     with LocalCluster(
-        args.model,
+        str(model),
         num_speculative_tokens=max_k,
         device=args.device,
         dtype=args.dtype,
-        log_dir=tempfile.mkdtemp(prefix="specsplit-e2e-"),
+        log_dir=work / "logs",
+        load_format=args.load_format,
+        role_commands=role_commands,
+        env=env,
         coordinator_args=[
-            "--max-num-seqs",
-            str(max(args.batches)),
-            "--max-num-batched-tokens",
-            str(max(2048, max(args.batches) * (max_k + 1))),
+            *["--max-num-seqs", str(max_batch)],
+            *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
         ],
-        verifier_args=["--num-blocks", "4096"],
-        drafter_args=["--num-blocks", "4096"],
+        verifier_args=["--num-blocks", str(args.num_blocks), "--drafter-rpc", args.drafter_rpc],
+        drafter_args=["--num-blocks", str(args.num_blocks)],
     ) as cluster:
+        print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work / 'logs'}]", file=sys.stderr)
         for batch in args.batches:
-            ps = prompts(args.model, batch)
-            engine.run(ps[:1], 8, 1)  # warm-up (kernels, allocator)
-            run_services(cluster, ps[:1], 8, 1)
-            base = statistics.median(engine.run(ps, args.new_tokens, 0)[0] for _ in range(args.repeats))
-            rows.append(dict(batch=batch, k=0, mode="target_only", seconds=base))
-            for k in args.ks:
-                for mode in ("in_process", "services"):
-                    if mode == "in_process":
-                        runs = [engine.run(ps, args.new_tokens, k) for _ in range(args.repeats)]
-                    else:
-                        runs = [run_services(cluster, ps, args.new_tokens, k) for _ in range(args.repeats)]
-                    seconds = statistics.median(r[0] for r in runs)
-                    rows.append(dict(batch=batch, k=k, mode=mode, seconds=seconds, iterations=runs[0][1]))
-    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+            ps, expected = all_prompts[:batch], reference[:batch]
+            engine.run(ps, 4, max_k)  # warm-up (kernels, allocator, graphs) at this batch size
+            engine.run(ps, 4, 0)
+            run_services(cluster.address, ps, 4, max_k)
+            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", "services")]
+            for k, mode in cells:
+                t_cell = time.monotonic()
+                if mode == "services":
+                    runs = [run_services(cluster.address, ps, args.new_tokens, k) for _ in range(args.repeats)]
+                else:
+                    runs = [engine.run(ps, args.new_tokens, k) for _ in range(args.repeats)]
+                check_lossless(f"batch {batch} k {k} {mode}", runs, expected, failures)
+                rows.append(cell_row(batch, k, mode, args.new_tokens, runs))
+                print(f"[batch {batch} k {k} {mode}: {time.monotonic() - t_cell:.1f}s]", file=sys.stderr)
+    add_comparisons(rows)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
     print(
-        f"model {args.model} on {gpu} ({args.dtype}), prompts {PROMPT_LEN} tokens, {args.new_tokens} new tokens, "
-        f"held-out code prompts, greedy; median of {args.repeats}"
+        f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
+        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, verifier → drafter {args.drafter_rpc}; "
+        f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
     )
-    print("| batch | k | mode | tokens/s | ms per output token | speedup vs target-only | services / in-process |")
-    print("|---|---|---|---|---|---|---|")
-    by = {(r["batch"], r["k"], r["mode"]): r["seconds"] for r in rows}
-    for r in rows:
-        tps = r["batch"] * args.new_tokens / r["seconds"]
-        speedup = by[(r["batch"], 0, "target_only")] / r["seconds"]
-        ratio = f"{r['seconds'] / by[(r['batch'], r['k'], 'in_process')]:.2f}" if r["mode"] == "services" else "-"
-        print(
-            f"| {r['batch']} | {r['k']} | {r['mode']} | {tps:.0f} | {1e3 * r['seconds'] / args.new_tokens:.1f} | "
-            f"{speedup:.2f}x | {ratio} |"
-        )
+    print_tables(rows)
+    print(f"\nlossless: {'yes' if not failures else 'NO'} (every output equals the target-only greedy output)")
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "lossless_failures": failures},
+                indent=1,
+            )
+        )
+    if failures:
+        print("\n".join(failures[:20]), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

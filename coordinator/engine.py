@@ -9,6 +9,7 @@ the client already received is lost or repeated.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler, SchedulerOutput
 from coordinator.verify_stream import VerifyStream
-from protos import verifier_pb2_grpc
+from protos import coordinator_pb2, verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
 from specsplit.results import SpecStats
 from specsplit.telemetry import outgoing_metadata
@@ -78,6 +79,8 @@ class Engine:
         self.coordinator_id = uuid.uuid4().hex
         self._stream = VerifyStream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
+        # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
+        self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
         obs.observe_queue(scheduler)
 
     # ---- public API used by the servicer ---------------------------------------------------------
@@ -129,17 +132,19 @@ class Engine:
             try:
                 with trace.use_span(span, end_on_exit=True):
                     obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
-                    await self._iteration(output, span)
+                    await self._iteration(output, span, t_schedule)
             except grpc.RpcError as err:
                 await self._on_verify_error(output, err)
             finally:
                 obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
 
-    async def _iteration(self, output: SchedulerOutput, span: trace.Span) -> None:
+    async def _iteration(self, output: SchedulerOutput, span: trace.Span, t_schedule: int) -> None:
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
             request = wire.verify_request(output, self.coordinator_id)
             request.trace_context.update(outgoing_metadata())
+            t_sent = time.time_ns()
             response = await self._stream.verify(request)
+            t_received = time.time_ns()
         self._failing_since = None
         self._num_failures = 0
         self.num_iterations += 1
@@ -154,6 +159,18 @@ class Engine:
             self.acceptance.record(*obs.record_verify(span, output, results, response))
             for update in updates:
                 self._emit(update.request, update.new_token_ids, update.finished)
+        self.iteration_timings.append(
+            coordinator_pb2.IterationTiming(
+                iteration=output.iteration,
+                batch_size=len(output.scheduled),
+                num_draft_tokens=sum(s.num_draft_tokens for s in output.scheduled),
+                schedule_start_ns=t_schedule,
+                verify_sent_ns=t_sent,
+                verify_received_ns=t_received,
+                post_step_end_ns=time.time_ns(),
+                verifier=response.timing,
+            )
+        )
 
     def _emit(self, request: Request, new_token_ids: list[int], finished: bool) -> None:
         stream = self._streams.get(request.request_id)

@@ -100,4 +100,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_finished_requests=engine.num_finished,
             num_waiting=engine.scheduler.num_waiting,
             num_running=len(engine.scheduler.running),
+            iterations=list(engine.iteration_timings) if request.include_iterations else [],
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from protos import common_pb2, drafter_pb2
@@ -18,6 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
     p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
     p.add_argument(
@@ -28,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -> None:
+    """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
+    `benchmarks/forced_drafter.py`)."""
     import torch
 
     from drafter.runner import DrafterRunner
@@ -50,7 +59,9 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()
-    mtp = await loop.run_in_executor(None, lambda: load_mtp(args.model, dtype=dtype, device=args.device))
+    mtp = await loop.run_in_executor(
+        None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+    )
     config = mtp.config
     info = common_pb2.ModelInfo(
         model=Path(args.model).resolve().name,
@@ -63,8 +74,9 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         hidden_size=config.hidden_size,
     )
-    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k), info)
+    runner = DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k)
+    servicer.ready(wrap_runner(runner) if wrap_runner else runner, info)
     await server.mark_serving()
     announce("drafter", server.address)
     log.info("serving MTP of %s on %s", args.model, args.device)
-    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)
+    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain)

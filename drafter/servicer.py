@@ -1,4 +1,5 @@
-"""Drafter gRPC servicer: ProposeRequest → propose() → drafts."""
+"""Drafter gRPC servicer: ProposeRequest → propose() → drafts, one unary call or one message of a
+persistent ProposeStream per iteration."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from opentelemetry.trace import SpanKind
 from drafter.runner import DrafterRunner, ProposeItem
 from models.wire import tensor_from_proto, tensor_to_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
 from specsplit.telemetry import incoming_context
 
@@ -65,6 +67,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-step")
         self._lock = asyncio.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
+        self._draining = asyncio.Event()
 
         def queue_depth(_options):
             yield metrics.Observation(self._queued)
@@ -95,6 +98,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Propose(self, request, context):
         await self._require_ready(context)
+        try:
+            return await self._handle(request, incoming_context(context.invocation_metadata()))
+        except SpecsplitError as err:
+            await context.abort(err.code, err.message)
+
+    async def ProposeStream(self, request_iterator, context):
+        await self._require_ready(context)
+        requests = request_iterator.__aiter__()
+        while True:
+            request = await next_unless_draining(requests, self._draining)
+            if request is None:  # the verifier closed the stream, or SIGTERM arrived between iterations
+                return
+            parent = incoming_context(list(request.trace_context.items()))
+            try:
+                yield await self._handle(request, parent)
+            except SpecsplitError as err:
+                await context.abort(err.code, err.message)
+
+    def drain(self) -> None:
+        """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
+        self._draining.set()
+
+    async def _handle(self, request: drafter_pb2.ProposeRequest, parent) -> drafter_pb2.ProposeResponse:
+        """One Propose; raises SpecsplitError with the status the caller should get."""
         loop = asyncio.get_running_loop()
         t_arrival = time.time_ns()
         attrs = {
@@ -102,14 +129,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             "specsplit.batch_size": len(request.requests),
             "specsplit.hidden_state_bytes": len(request.hidden_states.data),
         }
-        parent = incoming_context(context.invocation_metadata())
         with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
             self._queued += 1
             try:
                 async with self._lock:
                     out = await loop.run_in_executor(self._executor, self._propose, request)
-            except SpecsplitError as err:
-                await context.abort(err.code, err.message)
             finally:
                 self._queued -= 1
             t0, t1, t2 = out.stamps_ns
@@ -117,12 +141,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if t2 > t1:
                 tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
         propose_latency.record((time.time_ns() - t_arrival) / 1e9)
-        response = drafter_pb2.ProposeResponse(step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns)
+        response = drafter_pb2.ProposeResponse(
+            step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=t_arrival
+        )
         for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
             d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
             if probs is not None:
                 d.draft_probs.token_ids.CopyFrom(tensor_to_proto(probs[0].to(torch.int32).cpu()))
                 d.draft_probs.probs.CopyFrom(tensor_to_proto(probs[1].to(torch.float32).cpu()))
+        response.replied_ns = time.time_ns()
         return response
 
     async def Free(self, request, context):

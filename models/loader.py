@@ -1,7 +1,8 @@
 """Builds models from a local Hugging Face checkpoint directory, loading only the tensors they need.
 
 Models are constructed on the meta device (no random init), then each parameter is read from its
-safetensors shard, checked against the expected shape, cast and assigned.
+safetensors shard, checked against the expected shape, cast and assigned. With
+`load_format="dummy"` only config.json is read and the weights are random (`models.dummy_weights`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target, is_deepseek_v3_checkpoint
+from models.dummy_weights import init_dummy_weights
 from models.mtp import MTPModule
 from models.target import TargetModel
 
@@ -29,9 +31,17 @@ def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
     return ModelConfig.from_pretrained(path)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_target(
-    path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | pathlib.Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> TargetModel:
+    """`load_format`: "auto" reads the safetensors; "dummy" builds seeded random weights on `device`."""
     path = _checkpoint_dir(path)
     config = load_config(path)
     with torch.device("meta"):
@@ -41,12 +51,16 @@ def load_target(
     def candidates(name: str) -> list[str]:
         return ["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else [name]
 
-    _load(model, path, candidates, dtype=dtype, device=device)
+    _fill(model, path, candidates, load_format, dtype=dtype, device=device)
     return model.eval()
 
 
 def load_mtp(
-    path: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | pathlib.Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> MTPModule | DeepseekV3MTP:
     """MTP layer 0 plus the shared embedding and LM head (see `models.mtp_layout` for the names)."""
     path = _checkpoint_dir(path)
@@ -58,7 +72,11 @@ def load_mtp(
         )
     with torch.device("meta"):
         model = DeepseekV3MTP(config) if isinstance(config, DeepseekV3Config) else MTPModule(config)
-    _load(model, path, lambda name: model.layout.checkpoint_candidates(config, name), dtype=dtype, device=device)
+
+    def candidates(name: str) -> list[str]:
+        return model.layout.checkpoint_candidates(config, name)
+
+    _fill(model, path, candidates, load_format, dtype=dtype, device=device)
     return model.eval()
 
 
@@ -71,6 +89,36 @@ def _checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     return path
+
+
+def _fill(
+    model: nn.Module,
+    path: pathlib.Path,
+    candidates: Callable[[str], list[str]],
+    load_format: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> None:
+    if load_format == "auto":
+        _load(model, path, candidates, dtype=dtype, device=device)
+    elif load_format == "dummy":
+        init_dummy_weights(
+            model,
+            lambda name: _shared_name(candidates(name)),
+            dtype=dtype,
+            device=device,
+            param_dtype=lambda name: _param_dtype(model, name, dtype),
+        )
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+
+
+def _shared_name(names: list[str]) -> str:
+    """The target's own tensor when a parameter may load from it (MTP embedding and head), so random
+    shared tensors are the same in the verifier and the drafter."""
+    shared = [n for n in names if n in ("model.embed_tokens.weight", "lm_head.weight")]
+    return shared[-1] if shared else names[0]
 
 
 def _tensor_index(path: pathlib.Path) -> dict[str, pathlib.Path]:

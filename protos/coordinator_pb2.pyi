@@ -1,4 +1,5 @@
 import common_pb2 as _common_pb2
+import verifier_pb2 as _verifier_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -64,17 +65,41 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_iterations",)
+    INCLUDE_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    include_iterations: bool
+    def __init__(self, include_iterations: _Optional[bool] = ...) -> None: ...
+
+class IterationTiming(_message.Message):
+    __slots__ = ("iteration", "batch_size", "num_draft_tokens", "schedule_start_ns", "verify_sent_ns", "verify_received_ns", "post_step_end_ns", "verifier")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_START_NS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    POST_STEP_END_NS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    batch_size: int
+    num_draft_tokens: int
+    schedule_start_ns: int
+    verify_sent_ns: int
+    verify_received_ns: int
+    post_step_end_ns: int
+    verifier: _verifier_pb2.VerifyTiming
+    def __init__(self, iteration: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., schedule_start_ns: _Optional[int] = ..., verify_sent_ns: _Optional[int] = ..., verify_received_ns: _Optional[int] = ..., post_step_end_ns: _Optional[int] = ..., verifier: _Optional[_Union[_verifier_pb2.VerifyTiming, _Mapping]] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("spec_stats", "num_finished_requests", "num_waiting", "num_running")
+    __slots__ = ("spec_stats", "num_finished_requests", "num_waiting", "num_running", "iterations")
     SPEC_STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     spec_stats: _common_pb2.SpecStats
     num_finished_requests: int
     num_waiting: int
     num_running: int
-    def __init__(self, spec_stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
+    iterations: _containers.RepeatedCompositeFieldContainer[IterationTiming]
+    def __init__(self, spec_stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., iterations: _Optional[_Iterable[_Union[IterationTiming, _Mapping]]] = ...) -> None: ...

@@ -41,6 +41,11 @@ class DrafterStub:
                 request_serializer=drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=drafter__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specsplit.v1.Drafter/ProposeStream',
+                request_serializer=drafter__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=drafter__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Free = channel.unary_unary(
                 '/specsplit.v1.Drafter/Free',
                 request_serializer=drafter__pb2.DrafterFreeRequest.SerializeToString,
@@ -59,6 +64,15 @@ class DrafterServicer:
 
     def Propose(self, request, context):
         """Takes the hidden states of an iteration's valid positions and proposes the next drafts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeStream(self, request_iterator, context):
+        """The same over one persistent stream: the verifier writes one ProposeRequest per iteration and
+        reads its ProposeResponse (in order), saving a call set-up per iteration. An error ends the
+        stream with that status (the verifier treats it as a failed Propose and opens a new stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=drafter__pb2.ProposeRequest.FromString,
+                    response_serializer=drafter__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=drafter__pb2.ProposeRequest.FromString,
                     response_serializer=drafter__pb2.ProposeResponse.SerializeToString,
             ),
@@ -123,6 +142,33 @@ class Drafter:
             request,
             target,
             '/specsplit.v1.Drafter/Propose',
+            drafter__pb2.ProposeRequest.SerializeToString,
+            drafter__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.Drafter/ProposeStream',
             drafter__pb2.ProposeRequest.SerializeToString,
             drafter__pb2.ProposeResponse.FromString,
             options,

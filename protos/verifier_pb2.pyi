@@ -65,16 +65,32 @@ class VerifiedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
 
 class VerifyTiming(_message.Message):
-    __slots__ = ("prepare_ns", "forward_ns", "sample_ns", "propose_ns")
+    __slots__ = ("prepare_ns", "forward_ns", "sample_ns", "propose_ns", "received_ns", "replied_ns", "propose_sent_ns", "propose_received_ns", "drafter_received_ns", "drafter_replied_ns", "step0_ns", "later_steps_ns")
     PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_NS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLIED_NS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_REPLIED_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP0_NS_FIELD_NUMBER: _ClassVar[int]
+    LATER_STEPS_NS_FIELD_NUMBER: _ClassVar[int]
     prepare_ns: int
     forward_ns: int
     sample_ns: int
     propose_ns: int
-    def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., propose_ns: _Optional[int] = ...) -> None: ...
+    received_ns: int
+    replied_ns: int
+    propose_sent_ns: int
+    propose_received_ns: int
+    drafter_received_ns: int
+    drafter_replied_ns: int
+    step0_ns: int
+    later_steps_ns: int
+    def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., propose_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., replied_ns: _Optional[int] = ..., propose_sent_ns: _Optional[int] = ..., propose_received_ns: _Optional[int] = ..., drafter_received_ns: _Optional[int] = ..., drafter_replied_ns: _Optional[int] = ..., step0_ns: _Optional[int] = ..., later_steps_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "drafter_ok", "drafter_error", "timing", "hidden_state_bytes")

@@ -44,6 +44,7 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
     )
     stop = {"now": False}
 
@@ -206,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="float32")
+    up.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from config.json"
+    )
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)
 

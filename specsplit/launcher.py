@@ -2,6 +2,8 @@
 
 Each child runs `python -m specsplit serve <role> …`, so its command line names its role and
 operators can find and signal it. Ports are picked free up front so the three load in parallel.
+`role_commands` replaces that program for a role (e.g. a benchmark's wrapped drafter); the role's
+usual arguments follow it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class LocalCluster:
         coordinator_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         tls_dir: str | Path | None = None,
+        load_format: str = "auto",
+        role_commands: dict[str, list[str]] | None = None,
     ):
         self.model = str(model)
         self.k = num_speculative_tokens
@@ -74,18 +78,17 @@ class LocalCluster:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.services: dict[str, Service] = {}
         self.tls_dir = str(tls_dir) if tls_dir else None
+        self.load_format = load_format
+        self.role_commands = role_commands or {}
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def command(self, role: str, port: int, peer: str | None = None) -> list[str]:
+        program = self.role_commands.get(role, [sys.executable, "-m", "specsplit", "serve", role])
         cmd = [
-            sys.executable,
-            "-m",
-            "specsplit",
-            "serve",
-            role,
+            *program,
             "--host",
             self.host,
             "--port",
@@ -94,7 +97,7 @@ class LocalCluster:
             self.model,
         ]
         if role in ("verifier", "drafter"):
-            cmd += ["--device", self.device, "--dtype", self.dtype]
+            cmd += ["--device", self.device, "--dtype", self.dtype, "--load-format", self.load_format]
         if role == "verifier" and peer:
             cmd += ["--drafter", peer]
         if role == "coordinator":

@@ -1,10 +1,13 @@
 """Sends an iteration's hidden states to the drafter replicas and brings back their drafts.
 
-The batch is split by the replica that owns each request (`DrafterPool`): one Propose call per
-replica, all concurrent, drafts merged back in batch order. Losing a replica never changes output:
-its requests get no drafts this iteration and are placed on another replica from the next one on;
-with no replica at all, requests decode plainly. Frees go to the replica that owned the request,
-with its next call (or alone, in a Free call, when it has no request this iteration).
+The batch is split by the replica that owns each request (`DrafterPool`): one Propose per
+replica, all concurrent, drafts merged back in batch order. Each replica gets one persistent
+`ProposeStream` (one message each way per iteration; `rpc="unary"`: one unary Propose call per
+iteration instead); a broken stream fails exactly like a failed unary call and is reopened.
+Losing a replica never changes output: its requests get no drafts this iteration and are placed on
+another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
+the replica that owned the request, with its next call (or alone, in a Free call, when it has no
+request this iteration).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from models.wire import tensor_to_proto
 from protos import common_pb2, drafter_pb2
+from specsplit.bidi_stream import BidiStream
 from specsplit.security import TlsFiles
 from specsplit.telemetry import outgoing_metadata
 from verifier.drafter_pool import DrafterPool, Replica, ReplicaStats, parse_targets
@@ -36,6 +40,14 @@ class Proposal:
     hidden_state_bytes: int = 0
     propose_ns: int = 0
     draft_probs: list[common_pb2.DraftProbs | None] | None = None  # per request, for sampled drafts
+    # Wall-clock stamps (Unix ns) of the first replica called: verifier sent / got the answer back,
+    # drafter received / replied; and that drafter's MTP step 0 and steps 1..k-1 times.
+    sent_ns: int = 0
+    received_ns: int = 0
+    drafter_received_ns: int = 0
+    drafter_replied_ns: int = 0
+    step0_ns: int = 0
+    later_steps_ns: int = 0
 
 
 @dataclass
@@ -76,10 +88,15 @@ class DrafterClient:
         *,
         tls: TlsFiles | None = None,
         pool: DrafterPool | None = None,
+        rpc: str = "stream",
     ):
+        if rpc not in ("stream", "unary"):
+            raise ValueError(f"drafter rpc must be 'stream' or 'unary', got {rpc!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
+        self.rpc = rpc
+        self._streams: dict[str, tuple[object, BidiStream]] = {}  # address -> (stub it was opened on, stream)
 
     def free(self, request_ids: list[str]) -> None:
         self.pool.free(request_ids)
@@ -116,40 +133,63 @@ class DrafterClient:
             if owner is not None:
                 groups.setdefault(owner, []).append(i)
         t0 = time.perf_counter_ns()
+        sent_ns = time.time_ns()
         replicas = self.pool.replicas  # read now: DNS re-resolution may change the set meanwhile
         calls = [self._propose_on(replicas[addr], plan, indices) for addr, indices in groups.items()]
         calls += [self._free_on(replicas[addr]) for addr in self.pool.healthy() if addr not in groups]
         results = await asyncio.gather(*calls)
         elapsed = time.perf_counter_ns() - t0
-        drafts, probs, errors = no_drafts, [None] * num_reqs, []
-        for (addr, indices), (got, error) in zip(groups.items(), results):
+        proposal = Proposal(True, no_drafts, "", nbytes, elapsed, [None] * num_reqs, sent_ns, time.time_ns())
+        errors = []
+        for (addr, indices), (resp, error) in zip(groups.items(), results):
             if error:
                 errors.append(f"{addr}: {error}")
                 continue
-            for i, d in zip(indices, got):
-                drafts[i] = list(d.token_ids)
-                probs[i] = d.draft_probs if d.HasField("draft_probs") else None
+            if not proposal.drafter_received_ns:
+                proposal.drafter_received_ns, proposal.drafter_replied_ns = resp.received_ns, resp.replied_ns
+                proposal.step0_ns, proposal.later_steps_ns = resp.step0_ns, resp.later_steps_ns
+            for i, d in zip(indices, resp.drafts):
+                proposal.drafts[i] = list(d.token_ids)
+                proposal.draft_probs[i] = d.draft_probs if d.HasField("draft_probs") else None
         if None in owners and num_reqs:
             errors.append("no healthy drafter replica")
-        return Proposal(not errors, drafts, "; ".join(errors), nbytes, elapsed, probs)
+        proposal.ok, proposal.error = not errors, "; ".join(errors)
+        return proposal
 
-    async def _propose_on(self, replica: Replica, plan: ProposeBatch, indices: list[int]) -> tuple[list, str]:
+    async def _propose_on(
+        self, replica: Replica, plan: ProposeBatch, indices: list[int]
+    ) -> tuple[drafter_pb2.ProposeResponse | None, str]:
         address = replica.address
         finished = list(replica.pending_free)
         try:
             msg = plan.message(indices, finished)
-            resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+            if self.rpc == "unary":
+                resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+            else:
+                msg.trace_context.update(outgoing_metadata())
+                resp = await self._stream(replica).call(msg)
         except grpc.RpcError as err:
             error = f"{err.code().name}: {err.details()}"
             self.pool.record_call(address, len(indices), error)
-            return [], error
+            return None, error
         del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
         if len(resp.drafts) != len(indices):
             error = f"returned {len(resp.drafts)} drafts for {len(indices)} requests"
             self.pool.record_call(address, len(indices), error)
-            return [], error
+            return None, error
         self.pool.record_call(address, len(indices))
-        return list(resp.drafts), ""
+        return resp, ""
+
+    def _stream(self, replica: Replica) -> BidiStream:
+        """The replica's ProposeStream, reopened on its current channel (a failed replica gets a fresh
+        channel from its health probe; a stream that failed has closed itself)."""
+        stub, stream = self._streams.get(replica.address, (None, None))
+        if stub is not replica.stub:
+            if stream is not None:
+                stream.close()
+            stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, f"drafter {replica.address}")
+            self._streams[replica.address] = (replica.stub, stream)
+        return stream
 
     async def _free_on(self, replica: Replica) -> None:
         address = replica.address
@@ -166,6 +206,8 @@ class DrafterClient:
         self.pool.record_call(address, 0)
 
     async def close(self) -> None:
+        for _, stream in self._streams.values():
+            stream.close()
         await self.pool.close()
 
 

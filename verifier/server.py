@@ -24,11 +24,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--sampler", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
+    p.add_argument(
+        "--drafter-rpc",
+        default="stream",
+        choices=["stream", "unary"],
+        help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
+    )
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -65,13 +77,15 @@ async def serve(args: argparse.Namespace) -> None:
         require_client_cert=True,
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls)
+    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc)
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(None, lambda: load_target(args.model, dtype=dtype, device=args.device))
+    model = await loop.run_in_executor(
+        None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+    )
     config = model.config
     kv_cache = model.make_kv_cache(args.num_blocks, args.block_size)
     max_model_len = min(

@@ -13,6 +13,7 @@ from opentelemetry.trace import SpanKind
 
 from models.kv_cache import PagedKVCache
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.telemetry import incoming_context
 from verifier.drafter_client import DrafterClient, sampling_of
@@ -91,7 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         await self._require_ready(context)
         requests = request_iterator.__aiter__()
         while True:
-            request = await self._next_unless_draining(requests)
+            request = await next_unless_draining(requests, self._draining)
             if request is None:  # the caller closed the stream, or SIGTERM arrived between iterations
                 return
             try:
@@ -103,19 +104,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
         self._draining.set()
 
-    async def _next_unless_draining(self, requests):
-        next_request = asyncio.ensure_future(requests.__anext__())
-        draining = asyncio.ensure_future(self._draining.wait())
-        done, _ = await asyncio.wait({next_request, draining}, return_when=asyncio.FIRST_COMPLETED)
-        draining.cancel()
-        if next_request not in done:
-            next_request.cancel()
-            return None
-        try:
-            return next_request.result()
-        except StopAsyncIteration:
-            return None
-
     @staticmethod
     def _parent(request: verifier_pb2.VerifyRequest, context):
         """The caller's trace context: per message on streams, else from the call's metadata."""
@@ -125,6 +113,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def _verify(self, request: verifier_pb2.VerifyRequest, parent) -> verifier_pb2.VerifyResponse:
         """One iteration; raises SpecsplitError with the status the caller should get."""
+        received_ns = time.time_ns()
         loop = asyncio.get_running_loop()
         attrs = {"specsplit.iteration": request.iteration, "specsplit.batch_size": len(request.requests)}
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
@@ -155,6 +144,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 forward_ns=step.forward_ns,
                 sample_ns=step.sample_ns,
                 propose_ns=proposal.propose_ns,
+                received_ns=received_ns,
+                propose_sent_ns=proposal.sent_ns,
+                propose_received_ns=proposal.received_ns,
+                drafter_received_ns=proposal.drafter_received_ns,
+                drafter_replied_ns=proposal.drafter_replied_ns,
+                step0_ns=proposal.step0_ns,
+                later_steps_ns=proposal.later_steps_ns,
             ),
         )
         probs = proposal.draft_probs or [None] * batch.num_reqs
@@ -167,6 +163,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
             if batch.sample[i] and probs[i] is not None:
                 result.draft_probs.CopyFrom(probs[i])
+        response.timing.replied_ns = time.time_ns()
         return response
 
     async def Free(self, request, context):

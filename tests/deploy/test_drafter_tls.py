@@ -54,6 +54,10 @@ class EchoDrafter(drafter_pb2_grpc.DrafterServicer):
     async def Propose(self, request, context):
         return drafter_pb2.ProposeResponse(drafts=[drafter_pb2.Drafts(token_ids=[9]) for _ in request.requests])
 
+    async def ProposeStream(self, request_iterator, context):
+        async for request in request_iterator:
+            yield await self.Propose(request, context)
+
 
 def test_drafters_found_by_dns_are_checked_against_the_service_name():
     tls = tls_files("drafters.test")

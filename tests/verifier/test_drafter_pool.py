@@ -28,6 +28,14 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.tag = tag
         self.seen: list[str] = []  # request ids proposed for, in call order
         self.freed: list[str] = []
+        self.streams = 0  # ProposeStream calls opened
+        self.trace_contexts: list[dict[str, str]] = []  # per streamed message
+
+    async def ProposeStream(self, request_iterator, context):
+        self.streams += 1
+        async for request in request_iterator:
+            self.trace_contexts.append(dict(request.trace_context))
+            yield await self.Propose(request, context)
 
     async def Propose(self, request, context):
         self.freed.extend(request.finished_request_ids)
@@ -146,11 +154,12 @@ def test_requests_stick_to_one_replica_and_drafts_merge_in_batch_order():
     asyncio.run(body())
 
 
-def test_a_lost_replica_hands_its_requests_over_and_is_used_again_when_back():
+@pytest.mark.parametrize("rpc", ["stream", "unary"])
+def test_a_lost_replica_hands_its_requests_over_and_is_used_again_when_back(rpc):
     async def body():
         a, b = await Replica(1).start(), await Replica(2).start()
         pool = DrafterPool([a.address, b.address], backoff_s=(0.05, 0.2), probe_timeout_s=0.5)
-        client = DrafterClient(None, timeout_s=2, pool=pool)
+        client = DrafterClient(None, timeout_s=2, pool=pool, rpc=rpc)
         rids = [f"r{i}" for i in range(16)]
         before = drafted_by((await propose(client, rids))[0])
         on_b = [r for r, tag in zip(rids, before) if tag == 2]
@@ -174,6 +183,39 @@ def test_a_lost_replica_hands_its_requests_over_and_is_used_again_when_back():
         await client.close()
         await a.stop()
         await b.stop()
+
+    asyncio.run(body())
+
+
+def test_one_persistent_stream_per_replica_carries_every_iteration():
+    async def body():
+        a = await Replica(1).start()
+        client = DrafterClient(a.address, timeout_s=5)
+        for _ in range(4):
+            proposal, offsets = await propose(client, ["r0", "r1"])
+            assert proposal.ok and [d[0] for d in proposal.drafts] == offsets
+        assert a.fake.streams == 1 and len(a.fake.trace_contexts) == 4  # one message per iteration
+        await client.close()
+        await a.stop()
+
+    asyncio.run(body())
+
+
+def test_a_replica_that_dies_mid_stream_fails_the_iteration_and_a_new_stream_opens_when_it_is_back():
+    async def body():
+        a = await Replica(1).start()
+        pool = DrafterPool([a.address], backoff_s=(0.05, 0.2), probe_timeout_s=0.5)
+        client = DrafterClient(None, timeout_s=2, pool=pool)
+        assert (await propose(client, ["r0"]))[0].ok
+        await a.stop()  # the open stream breaks under the client
+        lost, _ = await propose(client, ["r0"])
+        assert not lost.ok and lost.drafts == [[]] and a.address in lost.error
+        a = await a.restart()
+        await wait_for(lambda: a.address in pool.healthy())
+        back, _ = await propose(client, ["r0"])
+        assert back.ok and a.fake.streams == 1  # the restarted server sees one new stream
+        await client.close()
+        await a.stop()
 
     asyncio.run(body())
 

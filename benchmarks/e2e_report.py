@@ -1,0 +1,76 @@
+"""Turns the benchmark's runs into rows (medians per cell) and prints them as Markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.e2e_modes import BREAKDOWN, RunResult
+from specsplit.results import SpecStats
+
+
+def acceptance_per_position(stats: SpecStats) -> list[float]:
+    """P(draft i accepted | drafts before it accepted): ≈ alpha at every position under forced acceptance."""
+    out, reached = [], stats.num_drafts
+    for accepted in stats.accepted_per_position:
+        out.append(accepted / reached if reached else 0.0)
+        reached = accepted
+    return out
+
+
+def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResult]) -> dict:
+    seconds = statistics.median(r.seconds for r in runs)
+    stats = SpecStats()
+    for r in runs:
+        stats.merge(r.stats)
+    iterations = [row for r in runs for row in r.breakdown]
+    return {
+        "batch": batch,
+        "k": k,
+        "mode": mode,
+        "seconds": seconds,
+        "tokens_per_s": batch * new_tokens / seconds,
+        "ms_per_output_token": 1e3 * seconds / new_tokens,
+        "iterations": statistics.median(r.num_iterations for r in runs),
+        "acceptance_per_position": acceptance_per_position(stats),
+        "breakdown_ms": {key: statistics.median(row[key] for row in iterations) for key in BREAKDOWN},
+    }
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """speedup = target-only time / this time; overhead = services / in-process − 1 (wall time and
+    median iteration time)."""
+    by = {(r["batch"], r["k"], r["mode"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["batch"], 0, "target_only"))
+        r["speedup"] = base["seconds"] / r["seconds"] if base else None
+        twin = by.get((r["batch"], r["k"], "in_process"))
+        if r["mode"] == "services" and twin:
+            r["overhead"] = r["seconds"] / twin["seconds"] - 1
+            r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
+        else:
+            r["overhead"] = r["iteration_overhead"] = None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def print_tables(rows: list[dict]) -> None:
+    print(
+        "| batch | k | mode | tokens/s | ms per output token | iterations | acceptance per position | "
+        "speedup vs (a) | overhead (b)/(c)−1 | per-iteration overhead |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        print(
+            f"| {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ms_per_output_token']:.2f} | "
+            f"{r['iterations']:.0f} | {acc} | {speedup} | {_pct(r['overhead'])} | {_pct(r['iteration_overhead'])} |"
+        )
+    print("\nPer-iteration breakdown, median ms (hops are one-way; see benchmarks/e2e_modes.py):\n")
+    print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
+    print("|---|---|---|" + "---|" * len(BREAKDOWN))
+    for r in rows:
+        cells = " | ".join(f"{r['breakdown_ms'][key]:.3f}" for key in BREAKDOWN)
+        print(f"| {r['batch']} | {r['k']} | {r['mode']} | {cells} |")

@@ -1,0 +1,126 @@
+"""Forced acceptance (benchmarks only, never used when serving): measure speed against a chosen
+acceptance rate on models whose own drafts mean nothing (random weights).
+
+The oracle holds, for every benchmark prompt, the target's greedy continuation (from a target-only
+run). `ForcedAcceptanceRunner` wraps the drafter's runner: the real MTP steps still run (their cost
+is real), then each draft position i is replaced, independently with probability `alpha`, by the
+oracle's token for that position, and otherwise by a token that differs from it. With greedy
+verification a draft is accepted exactly when it equals the target's argmax, so the acceptance rate
+of a position that is reached comes out ≈ alpha, and the output is still the target's own.
+
+The drafter never sees prompts, only positions and the tokens that follow them; a request is
+matched to its oracle sequence by its tokens at positions 1..KEY_LEN (prompts must differ there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEY_LEN = 16
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class Oracle:
+    sequences: list[list[int]]  # per prompt: prompt + the target's greedy continuation
+    vocab_size: int
+    _index: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for i, seq in enumerate(self.sequences):
+            key = tuple(seq[1 : 1 + KEY_LEN])
+            if len(key) < KEY_LEN or self._index.setdefault(key, i) != i:
+                raise ValueError(f"prompt {i} is shorter than {KEY_LEN + 1} tokens or not unique in its first ones")
+
+    def lookup(self, tokens_from_position_1: list[int]) -> int | None:
+        return self._index.get(tuple(tokens_from_position_1[:KEY_LEN]))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"vocab_size": self.vocab_size, "sequences": self.sequences}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Oracle:
+        raw = json.loads(Path(path).read_text())
+        return cls(raw["sequences"], raw["vocab_size"])
+
+
+def _uniform(*keys: int) -> float:
+    """A deterministic uniform in [0, 1) per key tuple (splitmix64), the same in every process."""
+    x = 0
+    for k in keys:
+        x = (x ^ (k & _MASK)) + 0x9E3779B97F4A7C15 & _MASK
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+        x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
+@dataclass
+class _Track:
+    history: list[int] = field(default_factory=list)  # history[p - 1]: the token at position p >= 1
+    oracle: int | None = None  # index into Oracle.sequences once matched
+    lost: bool = False  # history has a gap or left the oracle: drafts stay the MTP's own
+
+
+class ForcedAcceptanceRunner:
+    """Wraps a `drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
+
+    def __init__(self, runner, oracle: Oracle, alpha: float, seed: int = 0):
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.runner, self.oracle, self.alpha, self.seed = runner, oracle, alpha, seed
+        self._tracks: dict[str, _Track] = {}
+        self.num_forced = 0  # draft positions decided by the oracle coin
+        self.num_kept = 0  # … of which got the oracle's token
+        self.num_lost = 0  # requests that left their oracle sequence (should stay 0)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def free(self, request_ids: list[str]) -> None:
+        self.runner.free(request_ids)
+        for rid in request_ids:
+            self._tracks.pop(rid, None)
+
+    def propose(self, items, hidden_states):
+        out = self.runner.propose(items, hidden_states)
+        for item, drafts in zip(items, out.drafts):
+            track = self._tracks.setdefault(item.request_id, _Track())
+            self._observe(track, item.start_position, item.next_token_ids)
+            if drafts and track.oracle is not None and not track.lost:
+                last = item.start_position + len(item.next_token_ids)  # position of the newest token
+                self._force(track.oracle, last, drafts)
+        return out
+
+    def _observe(self, track: _Track, start_position: int, next_token_ids: list[int]) -> None:
+        """Records the tokens at positions start_position + 1 …, dropping what a rollback undid."""
+        first = start_position + 1
+        if len(track.history) < first - 1:  # a gap (the drafter missed iterations): stop forcing
+            track.lost = True
+            return
+        del track.history[first - 1 :]
+        track.history.extend(next_token_ids)
+        if track.oracle is None and len(track.history) >= KEY_LEN:
+            track.oracle = self.oracle.lookup(track.history)
+            track.lost = track.lost or track.oracle is None
+        if track.oracle is not None and not track.lost:
+            seq = self.oracle.sequences[track.oracle]
+            if seq[first : first + len(next_token_ids)] != list(next_token_ids)[: max(0, len(seq) - first)]:
+                track.lost = True  # the output left the target-only continuation
+                self.num_lost += 1
+
+    def _force(self, index: int, last: int, drafts: list[int]) -> None:
+        seq = self.oracle.sequences[index]
+        for i in range(len(drafts)):
+            position = last + 1 + i
+            if position >= len(seq):
+                return  # past the known continuation: the MTP's own drafts
+            want = seq[position]
+            self.num_forced += 1
+            if _uniform(self.seed, index, position, i) < self.alpha:
+                drafts[i] = want
+                self.num_kept += 1
+            elif drafts[i] == want:
+                drafts[i] = (want + 1) % self.oracle.vocab_size

@@ -1,0 +1,87 @@
+"""Model shapes for benchmarks with random weights (`--load-format dummy`): a checkpoint directory
+holding only config.json, generation_config.json and a tokenizer.
+
+    python benchmarks/shapes.py qwen2-7b /tmp/qwen2-7b
+
+qwen2-7b is Qwen2-7B's layout (hidden 3584, 28 layers, 28 heads / 4 KV heads of 128, MLP 18944,
+vocabulary 152064, untied head) plus one MTP layer in the DeepSeek-V3 layout of the same width
+(`model.layers.28.*`). The tokenizer is the demo checkpoint's: the coordinator needs one to
+detokenize. Its vocabulary (4096) is smaller than the model's; that is harmless because benchmarks
+send token ids (validated against the model's vocabulary) and the detokenizer skips ids it does not
+know, so text is incomplete but ids, speed and losslessness are what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "checkpoints" / "demo"
+
+SHAPES = {
+    "qwen2-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
+    # The same architecture, small enough for a CPU smoke run of the benchmark.
+    "qwen2-tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+    ),
+}
+
+
+def write_shape(name: str, path: str | Path) -> Path:
+    """Writes the config directory of shape `name` at `path` (created) and returns it."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    eos = SHAPES[name]["vocab_size"] - 1
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **SHAPES[name],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}) + "\n")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / file, path / file)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("path", type=Path)
+    args = p.parse_args()
+    print(write_shape(args.shape, args.path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Forced acceptance: drafts are the oracle's tokens with probability alpha per position, the same
+in every process, and a request is recognised from the tokens the drafter sees."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.forced_acceptance import KEY_LEN, ForcedAcceptanceRunner, Oracle
+from drafter.runner import ProposeItem
+
+VOCAB = 1000
+
+
+class FakeRunner:
+    """Stands in for DrafterRunner: always drafts token 0 (the 'MTP' output)."""
+
+    def __init__(self):
+        self.freed: list[str] = []
+        self.kv_cache = "cache"
+
+    def propose(self, items, hidden_states):
+        return SimpleNamespace(drafts=[[0] * item.num_spec_tokens for item in items])
+
+    def free(self, request_ids):
+        self.freed.extend(request_ids)
+
+
+def _oracle(n: int, length: int = 300) -> Oracle:
+    rng = random.Random(0)
+    return Oracle([[rng.randrange(1, VOCAB) for _ in range(length)] for _ in range(n)], VOCAB)
+
+
+def _decode(runner, seq: list[int], prompt_len: int, k: int, rid: str) -> list[int]:
+    """Greedy speculative decoding of `seq` (the target's own continuation): prefill, then each
+    iteration verifies the drafts, accepts the matching prefix and proposes again. Returns, per
+    iteration, the number of drafts accepted."""
+    accepted_counts = []
+    out = runner.propose([ProposeItem(rid, 0, seq[1 : prompt_len + 1], k)], None).drafts[0]
+    n = prompt_len + 1  # tokens known (positions 0..n-1)
+    while n + k + 1 < len(seq):
+        accepted = next((i for i, d in enumerate(out) if d != seq[n + i]), k)
+        accepted_counts.append(accepted)
+        start = n - 1  # position of the last verified token's hidden state
+        n += accepted + 1
+        out = runner.propose([ProposeItem(rid, start, seq[start + 1 : n], k)], None).drafts[0]
+    return accepted_counts
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.8, 1.0])
+def test_each_reached_position_is_accepted_with_probability_alpha(alpha):
+    oracle, k = _oracle(40), 3
+    runner = ForcedAcceptanceRunner(FakeRunner(), oracle, alpha, seed=1)
+    reached, accepted = [0] * k, [0] * k
+    for i, seq in enumerate(oracle.sequences):
+        for n in _decode(runner, seq, 64, k, f"r{i}"):
+            for pos in range(min(n + 1, k)):
+                reached[pos] += 1
+                accepted[pos] += pos < n
+    rates = [a / r for a, r in zip(accepted, reached) if r]
+    assert rates and all(abs(rate - alpha) < 0.05 for rate in rates), rates
+    assert runner.num_lost == 0 and runner.num_forced > 0
+
+
+def test_the_coin_is_the_same_in_another_runner_with_the_same_seed_and_differs_with_another_seed():
+    oracle = _oracle(5)
+    runs = [
+        _decode(ForcedAcceptanceRunner(FakeRunner(), oracle, 0.5, seed=s), oracle.sequences[2], 64, 3, "x")
+        for s in (7, 7, 8)
+    ]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_unknown_requests_keep_the_mtp_drafts_and_free_passes_through():
+    runner = ForcedAcceptanceRunner(FakeRunner(), _oracle(3), 1.0)
+    stranger = list(range(500, 500 + KEY_LEN + 5))
+    assert runner.propose([ProposeItem("s", 0, stranger, 3)], None).drafts == [[0, 0, 0]]
+    runner.free(["s"])
+    assert runner.freed == ["s"] and runner.kv_cache == "cache"  # other attributes reach the runner
+
+
+def test_prompts_that_share_their_first_tokens_are_refused():
+    with pytest.raises(ValueError, match="not unique"):
+        Oracle([[1] * 40, [1] * 40], VOCAB)

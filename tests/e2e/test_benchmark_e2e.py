@@ -1,0 +1,35 @@
+"""benchmarks/e2e.py end to end on CPU: the three modes, forced acceptance in a separate drafter
+process, the lossless check and the per-iteration breakdown with every hop."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp_path):
+    out = tmp_path / "e2e.json"
+    args = ["--shape", "qwen2-tiny", "--load-format", "dummy", "--alpha", "0.8", "--batches", "2"]
+    args += ["--ks", "2", "--new-tokens", "12", "--repeats", "1", "--num-blocks", "256", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lossless: yes" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["lossless_failures"] == []
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert [(r["batch"], r["k"], r["mode"]) for r in result["rows"]] == [
+        (2, 0, "target_only"),
+        (2, 2, "in_process"),
+        (2, 2, "services"),
+    ]
+    services, in_process = rows["services"], rows["in_process"]
+    for key in ("hop_c2v", "hop_v2d", "hop_d2v", "hop_v2c", "forward", "step0", "later_steps"):
+        assert services["breakdown_ms"][key] > 0, key
+    assert in_process["breakdown_ms"]["hop_v2d"] == 0 and in_process["breakdown_ms"]["step0"] > 0
+    # Forced acceptance makes speculation pay: fewer iterations than tokens, in both modes.
+    assert services["iterations"] < 12 and in_process["iterations"] < 12
+    assert len(services["acceptance_per_position"]) == 2 and services["overhead"] is not None
