@@ -126,6 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
         except TransportConfigError as err:
             log.error("%s", err)
             await drafter.close()
+            await server.stop(0)
             raise SystemExit(2) from err
     servicer.ready(VerifierRunner(model, kv_cache, args.sampler), model_info(args.model, config, args, max_model_len))
     await server.mark_serving()

@@ -204,7 +204,8 @@ def test_cuda_ipc_handles_are_checked_against_the_ring():
         with pytest.raises(InvalidArgument, match=words):
             check(**kw)
     with pytest.raises(FailedPrecondition, match="no open cuda_ipc"):
-        check_handle(drafter_pb2.ProposeRequest(hidden_states_handle=drafter_pb2.HiddenStatesHandle()), None, "cuda_ipc")
+        empty = drafter_pb2.ProposeRequest(hidden_states_handle=drafter_pb2.HiddenStatesHandle())
+        check_handle(empty, None, "cuda_ipc")
 
 
 def test_cuda_ipc_sender_refuses_a_cpu_verifier():
