@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.security import load_tls
@@ -24,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "dummy"],
         help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
+    p.add_argument(
+        "--hidden-transport",
+        default="grpc",
+        choices=TRANSPORTS,
+        help="how hidden states arrive; must equal the verifier's (grpc: bytes in Propose; cuda_ipc: "
+        "buffers shared on one host; nccl: torch.distributed send, rendezvous set by the verifier)",
     )
     p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
@@ -43,6 +51,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     from drafter.runner import DrafterRunner
     from drafter.servicer import DrafterServicer
     from models.loader import load_mtp
+    from models.transport import make_receiver
 
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
     server = ServiceServer(
@@ -73,10 +82,15 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         hidden_size=config.hidden_size,
+        hidden_transport=args.hidden_transport,
     )
     runner = DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k)
-    servicer.ready(wrap_runner(runner) if wrap_runner else runner, info)
+    servicer.ready(
+        wrap_runner(runner) if wrap_runner else runner,
+        info,
+        make_receiver(args.hidden_transport, args.device, config.hidden_size),
+    )
     await server.mark_serving()
     announce("drafter", server.address)
-    log.info("serving MTP of %s on %s", args.model, args.device)
+    log.info("serving MTP of %s on %s (hidden transport %s)", args.model, args.device, args.hidden_transport)
     await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain)

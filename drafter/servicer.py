@@ -1,5 +1,5 @@
-"""Drafter gRPC servicer: ProposeRequest → propose() → drafts, one unary call or one message of a
-persistent ProposeStream per iteration."""
+"""Drafter gRPC servicer: ProposeRequest → hidden states (by the configured transport) → propose() →
+drafts, one unary call or one message of a persistent ProposeStream per iteration."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem
-from models.wire import tensor_from_proto, tensor_to_proto
+from models.transport.base import HiddenStatesReceiver
+from models.wire import dtype_from_proto, tensor_to_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
@@ -63,6 +64,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def __init__(self):
         self.runner: DrafterRunner | None = None
+        self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-step")
         self._lock = asyncio.Lock()
@@ -76,7 +78,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             "specsplit.drafter.queue_depth", [queue_depth], description="Propose calls waiting or running"
         )
 
-    def ready(self, runner: DrafterRunner, model_info: common_pb2.ModelInfo) -> None:
+    def ready(self, runner: DrafterRunner, model_info: common_pb2.ModelInfo, receiver: HiddenStatesReceiver) -> None:
+        self.receiver = receiver
         self.runner = runner
         self.model_info = model_info
 
@@ -86,12 +89,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _propose(self, request: drafter_pb2.ProposeRequest):
         self.runner.free(list(request.finished_request_ids))
+        # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
+        hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
         items = parse_items(request, self.model_info.vocab_size)
         rows = sum(len(item.next_token_ids) for item in items)
-        try:
-            hidden = tensor_from_proto(request.hidden_states, expected_shape=(rows, self.model_info.hidden_size))
-        except ValueError as err:
-            raise InvalidArgument(f"hidden_states: {err}") from err
+        if hidden.shape[0] != rows:
+            raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
         param = next(self.runner.mtp.parameters())
         hidden = hidden.to(device=param.device, dtype=param.dtype)
         return self.runner.propose(items, hidden)
@@ -127,7 +130,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         attrs = {
             "specsplit.iteration": request.iteration,
             "specsplit.batch_size": len(request.requests),
-            "specsplit.hidden_state_bytes": len(request.hidden_states.data),
+            "specsplit.hidden_state_bytes": len(request.hidden_states.data) or _handle_bytes(request),
         }
         with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
             self._queued += 1
@@ -158,6 +161,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self.runner.free(list(request.request_ids))
         return drafter_pb2.DrafterFreeResponse(num_free_blocks=self.runner.kv_cache.num_free_blocks)
 
+    async def OpenHiddenTransport(self, request, context):
+        await self._require_ready(context)
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._lock:  # never while a Propose is receiving
+                await loop.run_in_executor(self._executor, self.receiver.open, request)
+        except SpecsplitError as err:
+            await context.abort(err.code, err.message)
+        return drafter_pb2.OpenHiddenTransportResponse(device=str(self.receiver.device))
+
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)
         return self.model_info
+
+
+def _handle_bytes(request: drafter_pb2.ProposeRequest) -> int:
+    h = request.hidden_states_handle
+    dtype = dtype_from_proto(h.dtype)
+    return h.num_rows * h.hidden_size * dtype.itemsize if dtype is not None else 0

@@ -28,12 +28,23 @@ if sys.byteorder != "little":  # raw bytes are little-endian; a big-endian host 
     raise ImportError("models.wire supports little-endian hosts only")
 
 
+def dtype_to_proto(dtype: torch.dtype) -> int:
+    """The wire DType of `dtype`; raises ValueError for one the wire does not carry."""
+    if dtype not in _TO_PROTO:
+        raise ValueError(f"cannot send a {dtype} tensor; supported: {', '.join(map(str, _TO_PROTO))}")
+    return _TO_PROTO[dtype]
+
+
+def dtype_from_proto(value: int) -> torch.dtype | None:
+    """The torch dtype of a wire DType; None when unknown or unset."""
+    return _FROM_PROTO.get(value)
+
+
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    if t.dtype not in _TO_PROTO:
-        raise ValueError(f"cannot send a {t.dtype} tensor; supported: {', '.join(map(str, _TO_PROTO))}")
+    dtype = dtype_to_proto(t.dtype)
     host = t.detach().contiguous().cpu()
     data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    return common_pb2.Tensor(dtype=_TO_PROTO[t.dtype], shape=list(host.shape), data=data)
+    return common_pb2.Tensor(dtype=dtype, shape=list(host.shape), data=data)
 
 
 def tensor_from_proto(

@@ -24,7 +24,7 @@ class ProposeItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("iteration", "requests", "hidden_states", "finished_request_ids", "trace_context")
+    __slots__ = ("iteration", "requests", "hidden_states", "hidden_states_handle", "finished_request_ids", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,14 +35,16 @@ class ProposeRequest(_message.Message):
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     requests: _containers.RepeatedCompositeFieldContainer[ProposeItem]
     hidden_states: _common_pb2.Tensor
+    hidden_states_handle: HiddenStatesHandle
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., hidden_states_handle: _Optional[_Union[HiddenStatesHandle, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Drafts(_message.Message):
     __slots__ = ("request_id", "token_ids", "draft_probs")
@@ -79,3 +81,69 @@ class DrafterFreeResponse(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class HiddenStatesHandle(_message.Message):
+    __slots__ = ("generation", "sequence", "dtype", "num_rows", "hidden_size", "slot", "offset")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    sequence: int
+    dtype: _common_pb2.DType
+    num_rows: int
+    hidden_size: int
+    slot: int
+    offset: int
+    def __init__(self, generation: _Optional[int] = ..., sequence: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., slot: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class OpenHiddenTransportRequest(_message.Message):
+    __slots__ = ("transport", "generation", "dtype", "hidden_size", "buffers", "slot_rows", "device_uuid", "rendezvous", "backend", "timeout_s")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    generation: int
+    dtype: _common_pb2.DType
+    hidden_size: int
+    buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    slot_rows: int
+    device_uuid: str
+    rendezvous: str
+    backend: str
+    timeout_s: float
+    def __init__(self, transport: _Optional[str] = ..., generation: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., slot_rows: _Optional[int] = ..., device_uuid: _Optional[str] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenHiddenTransportResponse(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...

@@ -56,6 +56,11 @@ class DrafterStub:
                 request_serializer=common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.OpenHiddenTransport = channel.unary_unary(
+                '/specsplit.v1.Drafter/OpenHiddenTransport',
+                request_serializer=drafter__pb2.OpenHiddenTransportRequest.SerializeToString,
+                response_deserializer=drafter__pb2.OpenHiddenTransportResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -92,6 +97,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenHiddenTransport(self, request, context):
+        """Opens (or re-opens) the hidden-state transport of a verifier that does not send bytes inline
+        (`--hidden-transport cuda_ipc` or `nccl`); refused with FAILED_PRECONDITION when the drafter
+        was started with another transport.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +128,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=common__pb2.ModelInfo.SerializeToString,
+            ),
+            'OpenHiddenTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenHiddenTransport,
+                    request_deserializer=drafter__pb2.OpenHiddenTransportRequest.FromString,
+                    response_serializer=drafter__pb2.OpenHiddenTransportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +244,33 @@ class Drafter:
             '/specsplit.v1.Drafter/GetModelInfo',
             common__pb2.GetModelInfoRequest.SerializeToString,
             common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenHiddenTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.Drafter/OpenHiddenTransport',
+            drafter__pb2.OpenHiddenTransportRequest.SerializeToString,
+            drafter__pb2.OpenHiddenTransportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,9 @@ def _up(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        hidden_transport=args.hidden_transport,
+        verifier_device=args.verifier_device,
+        drafter_device=args.drafter_device,
     )
     stop = {"now": False}
 
@@ -190,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     from coordinator.server import add_arguments as coordinator_args
     from drafter.server import add_arguments as drafter_args
+    from models.transport import TRANSPORTS
     from specsplit.grpc_server import add_common_arguments
     from verifier.server import add_arguments as verifier_args
 
@@ -209,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="float32")
     up.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from config.json"
+    )
+    up.add_argument("--verifier-device", default=None, help="pins the verifier, e.g. cuda:0 (default: --device)")
+    up.add_argument("--drafter-device", default=None, help="pins the drafter, e.g. cuda:1 (default: --device)")
+    up.add_argument(
+        "--hidden-transport", default="grpc", choices=TRANSPORTS, help="how hidden states reach the drafter"
     )
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)

@@ -61,12 +61,19 @@ class LocalCluster:
         tls_dir: str | Path | None = None,
         load_format: str = "auto",
         role_commands: dict[str, list[str]] | None = None,
+        hidden_transport: str = "grpc",
+        verifier_device: str | None = None,
+        drafter_device: str | None = None,
     ):
+        """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
+        (e.g. cuda:0 and cuda:1); hidden_transport: grpc, cuda_ipc or nccl, given to both."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
         self.port = port or free_port(host)
         self.device = device
+        self.devices = {"verifier": verifier_device or device, "drafter": drafter_device or device}
+        self.hidden_transport = hidden_transport
         self.dtype = dtype
         self.log_dir = Path(log_dir) if log_dir else None
         self.with_drafter = with_drafter
@@ -97,7 +104,8 @@ class LocalCluster:
             self.model,
         ]
         if role in ("verifier", "drafter"):
-            cmd += ["--device", self.device, "--dtype", self.dtype, "--load-format", self.load_format]
+            cmd += ["--device", self.devices[role], "--dtype", self.dtype, "--load-format", self.load_format]
+            cmd += ["--hidden-transport", self.hidden_transport]
         if role == "verifier" and peer:
             cmd += ["--drafter", peer]
         if role == "coordinator":

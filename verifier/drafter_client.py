@@ -8,6 +8,10 @@ Losing a replica never changes output: its requests get no drafts this iteration
 another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
 the replica that owned the request, with its next call (or alone, in a Free call, when it has no
 request this iteration).
+
+The hidden states travel by the configured transport (`models.transport`): gRPC bytes to any
+number of replicas, or cuda_ipc / nccl to exactly one drafter, opened at start-up and opened
+again after any failed call.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from models.wire import tensor_to_proto
+from models.transport.base import HiddenStatesSender, Transfer, TransportError
+from models.transport.grpc_bytes import GrpcSender
 from protos import common_pb2, drafter_pb2
 from specsplit.bidi_stream import BidiStream
 from specsplit.security import TlsFiles
 from specsplit.telemetry import outgoing_metadata
-from verifier.drafter_pool import DrafterPool, Replica, ReplicaStats, parse_targets
+from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
 from verifier.input_batch import InputBatch
 from verifier.runner import StepOutput
 
@@ -63,19 +68,22 @@ class ProposeBatch:
     def hidden_state_bytes(self) -> int:
         return self.hidden_states.numel() * self.hidden_states.element_size()
 
-    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
-        """The Propose call for the requests at `indices` (batch order kept)."""
+    def rows(self, indices: list[int]) -> torch.Tensor:
+        """[rows of the requests at `indices`, hidden_size], batch order kept."""
         if len(indices) == len(self.items):
-            rows = self.hidden_states
-        else:
-            off = self.row_offsets
-            rows = torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
+            return self.hidden_states
+        off = self.row_offsets
+        return torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
+
+    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
+        """The Propose call for the requests at `indices`, without its hidden states (the transport adds them)."""
         return drafter_pb2.ProposeRequest(
-            iteration=self.iteration,
-            requests=[self.items[i] for i in indices],
-            hidden_states=tensor_to_proto(rows),
-            finished_request_ids=finished,
+            iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
         )
+
+
+class TransportConfigError(RuntimeError):
+    """Verifier and drafter cannot agree on the hidden-state transport: fix the configuration."""
 
 
 class DrafterClient:
@@ -89,6 +97,7 @@ class DrafterClient:
         tls: TlsFiles | None = None,
         pool: DrafterPool | None = None,
         rpc: str = "stream",
+        transport: HiddenStatesSender | None = None,
     ):
         if rpc not in ("stream", "unary"):
             raise ValueError(f"drafter rpc must be 'stream' or 'unary', got {rpc!r}")
@@ -97,6 +106,13 @@ class DrafterClient:
         self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
         self.rpc = rpc
         self._streams: dict[str, tuple[object, BidiStream]] = {}  # address -> (stub it was opened on, stream)
+        self.transport = transport if transport is not None else GrpcSender()
+        targets = self.pool.targets
+        if self.transport.name != "grpc" and (len(targets) != 1 or targets[0].startswith(DNS_PREFIX)):
+            raise TransportConfigError(
+                f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "
+                "(several drafter replicas need --hidden-transport grpc)"
+            )
 
     def free(self, request_ids: list[str]) -> None:
         self.pool.free(request_ids)
@@ -161,15 +177,29 @@ class DrafterClient:
     ) -> tuple[drafter_pb2.ProposeResponse | None, str]:
         address = replica.address
         finished = list(replica.pending_free)
+        transfer: Transfer | None = None
         try:
+            rows = plan.rows(indices)  # [num_rows, hidden_size]
             msg = plan.message(indices, finished)
+            if self.transport.needs_open(rows):
+                await self.transport.open(rows, self._open_call(replica))
+            transfer = self.transport.send(rows, msg)
             if self.rpc == "unary":
                 resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
             else:
                 msg.trace_context.update(outgoing_metadata())
                 resp = await self._stream(replica).call(msg)
-        except grpc.RpcError as err:
-            error = f"{err.code().name}: {err.details()}"
+            self.transport.finish(transfer, ok=True)
+        except (grpc.RpcError, TransportError) as err:
+            if isinstance(err, grpc.RpcError):
+                error = f"{err.code().name}: {err.details()}"
+                if transfer is not None:
+                    self.transport.finish(transfer, ok=False)
+                else:
+                    self.transport.reset()
+            else:
+                error = f"hidden-state transport {self.transport.name}: {err}"
+                self.transport.reset()
             self.pool.record_call(address, len(indices), error)
             return None, error
         del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
@@ -191,6 +221,46 @@ class DrafterClient:
             self._streams[replica.address] = (replica.stub, stream)
         return stream
 
+    def _open_call(self, replica: Replica):
+        def call(request: drafter_pb2.OpenHiddenTransportRequest):
+            return replica.stub.OpenHiddenTransport(request, timeout=self.timeout_s, metadata=outgoing_metadata())
+
+        return call
+
+    async def open_transport(self, example: torch.Tensor, wait_s: float) -> None:
+        """Start-up: opens a cuda_ipc / nccl transport with the drafter once it has loaded (waiting up to
+        `wait_s`; past that, the first Propose opens it). example: [1, hidden_size], dtype and device of
+        the hidden states. Raises TransportConfigError when the drafter runs another transport."""
+        if self.transport.name == "grpc":
+            return
+        await self.pool.start()
+        replica = next(iter(self.pool.replicas.values()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0)
+                break
+            except grpc.RpcError as err:
+                if loop.time() > deadline:
+                    log.warning("drafter %s not ready (%s); opening the transport later", replica.address, err.code())
+                    return
+                await asyncio.sleep(0.5)
+        theirs = info.hidden_transport or "grpc"
+        if theirs != self.transport.name:
+            raise TransportConfigError(
+                f"drafter {replica.address} was started with --hidden-transport {theirs} but this verifier uses "
+                f"{self.transport.name}; start both with the same --hidden-transport"
+            )
+        try:
+            await self.transport.open(example, self._open_call(replica))
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise TransportConfigError(f"drafter {replica.address} refused the transport: {err.details()}") from err
+            log.warning("could not open the hidden-state transport yet (%s); the first Propose retries", err.code())
+        except TransportError as err:
+            raise TransportConfigError(str(err)) from err
+
     async def _free_on(self, replica: Replica) -> None:
         address = replica.address
         finished = list(replica.pending_free)
@@ -208,6 +278,7 @@ class DrafterClient:
     async def close(self) -> None:
         for _, stream in self._streams.values():
             stream.close()
+        self.transport.close()
         await self.pool.close()
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.security import load_tls
@@ -41,6 +42,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["stream", "unary"],
         help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
     )
+    t = p.add_argument_group("hidden-state transport (verifier → drafter)")
+    t.add_argument(
+        "--hidden-transport",
+        default="grpc",
+        choices=TRANSPORTS,
+        help="grpc: bytes inside Propose (any placement, several replicas); cuda_ipc: a GPU buffer ring shared "
+        "with one drafter on this host; nccl: torch.distributed send to one drafter (same host or RDMA)",
+    )
+    t.add_argument(
+        "--transport-address",
+        default="127.0.0.1:0",
+        help="nccl: HOST:PORT of the rendezvous this verifier hosts, as the drafter dials it (port 0: any free port)",
+    )
+    t.add_argument(
+        "--transport-backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="nccl: torch.distributed backend (auto: nccl on CUDA, gloo on CPU)",
+    )
+    t.add_argument("--transport-timeout", type=float, default=30.0, help="nccl: seconds any transfer may wait")
+    t.add_argument("--transport-slots", type=int, default=4, help="cuda_ipc: buffers in the ring")
+    t.add_argument(
+        "--transport-connect-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait at start-up for the drafter to open the transport (then the first Propose does)",
+    )
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -62,7 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
     import torch
 
     from models.loader import load_target
-    from verifier.drafter_client import DrafterClient
+    from models.transport import make_sender
+    from verifier.drafter_client import DrafterClient, TransportConfigError
     from verifier.runner import VerifierRunner
     from verifier.servicer import VerifierServicer
 
@@ -77,7 +106,18 @@ async def serve(args: argparse.Namespace) -> None:
         require_client_cert=True,
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc)
+    try:
+        transport = make_sender(
+            args.hidden_transport,
+            rendezvous=args.transport_address,
+            backend=None if args.transport_backend == "auto" else args.transport_backend,
+            timeout_s=args.transport_timeout,
+            num_slots=args.transport_slots,
+        )
+        drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc, transport=transport)
+    except (TransportConfigError, ValueError) as err:
+        log.error("%s", err)
+        raise SystemExit(2) from err
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
@@ -93,16 +133,26 @@ async def serve(args: argparse.Namespace) -> None:
         args.max_model_len or config.max_position_embeddings,
         args.num_blocks * args.block_size,
     )
+    if args.drafter:
+        try:
+            example = torch.zeros(1, config.hidden_size, dtype=dtype, device=args.device)
+            await drafter.open_transport(example, args.transport_connect_timeout)
+        except TransportConfigError as err:
+            log.error("%s", err)
+            await drafter.close()
+            await server.stop(0)
+            raise SystemExit(2) from err
     servicer.ready(VerifierRunner(model, kv_cache, args.sampler), model_info(args.model, config, args, max_model_len))
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(
-        "serving %s (%s) on %s, KV cache %d blocks x %d tokens",
+        "serving %s (%s) on %s, KV cache %d blocks x %d tokens, hidden transport %s",
         args.model,
         config.architecture,
         args.device,
         args.num_blocks,
         args.block_size,
+        args.hidden_transport,
     )
     await run_until_signal(
         server, drafter.close, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain

@@ -1,0 +1,89 @@
+"""The hidden-state transport interface: a sender on the verifier, a receiver on the drafter.
+
+Sender, per Propose call to the one drafter it serves:
+    if sender.needs_open(hidden_states): await sender.open(hidden_states, call)   # OpenHiddenTransport
+    transfer = sender.send(hidden_states, msg)      # fills msg.hidden_states or msg.hidden_states_handle
+    ... the Propose call ...
+    sender.finish(transfer, ok)                     # after the reply (ok) or the failure (not ok)
+A failed call leaves the transport in an unknown state (a slot may still be read, a send may be
+unpaired), so `finish(..., ok=False)` resets it and the next call opens it afresh (a new generation).
+
+Receiver, in the drafter: `open(request)` for OpenHiddenTransport, `receive(msg)` for each Propose;
+both raise `SpecsplitError`s carrying the status the verifier should get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from protos import drafter_pb2
+from specsplit.errors import FailedPrecondition
+
+OpenCall = Callable[[drafter_pb2.OpenHiddenTransportRequest], Awaitable[drafter_pb2.OpenHiddenTransportResponse]]
+
+
+class TransportError(Exception):
+    """The sender cannot move the rows (peer gone, wait timed out); the call counts as failed."""
+
+
+@dataclass
+class Transfer:
+    """One send, kept until the reply to the Propose call that carries it has arrived."""
+
+    sequence: int = 0
+    slot: int | None = None  # cuda_ipc: the ring slot holding the rows
+    work: Any = None  # nccl: the torch.distributed send in flight
+    rows: torch.Tensor | None = None  # nccl: [num_rows, hidden_size], alive until the peer has it
+
+
+def mismatch(drafter_transport: str, verifier_transport: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"the drafter was started with --hidden-transport {drafter_transport} but the verifier sends "
+        f"hidden states by {verifier_transport}; start both with the same --hidden-transport"
+    )
+
+
+class HiddenStatesSender:
+    name: str
+
+    def needs_open(self, hidden_states: torch.Tensor) -> bool:  # [num_rows, hidden_size]
+        return False
+
+    async def open(self, hidden_states: torch.Tensor, call: OpenCall) -> None:  # [num_rows, hidden_size]
+        """Opens the transport for rows like `hidden_states` (dtype, device, hidden size)."""
+
+    def send(self, hidden_states: torch.Tensor, msg: drafter_pb2.ProposeRequest) -> Transfer:
+        """hidden_states: [num_rows, hidden_size] on the verifier's device."""
+        raise NotImplementedError
+
+    def finish(self, transfer: Transfer, ok: bool) -> None:
+        """The call carrying `transfer` ended; not ok: the transport is reset."""
+
+    def reset(self) -> None:
+        """Forgets the open transport (the next call opens it again)."""
+
+    def close(self) -> None:
+        self.reset()
+
+
+class HiddenStatesReceiver:
+    name: str
+
+    def __init__(self, device: str, hidden_size: int):
+        self.device = torch.device(device)
+        self.hidden_size = hidden_size
+
+    def open(self, request: drafter_pb2.OpenHiddenTransportRequest) -> None:
+        if request.transport != self.name:
+            raise mismatch(self.name, request.transport or "an unnamed transport")
+
+    def receive(self, msg: drafter_pb2.ProposeRequest) -> torch.Tensor:
+        """The rows of `msg`, [num_rows, hidden_size] on the drafter's device."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Forgets the open transport."""
