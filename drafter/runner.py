@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.sampling import pick_drafts
+from models.attention import use_kernel_for
 from models.kv_cache import PagedKVCache
 from models.mtp import MTPModule
 
@@ -52,12 +53,19 @@ class ProposeOutput:
 
 
 class DrafterRunner:
-    def __init__(self, mtp: MTPModule, kv_cache: PagedKVCache, draft_top_k: int = 16):
+    def __init__(
+        self, mtp: MTPModule, kv_cache: PagedKVCache, draft_top_k: int = 16, *, attention_kernel: bool | None = None
+    ):
+        """`attention_kernel`: MTP steps with few new tokens per request run the Triton paged
+        attention (default: on CUDA, for modules that support it)."""
         self.mtp = mtp
         self.draft_top_k = draft_top_k
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
         self._first_position: dict[str, int] = {}  # pair position held at cache index 0
+        on_cuda = kv_cache.device.type == "cuda"
+        use = on_cuda if attention_kernel is None else attention_kernel
+        self.attention_kernel = mtp.supports_attention_kernel and use
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -93,7 +101,7 @@ class DrafterRunner:
             self.free(ids)
             now = time.time_ns()
             return ProposeOutput(drafts, (t0, now, now))
-        attn = self.kv_cache.prepare_step(ids, counts)
+        attn = self.kv_cache.prepare_step(ids, counts, use_kernel=use_kernel_for(self.attention_kernel, counts))
         input_ids = self._tensor([t for item in items for t in item.next_token_ids])
         # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
         positions = self._tensor(
@@ -127,7 +135,7 @@ class DrafterRunner:
             ids = [items[i].request_id for i in active]
             if not self.kv_cache.can_append(ids, [1] * len(ids)):
                 break
-            attn = self.kv_cache.prepare_step(ids, [1] * len(ids))
+            attn = self.kv_cache.prepare_step(ids, [1] * len(ids), use_kernel=self.attention_kernel)
             last_pos = [last_pos[a] + 1 for a in keep]
             hidden = self.mtp(pick.tokens[keep], hidden[keep], self._tensor(last_pos), self.kv_cache, attn)
         probs = [None] * len(items)

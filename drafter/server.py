@@ -26,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
     )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="decode/verify attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -63,7 +69,9 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         hidden_size=config.hidden_size,
     )
-    servicer.ready(DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k), info)
+    kernel = {"auto": None, "torch": False, "triton": True}[args.attention]
+    cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
+    servicer.ready(DrafterRunner(mtp, cache, args.draft_top_k, attention_kernel=kernel), info)
     await server.mark_serving()
     announce("drafter", server.address)
     log.info("serving MTP of %s on %s", args.model, args.device)

@@ -29,6 +29,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--sampler", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="decode/verify attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode/verify steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
+    )
+
+
+def attention_kernel_option(choice: str) -> bool | None:
+    """--attention → the runners' `attention_kernel` (None: decided by the device)."""
+    return {"auto": None, "torch": False, "triton": True}[choice]
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -79,7 +96,18 @@ async def serve(args: argparse.Namespace) -> None:
         args.max_model_len or config.max_position_embeddings,
         args.num_blocks * args.block_size,
     )
-    servicer.ready(VerifierRunner(model, kv_cache, args.sampler), model_info(args.model, config, args, max_model_len))
+    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
+        None,
+        lambda: VerifierRunner(
+            model,
+            kv_cache,
+            args.sampler,
+            attention_kernel=attention_kernel_option(args.attention),
+            cuda_graphs=None if args.cuda_graphs else False,
+            max_model_len=max_model_len,
+        ),
+    )
+    servicer.ready(runner, model_info(args.model, config, args, max_model_len))
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(
