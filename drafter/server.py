@@ -30,7 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--attention",
         default="auto",
         choices=["auto", "torch", "triton"],
-        help="decode/verify attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+        help="draft-step attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run MTP draft steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
 
 
@@ -71,7 +77,13 @@ async def serve(args: argparse.Namespace) -> None:
     )
     kernel = {"auto": None, "torch": False, "triton": True}[args.attention]
     cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
-    servicer.ready(DrafterRunner(mtp, cache, args.draft_top_k, attention_kernel=kernel), info)
+    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
+        None,
+        lambda: DrafterRunner(
+            mtp, cache, args.draft_top_k, attention_kernel=kernel, cuda_graphs=None if args.cuda_graphs else False
+        ),
+    )
+    servicer.ready(runner, info)
     await server.mark_serving()
     announce("drafter", server.address)
     log.info("serving MTP of %s on %s", args.model, args.device)

@@ -17,6 +17,7 @@ A padding token (context length 0) gets a zero output. Nothing here syncs with t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -148,11 +149,16 @@ def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[cache_dtype]
 
 
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
     """Enough splits that tokens x kv_heads x splits covers the GPU about twice; 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device)
     programs = max(1, num_tokens * kv_heads)
     return 1 if programs >= sms else min(16, triton.cdiv(2 * sms, programs))
 

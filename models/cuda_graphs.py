@@ -1,4 +1,5 @@
-"""CUDA graphs for the target's decode / verify steps: capture per token-count bucket, then replay.
+"""CUDA graphs for decode / verify steps of the target, and for the MTP module's draft steps:
+capture per token-count bucket, then replay.
 
 A step of T query tokens runs in the smallest bucket b >= T (1, 2, 4, ... `max_num_tokens`). Its
 inputs are copied into static buffers (input ids, positions, and the attention metadata of the
@@ -10,6 +11,9 @@ graph computes the hidden states and the logits of all b rows; the caller picks 
 bucket choice, padding and buffer filling are tested on CPU. Steps the graphs cannot take (more
 tokens than the largest bucket, longer block tables, or the SDPA path: prefill) go eager.
 Outputs of `run` are views of static buffers, valid until the next `run`.
+
+The MTP module (`models.mtp.MTPModule`) takes one more input, the previous hidden state of every
+token; it gets a static buffer too.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from models.kv_cache import AttentionMetadata, PagedKVCache
+from models.mtp import MTPModule
 from models.target import TargetModel
 
 
@@ -33,7 +38,7 @@ def token_buckets(max_num_tokens: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(
         self,
-        model: TargetModel,
+        model: TargetModel | MTPModule,
         kv_cache: PagedKVCache,
         *,
         max_model_len: int,
@@ -52,6 +57,11 @@ class CudaGraphRunner:
         self.token_req_index = torch.zeros(size, dtype=torch.int32, device=device)
         self.token_context_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
+        self.previous_hidden = (  # [size, hidden] for the MTP module, else None
+            torch.zeros(size, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
+            if isinstance(model, MTPModule)
+            else None
+        )
         # bucket → (graph or None, hidden [b, H], logits [b, V])
         self._outputs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor]] = {}
         if capture:
@@ -72,12 +82,17 @@ class CudaGraphRunner:
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
+        previous_hidden: torch.Tensor | None = None,  # [T, H], the MTP module's second input
     ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [T, H], logits [T, V] float32 of every row
+        if (previous_hidden is None) != (self.previous_hidden is None):
+            raise ValueError("previous_hidden is the MTP module's input, and only its")
         if not self.can_run(attn):
             raise ValueError(f"a step of {attn.num_tokens} tokens does not fit the CUDA graph buckets")
         num_tokens = attn.num_tokens
         bucket = self.bucket_for(num_tokens)
         self._fill(input_ids, positions, attn, bucket)
+        if previous_hidden is not None:
+            self.previous_hidden[:num_tokens].copy_(previous_hidden, non_blocking=True)
         if bucket in self._outputs:
             graph, hidden, logits = self._outputs[bucket]
             graph.replay()
@@ -111,8 +126,11 @@ class CudaGraphRunner:
         )
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self._metadata(bucket)
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, attn)
+        ids, positions, attn = self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket)
+        if self.previous_hidden is None:
+            hidden = self.model(ids, positions, self.kv_cache, attn)
+        else:
+            hidden = self.model(ids, self.previous_hidden[:bucket], positions, self.kv_cache, attn)
         return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
