@@ -67,13 +67,12 @@ class AttentionMetadata:
         """Flat slots of every cached token (old and new) of every request, request after request:
         request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
         Built on first use, by the eager (SDPA / MLA) paths only."""
-        size = self.block_size
-        slots = [
-            blocks[i // size] * size + i % size
-            for blocks, seq_len in zip(self.block_tables_host, self.seq_lens_host)
-            for i in range(seq_len)
-        ]
-        return torch.tensor(slots, dtype=torch.int64).to(self.slot_mapping.device)
+        size, width = self.block_size, max(len(t) for t in self.block_tables_host)
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
+        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)  # [num_reqs, width * size]
+        cache_index = torch.arange(width * size)
+        seq_lens = torch.tensor(self.seq_lens_host)
+        return slots[cache_index[None, :] < seq_lens[:, None]].to(self.slot_mapping.device)
 
 
 @dataclass
