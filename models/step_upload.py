@@ -38,7 +38,8 @@ class StepUpload:
         pinned[:n64].view(torch.int64).copy_(host64)
         pinned[n64 : n64 + n32].view(torch.int32).copy_(host32)
         device = pinned[: n64 + n32].to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
         self._copied.record()
         return device[:n64].view(torch.int64), device[n64:].view(torch.int32)
 
