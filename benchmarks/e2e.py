@@ -34,6 +34,7 @@ from coordinator.scheduler import Scheduler, VerifyResult  # noqa: E402
 from coordinator.wire import verify_request  # noqa: E402
 from drafter.runner import DrafterRunner, ProposeItem  # noqa: E402
 from models.loader import load_mtp, load_target  # noqa: E402
+from models.step_upload import StepUpload  # noqa: E402
 from specsplit import Client  # noqa: E402
 from specsplit.launcher import LocalCluster  # noqa: E402
 from verifier.input_batch import build_input_batch  # noqa: E402
@@ -74,6 +75,7 @@ class InProcessEngine:
     def run(self, batch_prompts: list[list[int]], new_tokens: int, k: int) -> tuple[float, int]:
         cfg = self.target.config
         verifier = VerifierRunner(self.target, self.target.make_kv_cache(self.num_blocks, self.block_size))
+        upload = StepUpload(self.device)
         drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(self.num_blocks, self.block_size))
         sched = Scheduler(
             SchedulerConfig(
@@ -100,6 +102,7 @@ class InProcessEngine:
                 max_model_len=cfg.max_position_embeddings,
                 num_cached_tokens=verifier.kv_cache.num_tokens,
                 device=self.device,
+                upload=upload,
             )
             verifier.free(out.finished_request_ids)
             drafter.free(out.finished_request_ids)

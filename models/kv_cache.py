@@ -174,7 +174,7 @@ class PagedBlocks:
         flat_tables = [b for t in tables for b in t + [-1] * (max_blocks - len(t))]
         if self._upload is None:
             self._upload = StepUpload(self.device)
-        (slots_t,), (qsl_t, seq_lens_t, tables_t, req_index_t, context_lens_t) = self._upload(
+        (slots_t,), (qsl_t, seq_lens_t, tables_t, req_index_t, context_lens_t), _ = self._upload(
             [slot_mapping], [query_start_loc, seq_lens, flat_tables, token_req_index, token_context_lens]
         )
         return AttentionMetadata(

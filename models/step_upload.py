@@ -1,8 +1,8 @@
-"""One host→device transfer for a step's small integer arrays (slot mapping, block tables, ...).
+"""One host→device transfer for a step's small arrays (slot mapping, block tables, token ids, ...).
 
 On CUDA the arrays are packed into one reused pinned buffer and copied with `non_blocking=True`;
 a CUDA event guards the buffer, so the next step never overwrites bytes still in flight. Elsewhere
-each call returns fresh host tensors.
+each call returns fresh host tensors. Calls must not overlap (steps are serial).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+# int64 first: every group then starts at an offset its element size divides.
+DTYPES = (torch.int64, torch.int32, torch.float32)
+
 
 class StepUpload:
     def __init__(self, device: torch.device | str) -> None:
@@ -20,28 +23,31 @@ class StepUpload:
         self._copied: torch.cuda.Event | None = None
 
     def __call__(
-        self, int64_arrays: Sequence[Sequence[int]], int32_arrays: Sequence[Sequence[int]]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The arrays as 1-D device tensors, int64 ones first, in the order given."""
-        host64 = torch.tensor(list(itertools.chain.from_iterable(int64_arrays)), dtype=torch.int64)
-        host32 = torch.tensor(list(itertools.chain.from_iterable(int32_arrays)), dtype=torch.int32)
+        self,
+        int64_arrays: Sequence[Sequence[int]],
+        int32_arrays: Sequence[Sequence[int]] = (),
+        float32_arrays: Sequence[Sequence[float]] = (),
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The arrays as 1-D device tensors, per dtype in the order given."""
+        groups = (int64_arrays, int32_arrays, float32_arrays)
+        hosts = [torch.tensor(list(itertools.chain.from_iterable(g)), dtype=d) for g, d in zip(groups, DTYPES)]
         if self.device.type == "cuda":
-            host64, host32 = self._copy(host64, host32)
+            devices = self._copy(hosts)
         else:
-            host64, host32 = host64.to(self.device), host32.to(self.device)
-        sizes64, sizes32 = [len(a) for a in int64_arrays], [len(a) for a in int32_arrays]
-        return list(host64.split(sizes64)), list(host32.split(sizes32))
+            devices = [h.to(self.device) for h in hosts]
+        return tuple(list(t.split([len(a) for a in g])) for t, g in zip(devices, groups))
 
-    def _copy(self, host64: torch.Tensor, host32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n64, n32 = host64.numel() * 8, host32.numel() * 4  # int64 first keeps both views aligned
-        pinned = self._buffer(n64 + n32)
-        pinned[:n64].view(torch.int64).copy_(host64)
-        pinned[n64 : n64 + n32].view(torch.int32).copy_(host32)
-        device = pinned[: n64 + n32].to(self.device, non_blocking=True)
+    def _copy(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
+        sizes = [h.numel() * h.element_size() for h in hosts]
+        offsets = [0, *itertools.accumulate(sizes)]
+        pinned = self._buffer(offsets[-1])
+        for h, start, end in zip(hosts, offsets, offsets[1:]):
+            pinned[start:end].view(h.dtype).copy_(h)
+        device = pinned[: offsets[-1]].to(self.device, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
-        return device[:n64].view(torch.int64), device[n64:].view(torch.int32)
+        return [device[start:end].view(h.dtype) for h, start, end in zip(hosts, offsets, offsets[1:])]
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self._copied is not None:
