@@ -34,6 +34,7 @@ from coordinator.scheduler import Scheduler, VerifyResult
 from coordinator.wire import verify_request
 from drafter.runner import DrafterRunner, ProposeItem
 from models.loader import load_mtp, load_target
+from models.step_upload import StepUpload
 from protos import coordinator_pb2, coordinator_pb2_grpc
 from specsplit import Client
 from specsplit.results import SpecStats
@@ -83,6 +84,13 @@ class InProcessEngine:
         self.mtp = load_mtp(model, dtype=dtype, device=device, load_format=load_format)
         self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
         self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
+        # Built once (CUDA graphs are captured here, like at a server's start); every run frees all it used.
+        max_model_len = min(self.target.config.max_position_embeddings, 8192)
+        self.verifier = VerifierRunner(
+            self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=max_model_len
+        )
+        self.drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
+        self.upload = StepUpload(device)
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -90,8 +98,7 @@ class InProcessEngine:
 
     def run(self, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
         cfg = self.target.config
-        verifier = VerifierRunner(self.target, self.target.make_kv_cache(self.num_blocks, self.block_size))
-        drafter = self.wrap_drafter(DrafterRunner(self.mtp, self.mtp.make_kv_cache(self.num_blocks, self.block_size)))
+        verifier, drafter = self.verifier, self.wrap_drafter(self.drafter)
         sched = Scheduler(
             SchedulerConfig(
                 max_model_len=cfg.max_position_embeddings,
@@ -120,6 +127,7 @@ class InProcessEngine:
                 max_model_len=cfg.max_position_embeddings,
                 num_cached_tokens=verifier.kv_cache.num_tokens,
                 device=self.device,
+                upload=self.upload,
             )
             verifier.free(out.finished_request_ids)
             drafter.free(out.finished_request_ids)
@@ -158,6 +166,9 @@ class InProcessEngine:
             )
         self._sync()
         seconds = time.perf_counter() - t_start
+        ids = [f"r{i}" for i in range(len(prompts))]  # the last finished requests were never freed by a schedule
+        verifier.free(ids)
+        drafter.free(ids)
         stats = SpecStats()
         for request in requests:
             stats.merge(request.stats)

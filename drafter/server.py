@@ -41,6 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
     )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="draft-step attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run MTP draft steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
+    )
 
 
 async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -> None:
@@ -84,7 +96,14 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         hidden_size=config.hidden_size,
         hidden_transport=args.hidden_transport,
     )
-    runner = DrafterRunner(mtp, mtp.make_kv_cache(args.num_blocks, args.block_size), args.draft_top_k)
+    kernel = {"auto": None, "torch": False, "triton": True}[args.attention]
+    cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
+    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
+        None,
+        lambda: DrafterRunner(
+            mtp, cache, args.draft_top_k, attention_kernel=kernel, cuda_graphs=None if args.cuda_graphs else False
+        ),
+    )
     servicer.ready(
         wrap_runner(runner) if wrap_runner else runner,
         info,

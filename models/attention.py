@@ -1,9 +1,14 @@
 """Paged causal attention over a ragged batch.
 
-`paged_attention` is the one seam a fused kernel replaces: it gets one layer's cache views and the
-step's `AttentionMetadata`, writes the new K/V at `slot_mapping`, and returns the attention output.
-This reference version loops over requests and calls `scaled_dot_product_attention` on the gathered
-K/V; query j of a request's n new tokens sees cache indices 0 .. seq_len - n + j.
+`paged_attention` gets one layer's cache views and the step's `AttentionMetadata`, writes the new
+K/V at `slot_mapping`, and returns the attention output; query j of a request's n new tokens sees
+cache indices 0 .. seq_len - n + j. Two paths:
+- `attn.use_kernel`: the Triton kernel (`kernels/paged_attention.py`) over the metadata's device
+  tensors; no host work per request, no host sync, capturable in a CUDA graph. Runners choose it
+  for decode / verify steps (`use_kernel_for`): one program per query token re-reads its context,
+  which is right for a few new tokens per request, wasteful for long prompts.
+- otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): a per-request loop of
+  `scaled_dot_product_attention` over the gathered K/V (flash attention for long prompts).
 """
 
 from __future__ import annotations
@@ -11,7 +16,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_write import write_kv_triton
+from kernels.paged_attention import choose_num_splits, paged_attention_triton
 from models.kv_cache import AttentionMetadata
+
+# Steps whose requests all have at most this many new tokens run the kernel (decode: 1, verify: 1 + k).
+KERNEL_MAX_QUERY_LEN = 16
+
+
+def use_kernel_for(enabled: bool, num_new_tokens: list[int]) -> bool:
+    return enabled and max(num_new_tokens) <= KERNEL_MAX_QUERY_LEN
 
 
 def write_kv(
@@ -35,6 +49,12 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     if q.shape[0] != attn.num_tokens:
         raise ValueError(f"{q.shape[0]} query tokens but the attention metadata describes {attn.num_tokens}")
+    if attn.use_kernel:
+        write_kv_triton(k, v, k_cache, v_cache, attn.slot_mapping)
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], q.device)
+        return paged_attention_triton(
+            q, k_cache, v_cache, attn.block_tables, attn.token_req_index, attn.token_context_lens, num_splits=num_splits
+        )
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]

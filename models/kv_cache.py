@@ -13,10 +13,13 @@ The cache owns the block accounting of its own requests; RoPE positions are the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+from models.step_upload import StepUpload
 
 
 class KVCacheFull(RuntimeError):
@@ -25,19 +28,27 @@ class KVCacheFull(RuntimeError):
 
 @dataclass
 class AttentionMetadata:
-    """Where the new tokens of one ragged step go, and what each request attends over."""
+    """Where the new tokens of one ragged step go, and what each request attends over.
+
+    The device tensors arrive in one host→device copy (`models.step_upload`); with `use_kernel`
+    (the Triton path) the forward reads only them, so it never syncs with the host.
+    """
 
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, prefix sum of new tokens per request
     seq_lens: torch.Tensor  # [num_reqs] int32, cached + new tokens per request after this step
     block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, -1 padded
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token
-    # Flat slots of every cached token (old and new) of every request, request after request:
-    # request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
-    context_slots: torch.Tensor  # [sum(seq_lens)] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token (-1: padding, not written)
+    token_req_index: torch.Tensor  # [num_tokens] int32, the request (row of block_tables) of each token
+    # Cache entries each token attends over: its request's cache indices 0 .. len - 1 (causal; 0 = padding).
+    token_context_lens: torch.Tensor  # [num_tokens] int32
+    block_size: int
     # Host copies, so a per-request loop needs no device→host sync.
     query_start_loc_host: list[int] = field(default_factory=list)  # [num_reqs + 1]
     seq_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
-    context_start_loc_host: list[int] = field(default_factory=list)  # [num_reqs + 1]
+    block_tables_host: list[list[int]] = field(default_factory=list)  # [num_reqs][blocks of the request]
+    # True: attention runs the Triton kernel over the device tensors (graph-safe); False: the
+    # per-request SDPA loop over `context_slots`.
+    use_kernel: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -45,7 +56,23 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc_host[-1]
+        return self.slot_mapping.shape[0]
+
+    @property
+    def context_start_loc_host(self) -> list[int]:  # [num_reqs + 1]
+        return [0, *itertools.accumulate(self.seq_lens_host)]
+
+    @functools.cached_property
+    def context_slots(self) -> torch.Tensor:  # [sum(seq_lens)] int64
+        """Flat slots of every cached token (old and new) of every request, request after request:
+        request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
+        Built on first use, by the eager (SDPA / MLA) paths only."""
+        size, width = self.block_size, max(len(t) for t in self.block_tables_host)
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
+        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)  # [num_reqs, width * size]
+        cache_index = torch.arange(width * size)
+        seq_lens = torch.tensor(self.seq_lens_host)
+        return slots[cache_index[None, :] < seq_lens[:, None]].to(self.slot_mapping.device)
 
 
 @dataclass
@@ -68,6 +95,7 @@ class PagedBlocks:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._requests: dict[str, _RequestBlocks] = {}
+        self._upload: StepUpload | None = None  # made on first use, once the subclass knows its device
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +138,9 @@ class PagedBlocks:
         self._check_step(req_ids, num_new_tokens)
         return self._blocks_needed(req_ids, num_new_tokens) <= len(self._free)
 
-    def prepare_step(self, req_ids: list[str], num_new_tokens: list[int]) -> AttentionMetadata:
+    def prepare_step(
+        self, req_ids: list[str], num_new_tokens: list[int], *, use_kernel: bool = False
+    ) -> AttentionMetadata:
         """Allocates room for each request's new tokens after its cached ones and describes the step.
 
         Advances every request's cached length by its new tokens (the caller then runs the forward
@@ -124,42 +154,42 @@ class PagedBlocks:
         query_start_loc = [0]
         seq_lens: list[int] = []
         slot_mapping: list[int] = []
+        token_req_index: list[int] = []
+        token_context_lens: list[int] = []
         size = self.block_size
-        for req_id, num_new in zip(req_ids, num_new_tokens):
+        for r, (req_id, num_new) in enumerate(zip(req_ids, num_new_tokens)):
             request = self._requests.setdefault(req_id, _RequestBlocks())
             start, end = request.num_tokens, request.num_tokens + num_new
             while len(request.blocks) < self._blocks_for(end):
                 request.blocks.append(self._free.pop())
             request.num_tokens = end
             slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
+            token_req_index.extend([r] * num_new)
+            token_context_lens.extend(range(start + 1, end + 1))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
 
-        max_blocks = max(len(self._requests[r].blocks) for r in req_ids)
-        block_tables = torch.tensor(
-            [self._requests[r].blocks + [-1] * (max_blocks - len(self._requests[r].blocks)) for r in req_ids],
-            dtype=torch.int32,
+        tables = [list(self._requests[r].blocks) for r in req_ids]
+        max_blocks = max(len(t) for t in tables)
+        flat_tables = [b for t in tables for b in t + [-1] * (max_blocks - len(t))]
+        if self._upload is None:
+            self._upload = StepUpload(self.device)
+        (slots_t,), (qsl_t, seq_lens_t, tables_t, req_index_t, context_lens_t), _ = self._upload(
+            [slot_mapping], [query_start_loc, seq_lens, flat_tables, token_req_index, token_context_lens]
         )
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        device = self.device
         return AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device),
-            seq_lens=seq_lens_t.to(device),
-            block_tables=block_tables.to(device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
-            context_slots=self._context_slots(block_tables, seq_lens_t).to(device),
+            query_start_loc=qsl_t,
+            seq_lens=seq_lens_t,
+            block_tables=tables_t.view(len(req_ids), max_blocks),
+            slot_mapping=slots_t,
+            token_req_index=req_index_t,
+            token_context_lens=context_lens_t,
+            block_size=size,
             query_start_loc_host=query_start_loc,
             seq_lens_host=seq_lens,
-            context_start_loc_host=[0, *itertools.accumulate(seq_lens)],
+            block_tables_host=tables,
+            use_kernel=use_kernel,
         )
-
-    def _context_slots(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        # block_tables: [num_reqs, max_blocks] int32, seq_lens: [num_reqs] → [sum(seq_lens)] int64
-        size = self.block_size
-        offsets = torch.arange(size, dtype=torch.int64)
-        slots = (block_tables.long()[:, :, None] * size + offsets).flatten(1)  # [num_reqs, max_blocks * size]
-        cache_index = torch.arange(slots.shape[1], dtype=torch.int64)
-        return slots[cache_index[None, :] < seq_lens[:, None].long()]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

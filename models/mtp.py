@@ -35,6 +35,9 @@ class SharedHead(nn.Module):
 
 
 class MTPModule(nn.Module):
+    # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`).
+    supports_attention_kernel = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

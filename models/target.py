@@ -27,6 +27,9 @@ class TargetModel(nn.Module):
     """Embedding, decoder layers, final norm, LM head. Other families (models/deepseek_v3) subclass
     it and override `_make_layer`, `_make_rotary` and `make_kv_cache`."""
 
+    # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`), hence CUDA graphs.
+    supports_attention_kernel = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

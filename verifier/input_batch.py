@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.types import SparseDraftProbs
+from models.step_upload import StepUpload
 from models.wire import tensor_from_proto
 from protos import verifier_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument
@@ -61,6 +62,7 @@ def build_input_batch(
     max_model_len: int,
     num_cached_tokens,  # callable: request id -> tokens the KV cache holds (0 if unknown)
     device: torch.device | str = "cpu",
+    upload: StepUpload | None = None,  # the caller's, so its pinned buffer is reused step after step
 ) -> InputBatch:
     req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec = [], [], [], [], [], [], [], []
     flat_ids, flat_pos, query_start = [], [], [0]
@@ -128,15 +130,23 @@ def build_input_batch(
             q_rows.append((tokens[n - d :], *_sparse_q(r, rid, d, vocab_size)))
         query_start.append(query_start[-1] + n)
 
-    def cumsum(xs: list[int]) -> torch.Tensor:
+    def cumsum(xs: list[int]) -> list[int]:
         out = [0]
         for x in xs:
             out.append(out[-1] + x)
-        return torch.tensor(out, dtype=torch.int32, device=device)
+        return out
 
-    def t(xs, dtype):
-        return torch.tensor(xs, dtype=dtype, device=device)
-
+    # Every tensor but the sparse q in one host→device copy.
+    upload = upload or StepUpload(device)
+    (
+        (ids_t, pos_t, logits_idx_t, drafts_t, seeds_t, first_pos_t),
+        (cu_logits_t, cu_draft_t, top_k_t),
+        (temps_t, top_p_t),
+    ) = upload(
+        [flat_ids, flat_pos, logits_idx, drafts, seeds, first_pos],
+        [cumsum([d + 1 for d in num_drafts]), cumsum(num_drafts), top_ks],
+        [temps, top_ps],
+    )
     return InputBatch(
         req_ids=req_ids,
         num_computed_tokens=nc_list,
@@ -146,20 +156,20 @@ def build_input_batch(
         sample=sample,
         next_token_ids=next_ids,
         num_spec_tokens=n_spec,
-        input_ids=t(flat_ids, torch.int64),
-        positions=t(flat_pos, torch.int64),
+        input_ids=ids_t,
+        positions=pos_t,
         query_start=query_start,
         sampling_indices=sampling_indices,
         num_draft_tokens_per_req=num_drafts,
-        cu_num_logits=cumsum([d + 1 for d in num_drafts]),
-        logits_indices=t(logits_idx, torch.int64),
-        draft_token_ids=t(drafts, torch.int64),
-        cu_num_draft=cumsum(num_drafts),
-        temperature=t(temps, torch.float32),
-        top_k=t(top_ks, torch.int32),
-        top_p=t(top_ps, torch.float32),
-        seeds=t(seeds, torch.int64),
-        first_logits_positions=t(first_pos, torch.int64),
+        cu_num_logits=cu_logits_t,
+        logits_indices=logits_idx_t,
+        draft_token_ids=drafts_t,
+        cu_num_draft=cu_draft_t,
+        temperature=temps_t,
+        top_k=top_k_t,
+        top_p=top_p_t,
+        seeds=seeds_t,
+        first_logits_positions=first_pos_t,
         draft_probs=_batch_q(q_rows, device),
         all_greedy=all(t == 0 for t in temps),
         any_filter=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),

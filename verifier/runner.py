@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rejection import rejection_sample
+from models.attention import use_kernel_for
+from models.cuda_graphs import CudaGraphRunner
 from models.kv_cache import KVCacheFull, PagedKVCache
 from models.target import TargetModel
 from specsplit.errors import ResourceExhausted
@@ -45,11 +47,42 @@ class StepOutput:
 
 
 class VerifierRunner:
-    def __init__(self, model: TargetModel, kv_cache: PagedKVCache, sampler_backend: str = "auto"):
+    """`attention_kernel`: decode / verify steps run the Triton paged attention (default: on CUDA,
+    for models that support it). `cuda_graphs`: those steps replay CUDA graphs (default: on CUDA with
+    the kernel); `max_model_len` sizes the graphs' block tables. Prefill steps always run eagerly."""
+
+    def __init__(
+        self,
+        model: TargetModel,
+        kv_cache: PagedKVCache,
+        sampler_backend: str = "auto",
+        *,
+        attention_kernel: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_model_len: int | None = None,
+        max_graph_tokens: int = 256,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler_backend = sampler_backend
         self._request_ids: set[str] = set()  # requests holding KV blocks
+        on_cuda = kv_cache.device.type == "cuda"
+        capable = model.supports_attention_kernel
+        self.attention_kernel = capable and (on_cuda if attention_kernel is None else attention_kernel)
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda and self.attention_kernel
+        elif cuda_graphs and not self.attention_kernel:
+            raise ValueError("CUDA graphs need the attention kernel (and a model that supports it)")
+        self.graphs = (
+            CudaGraphRunner(
+                model,
+                kv_cache,
+                max_model_len=max_model_len or model.config.max_position_embeddings,
+                max_num_tokens=max_graph_tokens,
+            )
+            if cuda_graphs
+            else None
+        )
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -71,12 +104,17 @@ class VerifierRunner:
                 cache.truncate(rid, nc)
         self._request_ids.update(batch.req_ids)
         try:
-            attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens)
+            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens)
+            attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens, use_kernel=use_kernel)
         except KVCacheFull as err:
             raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
         t1 = time.time_ns()
-        hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
+        if self.graphs is not None and self.graphs.can_run(attn):
+            hidden, all_logits = self.graphs.run(batch.input_ids, batch.positions, attn)  # [T, H], [T, V]
+            logits = all_logits[batch.logits_indices]  # [num_logits, V]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
         t2 = time.time_ns()
         out = rejection_sample(
             logits,

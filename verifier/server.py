@@ -42,6 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["stream", "unary"],
         help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
     )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="decode/verify attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode/verify steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
+    )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
         "--hidden-transport",
@@ -69,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds to wait at start-up for the drafter to open the transport (then the first Propose does)",
     )
+
+
+def attention_kernel_option(choice: str) -> bool | None:
+    """--attention → the runners' `attention_kernel` (None: decided by the device)."""
+    return {"auto": None, "torch": False, "triton": True}[choice]
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -142,7 +159,18 @@ async def serve(args: argparse.Namespace) -> None:
             await drafter.close()
             await server.stop(0)
             raise SystemExit(2) from err
-    servicer.ready(VerifierRunner(model, kv_cache, args.sampler), model_info(args.model, config, args, max_model_len))
+    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
+        None,
+        lambda: VerifierRunner(
+            model,
+            kv_cache,
+            args.sampler,
+            attention_kernel=attention_kernel_option(args.attention),
+            cuda_graphs=None if args.cuda_graphs else False,
+            max_model_len=max_model_len,
+        ),
+    )
+    servicer.ready(runner, model_info(args.model, config, args, max_model_len))
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(

@@ -12,6 +12,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from models.kv_cache import PagedKVCache
+from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
@@ -35,6 +36,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_info: common_pb2.ModelInfo | None = None
         self.drafter = drafter
         self.device = device
+        self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-step")
         self._lock = asyncio.Lock()
@@ -78,6 +80,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_model_len=self.model_info.max_model_len,
             num_cached_tokens=self.kv_cache.num_tokens,
             device=self.device,
+            upload=self._upload,
         )
         return batch, self.runner.step(batch)
 

@@ -16,6 +16,8 @@ from models.target import TargetModel
 
 
 class DeepseekV3Target(TargetModel):
+    supports_attention_kernel = False  # MLA keeps its eager path over the latent cache
+
     def _make_layer(self, index: int) -> nn.Module:
         return DeepseekV3DecoderLayer(self.config, index)
 

@@ -22,6 +22,8 @@ from models.mtp_layout import DEEPSEEK_LAYOUT
 
 
 class DeepseekV3MTP(MTPModule):
+    supports_attention_kernel = False  # MLA keeps its eager path over the latent cache
+
     def _make_layout(self):
         return DEEPSEEK_LAYOUT
 

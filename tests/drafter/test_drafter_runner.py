@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from drafter.runner import DrafterRunner, ProposeItem
+from models.cuda_graphs import CudaGraphRunner
 from models.loader import load_mtp, load_target
 from models.tiny import write_tiny_checkpoint
 
@@ -88,3 +89,37 @@ def test_missing_history_restarts_the_request_instead_of_failing(models):
     assert len(out.drafts[0]) == 2 and runner.kv_cache.num_tokens("late") == 2 + 1
     runner.free(["late"])
     assert runner.kv_cache.num_free_blocks == runner.kv_cache.num_blocks
+
+
+def test_kernel_and_graph_buffer_path_proposes_like_the_sdpa_path(models):
+    """Draft steps through the CUDA-graph runner's static buffers (run eagerly on CPU, buckets 1, 2, 4):
+    same greedy drafts and the same sparse q of sampled drafts as the eager SDPA path."""
+    target, mtp = models
+    a, b = PROMPT + [20, 21, 22], PROMPT[:4] + [30, 31]
+    ha, hb = target_hidden(target, a), target_hidden(target, b)
+    cache = mtp.make_kv_cache(32, 4)
+    graphed = DrafterRunner(mtp, cache, attention_kernel=True, cuda_graphs=False)
+    graphed.graphs = CudaGraphRunner(mtp, cache, max_model_len=64, max_num_tokens=4, capture=False)
+    plain = fresh(mtp)
+    n, m = len(PROMPT), 4
+    iterations = [  # step 0 of 11 tokens (eager kernel path), then 3 (padded to 4); later steps 1-2 tokens
+        (
+            [ProposeItem("a", 0, a[1 : n + 1], 3), ProposeItem("b", 0, b[1 : m + 1], 2, temperature=0.8, seed=7)],
+            torch.cat([ha[:n], hb[:m]]),
+        ),
+        (
+            [
+                ProposeItem("a", n, a[n + 1 : n + 3], 3),
+                ProposeItem("b", m, b[m + 1 : m + 2], 3, temperature=0.8, seed=7),
+            ],
+            torch.cat([ha[n : n + 2], hb[m : m + 1]]),
+        ),
+    ]
+    for items, hidden in iterations:
+        got, expected = graphed.propose(items, hidden), plain.propose(items, hidden)
+        assert got.drafts == expected.drafts and all(
+            len(d) == item.num_spec_tokens for d, item in zip(got.drafts, items)
+        )
+        assert got.draft_probs[0] is None and expected.draft_probs[0] is None
+        torch.testing.assert_close(got.draft_probs[1], expected.draft_probs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k, plain.kv_cache.k, atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ def test_role_command_replaces_the_program_and_keeps_the_roles_arguments():
     assert cmd[: len(wrapper)] == wrapper
     assert cmd[len(wrapper) :] == [
         *["--host", "127.0.0.1", "--port", "1234", "--model", "ckpt"],
-        *["--device", "cpu", "--dtype", "float32", "--load-format", "auto", "--num-blocks", "8"],
+        *["--device", "cpu", "--dtype", "float32", "--load-format", "auto", "--hidden-transport", "grpc"],
+        *["--num-blocks", "8"],
     ]
     assert cluster.command("verifier", 1)[2:4] == ["specsplit", "serve"]

@@ -45,6 +45,10 @@ def test_prepare_step_builds_metadata_and_advances_lengths():
     assert attn.context_slots.tolist() == [8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5]
     assert attn.query_start_loc_host == [0, 3, 4] and attn.seq_lens_host == [5, 6]
     assert attn.num_reqs == 2 and attn.num_tokens == 4
+    # The Triton path's view: each token's request and causal context length.
+    assert attn.token_req_index.tolist() == [0, 0, 0, 1]
+    assert attn.token_context_lens.tolist() == [3, 4, 5, 6]
+    assert attn.token_req_index.dtype == attn.token_context_lens.dtype == torch.int32
 
 
 def test_truncate_frees_whole_blocks_past_the_kept_tokens():

@@ -5,6 +5,7 @@ rolled back so later steps equal plain decoding."""
 import pytest
 import torch
 
+from models.cuda_graphs import CudaGraphRunner
 from models.loader import load_target
 from models.tiny import write_tiny_checkpoint
 from protos import common_pb2, verifier_pb2
@@ -16,10 +17,24 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("v") / "m", architecture="qwen3", seed=3)
-    model = load_target(ckpt)
-    return VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+def model(tmp_path_factory):
+    return load_target(write_tiny_checkpoint(tmp_path_factory.mktemp("v") / "m", architecture="qwen3", seed=3))
+
+
+def graphed_runner(model) -> VerifierRunner:
+    """Triton attention for decode / verify steps, through the CUDA-graph runner's static buffers
+    (run eagerly: no capture on CPU); buckets 1, 2, 4, larger steps eager."""
+    cache = model.make_kv_cache(64, 4)
+    runner = VerifierRunner(model, cache, sampler_backend="reference", attention_kernel=True, cuda_graphs=False)
+    runner.graphs = CudaGraphRunner(model, cache, max_model_len=256, max_num_tokens=4, capture=False)
+    return runner
+
+
+@pytest.fixture(scope="module", params=["sdpa", "kernel_graph_buffers"])
+def runner(model, request):
+    if request.param == "sdpa":
+        return VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+    return graphed_runner(model)
 
 
 def step(runner, reqs, it=1):
@@ -137,3 +152,18 @@ def test_input_batch_tells_the_sampler_what_the_host_knows(sampling, all_greedy,
         )
     batch = build_input_batch(msg, vocab_size=100, max_model_len=64, num_cached_tokens=lambda rid: 0)
     assert (batch.all_greedy, batch.any_filter, batch.max_num_draft) == (all_greedy, any_filter, len(sampling))
+
+
+def test_kernel_and_graph_buffer_path_decodes_like_the_sdpa_path(model):
+    plain = VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+    graphed = graphed_runner(model)
+    assert greedy(graphed, "g", 10) == greedy(plain, "g", 10)
+    # Oracle drafts: a 4-token verify step per request, two requests → 8 tokens: eager kernel path.
+    ref = greedy(plain, "g", 10)
+    for r in (plain, graphed):
+        step(r, [("p", 0, PROMPT, 0, True), ("q", 0, PROMPT, 0, True)])
+    nc = len(PROMPT)
+    drafts = [ref[0], *ref[1:4]]
+    outs = [step(r, [("p", nc, drafts, 3, True), ("q", nc, drafts, 3, True)]) for r in (plain, graphed)]
+    assert outs[0].sampled_token_ids == outs[1].sampled_token_ids == [ref[1:5], ref[1:5]]
+    torch.testing.assert_close(outs[1].hidden_states, outs[0].hidden_states, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,202 @@
+"""Target decode-step time at batch 1 / 8 / 32 / 64 with ~512 tokens of context per request.
+
+    PYTHONPATH=. python benchmarks/decode_step.py --out runs/decode_step.json          # H200
+    PYTHONPATH=. python benchmarks/decode_step.py --device cpu --tiny                  # smoke check
+
+Models: the Qwen2-7B shape (hidden 3584, 28 layers, 28 heads / 4 kv heads, head_dim 128,
+intermediate 18944, vocab 152064, untied) with random bf16 weights made on the device, and the demo
+checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`models.tiny`) instead.
+
+Paths: `eager` (per-request SDPA attention, the old path), `kernel` (Triton paged attention, eager),
+`graphs` (Triton attention replayed from CUDA graphs; on CPU the same static-buffer path runs eagerly).
+A step is what the verifier does per decode iteration: metadata (`prepare_step`, one upload), input
+ids and positions to the device, forward, logits of every row, synchronize; the median over
+`--steps` steps is reported. Each request is rolled back after every step, so the context stays put.
+Roofline: the bytes of weights one step reads (every parameter, the embedding only when it is the
+LM head) over 4.8 TB/s, divided by the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HBM_BYTES_PER_S = 4.8e12
+QWEN2_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+
+
+def random_qwen2_7b(dtype, device):
+    import torch
+
+    from models.config import ModelConfig
+    from models.target import TargetModel
+
+    config = ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        model_type="qwen2",
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        max_position_embeddings=32768,
+        attention_bias=True,
+        o_proj_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        num_nextn_predict_layers=0,
+        **QWEN2_7B,
+    )
+    with torch.device("meta"):
+        model = TargetModel(config).to(dtype)
+    model = model.to_empty(device=device).requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: all parameters but an untied input embedding."""
+    embed = model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
+
+
+def time_steps(model, cache, runner, batch: int, context: int, steps: int, warmup: int, path: str) -> float:
+    """Median seconds of one decode step over `batch` requests holding `context` tokens each."""
+    import torch
+
+    from models.attention import use_kernel_for
+
+    device = cache.device
+    req_ids = [f"r{i}" for i in range(batch)]
+    with torch.inference_mode():
+        for rid in req_ids:  # prefill one request at a time (SDPA path)
+            attn = cache.prepare_step([rid], [context])
+            prompt = torch.randint(0, model.config.vocab_size, (context,), device=device)
+            model(prompt, torch.arange(context, device=device), cache, attn)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        times = []
+        for i in range(warmup + steps):
+            ids = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
+            sync()
+            t0 = time.perf_counter()
+            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(path != "eager", [1]))
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            positions = torch.tensor([context] * batch, dtype=torch.int64, device=device)
+            if path == "graphs":
+                runner.run(input_ids, positions, attn)
+            else:
+                model.compute_logits(model(input_ids, positions, cache, attn))
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            for rid in req_ids:
+                cache.truncate(rid, context)
+    for rid in req_ids:
+        cache.free(rid)
+    return statistics.median(times)
+
+
+def bench_model(name, model, args) -> list[dict]:
+    import torch
+
+    from models.cuda_graphs import CudaGraphRunner
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    block_size = 16
+    max_len = args.context + 1
+    blocks_per_req = -(-max_len // block_size)
+    cache = model.make_kv_cache(max(batches) * blocks_per_req + 1, block_size)
+    on_cuda = cache.device.type == "cuda"
+    t0 = time.perf_counter()
+    runner = CudaGraphRunner(model, cache, max_model_len=max_len, max_num_tokens=max(batches), capture=on_cuda)
+    print(f"{name}: graphs for {runner.buckets} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    ideal = weight_bytes(model) / HBM_BYTES_PER_S
+    rows = []
+    for batch in batches:
+        for path in ("eager", "kernel", "graphs"):
+            seconds = time_steps(model, cache, runner, batch, args.context, args.steps, args.warmup, path)
+            rows.append(
+                dict(
+                    model=name,
+                    batch=batch,
+                    context=args.context,
+                    path=path if on_cuda or path != "graphs" else "graph-buffers (no capture on CPU)",
+                    step_ms=seconds * 1e3,
+                    tokens_per_s=batch / seconds,
+                    roofline_pct=100 * ideal / seconds,
+                    weight_gb=weight_bytes(model) / 1e9,
+                    device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
+                )
+            )
+            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tiny", action="store_true", help="one tiny random model instead of Qwen2-7B and the demo")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
+    import torch
+
+    from models.loader import load_target
+    from models.tiny import write_tiny_checkpoint
+
+    dtype = getattr(torch, args.dtype)
+    if args.tiny:
+        tmp = tempfile.mkdtemp()
+        models = [("tiny", lambda: load_target(write_tiny_checkpoint(tmp), dtype=dtype, device=args.device))]
+    else:
+        demo = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
+        models = [
+            ("qwen2-7b-shape", lambda: random_qwen2_7b(dtype, args.device)),
+            ("demo", lambda: load_target(demo, dtype=dtype, device=args.device)),
+        ]
+    rows = []
+    for name, make in models:
+        model = make()
+        rows += bench_model(name, model, args)
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print("| model | batch | path | step ms | tokens/s | % HBM roofline |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['batch']} | {r['path']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
+            f"| {r['roofline_pct']:.1f} |"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

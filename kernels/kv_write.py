@@ -1,0 +1,59 @@
+"""Writes a step's new K and V into a paged cache through a slot mapping; slot < 0 is skipped.
+
+Slot s is entry `s % block_size` of block `s // block_size`, i.e. row s of the cache viewed as
+`[num_blocks * block_size, kv_heads * head_dim]`. Padding tokens of a CUDA-graph bucket carry
+slot -1, so their K/V never land in the cache. One launch for K and V, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_t,
+    stride_v_t,
+    ROW: tl.constexpr,
+    ROW_P2: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    offs = tl.arange(0, ROW_P2)
+    mask = offs < tl.where(slot >= 0, ROW, 0)
+    k = tl.load(k_ptr + t * stride_k_t + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_v_t + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
+) -> None:
+    num_tokens = k.shape[0]
+    row = k.shape[1] * k.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the K and V caches must be contiguous")
+    if k_cache.shape[2] * k_cache.shape[3] != row or v.shape != k.shape:
+        raise ValueError(f"K {tuple(k.shape)} / V {tuple(v.shape)} do not fit the cache {tuple(k_cache.shape)}")
+    k, v = k.reshape(num_tokens, row), v.reshape(num_tokens, row)
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    if v.stride(1) != 1:
+        v = v.contiguous()
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, ROW_P2=triton.next_power_of_2(row)
+    )

@@ -1,0 +1,94 @@
+"""The target forward on the Triton attention path (`use_kernel`) equals the SDPA path and transformers,
+and the CUDA-graph runner's static-buffer path (run eagerly here) equals the plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.cuda_graphs import CudaGraphRunner, token_buckets
+from models.loader import load_target
+
+# Steps over two requests: a ragged prefill, then decode / verify steps of 1 .. 4 new tokens each.
+STEPS = [{"a": 7, "b": 5}, {"a": 1, "b": 4}, {"b": 1, "a": 3}, {"a": 1}, {"a": 2, "b": 1}]
+
+
+def _run_steps(model, runner=None, use_kernel=False, seed=0):
+    """Hidden states and logits of every step, and the cache afterwards."""
+    g = torch.Generator().manual_seed(seed)
+    cache = runner.kv_cache if runner is not None else model.make_kv_cache(num_blocks=16, block_size=4)
+    outputs = []
+    for i, step in enumerate(STEPS):
+        ids = torch.randint(0, model.config.vocab_size, (sum(step.values()),), generator=g)
+        positions = torch.cat([torch.arange(cache.num_tokens(r), cache.num_tokens(r) + n) for r, n in step.items()])
+        attn = cache.prepare_step(list(step), list(step.values()), use_kernel=use_kernel and i > 0)
+        with torch.inference_mode():
+            if runner is not None and runner.can_run(attn):
+                hidden, logits = runner.run(ids, positions, attn)
+                hidden, logits = hidden.clone(), logits.clone()
+            else:
+                hidden = model(ids, positions, cache, attn)
+                logits = model.compute_logits(hidden)
+        outputs.append((hidden, logits))
+    return outputs, cache
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_kernel_path_equals_sdpa_path_over_decode_and_verify_steps(checkpoint_dir, architecture):
+    model = load_target(checkpoint_dir(architecture))
+    expected, expected_cache = _run_steps(model)
+    got, cache = _run_steps(model, use_kernel=True)
+    for (h, logits), (h_ref, logits_ref) in zip(got, expected):
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.k, expected_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v, expected_cache.v, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_path_prefill_logits_match_transformers(checkpoint_dir, hf_model):
+    path = checkpoint_dir("qwen2")
+    model = load_target(path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (6, 1, 9)]
+    cache = model.make_kv_cache(num_blocks=16, block_size=4)
+    attn = cache.prepare_step(["x", "y", "z"], [len(p) for p in prompts], use_kernel=True)
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    with torch.no_grad():
+        ours = model.compute_logits(model(torch.cat(prompts), positions, cache, attn))
+        theirs = torch.cat([hf_model(path)(p[None]).logits[0].float() for p in prompts])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_token_buckets_are_powers_of_two_up_to_the_maximum():
+    assert token_buckets(1) == [1]
+    assert token_buckets(8) == [1, 2, 4, 8]
+    assert token_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_static_buffer_path_with_padding_equals_the_plain_forward(checkpoint_dir):
+    model = load_target(checkpoint_dir("llama"))
+    expected, expected_cache = _run_steps(model)
+    # Largest bucket 4: the 5-token step goes eager; 3-token steps are padded to 4 (two of them).
+    runner = CudaGraphRunner(model, model.make_kv_cache(16, 4), max_model_len=64, max_num_tokens=4, capture=False)
+    got, cache = _run_steps(model, runner=runner, use_kernel=True)
+    assert [runner.bucket_for(sum(s.values())) for s in STEPS] == [None, None, 4, 1, 4]
+    for (h, logits), (h_ref, logits_ref) in zip(got, expected):
+        assert h.shape == h_ref.shape and logits.shape == logits_ref.shape
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
+    # Padding tokens wrote nothing: the whole cache (free blocks included) equals the plain run's.
+    torch.testing.assert_close(cache.k, expected_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v, expected_cache.v, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_outside_the_graphs_are_refused(checkpoint_dir):
+    model = load_target(checkpoint_dir("llama"))
+    cache = model.make_kv_cache(16, 4)
+    runner = CudaGraphRunner(model, cache, max_model_len=8, max_num_tokens=4, capture=False)
+    assert not runner.can_run(cache.prepare_step(["a"], [2]))  # the SDPA path
+    assert not runner.can_run(cache.prepare_step(["b"], [5], use_kernel=True))  # more tokens than a bucket
+    assert not runner.can_run(cache.prepare_step(["b"], [4], use_kernel=True))  # 9 tokens > max_model_len 8
+    attn = cache.prepare_step(["a"], [1], use_kernel=True)
+    assert runner.can_run(attn)
+    with pytest.raises(ValueError, match="does not fit the CUDA graph buckets"):
+        runner.run(torch.zeros(5, dtype=torch.int64), torch.arange(5), cache.prepare_step(["c"], [5], use_kernel=True))
