@@ -142,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--vllm-src", type=Path, help="unpacked vllm source tree to compare against")
-    parser.add_argument("--quick", action="store_true", help="vocab 151936, batch {1, 64}, k 3 only")
+    parser.add_argument("--quick", action="store_true", help="vocab 151936, batch {1, 64, 256}, k 3 only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -153,7 +153,7 @@ def main() -> None:
     print(f"vLLM samplers: {vllm_status or 'not requested'}\n")
     vllm_names = [n for n, b in vllm_samplers.items() if callable(b)]
     if args.quick:
-        vocabs, batches, ks = (151936,), (1, 64), (3,)
+        vocabs, batches, ks = (151936,), (1, 64, 256), (3,)
     else:
         vocabs, batches, ks = (32000, 151936), (1, 8, 64, 256), (1, 3, 5)
 

@@ -18,8 +18,8 @@ docstring. Every logits row is cut into chunks of ``CHUNK`` vocabulary ids; two 
 
 So the logits are read once, plus one row per random request, and the per-token noise (a hash and a
 log per vocabulary id) is computed for that one row only. Ties go to the lowest id everywhere, as in
-``torch.argmax``. Scratch buffers live in a per-(device, stream) workspace reused across calls, so a
-call allocates only its outputs.
+``torch.argmax``. Each call allocates its outputs and two scratch buffers (the int one zeroed: it holds
+the per-request counters), so calls share no state.
 
 Top-k / top-p rows take a slower path: a per-row logit threshold from ``kernels/filtering.py`` (a
 sort, in torch, of those rows only) before the kernels run; the kernels mask ``logits < threshold``.
@@ -41,43 +41,20 @@ ONE_HOT, DENSE, SPARSE = 0, 1, 2
 GPU_CHUNK, GPU_BLOCK_V, GPU_NUM_WARPS = 8192, 1024, 4
 
 
-class _Workspace:
-    """Scratch buffers of one (device, stream), grown on demand; counters stay 0 between calls."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.floats = torch.empty(0, dtype=torch.float32, device=device)
-        self.ints = torch.empty(0, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
-
-    def take(self, num_logits: int, num_reqs: int, num_blocks: int) -> tuple[torch.Tensor, ...]:
-        n_float = 2 * num_logits * num_blocks + 2 * num_reqs * num_blocks + 2 * num_reqs
-        n_int = num_logits * num_blocks + 2 * num_reqs * num_blocks + num_reqs
-        if self.floats.numel() < n_float:
-            self.floats = torch.empty(2 * n_float, dtype=torch.float32, device=self.device)
-        if self.ints.numel() < n_int:
-            self.ints = torch.empty(2 * n_int, dtype=torch.int32, device=self.device)
-        if self.counters.numel() < 2 * num_reqs:
-            self.counters = torch.zeros(4 * num_reqs, dtype=torch.int32, device=self.device)
-        rows, reqs = num_logits * num_blocks, num_reqs * num_blocks
-        block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = self.floats[:n_float].split(
-            [rows, rows, reqs, reqs, num_reqs, num_reqs]
-        )
-        block_token, race_token, fallback_token, race_mode = self.ints[:n_int].split([rows, reqs, reqs, num_reqs])
-        stats_counter, race_counter = self.counters[: 2 * num_reqs].split([num_reqs, num_reqs])
-        return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
-                race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
-
-
-_workspaces: dict[tuple, _Workspace] = {}
-
-
-def _workspace(device: torch.device) -> _Workspace:
-    key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
-    ws = _workspaces.get(key)
-    if ws is None:
-        ws = _workspaces[key] = _Workspace(device)
-    return ws
+def _scratch(num_logits: int, num_reqs: int, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The kernels' scratch for one call: one float and one int allocation; the ints (counters among
+    them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs."""
+    rows, reqs = num_logits * num_blocks, num_reqs * num_blocks
+    floats = torch.empty(2 * rows + 2 * reqs + 2 * num_reqs, dtype=torch.float32, device=device)
+    ints = torch.zeros(rows + 2 * reqs + 3 * num_reqs, dtype=torch.int32, device=device)
+    block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = floats.split(
+        [rows, rows, reqs, reqs, num_reqs, num_reqs]
+    )
+    block_token, race_token, fallback_token, race_mode, stats_counter, race_counter = ints.split(
+        [rows, reqs, reqs, num_reqs, num_reqs, num_reqs]
+    )
+    return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
+            race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
 
 
 def rejection_sample_triton(
@@ -141,8 +118,8 @@ def rejection_sample_triton(
     num_blocks = triton.cdiv(vocab_size, chunk)
     num_blocks_pad = triton.next_power_of_2(num_blocks)
     (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
-     race_best, race_token, fallback_best, fallback_token, race_counter) = _workspace(device).take(
-        num_logits, num_reqs, num_blocks)  # fmt: skip
+     race_best, race_token, fallback_best, fallback_token, race_counter) = _scratch(
+        num_logits, num_reqs, num_blocks, device)  # fmt: skip
 
     stats_accept_kernel[(num_reqs, num_cols, num_blocks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,

@@ -5,9 +5,10 @@ Terms and the algorithm: ``kernels/reference.py``. Tensors named ``block_*`` hol
 (logits row, chunk); ``race_*`` one per (request, chunk).
 
 Each kernel ends with a "last program of the request" step instead of a third launch: every program
-of a request bumps the request's counter after writing its chunk's result (release), and the program
-that sees the count complete (acquire) reduces the chunks, resets the counter to 0 for the next call
-and writes the request's output. Its loads of other programs' results bypass L1 (``.cg``).
+of a request publishes its chunk's result (an atomic exchange, so it lands in L2), then bumps the
+request's counter (release); the program that sees the count complete (acquire) reduces the chunks,
+reading past L1 (``.cg``), and writes the request's output. Counters are zeroed by the launcher for
+every call: no state survives a call.
 """
 
 import triton
@@ -60,12 +61,20 @@ def _first_argmax(best, token):
 
 
 @triton.jit
+def _publish(ptr, value):
+    """A result another program of the request reduces: written at L2 (an atomic exchange), so the
+    release of the counter below orders it for the reader, whatever thread stored it. 32-bit values
+    travel as int32 bits (the interpreter exchanges integers only)."""
+    tl.atomic_xchg(ptr.to(tl.pointer_type(tl.int32), bitcast=True), value.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
 def _last_of_request(counter_ptr, req, total):
-    """Count this program as done; True for the request's last one, which also resets the counter."""
-    tl.debug_barrier()  # every thread's stores of this program happen before the release below
+    """Count this program as done (the counter starts at 0 every call); True for the request's last
+    program, which may then read what the others published."""
+    tl.debug_barrier()  # every thread's writes of this program happen before the release below
     last = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel") == total - 1
-    if last:
-        tl.store(counter_ptr + req, 0)
+    tl.debug_barrier()  # and the reader's loads after the acquire
     return last
 
 
@@ -152,8 +161,8 @@ def stats_accept_kernel(
                 logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
                 best, token = _lane_argmax(logits, offs, best, token)
             top, top_token = _first_argmax(best, token)
-            tl.store(block_max_ptr + out, top)
-            tl.store(block_token_ptr + out, top_token)
+            _publish(block_max_ptr + out, top)
+            _publish(block_token_ptr + out, top_token)
         else:  # online softmax per lane, one exp per element
             inv_temperature = 1.0 / temperature
             threshold = _threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
@@ -170,8 +179,8 @@ def stats_accept_kernel(
             chunk_max = tl.max(lane_max, axis=0)
             chunk_max = tl.where(chunk_max == NO_MAX, float("-inf"), chunk_max)  # nothing but -inf here
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-            tl.store(block_max_ptr + out, chunk_max)
-            tl.store(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
+            _publish(block_max_ptr + out, chunk_max)
+            _publish(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
         if _last_of_request(counter_ptr, req, (num_draft + 1) * num_blocks):
             _accept_request(
                 req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
@@ -295,7 +304,7 @@ def race_kernel(
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NUM_BLOCKS_PAD: tl.constexpr,
-    FAST_LOG2: tl.constexpr,  # the GPU's lg2.approx (see kernels/triton_rng.py)
+    FAST_LOG2: tl.constexpr,  # the GPU's lg2.approx for the Gumbel score's outer log (kernels/triton_rng.py)
 ):
     """Grid (num_reqs, num_blocks): the exponential race on each random request's stop row, one
     chunk per program; the request's last program writes the winner into the stop column."""
@@ -334,14 +343,14 @@ def race_kernel(
                         q_id = tl.load(q_ids_ptr + draft_index * q_ids_stride + k)
                         q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
                         q += tl.where(offs == q_id, q_prob, 0.0)
-                clock = vocab_clocks(key, offs, FAST_LOG2)
+                clock = vocab_clocks(key, offs)
                 race = tl.maximum(p - q, 0.0) / clock
                 best, token = _lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
                 p_best, p_token = _lane_argmax(x * LOG2E - log2(clock, FAST_LOG2), offs, p_best, p_token)
             top, top_token = _first_argmax(best, token)
             p_top, p_top_token = _first_argmax(p_best, p_token)
-            tl.store(fallback_best_ptr + out, p_top)
-            tl.store(fallback_token_ptr + out, p_top_token)
+            _publish(fallback_best_ptr + out, p_top)
+            _publish(fallback_token_ptr + out, p_top_token)
         else:  # the race from p: argmax x log2(e) - log2 C (Gumbel-max), maybe without the rejected draft
             excluded = tl.full([], -1, tl.int64)
             if race_mode == RACE_P_EXCLUDE_DRAFT:
@@ -351,12 +360,12 @@ def race_kernel(
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
                 x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                score = x * LOG2E - log2(vocab_clocks(key, offs, FAST_LOG2), FAST_LOG2)
+                score = x * LOG2E - log2(vocab_clocks(key, offs), FAST_LOG2)
                 score = tl.where(offs == excluded, float("-inf"), score)
                 best, token = _lane_argmax(score, offs, best, token)
             top, top_token = _first_argmax(best, token)
-        tl.store(race_best_ptr + out, top)
-        tl.store(race_token_ptr + out, top_token)
+        _publish(race_best_ptr + out, top)
+        _publish(race_token_ptr + out, top_token)
         if _last_of_request(counter_ptr, req, num_blocks):
             blocks = tl.arange(0, NUM_BLOCKS_PAD)
             in_blocks = blocks < num_blocks

@@ -44,8 +44,9 @@ def accept_uniform(key):
 
 @triton.jit
 def log2(x, FAST: tl.constexpr):
-    """log2 of float32 ``x`` > 0. FAST (GPU): the hardware's ``lg2.approx`` (about 2 ulp), several
-    times cheaper than the library's correctly rounded log2; the interpreter cannot run PTX."""
+    """log2 of float32 ``x`` > 0. FAST (GPU): the hardware's ``lg2.approx`` (absolute error about
+    2^-22), several times cheaper than the library's correctly rounded log2, for results that are
+    added to O(1) scores (never for a value divided by); the interpreter cannot run PTX."""
     if FAST:
         y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
@@ -54,6 +55,10 @@ def log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def vocab_clocks(key, offs, FAST: tl.constexpr):
-    """-log2(u): the race clocks (Exp(1) / ln 2) of vocabulary ids ``offs`` (int32) in the row with ``key``."""
-    return -log2(uniform(key, offs.to(tl.uint32)), FAST)
+def vocab_clocks(key, offs):
+    """-log2(u): the race clocks (Exp(1) / ln 2) of vocabulary ids ``offs`` (int32) in the row with ``key``.
+
+    Always the correctly rounded log2: for u near 1 the clock is tiny (down to 8.6e-8) and a race
+    divides by it, so it needs relative accuracy, which ``lg2.approx`` (absolute error ~2^-22) lacks.
+    """
+    return -tl.log2(uniform(key, offs.to(tl.uint32)))

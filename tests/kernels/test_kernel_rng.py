@@ -21,7 +21,7 @@ def _noise_kernel(
     key = triton_rng.row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     tl.store(accept_ptr + row, triton_rng.accept_uniform(key))
     offs = tl.arange(0, BLOCK_V)
-    clocks = triton_rng.vocab_clocks(key, offs, False)
+    clocks = triton_rng.vocab_clocks(key, offs)
     tl.store(clocks_ptr + row * vocab_size + offs, clocks, mask=offs < vocab_size)
 
 

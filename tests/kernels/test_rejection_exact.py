@@ -201,9 +201,9 @@ def test_host_hints_give_the_same_output(batch_factory, same_output):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_calls_of_different_shapes_reuse_the_workspace(batch_factory, same_output, mode):
-    """The kernels' scratch buffers and per-request counters persist between calls (counters must be
-    back at 0 after every call, buffers grow): small, larger, small again, all exact."""
+def test_calls_of_different_shapes_in_a_row_stay_exact(batch_factory, same_output, mode):
+    """Back-to-back calls of different shapes (the kernels count finished programs per request in
+    scratch memory): small, larger, small again, all exact."""
     small = batch_factory(17, [2, 1], vocab_size=100, hit_rate=0.8)
     large = batch_factory(19, [3, 0, 2, 4, 1, 3, 2], vocab_size=300, hit_rate=0.8)
     for batch in (small, large, small, small):
