@@ -2,7 +2,7 @@
 
 Terms (accepted / recovered / bonus, x, p, q, the exponential race) are defined in the reference's
 docstring. Every logits row is cut into chunks of ``CHUNK`` vocabulary ids; two launches
-(``kernels/triton_rejection_kernels.py``):
+(``kernels/triton_rejection_kernels.py``, ``kernels/triton_race_kernel.py``):
 
 1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_chunks)``: the only full pass
    over the logits. Per (row, chunk): online softmax statistics (max, sum of exp); greedy rows: the
@@ -32,7 +32,8 @@ import torch
 import triton
 
 from kernels.filtering import row_thresholds
-from kernels.triton_rejection_kernels import race_kernel, stats_accept_kernel
+from kernels.triton_race_kernel import race_kernel
+from kernels.triton_rejection_kernels import stats_accept_kernel
 from kernels.types import RejectionOutput, SparseDraftProbs
 
 ONE_HOT, DENSE, SPARSE = 0, 1, 2

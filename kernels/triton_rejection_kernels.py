@@ -1,89 +1,29 @@
-"""The two Triton kernels of the rejection sampler; ``kernels/triton_rejection.py`` launches them.
+"""The rejection sampler's first kernel: softmax statistics (or the argmax) of every logits row,
+then, per request, the walk to the first rejection; ``kernels/triton_rejection.py`` launches it.
 
 Vocabulary rows are cut into chunks of ``CHUNK`` ids, so even a batch of one request fills the GPU.
 Terms and the algorithm: ``kernels/reference.py``. Tensors named ``block_*`` hold one entry per
-(logits row, chunk); ``race_*`` one per (request, chunk).
-
-Each kernel ends with a "last program of the request" step instead of a third launch: every program
-of a request publishes its chunk's result (an atomic exchange, so it lands in L2), then bumps the
-request's counter (release); the program that sees the count complete (acquire) reduces the chunks,
-reading past L1 (``.cg``), and writes the request's output. Counters are zeroed by the launcher for
-every call: no state survives a call.
+(logits row, chunk). The race on the stop row is ``kernels/triton_race_kernel.py``.
 """
 
 import triton
 import triton.language as tl
 
-from kernels.triton_rng import accept_uniform, log2, row_key, vocab_clocks
-
-BIG_TOKEN = tl.constexpr(2147483647)
-LOG2E = tl.constexpr(1.4426950408889634)
-NO_MAX = tl.constexpr(-3.0e38)  # running max before any finite x (logits are far above it)
-# What the race kernel does for a request (race_mode): nothing (greedy), the race from p (bonus row or
-# padded draft), the race from p without the rejected one-hot draft, or the residual max(p - q, 0).
-NO_RACE = tl.constexpr(0)
-RACE_P = tl.constexpr(1)
-RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
-RACE_RESIDUAL = tl.constexpr(3)
-
-
-@triton.jit
-def _threshold(threshold_ptr, row, HAS_THRESHOLD: tl.constexpr):
-    """The row's top-k / top-p logit threshold; -inf when no request filters."""
-    threshold = tl.full([], float("-inf"), tl.float32)
-    if HAS_THRESHOLD:
-        threshold = tl.load(threshold_ptr + row)
-    return threshold
-
-
-@triton.jit
-def _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD: tl.constexpr):
-    """x = logits / T where logits >= threshold, else -inf (also past the vocabulary)."""
-    logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-    x = logits * inv_temperature
-    if HAS_THRESHOLD:
-        x = tl.where(logits >= threshold, x, float("-inf"))
-    return x
-
-
-@triton.jit
-def _lane_argmax(values, offs, best, token):
-    """Per-lane running argmax; a later tile replaces a lane's entry only if strictly larger."""
-    take = values > best
-    return tl.where(take, values, best), tl.where(take, offs, token)
-
-
-@triton.jit
-def _first_argmax(best, token):
-    """(max, smallest token holding it) over lanes or chunks: torch.argmax's tie rule."""
-    top = tl.max(best, axis=0)
-    return top, tl.min(tl.where(best == top, token, BIG_TOKEN), axis=0)
-
-
-@triton.jit
-def _publish(ptr, value):
-    """A result another program of the request reduces: written at L2 (an atomic exchange), so the
-    release of the counter below orders it for the reader, whatever thread stored it. 32-bit values
-    travel as int32 bits (the interpreter exchanges integers only)."""
-    tl.atomic_xchg(ptr.to(tl.pointer_type(tl.int32), bitcast=True), value.to(tl.int32, bitcast=True), sem="relaxed")
-
-
-@triton.jit
-def _last_of_request(counter_ptr, req, total):
-    """Count this program as done (the counter starts at 0 every call); True for the request's last
-    program, which may then read what the others published."""
-    tl.debug_barrier()  # every thread's writes of this program happen before the release below
-    last = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel") == total - 1
-    tl.debug_barrier()  # and the reader's loads after the acquire
-    return last
-
-
-@triton.jit
-def _reduce_chunks(best_ptr, token_ptr, chunks, in_blocks):
-    """The winner over a row's chunks, read past L1 (other programs wrote them)."""
-    bests = tl.load(best_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
-    tokens = tl.load(token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
-    return _first_argmax(bests, tokens)
+from kernels.triton_rejection_common import (
+    BIG_TOKEN,
+    NO_MAX,
+    NO_RACE,
+    RACE_P,
+    RACE_P_EXCLUDE_DRAFT,
+    RACE_RESIDUAL,
+    first_argmax,
+    lane_argmax,
+    last_of_request,
+    publish,
+    row_threshold,
+    scaled_logits,
+)
+from kernels.triton_rng import accept_uniform, row_key
 
 
 @triton.jit
@@ -159,18 +99,18 @@ def stats_accept_kernel(
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
                 logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-                best, token = _lane_argmax(logits, offs, best, token)
-            top, top_token = _first_argmax(best, token)
-            _publish(block_max_ptr + out, top)
-            _publish(block_token_ptr + out, top_token)
+                best, token = lane_argmax(logits, offs, best, token)
+            top, top_token = first_argmax(best, token)
+            publish(block_max_ptr + out, top)
+            publish(block_token_ptr + out, top_token)
         else:  # online softmax per lane, one exp per element
             inv_temperature = 1.0 / temperature
-            threshold = _threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
+            threshold = row_threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
             # A finite start (below any logit) keeps exp's argument finite without a guard per element.
             lane_max = tl.full([BLOCK_V], NO_MAX, tl.float32)
             lane_sum = tl.zeros([BLOCK_V], tl.float32)
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                x = _scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
+                x = scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
                 # exp(smaller - larger) either rescales the running sum or is the new term.
                 new_max = tl.maximum(lane_max, x)
                 ratio = tl.exp(tl.minimum(lane_max, x) - new_max)
@@ -179,9 +119,9 @@ def stats_accept_kernel(
             chunk_max = tl.max(lane_max, axis=0)
             chunk_max = tl.where(chunk_max == NO_MAX, float("-inf"), chunk_max)  # nothing but -inf here
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-            _publish(block_max_ptr + out, chunk_max)
-            _publish(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
-        if _last_of_request(counter_ptr, req, (num_draft + 1) * num_blocks):
+            publish(block_max_ptr + out, chunk_max)
+            publish(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
+        if last_of_request(counter_ptr, req, (num_draft + 1) * num_blocks):
             _accept_request(
                 req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
                 positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
@@ -229,7 +169,7 @@ def _accept_request(
             has_draft = draft >= 0
             if greedy:
                 tokens = tl.load(block_token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
-                _, token = _first_argmax(chunk_max, tokens)
+                _, token = first_argmax(chunk_max, tokens)
                 accepted = (has_draft & (draft == token)).to(tl.int32)
                 row_max = tl.zeros([], tl.float32)
                 row_sum = tl.full([], 1.0, tl.float32)
@@ -242,9 +182,9 @@ def _accept_request(
                     tl.where(chunk_max == float("-inf"), 0.0, chunk_sum * tl.exp(chunk_max - row_max)), axis=0
                 )
                 safe_draft = tl.maximum(draft, 0)
-                x_d = _scaled_logits(
+                x_d = scaled_logits(
                     logits_ptr + row * logits_stride, safe_draft, vocab_size,
-                    _threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature, HAS_THRESHOLD,
+                    row_threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature, HAS_THRESHOLD,
                 )  # fmt: skip
                 p_d = tl.exp(x_d - row_max) / row_sum
                 q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + j,
@@ -269,108 +209,3 @@ def _accept_request(
     tl.store(stop_max_ptr + req, stop_max)
     tl.store(stop_sum_ptr + req, stop_sum)
     tl.store(race_mode_ptr + req, race_mode)
-
-
-@triton.jit
-def race_kernel(
-    logits_ptr,  # [num_logits, V]
-    logits_stride,
-    draft_ids_ptr,  # [num_draft_total] int64
-    cu_num_draft_ptr,  # [num_reqs + 1] int32
-    temperature_ptr,  # [num_reqs] float32
-    seeds_ptr,  # [num_reqs] int64
-    positions_ptr,  # [num_reqs] int64
-    threshold_ptr,  # [num_logits] float32
-    q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]
-    q_stride,
-    q_ids_ptr,  # sparse: ids [num_draft_total, K] int64
-    q_ids_stride,
-    num_q_ids,
-    num_sampled_ptr,  # [num_reqs] int32: the stop row is num_sampled - 1
-    stop_max_ptr,  # [num_reqs] float32
-    stop_sum_ptr,  # [num_reqs] float32
-    race_mode_ptr,  # [num_reqs] int32
-    race_best_ptr,  # [num_reqs, num_blocks] float32: best race score of the chunk
-    race_token_ptr,  # [num_reqs, num_blocks] int32
-    fallback_best_ptr,  # [num_reqs, num_blocks] float32: residual rows: the race from p
-    fallback_token_ptr,  # [num_reqs, num_blocks] int32
-    counter_ptr,  # [num_reqs] int32, 0 between calls
-    sampled_ptr,  # [num_reqs, num_cols] int64 in/out
-    vocab_size,
-    num_blocks,
-    num_cols,
-    Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
-    HAS_THRESHOLD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr,
-    FAST_LOG2: tl.constexpr,  # the GPU's lg2.approx for the Gumbel score's outer log (kernels/triton_rng.py)
-):
-    """Grid (num_reqs, num_blocks): the exponential race on each random request's stop row, one
-    chunk per program; the request's last program writes the winner into the stop column."""
-    req = tl.program_id(0)
-    blk = tl.program_id(1)
-    race_mode = tl.load(race_mode_ptr + req)
-    if race_mode != NO_RACE:
-        draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
-        j = tl.load(num_sampled_ptr + req).to(tl.int64) - 1
-        row = draft_start + req + j
-        row_ptr = logits_ptr + row * logits_stride
-        draft_index = draft_start + j
-        inv_temperature = 1.0 / tl.load(temperature_ptr + req)
-        threshold = _threshold(threshold_ptr, row, HAS_THRESHOLD)
-        key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
-        chunk_start = blk * CHUNK
-        lane = tl.arange(0, BLOCK_V)
-        out = req * num_blocks + blk
-        if race_mode == RACE_RESIDUAL:  # argmax max(p - q, 0) / C, and the race from p if that is all 0
-            row_max = tl.load(stop_max_ptr + req)
-            row_sum = tl.load(stop_sum_ptr + req)
-            best = tl.full([BLOCK_V], -1.0, tl.float32)
-            token = chunk_start + lane
-            p_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            p_token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                p = tl.exp(x - row_max) / row_sum
-                if Q_MODE == 1:
-                    q = tl.load(q_ptr + draft_index * q_stride + offs, mask=offs < vocab_size, other=0.0)
-                    q = q.to(tl.float32)
-                else:
-                    q = tl.zeros([BLOCK_V], tl.float32)
-                    for k in range(num_q_ids):
-                        q_id = tl.load(q_ids_ptr + draft_index * q_ids_stride + k)
-                        q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
-                        q += tl.where(offs == q_id, q_prob, 0.0)
-                clock = vocab_clocks(key, offs)
-                race = tl.maximum(p - q, 0.0) / clock
-                best, token = _lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
-                p_best, p_token = _lane_argmax(x * LOG2E - log2(clock, FAST_LOG2), offs, p_best, p_token)
-            top, top_token = _first_argmax(best, token)
-            p_top, p_top_token = _first_argmax(p_best, p_token)
-            _publish(fallback_best_ptr + out, p_top)
-            _publish(fallback_token_ptr + out, p_top_token)
-        else:  # the race from p: argmax x log2(e) - log2 C (Gumbel-max), maybe without the rejected draft
-            excluded = tl.full([], -1, tl.int64)
-            if race_mode == RACE_P_EXCLUDE_DRAFT:
-                excluded = tl.load(draft_ids_ptr + draft_index)
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = _scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                score = x * LOG2E - log2(vocab_clocks(key, offs), FAST_LOG2)
-                score = tl.where(offs == excluded, float("-inf"), score)
-                best, token = _lane_argmax(score, offs, best, token)
-            top, top_token = _first_argmax(best, token)
-        _publish(race_best_ptr + out, top)
-        _publish(race_token_ptr + out, top_token)
-        if _last_of_request(counter_ptr, req, num_blocks):
-            blocks = tl.arange(0, NUM_BLOCKS_PAD)
-            in_blocks = blocks < num_blocks
-            chunks = req * num_blocks + blocks
-            top, winner = _reduce_chunks(race_best_ptr, race_token_ptr, chunks, in_blocks)
-            if (race_mode == RACE_RESIDUAL) & (top <= 0):  # no residual mass (p == q up to rounding)
-                _, winner = _reduce_chunks(fallback_best_ptr, fallback_token_ptr, chunks, in_blocks)
-            tl.store(sampled_ptr + req * num_cols + j, winner.to(tl.int64))

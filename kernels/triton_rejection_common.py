@@ -1,0 +1,81 @@
+"""What the rejection sampler's two kernels share: constants, the scaled-logits load, argmax
+helpers with torch.argmax's tie rule, and the "last program of the request" protocol.
+
+Each kernel ends with a "last program of the request" step instead of a third launch: every program
+of a request publishes its chunk's result (an atomic exchange, so it lands in L2), then bumps the
+request's counter (release); the program that sees the count complete (acquire) reduces the chunks,
+reading past L1 (``.cg``), and writes the request's output. Counters are zeroed by the launcher for
+every call: no state survives a call.
+"""
+
+import triton
+import triton.language as tl
+
+BIG_TOKEN = tl.constexpr(2147483647)
+LOG2E = tl.constexpr(1.4426950408889634)
+NO_MAX = tl.constexpr(-3.0e38)  # running max before any finite x (logits are far above it)
+# What the race kernel does for a request (race_mode): nothing (greedy), the race from p (bonus row or
+# padded draft), the race from p without the rejected one-hot draft, or the residual max(p - q, 0).
+NO_RACE = tl.constexpr(0)
+RACE_P = tl.constexpr(1)
+RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
+RACE_RESIDUAL = tl.constexpr(3)
+
+
+@triton.jit
+def row_threshold(threshold_ptr, row, HAS_THRESHOLD: tl.constexpr):
+    """The row's top-k / top-p logit threshold; -inf when no request filters."""
+    threshold = tl.full([], float("-inf"), tl.float32)
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+    return threshold
+
+
+@triton.jit
+def scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD: tl.constexpr):
+    """x = logits / T where logits >= threshold, else -inf (also past the vocabulary)."""
+    logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    x = logits * inv_temperature
+    if HAS_THRESHOLD:
+        x = tl.where(logits >= threshold, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def lane_argmax(values, offs, best, token):
+    """Per-lane running argmax; a later tile replaces a lane's entry only if strictly larger."""
+    take = values > best
+    return tl.where(take, values, best), tl.where(take, offs, token)
+
+
+@triton.jit
+def first_argmax(best, token):
+    """(max, smallest token holding it) over lanes or chunks: torch.argmax's tie rule."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, token, BIG_TOKEN), axis=0)
+
+
+@triton.jit
+def publish(ptr, value):
+    """A result another program of the request reduces: written at L2 (an atomic exchange), so the
+    release of the counter below orders it for the reader, whatever thread stored it. 32-bit values
+    travel as int32 bits (the interpreter exchanges integers only)."""
+    tl.atomic_xchg(ptr.to(tl.pointer_type(tl.int32), bitcast=True), value.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def last_of_request(counter_ptr, req, total):
+    """Count this program as done (the counter starts at 0 every call); True for the request's last
+    program, which may then read what the others published."""
+    tl.debug_barrier()  # every thread's writes of this program happen before the release below
+    last = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel") == total - 1
+    tl.debug_barrier()  # and the reader's loads after the acquire
+    return last
+
+
+@triton.jit
+def reduce_chunks(best_ptr, token_ptr, chunks, in_blocks):
+    """The winner over a row's chunks, read past L1 (other programs wrote them)."""
+    bests = tl.load(best_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
+    tokens = tl.load(token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
+    return first_argmax(bests, tokens)
