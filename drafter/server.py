@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from models.serve_options import add_model_arguments, attention_kernel_option, cuda_graphs_option
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
@@ -18,14 +19,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
-    )
+    add_model_arguments(p, "MTP draft steps")
     p.add_argument(
         "--hidden-transport",
         default="grpc",
@@ -40,18 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
-    )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="draft-step attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run MTP draft steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
 
 
@@ -96,12 +78,15 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         hidden_size=config.hidden_size,
         hidden_transport=args.hidden_transport,
     )
-    kernel = {"auto": None, "torch": False, "triton": True}[args.attention]
     cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
     runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
         None,
         lambda: DrafterRunner(
-            mtp, cache, args.draft_top_k, attention_kernel=kernel, cuda_graphs=None if args.cuda_graphs else False
+            mtp,
+            cache,
+            args.draft_top_k,
+            attention_kernel=attention_kernel_option(args),
+            cuda_graphs=cuda_graphs_option(args),
         ),
     )
     servicer.ready(

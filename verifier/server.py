@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from models.serve_options import add_model_arguments, attention_kernel_option, cuda_graphs_option
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
@@ -23,14 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="drafter replicas: comma-separated HOST:PORT and/or dns:///NAME:PORT (re-resolved every 5 s); "
         "none: no speculation",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
-    )
+    add_model_arguments(p, "decode / verify steps")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -41,18 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="stream",
         choices=["stream", "unary"],
         help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
-    )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="decode/verify attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run decode/verify steps eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
@@ -81,11 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds to wait at start-up for the drafter to open the transport (then the first Propose does)",
     )
-
-
-def attention_kernel_option(choice: str) -> bool | None:
-    """--attention → the runners' `attention_kernel` (None: decided by the device)."""
-    return {"auto": None, "torch": False, "triton": True}[choice]
 
 
 def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
@@ -165,8 +142,8 @@ async def serve(args: argparse.Namespace) -> None:
             model,
             kv_cache,
             args.sampler,
-            attention_kernel=attention_kernel_option(args.attention),
-            cuda_graphs=None if args.cuda_graphs else False,
+            attention_kernel=attention_kernel_option(args),
+            cuda_graphs=cuda_graphs_option(args),
             max_model_len=max_model_len,
         ),
     )

@@ -1,0 +1,40 @@
+"""Command-line options both model servers (verifier and drafter) take: where and in what dtype the
+weights live, how they load, and how decode / verify / draft steps run. argparse only."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
+    """``steps``: what the attention and graph options apply to, for the help text."""
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help=f"{steps} attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help=f"run {steps} eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
+    )
+
+
+def attention_kernel_option(args: argparse.Namespace) -> bool | None:
+    """--attention → the runners' `attention_kernel` (None: decided by the device)."""
+    return {"auto": None, "torch": False, "triton": True}[args.attention]
+
+
+def cuda_graphs_option(args: argparse.Namespace) -> bool | None:
+    """--no-cuda-graphs → the runners' `cuda_graphs` (None: decided by the device and the kernel)."""
+    return None if args.cuda_graphs else False
