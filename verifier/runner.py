@@ -160,7 +160,7 @@ def step_output(
         rows.extend(range(qs, qs + len(follow)))
         start_positions.append(batch.num_computed_tokens[i])
         next_ids.append(follow)
-    hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+    hidden_rows = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))  # [rows, H]
     return StepOutput(
         sampled_ids,
         num_rejected,
