@@ -80,10 +80,14 @@ def coordinator_times(batch: int, k: int, sampled: bool, iterations: int, tokeni
     serialised VerifyRequests (the verifier's input)."""
 
     async def run():
-        config = SchedulerConfig(
-            max_model_len=4096, block_size=16, num_blocks=100_000, num_speculative_tokens=k, max_num_seqs=batch
+        config = SchedulerConfig(  # the whole batch prefills in the first iteration
+            max_model_len=4096,
+            block_size=16,
+            num_blocks=100_000,
+            num_speculative_tokens=k,
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * PROMPT_LEN,
         )
-        config = SchedulerConfig(**{**config.__dict__, "max_num_batched_tokens": batch * PROMPT_LEN})
         engine = Engine(
             Scheduler(config, [tokenizer.eos_token_id or 0]), types.SimpleNamespace(VerifyStream=None), tokenizer
         )
