@@ -12,9 +12,20 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 6  # prompt tokens decoded with the window so word boundaries come out right
 
 
+def fast_decode(tokenizer):
+    """The Rust tokenizer's own decode, where it returns exactly what `tokenizer.decode(ids,
+    skip_special_tokens=True)` does (a fast tokenizer that does not clean up tokenization spaces);
+    else the tokenizer's decode. transformers' decode spends most of its ~15 µs per call checking and
+    converting the ids, and the engine decodes twice per generated token (~4 ms per iteration at batch 64)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self._tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -23,9 +34,6 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text decoded so far (cut at a stop string)
         self._emitted = 0  # characters of self.text already returned
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Adds generated tokens; returns the text delta that can be streamed now."""

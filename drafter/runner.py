@@ -14,6 +14,7 @@ starts afresh at the first new position: drafts may be worse for a while, output
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,14 @@ from models.attention import use_kernel_for
 from models.cuda_graphs import CudaGraphRunner
 from models.kv_cache import AttentionMetadata, PagedKVCache
 from models.mtp import MTPModule
+from models.step_upload import StepUpload
+
+# A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.
+_Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# A step's drafts [n] int64, and for sampled steps q's support and probabilities [n, K].
+_Pick = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# A later step: rows of the previous step that go on ([n] int64, None: all), attention, positions [n], sampling.
+_LaterStep = tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor, _Sampling | None]
 
 
 @dataclass
@@ -86,6 +95,8 @@ class DrafterRunner:
             if cuda_graphs
             else None
         )
+        self._upload = StepUpload(self.device)  # each step's small arrays, one pinned buffer
+        self._timer = _StepTimer(self.device)
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -102,9 +113,6 @@ class DrafterRunner:
         else:
             self.kv_cache.truncate(rid, p - first)
 
-    def _tensor(self, xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.int64, device=self.device)
-
     def _mtp_step(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -118,7 +126,11 @@ class DrafterRunner:
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem], hidden_states: torch.Tensor) -> ProposeOutput:
-        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order."""
+        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order.
+
+        Which requests take part in each step is known before any draft is, so the host plans every
+        step (KV slots, positions, row selections) without waiting for the device: the steps are
+        launched back to back and the drafts come to the host in one device→host copy at the end."""
         t0 = time.time_ns()
         drafts: list[list[int]] = [[] for _ in items]
         if not items:  # an iteration that only frees finished requests
@@ -132,45 +144,173 @@ class DrafterRunner:
             self.free(ids)
             now = time.time_ns()
             return ProposeOutput(drafts, (t0, now, now))
-        attn = self.kv_cache.prepare_step(ids, counts, use_kernel=use_kernel_for(self.attention_kernel, counts))
-        input_ids = self._tensor([t for item in items for t in item.next_token_ids])
-        # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
-        positions = self._tensor(
-            [item.start_position + 1 + j for item in items for j in range(len(item.next_token_ids))]
-        )
-        out, out_logits = self._mtp_step(input_ids, hidden_states, positions, attn)  # [T, H], [T, V] | None
-        last_rows = torch.tensor(counts, device=self.device).cumsum(0) - 1
+        plan = self.kv_cache.plan_step(ids, counts)
         active = [i for i, item in enumerate(items) if item.num_spec_tokens > 0]
+        last_rows = [end - 1 for end in itertools.accumulate(counts)]
+        # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
+        positions = [item.start_position + 1 + j for item in items for j in range(len(item.next_token_ids))]
+        last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
+        sampling64, sampling32 = self._sampling_arrays(items, active, [p + 1 for p in last_pos])
+        int64, int32, float32 = self._upload(
+            [[t for item in items for t in item.next_token_ids], positions, [last_rows[i] for i in active]]
+            + plan.int64_arrays
+            + sampling64,
+            plan.int32_arrays,
+            sampling32,
+        )
+        input_ids, positions_t, select, slots = int64[:4]
+        attn = plan.metadata([slots], int32, use_kernel=use_kernel_for(self.attention_kernel, counts))
+        out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
         t1 = time.time_ns()
         if not active:
             return ProposeOutput(drafts, (t0, t1, t1))
-        hidden = out[last_rows[active]]  # [num_active, H]
-        logits = None if out_logits is None else out_logits[last_rows[active]]  # [num_active, V]
-        temps = torch.tensor([it.temperature for it in items], dtype=torch.float32, device=self.device)
-        seeds = torch.tensor([it.seed for it in items], dtype=torch.int64, device=self.device)
-        last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
-        q_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in active if items[i].temperature > 0}
-        num_steps = max(items[i].num_spec_tokens for i in active)
-        for step in range(num_steps):
-            idx = self._tensor(active)
+        self._timer.start()
+        hidden = out.index_select(0, select)  # [num_active, H]
+        logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
+        picks = [self._pick(logits, _sampling(int64[4:], float32))]
+        steps, actives = self._plan_later_steps(items, active, last_pos)
+        for keep, attn, positions_t, sampling in steps:
+            tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
+            if keep is not None:  # requests that want no more drafts leave the step
+                tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
+            hidden, logits = self._mtp_step(tokens, hidden, positions_t, attn)
             if logits is None:
                 logits = self.mtp.compute_logits(hidden)
-            pick = pick_drafts(logits, temps[idx], seeds[idx], self._tensor(last_pos) + 1, self.draft_top_k)
-            for a, (j, tok) in enumerate(zip(active, pick.tokens.tolist())):
-                drafts[j].append(tok)
-                if j in q_rows:
-                    q_rows[j].append((pick.q_ids[a], pick.q_probs[a]))
-            if step + 1 == num_steps:
-                break
-            keep = [a for a, i in enumerate(active) if items[i].num_spec_tokens > step + 1]
-            active = [active[a] for a in keep]
-            ids = [items[i].request_id for i in active]
+            picks.append(self._pick(logits, sampling))
+        tokens, q_ids, q_probs = self._to_host(picks)
+        t2 = time.time_ns()
+        t1 = self._timer.split(t1, t2)
+        return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+
+    def _pick(self, logits: torch.Tensor, sampling: _Sampling | None) -> _Pick:
+        """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy."""
+        if sampling is None:
+            return logits.argmax(dim=-1), None, None
+        temperature, seeds, positions = sampling
+        step = pick_drafts(logits, temperature, seeds, positions, self.draft_top_k, any_sampled=True)
+        return step.tokens, step.q_ids, step.q_probs
+
+    @staticmethod
+    def _sampling_arrays(
+        items: list[ProposeItem], rows: list[int], draft_positions: list[int]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """int64 [seeds, draft positions] and float32 [temperatures] of a step's rows; none when all are greedy."""
+        if all(items[i].temperature == 0 for i in rows):
+            return [], []
+        return [[items[i].seed for i in rows], draft_positions], [[items[i].temperature for i in rows]]
+
+    def _plan_later_steps(
+        self, items: list[ProposeItem], active: list[int], last_pos: list[int]
+    ) -> tuple[list[_LaterStep], list[list[int]]]:
+        """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
+
+        A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
+        num_steps = max(items[i].num_spec_tokens for i in active)
+        rows, actives, layout = active, [], []
+        host64: list[list[int]] = []
+        host32: list[list[int]] = []
+        host_f: list[list[float]] = []
+        for step in range(1, num_steps):
+            keep = [a for a, i in enumerate(rows) if items[i].num_spec_tokens > step]
+            kept = [rows[a] for a in keep]
+            ids = [items[i].request_id for i in kept]
             if not self.kv_cache.can_append(ids, [1] * len(ids)):
                 break
-            attn = self.kv_cache.prepare_step(ids, [1] * len(ids), use_kernel=self.attention_kernel)
+            plan = self.kv_cache.plan_step(ids, [1] * len(ids))
             last_pos = [last_pos[a] + 1 for a in keep]
-            hidden, logits = self._mtp_step(pick.tokens[keep], hidden[keep], self._tensor(last_pos), attn)
-        probs = [None] * len(items)
-        for j, rows in q_rows.items():
-            probs[j] = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
-        return ProposeOutput(drafts, (t0, t1, time.time_ns()), probs)
+            full = len(kept) == len(rows)
+            sampling64, sampling32 = self._sampling_arrays(items, kept, [p + 1 for p in last_pos])
+            int32 = plan.int32_arrays
+            host64 += [*plan.int64_arrays, last_pos, *([] if full else [keep]), *sampling64]
+            host32 += int32
+            host_f += sampling32
+            layout.append((plan, len(int32), not full, bool(sampling32)))
+            actives.append(kept)
+            rows = kept
+        if not layout:
+            return [], []
+        int64, int32, float32 = map(iter, self._upload(host64, host32, host_f))
+        steps = []
+        for plan, num_int32, has_keep, has_sampling in layout:
+            attn = plan.metadata(
+                [next(int64)], [next(int32) for _ in range(num_int32)], use_kernel=self.attention_kernel
+            )
+            positions = next(int64)
+            keep = next(int64) if has_keep else None
+            sampling = _sampling([next(int64), next(int64)], [next(float32)]) if has_sampling else None
+            steps.append((keep, attn, positions, sampling))
+        return steps, actives
+
+    def _to_host(self, picks: list[_Pick]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """Every step's drafts (concatenated) and sampled q rows, in one device→host copy."""
+        tokens = torch.cat([p[0] for p in picks])  # [sum of the steps' rows]
+        sampled = [p for p in picks if p[1] is not None]
+        device = [tokens]
+        if sampled:  # q rows of the steps with a sampled request: [rows of those steps, K]
+            device += [torch.cat([p[1] for p in sampled]), torch.cat([p[2] for p in sampled])]
+        if tokens.device.type == "cuda":  # pinned destinations, one wait
+            host = [t.to("cpu", non_blocking=True) for t in device]
+            self._timer.stop()
+        else:
+            host = [t.cpu() for t in device]
+        return host[0].tolist(), *(host[1:] if sampled else (None, None))
+
+
+def _sampling(int64: list[torch.Tensor], float32: list[torch.Tensor]) -> _Sampling | None:
+    """The device copies of `_sampling_arrays` (int64 [seeds, positions], float32 [temperatures])."""
+    return (float32[0], int64[0], int64[1]) if float32 else None
+
+
+def _collect(
+    items: list[ProposeItem],
+    actives: list[list[int]],  # per step, the items that drafted in it
+    tokens: list[int],  # every step's drafts, step after step
+    q_ids: torch.Tensor | None,  # [rows of the sampled steps, K] on the host
+    q_probs: torch.Tensor | None,  # [rows of the sampled steps, K] on the host
+    stamps_ns: tuple[int, int, int],
+) -> ProposeOutput:
+    """Host drafts per request, and per sampled request its q rows ([num_drafts, K] each)."""
+    drafts: list[list[int]] = [[] for _ in items]
+    q_rows: dict[int, list[int]] = {}
+    offset = q_offset = 0
+    for rows in actives:
+        for a, j in enumerate(rows):
+            drafts[j].append(tokens[offset + a])
+        offset += len(rows)
+        if any(items[j].temperature > 0 for j in rows):  # this step picked with q
+            for a, j in enumerate(rows):
+                if items[j].temperature > 0:
+                    q_rows.setdefault(j, []).append(q_offset + a)
+            q_offset += len(rows)
+    probs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
+    for j, rows in q_rows.items():
+        index = torch.tensor(rows)
+        probs[j] = (q_ids[index], q_probs[index])
+    return ProposeOutput(drafts, stamps_ns, probs)
+
+
+class _StepTimer:
+    """Splits a propose into step 0 and steps 1..k-1 by device time: the steps are launched without
+    waiting, so host clocks only see launches. On CUDA two timing events around steps 1..k-1 (their
+    wait is the one device→host wait of the call); elsewhere the work is synchronous and host clocks do."""
+
+    def __init__(self, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_cuda else None
+
+    def start(self) -> None:
+        if self._events is not None:
+            self._events[0].record()
+
+    def stop(self) -> None:
+        """Records the end and waits for it (and so for everything queued before)."""
+        if self._events is not None:
+            self._events[1].record()
+            self._events[1].synchronize()
+
+    def split(self, t1: int, t2: int) -> int:
+        """The wall-clock end of step 0: host `t1` on CPU, `t2` minus the steps' device time on CUDA."""
+        if self._events is None:
+            return t1
+        later_ns = int(self._events[0].elapsed_time(self._events[1]) * 1e6)
+        return min(t2, max(t1, t2 - later_ns))

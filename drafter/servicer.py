@@ -12,7 +12,7 @@ import torch
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
-from drafter.runner import DrafterRunner, ProposeItem
+from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, tensor_to_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -144,14 +144,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if t2 > t1:
                 tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
         propose_latency.record((time.time_ns() - t_arrival) / 1e9)
-        response = drafter_pb2.ProposeResponse(
-            step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=t_arrival
-        )
-        for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
-            d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
-            if probs is not None:
-                d.draft_probs.token_ids.CopyFrom(tensor_to_proto(probs[0].to(torch.int32).cpu()))
-                d.draft_probs.probs.CopyFrom(tensor_to_proto(probs[1].to(torch.float32).cpu()))
+        response = propose_response(request, out, t_arrival)
         response.replied_ns = time.time_ns()
         return response
 
@@ -180,3 +173,18 @@ def _handle_bytes(request: drafter_pb2.ProposeRequest) -> int:
     h = request.hidden_states_handle
     dtype = dtype_from_proto(h.dtype)
     return h.num_rows * h.hidden_size * dtype.itemsize if dtype is not None else 0
+
+
+def propose_response(
+    request: drafter_pb2.ProposeRequest, out: ProposeOutput, received_ns: int
+) -> drafter_pb2.ProposeResponse:
+    """Drafts per request in request order (+ sparse q of sampled drafts) and the step times."""
+    response = drafter_pb2.ProposeResponse(
+        step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=received_ns
+    )
+    for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
+        d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
+        if probs is not None:
+            d.draft_probs.token_ids.CopyFrom(tensor_to_proto(probs[0].to(torch.int32).cpu()))
+            d.draft_probs.probs.CopyFrom(tensor_to_proto(probs[1].to(torch.float32).cpu()))
+    return response

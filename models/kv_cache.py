@@ -76,6 +76,49 @@ class AttentionMetadata:
 
 
 @dataclass
+class StepPlan:
+    """The host arrays of one step (`PagedBlocks.plan_step`); `metadata` pairs them with their device copies."""
+
+    query_start_loc: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs]
+    slot_mapping: list[int]  # [num_tokens]
+    token_req_index: list[int]  # [num_tokens]
+    token_context_lens: list[int]  # [num_tokens]
+    block_tables: list[list[int]]  # [num_reqs][blocks of the request]
+    block_size: int
+
+    @property
+    def int64_arrays(self) -> list[list[int]]:
+        return [self.slot_mapping]
+
+    @property
+    def int32_arrays(self) -> list[list[int]]:
+        width = max(len(t) for t in self.block_tables)
+        flat_tables = [b for t in self.block_tables for b in t + [-1] * (width - len(t))]
+        return [self.query_start_loc, self.seq_lens, flat_tables, self.token_req_index, self.token_context_lens]
+
+    def metadata(
+        self, int64: list[torch.Tensor], int32: list[torch.Tensor], *, use_kernel: bool = False
+    ) -> AttentionMetadata:
+        """int64 / int32: device copies of `int64_arrays` / `int32_arrays`, in their order."""
+        (slots,) = int64
+        query_start_loc, seq_lens, tables, token_req_index, token_context_lens = int32
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=tables.view(len(self.block_tables), -1),
+            slot_mapping=slots,
+            token_req_index=token_req_index,
+            token_context_lens=token_context_lens,
+            block_size=self.block_size,
+            query_start_loc_host=self.query_start_loc,
+            seq_lens_host=self.seq_lens,
+            block_tables_host=self.block_tables,
+            use_kernel=use_kernel,
+        )
+
+
+@dataclass
 class _RequestBlocks:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -146,6 +189,15 @@ class PagedBlocks:
         Advances every request's cached length by its new tokens (the caller then runs the forward
         that writes them). Raises KVCacheFull, changing nothing, when blocks run out.
         """
+        plan = self.plan_step(req_ids, num_new_tokens)
+        if self._upload is None:
+            self._upload = StepUpload(self.device)
+        int64, int32, _ = self._upload(plan.int64_arrays, plan.int32_arrays)
+        return plan.metadata(int64, int32, use_kernel=use_kernel)
+
+    def plan_step(self, req_ids: list[str], num_new_tokens: list[int]) -> StepPlan:
+        """The host half of `prepare_step` (allocation and host arrays, no device work), so a caller
+        can plan several steps and upload their arrays together with its own in one copy."""
         self._check_step(req_ids, num_new_tokens)
         needed = self._blocks_needed(req_ids, num_new_tokens)
         if needed > len(self._free):
@@ -163,33 +215,18 @@ class PagedBlocks:
             while len(request.blocks) < self._blocks_for(end):
                 request.blocks.append(self._free.pop())
             request.num_tokens = end
-            slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
-            token_req_index.extend([r] * num_new)
-            token_context_lens.extend(range(start + 1, end + 1))
+            if num_new == 1:  # decode / draft steps: skip the generator machinery
+                slot_mapping.append(request.blocks[start // size] * size + start % size)
+                token_req_index.append(r)
+                token_context_lens.append(end)
+            else:
+                slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
+                token_req_index.extend([r] * num_new)
+                token_context_lens.extend(range(start + 1, end + 1))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
-
         tables = [list(self._requests[r].blocks) for r in req_ids]
-        max_blocks = max(len(t) for t in tables)
-        flat_tables = [b for t in tables for b in t + [-1] * (max_blocks - len(t))]
-        if self._upload is None:
-            self._upload = StepUpload(self.device)
-        (slots_t,), (qsl_t, seq_lens_t, tables_t, req_index_t, context_lens_t), _ = self._upload(
-            [slot_mapping], [query_start_loc, seq_lens, flat_tables, token_req_index, token_context_lens]
-        )
-        return AttentionMetadata(
-            query_start_loc=qsl_t,
-            seq_lens=seq_lens_t,
-            block_tables=tables_t.view(len(req_ids), max_blocks),
-            slot_mapping=slots_t,
-            token_req_index=req_index_t,
-            token_context_lens=context_lens_t,
-            block_size=size,
-            query_start_loc_host=query_start_loc,
-            seq_lens_host=seq_lens,
-            block_tables_host=tables,
-            use_kernel=use_kernel,
-        )
+        return StepPlan(query_start_loc, seq_lens, slot_mapping, token_req_index, token_context_lens, tables, size)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

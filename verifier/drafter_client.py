@@ -164,9 +164,7 @@ class DrafterClient:
             if not proposal.drafter_received_ns:
                 proposal.drafter_received_ns, proposal.drafter_replied_ns = resp.received_ns, resp.replied_ns
                 proposal.step0_ns, proposal.later_steps_ns = resp.step0_ns, resp.later_steps_ns
-            for i, d in zip(indices, resp.drafts):
-                proposal.drafts[i] = list(d.token_ids)
-                proposal.draft_probs[i] = d.draft_probs if d.HasField("draft_probs") else None
+            merge_replica_drafts(proposal, indices, resp)
         if None in owners and num_reqs:
             errors.append("no healthy drafter replica")
         proposal.ok, proposal.error = not errors, "; ".join(errors)
@@ -280,6 +278,13 @@ class DrafterClient:
             stream.close()
         self.transport.close()
         await self.pool.close()
+
+
+def merge_replica_drafts(proposal: Proposal, indices: list[int], resp: drafter_pb2.ProposeResponse) -> None:
+    """A replica's drafts (for the batch's requests at `indices`) into the iteration's proposal."""
+    for i, d in zip(indices, resp.drafts):
+        proposal.drafts[i] = list(d.token_ids)
+        proposal.draft_probs[i] = d.draft_probs if d.HasField("draft_probs") else None
 
 
 def sampling_of(batch_msg) -> list[common_pb2.SamplingParams]:

@@ -130,32 +130,42 @@ class VerifierRunner:
             max_num_draft=batch.max_num_draft,
             all_greedy=batch.all_greedy,
         )
-        sampled = out.sampled.tolist()
-        num_sampled = out.num_sampled.tolist()
+        sampled, num_sampled = out.sampled.tolist(), out.num_sampled.tolist()
         t3 = time.time_ns()
+        return step_output(batch, sampled, num_sampled, hidden, (t0, t1, t2, t3))
 
-        sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
-        num_rejected = [0] * batch.num_reqs
-        for j, i in enumerate(batch.sampling_indices):
-            sampled_ids[i] = sampled[j][: num_sampled[j]]
-            num_rejected[i] = batch.num_draft_tokens_per_req[j] + 1 - num_sampled[j]
-        rows, start_positions, next_ids = [], [], []
-        for i in range(batch.num_reqs):
-            n, tokens, qs = batch.num_new_tokens[i], batch.token_ids[i], batch.query_start[i]
-            if batch.sample[i]:
-                # Prompt rows (if any), then the rows of the last token and accepted drafts.
-                follow = tokens[1 : n - batch.num_draft_tokens[i]] + sampled_ids[i]
-            else:
-                follow = tokens[1:] + [batch.next_token_ids[i]]
-            rows.extend(range(qs, qs + len(follow)))
-            start_positions.append(batch.num_computed_tokens[i])
-            next_ids.append(follow)
-        hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
-        return StepOutput(
-            sampled_ids,
-            num_rejected,
-            start_positions,
-            next_ids,
-            hidden_rows,
-            stamps_ns=(t0, t1, t2, t3),
-        )
+
+def step_output(
+    batch: InputBatch,
+    sampled: list[list[int]],  # [num_sampling][max_num_draft + 1] host copy of the sampler's output
+    num_sampled: list[int],  # [num_sampling]
+    hidden: torch.Tensor,  # [num_tokens, H] target hidden states of the step
+    stamps_ns: tuple[int, int, int, int],
+) -> StepOutput:
+    """Per request: the sampled tokens, num_rejected, and the hidden-state rows (with the token
+    following each) that the drafter needs."""
+    sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
+    num_rejected = [0] * batch.num_reqs
+    for j, i in enumerate(batch.sampling_indices):
+        sampled_ids[i] = sampled[j][: num_sampled[j]]
+        num_rejected[i] = batch.num_draft_tokens_per_req[j] + 1 - num_sampled[j]
+    rows, start_positions, next_ids = [], [], []
+    for i in range(batch.num_reqs):
+        n, tokens, qs = batch.num_new_tokens[i], batch.token_ids[i], batch.query_start[i]
+        if batch.sample[i]:
+            # Prompt rows (if any), then the rows of the last token and accepted drafts.
+            follow = tokens[1 : n - batch.num_draft_tokens[i]] + sampled_ids[i]
+        else:
+            follow = tokens[1:] + [batch.next_token_ids[i]]
+        rows.extend(range(qs, qs + len(follow)))
+        start_positions.append(batch.num_computed_tokens[i])
+        next_ids.append(follow)
+    hidden_rows = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))  # [rows, H]
+    return StepOutput(
+        sampled_ids,
+        num_rejected,
+        start_positions,
+        next_ids,
+        hidden_rows,
+        stamps_ns=stamps_ns,
+    )

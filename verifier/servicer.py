@@ -17,9 +17,9 @@ from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.telemetry import incoming_context
-from verifier.drafter_client import DrafterClient, sampling_of
-from verifier.input_batch import build_input_batch
-from verifier.runner import VerifierRunner
+from verifier.drafter_client import DrafterClient, Proposal, sampling_of
+from verifier.input_batch import InputBatch, build_input_batch
+from verifier.runner import StepOutput, VerifierRunner
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
@@ -138,34 +138,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             span.set_attribute("specsplit.drafter_ok", proposal.ok)
             hidden_state_bytes.add(nbytes)
             verify_duration.record((time.time_ns() - t0) / 1e9)
-        response = verifier_pb2.VerifyResponse(
-            drafter_ok=proposal.ok,
-            drafter_error=proposal.error,
-            hidden_state_bytes=proposal.hidden_state_bytes,
-            timing=verifier_pb2.VerifyTiming(
-                prepare_ns=step.prepare_ns,
-                forward_ns=step.forward_ns,
-                sample_ns=step.sample_ns,
-                propose_ns=proposal.propose_ns,
-                received_ns=received_ns,
-                propose_sent_ns=proposal.sent_ns,
-                propose_received_ns=proposal.received_ns,
-                drafter_received_ns=proposal.drafter_received_ns,
-                drafter_replied_ns=proposal.drafter_replied_ns,
-                step0_ns=proposal.step0_ns,
-                later_steps_ns=proposal.later_steps_ns,
-            ),
-        )
-        probs = proposal.draft_probs or [None] * batch.num_reqs
-        for i, rid in enumerate(batch.req_ids):
-            result = response.results.add(
-                request_id=rid,
-                sampled_token_ids=step.sampled_token_ids[i],
-                num_rejected=step.num_rejected[i],
-                draft_token_ids=proposal.drafts[i] if batch.sample[i] else [],
-            )
-            if batch.sample[i] and probs[i] is not None:
-                result.draft_probs.CopyFrom(probs[i])
+        response = verify_response(batch, step, proposal, received_ns)
         response.timing.replied_ns = time.time_ns()
         return response
 
@@ -179,3 +152,38 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)
         return self.model_info
+
+
+def verify_response(
+    batch: InputBatch, step: StepOutput, proposal: Proposal, received_ns: int
+) -> verifier_pb2.VerifyResponse:
+    """The iteration's results per request (drafts only for requests that sample), and its timing."""
+    response = verifier_pb2.VerifyResponse(
+        drafter_ok=proposal.ok,
+        drafter_error=proposal.error,
+        hidden_state_bytes=proposal.hidden_state_bytes,
+        timing=verifier_pb2.VerifyTiming(
+            prepare_ns=step.prepare_ns,
+            forward_ns=step.forward_ns,
+            sample_ns=step.sample_ns,
+            propose_ns=proposal.propose_ns,
+            received_ns=received_ns,
+            propose_sent_ns=proposal.sent_ns,
+            propose_received_ns=proposal.received_ns,
+            drafter_received_ns=proposal.drafter_received_ns,
+            drafter_replied_ns=proposal.drafter_replied_ns,
+            step0_ns=proposal.step0_ns,
+            later_steps_ns=proposal.later_steps_ns,
+        ),
+    )
+    probs = proposal.draft_probs or [None] * batch.num_reqs
+    for i, rid in enumerate(batch.req_ids):
+        result = response.results.add(
+            request_id=rid,
+            sampled_token_ids=step.sampled_token_ids[i],
+            num_rejected=step.num_rejected[i],
+            draft_token_ids=proposal.drafts[i] if batch.sample[i] else [],
+        )
+        if batch.sample[i] and probs[i] is not None:
+            result.draft_probs.CopyFrom(probs[i])
+    return response

@@ -38,3 +38,19 @@ def test_stop_string_is_cut_and_never_streamed_partially():
 def test_stop_string_spanning_tokens_of_several_steps():
     deltas, d = stream(b"x = 1\n\n\ny = 2", stop=("\n\n",), chunk=3)
     assert "".join(deltas) == "x = 1" and d.stopped
+
+
+def test_fast_decode_of_the_demo_tokenizer_equals_its_transformers_decode():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from coordinator.detokenizer import fast_decode
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "checkpoints" / "demo")
+    ids = tokenizer.encode("def f(x):\n    return x  # héllo 你好 ,  .\n") + [tokenizer.eos_token_id, 5, 300, 1023]
+    decode = fast_decode(tokenizer)
+    assert decode is not None and decode.__code__ is not fast_decode(ByteTokenizer()).__code__
+    for end in range(1, len(ids) + 1):
+        for start in range(0, end, 3):
+            assert decode(ids[start:end]) == tokenizer.decode(ids[start:end], skip_special_tokens=True)

@@ -123,3 +123,18 @@ def test_kernel_and_graph_buffer_path_proposes_like_the_sdpa_path(models):
         assert got.draft_probs[0] is None and expected.draft_probs[0] is None
         torch.testing.assert_close(got.draft_probs[1], expected.draft_probs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.k, plain.kv_cache.k, atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_cache_running_out_mid_proposal_keeps_a_prefix_of_the_drafts(models):
+    """Later steps are planned before any runs: the step with no room (and every step after it) is
+    dropped, the drafts made before it are those a roomy cache makes."""
+    target, mtp = models
+    tokens = PROMPT + [20]
+    hidden = target_hidden(target, tokens)[: len(PROMPT)]
+    item = ProposeItem("r", 0, tokens[1:], 6)
+    roomy = fresh(mtp).propose([item], hidden).drafts[0]
+    tight = DrafterRunner(mtp, mtp.make_kv_cache(3, 4))  # 12 slots: 7 pairs + the 5 later steps, just enough
+    tight_one = DrafterRunner(mtp, mtp.make_kv_cache(2, 4))  # 8 slots: 7 pairs + 1 later step, then full
+    assert len(roomy) == 6
+    assert tight.propose([item], hidden).drafts[0] == roomy
+    assert tight_one.propose([item], hidden).drafts[0] == roomy[:2]
