@@ -4,7 +4,8 @@
 Inside a CUDA graph every launch still costs a few microseconds, so the ~7 torch ops of an RMSNorm,
 the ~5 of a rotary embedding and the 2 of silu-and-mul dominate a small-batch decode step; the
 kernels cut them to one each. CPU runs (tests, the fp32 lossless oracle) keep the torch ops, also
-under TRITON_INTERPRET, where the interpreter would make whole-model runs far too slow.
+under TRITON_INTERPRET, where the interpreter would make whole-model runs far too slow; so does
+training (the kernels have no backward), i.e. any call whose inputs need gradients.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and not _INTERPRETED
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def rms_norm(
     x: torch.Tensor,  # [..., size]
     weight: torch.Tensor,  # [size]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., size], added to x first
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # out [..., size], new residual (x + residual) or None
-    return (rms_norm_triton if use_triton(x) else rms_norm_reference)(x, weight, eps, residual)
+    kernel = use_triton(x) and not _needs_grad(x, weight, residual)
+    return (rms_norm_triton if kernel else rms_norm_reference)(x, weight, eps, residual)
 
 
 def apply_rotary_qk(
@@ -41,11 +47,12 @@ def apply_rotary_qk(
     cos: torch.Tensor,  # [T, head_dim]
     sin: torch.Tensor,  # [T, head_dim]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (the kernel rotates the given tensors in place)
-    if use_triton(q) and rotary_kernel_supports(q, k, cos, sin):
+    if use_triton(q) and not _needs_grad(q, k) and rotary_kernel_supports(q, k, cos, sin):
         return apply_rotary_qk_triton(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * inter] as [gate | up] → silu(gate) * up: [T, inter]
-    return (silu_mul_triton if use_triton(gate_up) else silu_mul_reference)(gate_up)
+    kernel = use_triton(gate_up) and not _needs_grad(gate_up)
+    return (silu_mul_triton if kernel else silu_mul_reference)(gate_up)

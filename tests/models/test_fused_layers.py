@@ -105,3 +105,19 @@ def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
     assert not layer_ops.use_triton(torch.zeros(2))
     monkeypatch.setattr(layer_ops, "_INTERPRETED", True)
     assert not layer_ops.use_triton(on_cuda)
+
+
+def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
+    """Training runs the model on CUDA with autograd; the kernels have no backward."""
+    kernel_calls = []
+    monkeypatch.setattr(layer_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(layer_ops, "rms_norm_triton", lambda *args: kernel_calls.append("rms_norm"))
+    monkeypatch.setattr(layer_ops, "silu_mul_triton", lambda *args: kernel_calls.append("silu_mul"))
+    weight = torch.ones(8, requires_grad=True)
+    assert layer_ops.rms_norm(torch.randn(3, 8), weight, 1e-6)[0].grad_fn is not None
+    assert layer_ops.silu_mul(torch.randn(3, 8, requires_grad=True)).grad_fn is not None
+    assert kernel_calls == []
+    with torch.no_grad():
+        layer_ops.rms_norm(torch.randn(3, 8), weight, 1e-6)
+        layer_ops.silu_mul(torch.randn(3, 8, requires_grad=True))
+    assert kernel_calls == ["rms_norm", "silu_mul"]
