@@ -13,7 +13,8 @@ A step is what the verifier does per decode iteration: metadata (`prepare_step`,
 ids and positions to the device, forward, logits of every row, synchronize; the median over
 `--steps` steps is reported. Each request is rolled back after every step, so the context stays put.
 Roofline: the bytes of weights one step reads (every parameter, the embedding only when it is the
-LM head) over 4.8 TB/s, divided by the step time.
+LM head) over 4.8 TB/s, divided by the step time. On CUDA, `gpu_ops_per_step` counts the kernels and
+copies of one eager kernel-path step (torch.profiler; a graph replay runs the same ones).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def random_qwen2_7b(dtype, device):
     import torch
 
     from models.config import ModelConfig
+    from models.layers import fuse_projections
     from models.target import TargetModel
 
     config = ModelConfig(
@@ -61,7 +63,7 @@ def random_qwen2_7b(dtype, device):
         **QWEN2_7B,
     )
     with torch.device("meta"):
-        model = TargetModel(config).to(dtype)
+        model = fuse_projections(TargetModel(config).to(dtype))  # as the loader returns models
     model = model.to_empty(device=device).requires_grad_(False)
     gen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
@@ -79,8 +81,11 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
 
 
-def time_steps(model, cache, runner, batch: int, context: int, steps: int, warmup: int, path: str) -> float:
-    """Median seconds of one decode step over `batch` requests holding `context` tokens each."""
+def time_steps(
+    model, cache, runner, batch: int, context: int, steps: int, warmup: int, path: str, count_ops: list | None = None
+) -> float:
+    """Median seconds of one decode step over `batch` requests holding `context` tokens each; appends
+    the GPU ops of one kernel-path step to `count_ops` when given (CUDA only)."""
     import torch
 
     from models.attention import use_kernel_for
@@ -110,9 +115,28 @@ def time_steps(model, cache, runner, batch: int, context: int, steps: int, warmu
                 times.append(time.perf_counter() - t0)
             for rid in req_ids:
                 cache.truncate(rid, context)
+        if count_ops is not None and device.type == "cuda":
+            count_ops.append(gpu_ops_of_one_step(model, cache, req_ids, context))
     for rid in req_ids:
         cache.free(rid)
     return statistics.median(times)
+
+
+def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
+    """Kernels and copies one eager kernel-path decode step runs on the GPU (what a graph replays)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    device = cache.device
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        attn = cache.prepare_step(req_ids, [1] * len(req_ids), use_kernel=True)
+        input_ids = torch.zeros(len(req_ids), dtype=torch.int64, device=device)
+        positions = torch.full((len(req_ids),), context, dtype=torch.int64, device=device)
+        model.compute_logits(model(input_ids, positions, cache, attn))
+        torch.cuda.synchronize()
+    for rid in req_ids:
+        cache.truncate(rid, context)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def bench_model(name, model, args) -> list[dict]:
@@ -132,8 +156,10 @@ def bench_model(name, model, args) -> list[dict]:
     ideal = weight_bytes(model) / HBM_BYTES_PER_S
     rows = []
     for batch in batches:
+        gpu_ops: list[int] = []
         for path in ("eager", "kernel", "graphs"):
-            seconds = time_steps(model, cache, runner, batch, args.context, args.steps, args.warmup, path)
+            count_ops = gpu_ops if path == "kernel" else None
+            seconds = time_steps(model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops)
             rows.append(
                 dict(
                     model=name,
@@ -145,9 +171,11 @@ def bench_model(name, model, args) -> list[dict]:
                     roofline_pct=100 * ideal / seconds,
                     weight_gb=weight_bytes(model) / 1e9,
                     device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
+                    gpu_ops_per_step=gpu_ops[0] if gpu_ops and path != "eager" else None,
                 )
             )
-            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms", file=sys.stderr)
+            ops = f"  ({gpu_ops[0]} GPU ops per step)" if gpu_ops and path == "kernel" else ""
+            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms{ops}", file=sys.stderr)
     return rows
 
 
@@ -186,12 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    print("| model | batch | path | step ms | tokens/s | % HBM roofline |")
-    print("|---|---:|---|---:|---:|---:|")
+    print("| model | batch | path | step ms | tokens/s | % HBM roofline | GPU ops / step |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['batch']} | {r['path']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
-            f"| {r['roofline_pct']:.1f} |"
+            f"| {r['roofline_pct']:.1f} | {r['gpu_ops_per_step'] or ''} |"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

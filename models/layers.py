@@ -2,6 +2,9 @@
 
 Submodule names equal Hugging Face's (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...)
 so checkpoint tensors load by name. The same `DecoderLayer` serves the target and the MTP block.
+After loading, `fuse_projections` concatenates q/k/v into one `qkv_proj` and gate/up into one
+`gate_up_proj` (one GEMM each instead of three and two); norms, rotary and the activation run as
+one Triton launch each on CUDA (`models.layer_ops`).
 """
 
 from __future__ import annotations
@@ -13,9 +16,22 @@ from torch import nn
 from models.attention import paged_attention
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, PagedKVCache
-from models.rotary import RotaryEmbedding, apply_rotary
+from models.layer_ops import apply_rotary_qk, rms_norm, silu_mul
+from models.rotary import RotaryEmbedding
 
-__all__ = ["MLP", "DecoderLayer", "RMSNorm", "RotaryEmbedding", "SelfAttention", "check_token_inputs"]
+__all__ = [
+    "FUSED_PROJECTIONS",
+    "MLP",
+    "DecoderLayer",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SelfAttention",
+    "check_token_inputs",
+    "fuse_projections",
+]
+
+# fused projection → the checkpoint projections it concatenates, in row order
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def check_token_inputs(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -36,9 +52,34 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size] → [..., size]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [..., size] → norm(x + residual), x + residual (one launch on CUDA)
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+def _concat_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output rows are the given layers' rows, in order (a new tensor; the caller
+    drops the originals, so the weights stay single)."""
+    first = linears[0]
+    with torch.device("meta"):
+        fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
+    fused.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=first.weight.requires_grad)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=first.bias.requires_grad)
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuses the projections of every `SelfAttention` and `MLP` in `model` (other families' modules,
+    e.g. DeepSeek-V3's, are left alone). The loader calls it on every model it returns; parameters
+    are then named by `FUSED_PROJECTIONS` instead of the checkpoint's q/k/v and gate/up names."""
+    for module in [m for m in model.modules() if isinstance(m, (SelfAttention, MLP))]:
+        module.fuse_projections()
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # hand back the originals' blocks, which the fused tensors did not reuse
+    return model
 
 
 class MLP(nn.Module):
@@ -50,10 +91,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections, replacing gate and up
+
+    def fuse_projections(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = _concat_linears(*(getattr(self, n) for n in FUSED_PROJECTIONS["gate_up_proj"]))
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):
@@ -74,6 +123,19 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections, replacing q, k and v
+
+    def fuse_projections(self) -> None:
+        if self.qkv_proj is None:
+            self.qkv_proj = _concat_linears(*(getattr(self, n) for n in FUSED_PROJECTIONS["qkv_proj"]))
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [T, hidden] → q [T, heads * head_dim], k, v [T, kv_heads * head_dim] (views of one GEMM output)
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_size = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
 
     def forward(
         self,
@@ -84,13 +146,13 @@ class SelfAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, *rope)
         out = paged_attention(q, k, v, kv_cache.k[cache_layer], kv_cache.v[cache_layer], attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -113,5 +175,6 @@ class DecoderLayer(nn.Module):
         cache_layer: int,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, cache_layer, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache, cache_layer, attn)
+        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x)
+        return x + self.mlp(h)

@@ -3,6 +3,8 @@
 Models are constructed on the meta device (no random init), then each parameter is read from its
 safetensors shard, checked against the expected shape, cast and assigned. With
 `load_format="dummy"` only config.json is read and the weights are random (`models.dummy_weights`).
+Every model returned has its projections fused (`models.layers.fuse_projections`: q/k/v → qkv_proj,
+gate/up → gate_up_proj), so its parameter names differ from the checkpoint's there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target, is_deepseek_v3_checkpoint
 from models.dummy_weights import init_dummy_weights
+from models.layers import fuse_projections
 from models.mtp import MTPModule
 from models.target import TargetModel
 
@@ -52,7 +55,7 @@ def load_target(
         return ["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else [name]
 
     _fill(model, path, candidates, load_format, dtype=dtype, device=device)
-    return model.eval()
+    return fuse_projections(model).eval()
 
 
 def load_mtp(
@@ -77,7 +80,7 @@ def load_mtp(
         return model.layout.checkpoint_candidates(config, name)
 
     _fill(model, path, candidates, load_format, dtype=dtype, device=device)
-    return model.eval()
+    return fuse_projections(model).eval()
 
 
 def load_tokenizer(path: str | pathlib.Path) -> transformers.PreTrainedTokenizerBase:

@@ -46,7 +46,7 @@ def test_dummy_mtp_shares_the_targets_embedding_and_head(config_only):
     assert mtp.eh_proj.weight.dtype == torch.bfloat16
     assert torch.equal(mtp.embed_tokens.weight, target.embed_tokens.weight)
     assert torch.equal(mtp.shared_head.head.weight, target.lm_head.weight)
-    assert not torch.equal(mtp.block.self_attn.q_proj.weight, target.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(mtp.block.self_attn.qkv_proj.weight, target.layers[0].self_attn.qkv_proj.weight)
 
 
 def test_dummy_bf16_greedy_is_finite_and_does_not_depend_on_the_batch(config_only):

@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
-from models.loader import load_target
+from models.layers import FUSED_PROJECTIONS
+from models.loader import load_config, load_target
+from models.target import TargetModel
 
 ATOL = 1e-4
 
@@ -47,10 +49,21 @@ def test_tied_lm_head_is_the_embedding(checkpoint_dir):
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
+def _fused_name(name: str) -> str:
+    for fused, parts in FUSED_PROJECTIONS.items():
+        for part in parts:
+            name = name.replace(f".{part}.", f".{fused}.")
+    return name
+
+
 def test_parameter_names_equal_transformers(checkpoint_dir, hf_model):
+    """The model the loader fills has transformers' names; the one it returns has them fused."""
     path = checkpoint_dir("qwen3")
-    ours = {name for name, _ in load_target(path).named_parameters()}
-    assert ours == {name for name, _ in hf_model(path).named_parameters()}
+    hf_names = {name for name, _ in hf_model(path).named_parameters()}
+    with torch.device("meta"):
+        built = TargetModel(load_config(path))
+    assert {name for name, _ in built.named_parameters()} == hf_names
+    assert {name for name, _ in load_target(path).named_parameters()} == {_fused_name(n) for n in hf_names}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,58 @@
+"""The per-token ops of a decoder layer, each with two implementations: the Triton kernels of
+`kernels/` (one launch each) for CUDA tensors, the torch ops elsewhere.
+
+Inside a CUDA graph every launch still costs a few microseconds, so the ~7 torch ops of an RMSNorm,
+the ~5 of a rotary embedding and the 2 of silu-and-mul dominate a small-batch decode step; the
+kernels cut them to one each. CPU runs (tests, the fp32 lossless oracle) keep the torch ops, also
+under TRITON_INTERPRET, where the interpreter would make whole-model runs far too slow; so does
+training (the kernels have no backward), i.e. any call whose inputs need gradients.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rotary import apply_rotary_qk_triton, rotary_kernel_supports
+from kernels.silu_mul import silu_mul_reference, silu_mul_triton
+from models.rotary import apply_rotary
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether ops on `x` run the Triton kernels: on CUDA tensors, unless Triton is interpreted."""
+    return x.is_cuda and not _INTERPRETED
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., size]
+    weight: torch.Tensor,  # [size]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., size], added to x first
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # out [..., size], new residual (x + residual) or None
+    kernel = use_triton(x) and not _needs_grad(x, weight, residual)
+    return (rms_norm_triton if kernel else rms_norm_reference)(x, weight, eps, residual)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (the kernel rotates the given tensors in place)
+    if use_triton(q) and not _needs_grad(q, k) and rotary_kernel_supports(q, k, cos, sin):
+        return apply_rotary_qk_triton(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [T, 2 * inter] as [gate | up] → silu(gate) * up: [T, inter]
+    kernel = use_triton(gate_up) and not _needs_grad(gate_up)
+    return (silu_mul_triton if kernel else silu_mul_reference)(gate_up)

@@ -1,0 +1,123 @@
+"""Fused projections (qkv_proj, gate_up_proj) give the unfused model's outputs with single weights;
+the Triton layer ops, run through the interpreter on a whole model, give the torch ops' outputs;
+CUDA tensors dispatch to the Triton kernels."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import layer_ops
+from models.layers import MLP, SelfAttention, fuse_projections
+from models.loader import load_config, load_mtp, load_target
+from models.target import TargetModel
+
+# A ragged prefill over two requests, then decode / verify steps.
+STEPS = [{"a": 6, "b": 3}, {"a": 1, "b": 3}, {"b": 1, "a": 2}]
+
+
+def _run_steps(model, use_kernel: bool = False, seed: int = 0) -> list[torch.Tensor]:
+    """Logits of every step; steps after the prefill take the Triton attention path if `use_kernel`."""
+    g = torch.Generator().manual_seed(seed)
+    cache = model.make_kv_cache(num_blocks=16, block_size=4)
+    logits = []
+    for i, step in enumerate(STEPS):
+        ids = torch.randint(0, model.config.vocab_size, (sum(step.values()),), generator=g)
+        positions = torch.cat([torch.arange(cache.num_tokens(r), cache.num_tokens(r) + n) for r, n in step.items()])
+        attn = cache.prepare_step(list(step), list(step.values()), use_kernel=use_kernel and i > 0)
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(ids, positions, cache, attn)))
+    return logits
+
+
+def _unfused_model(checkpoint_dir, architecture: str) -> TargetModel:
+    torch.manual_seed(0)  # nn.Linear's own init: random weights and biases
+    model = TargetModel(load_config(checkpoint_dir(architecture))).eval()
+    with torch.no_grad():
+        for module in model.modules():  # norm weights away from 1, so a misplaced weight shows
+            if hasattr(module, "eps"):
+                module.weight.uniform_(0.8, 1.2)
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])  # qkv bias; per-head q/k norms
+def test_fused_projections_equal_the_unfused_model(checkpoint_dir, architecture):
+    unfused = _unfused_model(checkpoint_dir, architecture)
+    fused = fuse_projections(copy.deepcopy(unfused))
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    ref_attn, ref_mlp = unfused.layers[0].self_attn, unfused.layers[0].mlp
+    q, k, v = ref_attn.q_proj, ref_attn.k_proj, ref_attn.v_proj
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q.weight, k.weight, v.weight]))
+    if q.bias is not None:
+        assert torch.equal(attn.qkv_proj.bias, torch.cat([q.bias, k.bias, v.bias]))
+    else:
+        assert attn.qkv_proj.bias is None
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([ref_mlp.gate_proj.weight, ref_mlp.up_proj.weight]))
+    assert not any(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    assert not any(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in unfused.parameters())
+    for got, expected in zip(_run_steps(fused), _run_steps(unfused)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fusing_twice_changes_nothing(checkpoint_dir):
+    model = fuse_projections(_unfused_model(checkpoint_dir, "llama"))
+    weights = {name: p for name, p in model.named_parameters()}
+    fuse_projections(model)
+    assert {name: p for name, p in model.named_parameters()} == weights
+
+
+def test_the_loader_returns_fused_target_and_mtp(checkpoint_dir):
+    path = checkpoint_dir("mimo")
+    modules = [*load_target(path).modules(), *load_mtp(path).modules()]
+    assert all(m.qkv_proj is not None for m in modules if isinstance(m, SelfAttention))
+    assert all(m.gate_up_proj is not None for m in modules if isinstance(m, MLP))
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_triton_layer_ops_through_the_whole_model_equal_the_torch_ops(checkpoint_dir, monkeypatch, architecture):
+    """The CUDA route (kernels on strided views of the fused GEMM outputs, in-place rotary, fused
+    add + norm), on CPU through the Triton interpreter; attention on both of its paths."""
+    model = load_target(checkpoint_dir(architecture))
+    expected = _run_steps(model, use_kernel=True)
+    launched = []
+
+    def use_triton(x: torch.Tensor) -> bool:
+        launched.append(x.shape)
+        return True
+
+    monkeypatch.setattr(layer_ops, "use_triton", use_triton)
+    got = _run_steps(model, use_kernel=True)
+    # Per layer 2 norms, rotary, silu-mul (+ q and k norms on Qwen3); the final norm.
+    per_layer = 4 + 2 * model.config.qk_norm
+    assert len(launched) == len(STEPS) * (model.config.num_hidden_layers * per_layer + 1)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
+    on_cuda = SimpleNamespace(is_cuda=True)  # no GPU here: only the predicate is under test
+    monkeypatch.setattr(layer_ops, "_INTERPRETED", False)
+    assert layer_ops.use_triton(on_cuda)
+    assert not layer_ops.use_triton(torch.zeros(2))
+    monkeypatch.setattr(layer_ops, "_INTERPRETED", True)
+    assert not layer_ops.use_triton(on_cuda)
+
+
+def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
+    """Training runs the model on CUDA with autograd; the kernels have no backward."""
+    kernel_calls = []
+    monkeypatch.setattr(layer_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(layer_ops, "rms_norm_triton", lambda *args: kernel_calls.append("rms_norm"))
+    monkeypatch.setattr(layer_ops, "silu_mul_triton", lambda *args: kernel_calls.append("silu_mul"))
+    weight = torch.ones(8, requires_grad=True)
+    assert layer_ops.rms_norm(torch.randn(3, 8), weight, 1e-6)[0].grad_fn is not None
+    assert layer_ops.silu_mul(torch.randn(3, 8, requires_grad=True)).grad_fn is not None
+    assert kernel_calls == []
+    with torch.no_grad():
+        layer_ops.rms_norm(torch.randn(3, 8), weight, 1e-6)
+        layer_ops.silu_mul(torch.randn(3, 8, requires_grad=True))
+    assert kernel_calls == ["rms_norm", "silu_mul"]
