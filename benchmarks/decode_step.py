@@ -189,14 +189,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    p.add_argument(
+        "--layer-kernels", action="store_true", help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py)"
+    )
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
     import torch
 
+    from models.layer_ops import enable_layer_kernels
     from models.loader import load_target
     from models.tiny import write_tiny_checkpoint
 
+    enable_layer_kernels(args.layer_kernels)
     dtype = getattr(torch, args.dtype)
     if args.tiny:
         tmp = tempfile.mkdtemp()

@@ -8,7 +8,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from models.serve_options import add_model_arguments, attention_kernel_option, cuda_graphs_option
+from models.serve_options import (
+    add_model_arguments,
+    apply_layer_kernels_option,
+    attention_kernel_option,
+    cuda_graphs_option,
+)
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
@@ -61,6 +66,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
+    apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()
     mtp = await loop.run_in_executor(
         None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)

@@ -6,6 +6,10 @@ the ~5 of a rotary embedding and the 2 of silu-and-mul dominate a small-batch de
 kernels cut them to one each. CPU runs (tests, the fp32 lossless oracle) keep the torch ops, also
 under TRITON_INTERPRET, where the interpreter would make whole-model runs far too slow; so does
 training (the kernels have no backward), i.e. any call whose inputs need gradients.
+
+The kernels are **off unless enabled** (`enable_layer_kernels()`, the servers' `--layer-kernels`):
+they pass their tests under the Triton interpreter but have not yet been compiled and run on a GPU,
+and a default CUDA path must be one that has.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ from kernels.silu_mul import silu_mul_reference, silu_mul_triton
 from models.rotary import apply_rotary
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_enabled = False
+
+
+def enable_layer_kernels(on: bool = True) -> None:
+    """Process-wide: CUDA tensors go through the Triton layer kernels from now on (or no longer)."""
+    global _enabled
+    _enabled = on
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether ops on `x` run the Triton kernels: on CUDA tensors, unless Triton is interpreted."""
-    return x.is_cuda and not _INTERPRETED
+    """Whether ops on `x` run the Triton kernels: when enabled, on CUDA tensors, unless Triton is interpreted."""
+    return _enabled and x.is_cuda and not _INTERPRETED
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -28,11 +28,24 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         action="store_false",
         help=f"run {steps} eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
+    p.add_argument(
+        "--layer-kernels",
+        action="store_true",
+        help="Triton kernels for RMSNorm, rotary and silu-mul on CUDA (experimental: not yet run on a GPU)",
+    )
 
 
 def attention_kernel_option(args: argparse.Namespace) -> bool | None:
     """--attention → the runners' `attention_kernel` (None: decided by the device)."""
     return {"auto": None, "torch": False, "triton": True}[args.attention]
+
+
+def apply_layer_kernels_option(args: argparse.Namespace) -> None:
+    """--layer-kernels → models.layer_ops (imported here: it needs torch)."""
+    if args.layer_kernels:
+        from models.layer_ops import enable_layer_kernels
+
+        enable_layer_kernels()
 
 
 def cuda_graphs_option(args: argparse.Namespace) -> bool | None:

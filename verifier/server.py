@@ -7,7 +7,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-from models.serve_options import add_model_arguments, attention_kernel_option, cuda_graphs_option
+from models.serve_options import (
+    add_model_arguments,
+    apply_layer_kernels_option,
+    attention_kernel_option,
+    cuda_graphs_option,
+)
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
@@ -116,6 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)
+    apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()
     model = await loop.run_in_executor(
         None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)

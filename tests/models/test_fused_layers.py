@@ -101,6 +101,8 @@ def test_triton_layer_ops_through_the_whole_model_equal_the_torch_ops(checkpoint
 def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
     on_cuda = SimpleNamespace(is_cuda=True)  # no GPU here: only the predicate is under test
     monkeypatch.setattr(layer_ops, "_INTERPRETED", False)
+    assert not layer_ops.use_triton(on_cuda)  # off until enabled
+    monkeypatch.setattr(layer_ops, "_enabled", True)
     assert layer_ops.use_triton(on_cuda)
     assert not layer_ops.use_triton(torch.zeros(2))
     monkeypatch.setattr(layer_ops, "_INTERPRETED", True)
