@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from models.transport.base import HiddenStatesReceiver
-from models.wire import dtype_from_proto, tensor_to_proto
+from models.wire import dtype_from_proto, fill_tensor_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import next_unless_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
@@ -185,6 +185,6 @@ def propose_response(
     for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
         d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
         if probs is not None:
-            d.draft_probs.token_ids.CopyFrom(tensor_to_proto(probs[0].to(torch.int32).cpu()))
-            d.draft_probs.probs.CopyFrom(tensor_to_proto(probs[1].to(torch.float32).cpu()))
+            fill_tensor_proto(d.draft_probs.token_ids, probs[0].to(torch.int32))
+            fill_tensor_proto(d.draft_probs.probs, probs[1].to(torch.float32))
     return response

@@ -27,6 +27,10 @@ _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 if sys.byteorder != "little":  # raw bytes are little-endian; a big-endian host would need byte swaps
     raise ImportError("models.wire supports little-endian hosts only")
 
+# torch.frombuffer warns that message bytes are immutable; the tensors are documented as read-only.
+# One filter for this module, instead of a warnings context per tensor (it cost more than decoding).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+
 
 def dtype_to_proto(dtype: torch.dtype) -> int:
     """The wire DType of `dtype`; raises ValueError for one the wire does not carry."""
@@ -41,10 +45,18 @@ def dtype_from_proto(value: int) -> torch.dtype | None:
 
 
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    dtype = dtype_to_proto(t.dtype)
+    msg = common_pb2.Tensor()
+    fill_tensor_proto(msg, t)
+    return msg
+
+
+def fill_tensor_proto(msg: common_pb2.Tensor, t: torch.Tensor) -> None:
+    """Writes `t` into an (empty) Tensor field in place: no intermediate message to copy."""
+    msg.dtype = dtype_to_proto(t.dtype)
     host = t.detach().contiguous().cpu()
-    data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    return common_pb2.Tensor(dtype=dtype, shape=list(host.shape), data=data)
+    msg.shape.extend(host.shape)
+    if host.numel():
+        msg.data = host.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def tensor_from_proto(
@@ -71,7 +83,7 @@ def tensor_from_proto(
     ):
         wanted = ["*" if e is None else e for e in expected_shape]
         raise ValueError(f"tensor shape {shape} does not match expected {wanted}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     numel = math.prod(shape)
     if len(msg.data) != numel * itemsize:
         raise ValueError(
@@ -80,9 +92,7 @@ def tensor_from_proto(
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # bytes are immutable; the tensor is documented as read-only
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    t = torch.frombuffer(msg.data, dtype=dtype).view(shape)
     return t.clone() if copy else t
 
 

@@ -13,9 +13,9 @@ import torch
 
 from kernels.types import SparseDraftProbs
 from models.step_upload import StepUpload
-from models.wire import tensor_from_proto
 from protos import verifier_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument
+from verifier.draft_probs import RequestQ, batch_q, decode_q
 
 
 @dataclass
@@ -68,7 +68,7 @@ def build_input_batch(
     flat_ids, flat_pos, query_start = [], [], [0]
     sampling_indices, num_drafts, logits_idx, drafts = [], [], [], []
     temps, top_ks, top_ps, seeds, first_pos = [], [], [], [], []
-    q_rows: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]] = []  # per sampling request
+    q_rows: list[RequestQ] = []  # per sampling request
     seen = set()
     for i, r in enumerate(msg.requests):
         rid = r.request_id
@@ -127,7 +127,7 @@ def build_input_batch(
             top_ps.append(top_p)
             seeds.append(sp.seed & (2**63 - 1))
             first_pos.append(nc + n - d - 1)
-            q_rows.append((tokens[n - d :], *_sparse_q(r, rid, d, vocab_size)))
+            q_rows.append(decode_q(r, rid, tokens[n - d :]))
         query_start.append(query_start[-1] + n)
 
     def cumsum(xs: list[int]) -> list[int]:
@@ -170,52 +170,8 @@ def build_input_batch(
         top_p=top_p_t,
         seeds=seeds_t,
         first_logits_positions=first_pos_t,
-        draft_probs=_batch_q(q_rows, device),
+        draft_probs=batch_q(q_rows, vocab_size, device),
         all_greedy=all(t == 0 for t in temps),
         any_filter=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
         max_num_draft=max(num_drafts, default=0),
     )
-
-
-def _sparse_q(r, rid: str, d: int, vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The request's sparse q, first d rows (the coordinator may have trimmed its drafts)."""
-    if d == 0 or not r.HasField("draft_probs"):
-        return None, None
-    try:
-        ids = tensor_from_proto(r.draft_probs.token_ids, expected_dtype=torch.int32)
-        probs = tensor_from_proto(r.draft_probs.probs, expected_dtype=torch.float32)
-    except ValueError as err:
-        raise InvalidArgument(f"request {rid!r}: draft_probs: {err}") from err
-    if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[0] < d or ids.shape[1] < 1:
-        raise InvalidArgument(
-            f"request {rid!r}: draft_probs must be two [>= {d}, K] tensors, got {tuple(ids.shape)} and "
-            f"{tuple(probs.shape)}"
-        )
-    ids, probs = ids[:d].to(torch.int64), probs[:d]
-    if bool(((ids < -1) | (ids >= vocab_size)).any()) or not bool(torch.isfinite(probs).all()):
-        raise InvalidArgument(f"request {rid!r}: draft_probs has ids outside the vocabulary or non-finite probs")
-    if bool((probs < 0).any()):
-        raise InvalidArgument(f"request {rid!r}: draft_probs has negative probabilities")
-    return ids, probs
-
-
-def _batch_q(rows, device) -> SparseDraftProbs | None:
-    """One [num_draft_total, K] sparse q for the batch: requests without q get one-hot rows."""
-    if all(ids is None for _, ids, _ in rows):
-        return None
-    k = max(ids.shape[1] for _, ids, _ in rows if ids is not None)
-    all_ids, all_probs = [], []
-    for drafts, ids, probs in rows:
-        if ids is None:  # one-hot q at the draft itself
-            ids = torch.full((len(drafts), k), -1, dtype=torch.int64)
-            probs = torch.zeros(len(drafts), k)
-            if drafts:
-                ids[:, 0] = torch.tensor(drafts)
-                probs[:, 0] = 1.0
-        elif ids.shape[1] < k:
-            pad = k - ids.shape[1]
-            ids = torch.cat([ids, torch.full((ids.shape[0], pad), -1, dtype=torch.int64)], 1)
-            probs = torch.cat([probs, torch.zeros(probs.shape[0], pad)], 1)
-        all_ids.append(ids)
-        all_probs.append(probs)
-    return SparseDraftProbs(torch.cat(all_ids).to(device), torch.cat(all_probs).to(device))
