@@ -28,17 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.shapes import SHAPES  # noqa: E402
+
 HBM_BYTES_PER_S = 4.8e12
-QWEN2_7B = dict(
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=18944,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
 
 
 def random_qwen2_7b(dtype, device):
@@ -52,15 +46,14 @@ def random_qwen2_7b(dtype, device):
         architecture="Qwen2ForCausalLM",
         model_type="qwen2",
         rms_norm_eps=1e-6,
-        rope_theta=1e6,
         rope_scaling=None,
-        max_position_embeddings=32768,
+        tie_word_embeddings=False,
         attention_bias=True,
         o_proj_bias=False,
         mlp_bias=False,
         qk_norm=False,
         num_nextn_predict_layers=0,
-        **QWEN2_7B,
+        **SHAPES["qwen2-7b"],  # the shape benchmarks/e2e.py serves
     )
     with torch.device("meta"):
         model = fuse_projections(TargetModel(config).to(dtype))  # as the loader returns models

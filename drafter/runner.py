@@ -23,7 +23,7 @@ import torch
 from drafter.sampling import pick_drafts
 from drafter.step_timer import StepTimer
 from models.attention import use_kernel_for
-from models.cuda_graphs import CudaGraphRunner
+from models.cuda_graphs import resolve_step_path
 from models.kv_cache import AttentionMetadata, PagedKVCache
 from models.mtp import MTPModule
 from models.step_upload import StepUpload
@@ -82,19 +82,8 @@ class DrafterRunner:
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
         self._first_position: dict[str, int] = {}  # pair position held at cache index 0
-        on_cuda = kv_cache.device.type == "cuda"
-        use = on_cuda if attention_kernel is None else attention_kernel
-        self.attention_kernel = mtp.supports_attention_kernel and use
-        if cuda_graphs is None:
-            cuda_graphs = on_cuda and self.attention_kernel
-        elif cuda_graphs and not self.attention_kernel:
-            raise ValueError("CUDA graphs need the attention kernel (and an MTP module that supports it)")
-        self.graphs = (
-            CudaGraphRunner(
-                mtp, kv_cache, max_model_len=mtp.config.max_position_embeddings, max_num_tokens=max_graph_tokens
-            )
-            if cuda_graphs
-            else None
+        self.attention_kernel, self.graphs = resolve_step_path(
+            mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
         self._upload = StepUpload(self.device)  # each step's small arrays, one pinned buffer
         self._timer = StepTimer(self.device)

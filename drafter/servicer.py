@@ -16,7 +16,7 @@ from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, fill_tensor_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specsplit.bidi_stream import next_unless_draining
+from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
 from specsplit.telemetry import incoming_context
 
@@ -108,11 +108,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def ProposeStream(self, request_iterator, context):
         await self._require_ready(context)
-        requests = request_iterator.__aiter__()
-        while True:
-            request = await next_unless_draining(requests, self._draining)
-            if request is None:  # the verifier closed the stream, or SIGTERM arrived between iterations
-                return
+        async for request in until_draining(request_iterator, self._draining):
             parent = incoming_context(list(request.trace_context.items()))
             try:
                 yield await self._handle(request, parent)

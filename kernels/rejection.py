@@ -55,33 +55,12 @@ def rejection_sample(
             top_k = torch.zeros_like(seeds, dtype=torch.int32)
         if top_p is None:
             top_p = torch.ones_like(temperature)
-        return rejection_sample_reference(
-            target_logits,
-            draft_token_ids,
-            cu_num_draft,
-            temperature,
-            top_k,
-            top_p,
-            seeds,
-            positions,
-            draft_probs,
-            max_num_draft,
-        )
+    args = (target_logits, draft_token_ids, cu_num_draft, temperature, top_k, top_p, seeds, positions, draft_probs)
+    if backend == "reference":
+        return rejection_sample_reference(*args, max_num_draft)
     from kernels.triton_rejection import rejection_sample_triton
 
-    return rejection_sample_triton(
-        target_logits,
-        draft_token_ids,
-        cu_num_draft,
-        temperature,
-        top_k,
-        top_p,
-        seeds,
-        positions,
-        draft_probs,
-        max_num_draft,
-        all_greedy,
-    )
+    return rejection_sample_triton(*args, max_num_draft, all_greedy)
 
 
 def _resolve_backend(backend: str, target_logits: torch.Tensor) -> str:

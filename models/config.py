@@ -92,7 +92,7 @@ def _from_hf_config(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    rope_theta, rope_scaling = _rope_parameters(hf)
+    rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "MiMoForCausalLM")
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return ModelConfig(
@@ -120,21 +120,24 @@ def _from_hf_config(
     )
 
 
-def _rope_parameters(hf: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either transformers 5 `rope_parameters` or 4.x fields."""
+def rope_parameters(hf: Any, supported: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` or 4.x fields, for the rope
+    types in `supported`; fills the defaults transformers derives (llama3's original context, YaRN's
+    factor when only the context lengths are given)."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope_type not in supported:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(supported)}")
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    params.pop("partial_rotary_factor", None)
     if rope_type == "default":
         return float(theta), None
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+    if rope_type == "yarn" and params.get("factor") is None:
+        params["factor"] = hf.max_position_embeddings / params["original_max_position_embeddings"]
     return float(theta), {"rope_type": rope_type, **params}
 
 

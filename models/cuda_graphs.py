@@ -151,3 +151,29 @@ class CudaGraphRunner:
                 hidden, logits = self._forward(bucket)
             self._outputs[bucket] = (graph, hidden, logits)
         torch.cuda.synchronize()
+
+
+def resolve_step_path(
+    model: TargetModel | MTPModule,
+    kv_cache: PagedKVCache,
+    attention_kernel: bool | None,
+    cuda_graphs: bool | None,
+    max_model_len: int,
+    max_num_tokens: int,
+) -> tuple[bool, CudaGraphRunner | None]:
+    """The runners' options → (use the Triton paged attention, the graph runner or None).
+
+    None means "by device": the kernel on CUDA for models that support it, graphs on CUDA with the
+    kernel. Asking for graphs without the kernel is an error."""
+    on_cuda = kv_cache.device.type == "cuda"
+    kernel = model.supports_attention_kernel and (on_cuda if attention_kernel is None else attention_kernel)
+    if cuda_graphs is None:
+        cuda_graphs = on_cuda and kernel
+    elif cuda_graphs and not kernel:
+        raise ValueError("CUDA graphs need the attention kernel (and a model that supports it)")
+    graphs = (
+        CudaGraphRunner(model, kv_cache, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
+        if cuda_graphs
+        else None
+    )
+    return kernel, graphs

@@ -10,7 +10,7 @@ verifier → drafter (`ProposeStream`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -72,9 +72,16 @@ class BidiStream:
             self._call = None
 
 
-async def next_unless_draining(requests: AsyncIterator, draining: asyncio.Event):
-    """The stream's next request, or None when the caller closed it or the server began draining
-    (SIGTERM) before one arrived: an idle persistent stream must not hold the grace period."""
+async def until_draining(request_iterator: AsyncIterable, draining: asyncio.Event) -> AsyncIterator:
+    """A server stream's requests, ending when the caller closes it or when the server begins draining
+    (SIGTERM) while it waits for the next one: an idle persistent stream must not hold the grace period."""
+    requests = request_iterator.__aiter__()
+    while (request := await _next_unless_draining(requests, draining)) is not None:
+        yield request
+
+
+async def _next_unless_draining(requests: AsyncIterator, draining: asyncio.Event):
+    """The stream's next request, or None when the caller closed it or draining began first."""
     next_request = asyncio.ensure_future(requests.__anext__())
     drain = asyncio.ensure_future(draining.wait())
     done, _ = await asyncio.wait({next_request, drain}, return_when=asyncio.FIRST_COMPLETED)

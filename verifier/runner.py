@@ -14,7 +14,7 @@ import torch
 
 from kernels.rejection import rejection_sample
 from models.attention import use_kernel_for
-from models.cuda_graphs import CudaGraphRunner
+from models.cuda_graphs import resolve_step_path
 from models.kv_cache import KVCacheFull, PagedKVCache
 from models.target import TargetModel
 from specsplit.errors import ResourceExhausted
@@ -66,22 +66,13 @@ class VerifierRunner:
         self.kv_cache = kv_cache
         self.sampler_backend = sampler_backend
         self._request_ids: set[str] = set()  # requests holding KV blocks
-        on_cuda = kv_cache.device.type == "cuda"
-        capable = model.supports_attention_kernel
-        self.attention_kernel = capable and (on_cuda if attention_kernel is None else attention_kernel)
-        if cuda_graphs is None:
-            cuda_graphs = on_cuda and self.attention_kernel
-        elif cuda_graphs and not self.attention_kernel:
-            raise ValueError("CUDA graphs need the attention kernel (and a model that supports it)")
-        self.graphs = (
-            CudaGraphRunner(
-                model,
-                kv_cache,
-                max_model_len=max_model_len or model.config.max_position_embeddings,
-                max_num_tokens=max_graph_tokens,
-            )
-            if cuda_graphs
-            else None
+        self.attention_kernel, self.graphs = resolve_step_path(
+            model,
+            kv_cache,
+            attention_kernel,
+            cuda_graphs,
+            max_model_len or model.config.max_position_embeddings,
+            max_graph_tokens,
         )
 
     def free(self, request_ids: list[str]) -> None:

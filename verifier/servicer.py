@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 from models.kv_cache import PagedKVCache
 from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specsplit.bidi_stream import next_unless_draining
+from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.telemetry import incoming_context
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
@@ -93,11 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def VerifyStream(self, request_iterator, context):
         await self._require_ready(context)
-        requests = request_iterator.__aiter__()
-        while True:
-            request = await next_unless_draining(requests, self._draining)
-            if request is None:  # the caller closed the stream, or SIGTERM arrived between iterations
-                return
+        async for request in until_draining(request_iterator, self._draining):
             try:
                 yield await self._verify(request, self._parent(request, context))
             except SpecsplitError as err:

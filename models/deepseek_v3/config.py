@@ -15,7 +15,7 @@ from typing import Any
 
 import transformers
 
-from models.config import _dtype_name, _read_eos_token_ids
+from models.config import _dtype_name, _read_eos_token_ids, rope_parameters
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -102,7 +102,7 @@ class DeepseekV3Config:
             raise ValueError(f"{str(config_file)!r} is not a DeepSeek-V3 checkpoint (architecture {architecture!r})")
         _check_supported(raw)
         hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-        rope_theta, rope_scaling = _rope_parameters(hf)
+        rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
         return cls(
             architecture=architecture,
             model_type=hf.model_type,
@@ -155,21 +155,3 @@ def _check_supported(raw: dict[str, Any]) -> None:
     experts, groups = raw.get("n_routed_experts"), raw.get("n_group") or 1
     if experts is None or experts % groups or experts // groups < 2:
         raise ValueError(f"n_routed_experts={experts} must split into n_group={groups} groups of >= 2 experts")
-
-
-def _rope_parameters(hf: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` (or 4.x `rope_scaling`)."""
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type == "yarn" and params.get("factor") is None:
-        # As transformers: DeepSeek may give only the context lengths; the factor is their ratio.
-        params["factor"] = hf.max_position_embeddings / params["original_max_position_embeddings"]
-    return float(theta), {"rope_type": rope_type, **params}
