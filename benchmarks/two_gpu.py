@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # tables reach a redirected log as they are printed
 
     from transformers import AutoConfig
 
@@ -189,8 +190,6 @@ def main() -> None:
                         control_s=control, moving_s=max(seconds - control, 0.0),
                     )
                 )  # fmt: skip
-    e2e, checks = ([], []) if args.skip_e2e else run_e2e(args)
-
     names = {
         d: torch.cuda.get_device_name(d) if d.startswith("cuda") else "cpu"
         for d in (args.verifier_device, args.drafter_device)
@@ -211,6 +210,9 @@ def main() -> None:
             f"| {r['transport']} | {r['hidden_size']} | {r['batch']} | {r['batch'] * (K + 1)} | {r['bytes']} | "
             f"{1e3 * r['s']:.3f} | {1e3 * r['control_s']:.3f} | {1e3 * r['moving_s']:.3f} | {speed} |"
         )
+    if args.out:  # the transfer table survives an e2e failure
+        args.out.write_text(json.dumps(dict(transfer=transfer, devices=names), indent=1))
+    e2e, checks = ([], []) if args.skip_e2e else run_e2e(args)
     if e2e:
         print("\n| placement / transport | batch | tokens/s |\n|---|---|---|")
         for r in e2e:

@@ -49,6 +49,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
 
     from drafter.runner import DrafterRunner
     from drafter.servicer import DrafterServicer
+    from models.device import device_executor, use_device
     from models.loader import load_mtp
     from models.transport import make_receiver
 
@@ -62,7 +63,10 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         require_client_cert=True,
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    servicer = DrafterServicer()
+    # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
+    use_device(args.device)
+    asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
+    servicer = DrafterServicer(args.device)
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     dtype = getattr(torch, args.dtype)

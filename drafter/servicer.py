@@ -4,7 +4,6 @@ drafts, one unary call or one message of a persistent ProposeStream per iteratio
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 
 import grpc
@@ -13,6 +12,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
+from models.device import device_executor
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, fill_tensor_proto
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -62,11 +62,11 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         self.runner: DrafterRunner | None = None
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-step")
+        self._executor = device_executor(device, 1, "drafter-step")
         self._lock = asyncio.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
         self._draining = asyncio.Event()

@@ -88,6 +88,7 @@ def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: 
 async def serve(args: argparse.Namespace) -> None:
     import torch
 
+    from models.device import device_executor, use_device
     from models.loader import load_target
     from models.transport import make_sender
     from verifier.drafter_client import DrafterClient, TransportConfigError
@@ -117,6 +118,9 @@ async def serve(args: argparse.Namespace) -> None:
     except (TransportConfigError, ValueError) as err:
         log.error("%s", err)
         raise SystemExit(2) from err
+    # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
+    use_device(args.device)
+    asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 
@@ -11,6 +10,7 @@ import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
+from models.device import device_executor
 from models.kv_cache import PagedKVCache
 from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -38,7 +38,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.device = device
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-step")
+        self._executor = device_executor(device, 1, "verifier-step")
         self._lock = asyncio.Lock()
         self._coordinator_id: str | None = None
         self._draining = asyncio.Event()
