@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     p.add_argument(
-        "--layer-kernels", action="store_true", help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py)"
+        "--layer-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py; --no-layer-kernels: torch ops)",
     )
     args = p.parse_args(argv)
     if args.device == "cpu":

@@ -7,9 +7,10 @@ kernels cut them to one each. CPU runs (tests, the fp32 lossless oracle) keep th
 under TRITON_INTERPRET, where the interpreter would make whole-model runs far too slow; so does
 training (the kernels have no backward), i.e. any call whose inputs need gradients.
 
-The kernels are **off unless enabled** (`enable_layer_kernels()`, the servers' `--layer-kernels`):
-they pass their tests under the Triton interpreter but have not yet been compiled and run on a GPU,
-and a default CUDA path must be one that has.
+The kernels are **on by default** for CUDA tensors; the servers' `--no-layer-kernels` (or
+`enable_layer_kernels(False)`) keeps the torch ops. On the H200 (`benchmarks/check_layer_kernels_cuda.py`)
+they equal the torch ops within fp32 rounding (whole tiny models: logits within 4e-6) and cut the 7B
+decode step at batch 1 from 6.96 to 4.94 ms (`benchmarks/results/e2e_h200.md`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from kernels.silu_mul import silu_mul_reference, silu_mul_triton
 from models.rotary import apply_rotary
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_enabled = False
+_enabled = True
 
 
 def enable_layer_kernels(on: bool = True) -> None:
-    """Process-wide: CUDA tensors go through the Triton layer kernels from now on (or no longer)."""
+    """Process-wide: CUDA tensors go through the Triton layer kernels (the default) or the torch ops."""
     global _enabled
     _enabled = on
 

@@ -30,8 +30,9 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     )
     p.add_argument(
         "--layer-kernels",
-        action="store_true",
-        help="Triton kernels for RMSNorm, rotary and silu-mul on CUDA (experimental: not yet run on a GPU)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Triton kernels for residual-add + RMSNorm, rotary and silu-mul on CUDA (--no-layer-kernels: torch ops)",
     )
 
 
@@ -41,11 +42,10 @@ def attention_kernel_option(args: argparse.Namespace) -> bool | None:
 
 
 def apply_layer_kernels_option(args: argparse.Namespace) -> None:
-    """--layer-kernels → models.layer_ops (imported here: it needs torch)."""
-    if args.layer_kernels:
-        from models.layer_ops import enable_layer_kernels
+    """--[no-]layer-kernels → models.layer_ops (imported here: it needs torch)."""
+    from models.layer_ops import enable_layer_kernels
 
-        enable_layer_kernels()
+    enable_layer_kernels(args.layer_kernels)
 
 
 def cuda_graphs_option(args: argparse.Namespace) -> bool | None:

@@ -101,9 +101,10 @@ def test_triton_layer_ops_through_the_whole_model_equal_the_torch_ops(checkpoint
 def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
     on_cuda = SimpleNamespace(is_cuda=True)  # no GPU here: only the predicate is under test
     monkeypatch.setattr(layer_ops, "_INTERPRETED", False)
-    assert not layer_ops.use_triton(on_cuda)  # off until enabled
+    assert layer_ops.use_triton(on_cuda)  # on by default
+    monkeypatch.setattr(layer_ops, "_enabled", False)  # --no-layer-kernels
+    assert not layer_ops.use_triton(on_cuda)
     monkeypatch.setattr(layer_ops, "_enabled", True)
-    assert layer_ops.use_triton(on_cuda)
     assert not layer_ops.use_triton(torch.zeros(2))
     monkeypatch.setattr(layer_ops, "_INTERPRETED", True)
     assert not layer_ops.use_triton(on_cuda)
@@ -123,3 +124,17 @@ def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
         layer_ops.rms_norm(torch.randn(3, 8), weight, 1e-6)
         layer_ops.silu_mul(torch.randn(3, 8, requires_grad=True))
     assert kernel_calls == ["rms_norm", "silu_mul"]
+
+
+def test_servers_turn_the_layer_kernels_off_only_when_asked(monkeypatch):
+    import argparse
+
+    from models.serve_options import add_model_arguments, apply_layer_kernels_option
+
+    p = argparse.ArgumentParser()
+    add_model_arguments(p, "steps")
+    monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
+    apply_layer_kernels_option(p.parse_args(["--no-layer-kernels"]))
+    assert not layer_ops._enabled
+    apply_layer_kernels_option(p.parse_args([]))
+    assert layer_ops._enabled
