@@ -14,9 +14,10 @@ import torch
 
 
 def use_device(device: str | torch.device) -> None:
-    """Make ``device`` this thread's current CUDA device (nothing to do for the CPU)."""
+    """Make ``device`` this thread's current CUDA device (nothing to do for the CPU, nor for a bare
+    ``cuda``, which means whatever device is current)."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

@@ -18,10 +18,11 @@ def test_executor_threads_make_the_server_device_current(monkeypatch):
     assert all(d == torch.device("cuda:1") for _, d in calls)
 
 
-def test_cpu_servers_touch_no_cuda_state(monkeypatch):
+def test_cpu_and_bare_cuda_servers_touch_no_cuda_state(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     use_device("cpu")
+    use_device("cuda")  # no index: the current device, whichever it is
     with device_executor("cpu", 1, "model") as pool:
         assert pool.submit(lambda: 1 + 1).result() == 2
     assert calls == []
