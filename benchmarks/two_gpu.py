@@ -8,12 +8,26 @@
      every transport pays): what the hidden states themselves cost.
 (ii) e2e — tokens/s through LocalCluster, verifier on --verifier-device and drafter on
      --drafter-device, for each transport, plus the one-GPU three-service run (both on the verifier
-     device, grpc) for comparison; and a lossless check: greedy output of each transport equals the
-     target-only output (k = 0), request by request, in --check-dtype.
+     device, grpc) for comparison, with the acceptance each run saw; and a lossless check: greedy
+     output of each transport equals the target-only output (k = 0), request by request, in
+     --check-dtype.
+
+--shape NAME runs (ii) on a model shape from benchmarks/shapes.py (e.g. qwen2-7b) with random
+weights (--load-format dummy) instead of --model. Random weights draft garbage, so --alpha forces
+acceptance (benchmarks/forced_acceptance.py, as in benchmarks/e2e.py): a target-only run on one
+device (--dtype) gives each prompt's greedy continuation, the oracle of every measured cluster's
+drafter (dummy weights are seeded per tensor name, so every process builds the same model). The
+lossless check then compares every output of the measured runs (each batch and repeat) with that
+target-only output, in --dtype (--check-dtype is not used): the verifier still decides each token.
 
     python benchmarks/two_gpu.py --out two_gpu.json                      # 2 GPUs: cuda:0 / cuda:1, bf16
+    python benchmarks/two_gpu.py --shape qwen2-7b --load-format dummy --alpha 0.8 \\
+        --transports cuda_ipc nccl --batches 1 32 --out two_gpu_7b.json  # the 7B shape on 2 GPUs
     python benchmarks/two_gpu.py --verifier-device cpu --drafter-device cpu --dtype float32 \\
         --transports grpc nccl --batches 1 --new-tokens 8 --iters 20     # reduced form on a CPU machine
+    python benchmarks/two_gpu.py --verifier-device cpu --drafter-device cpu --dtype float32 \\
+        --transports grpc nccl --batches 1 2 --new-tokens 8 --iters 20 --repeats 1 \\
+        --shape qwen2-tiny --load-format dummy --alpha 0.8               # the shape path on a CPU machine
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,12 +50,16 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.e2e import make_prompts  # noqa: E402
-from benchmarks.e2e_modes import run_services  # noqa: E402
+from benchmarks.e2e_modes import RunResult, run_services  # noqa: E402
+from benchmarks.e2e_report import acceptance_per_position  # noqa: E402
+from benchmarks.forced_acceptance import Oracle  # noqa: E402
+from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from models.transport import make_sender  # noqa: E402
 from protos import drafter_pb2, drafter_pb2_grpc  # noqa: E402
 from specsplit import Client  # noqa: E402
 from specsplit.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from specsplit.launcher import LocalCluster, free_port  # noqa: E402
+from specsplit.results import SpecStats  # noqa: E402
 
 K = 3
 SEVEN_B_HIDDEN = 3584
@@ -104,16 +123,32 @@ async def _transfer_times(transport: str, args, hidden_size: int, batches: list[
         peer.wait(30)
 
 
-def _cluster(args, transport: str, drafter_device: str, dtype: str, batch: int) -> LocalCluster:
+def _cluster(
+    args,
+    model: str | Path,
+    transport: str,
+    drafter_device: str,
+    dtype: str,
+    batch: int,
+    *,
+    k: int = K,
+    with_drafter: bool = True,
+    drafter_command: list[str] | None = None,
+) -> LocalCluster:
+    """drafter_command: the drafter's program instead of `specsplit serve drafter` (the forced drafter)."""
     return LocalCluster(
-        args.model,
-        num_speculative_tokens=K,
+        str(model),
+        num_speculative_tokens=k,
         dtype=dtype,
         hidden_transport=transport,
         verifier_device=args.verifier_device,
         drafter_device=drafter_device,
         log_dir=tempfile.mkdtemp(prefix=f"specsplit-two-gpu-{transport}-"),
-        coordinator_args=["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (K + 1)))],
+        load_format=args.load_format,
+        with_drafter=with_drafter,
+        role_commands={"drafter": drafter_command} if drafter_command else None,
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},  # benchmarks.*
+        coordinator_args=["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
         verifier_args=["--num-blocks", "4096"],
         drafter_args=["--num-blocks", "4096"],
     )
@@ -130,39 +165,99 @@ def _greedy_outputs(cluster: LocalCluster, ps: list[list[int]], new_tokens: int,
         ]
 
 
-def run_e2e(args) -> tuple[list[dict], list[dict]]:
+def _measure(args, cluster: LocalCluster, mode: str, prompts_of) -> tuple[list[dict], list[tuple[int, RunResult]]]:
+    """The e2e rows of one cluster (one per batch; prompts_of(batch) gives its prompts) and the runs behind them."""
+    rows, runs_of = [], []
+    for batch in args.batches:
+        ps = prompts_of(batch)
+        run_services(cluster.address, ps[:1], 8, K)  # warm-up (kernels, allocator)
+        runs = [run_services(cluster.address, ps, args.new_tokens, K) for _ in range(args.repeats)]
+        seconds = statistics.median(r.seconds for r in runs)
+        stats = SpecStats()
+        for r in runs:
+            stats.merge(r.stats)
+        rows.append(
+            dict(
+                mode=mode,
+                batch=batch,
+                k=K,
+                tokens_per_s=batch * args.new_tokens / seconds,
+                acceptance_rate=stats.acceptance_rate,  # accepted / drafted
+                accepted_per_iteration=stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
+                acceptance_per_position=acceptance_per_position(stats),  # ≈ alpha each under forced acceptance
+            )
+        )
+        runs_of.append((batch, runs))
+    return rows, runs_of
+
+
+def _placements(args) -> list[tuple[str, str, str]]:
     placements = [(t, args.drafter_device, f"two_devices/{t}") for t in args.transports]
     placements.append(("grpc", args.verifier_device, "one_device/grpc"))
+    return placements
+
+
+def run_e2e(args) -> tuple[list[dict], list[dict]]:
+    if args.shape:
+        return run_e2e_shape(args)
     rows, checks = [], []
     from transformers import AutoConfig
 
     vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
     check_prompts = make_prompts(Path(args.model), args.check_prompts, vocab_size)
     reference = None
-    for transport, drafter_device, mode in placements:
-        with _cluster(args, transport, drafter_device, args.check_dtype, 1) as cluster:
+    for transport, drafter_device, mode in _placements(args):
+        with _cluster(args, args.model, transport, drafter_device, args.check_dtype, 1) as cluster:
             if reference is None:
                 reference = _greedy_outputs(cluster, check_prompts, args.new_tokens, 0)  # target-only
             got = _greedy_outputs(cluster, check_prompts, args.new_tokens, K)
         same = sum(g == r for g, r in zip(got, reference))
         checks.append(dict(mode=mode, dtype=args.check_dtype, prompts=len(reference), identical=same))
-        with _cluster(args, transport, drafter_device, args.dtype, max(args.batches)) as cluster:
-            for batch in args.batches:
-                ps = make_prompts(Path(args.model), batch, vocab_size)
-                run_services(cluster.address, ps[:1], 8, K)  # warm-up (kernels, allocator)
-                runs = [run_services(cluster.address, ps, args.new_tokens, K) for _ in range(args.repeats)]
-                seconds = statistics.median(r.seconds for r in runs)
-                rows.append(dict(mode=mode, batch=batch, k=K, tokens_per_s=batch * args.new_tokens / seconds))
+        with _cluster(args, args.model, transport, drafter_device, args.dtype, max(args.batches)) as cluster:
+            measured, _ = _measure(args, cluster, mode, lambda b: make_prompts(Path(args.model), b, vocab_size))
+        rows += measured
+    return rows, checks
+
+
+def run_e2e_shape(args) -> tuple[list[dict], list[dict]]:
+    """--shape: random weights, forced acceptance; the lossless check covers every measured output."""
+    work = Path(tempfile.mkdtemp(prefix="specsplit-two-gpu-shape-"))
+    model = write_shape(args.shape, work / args.shape)
+    vocab_size, max_batch = SHAPES[args.shape]["vocab_size"], max(args.batches)
+    prompts = make_prompts(model, max_batch, vocab_size)  # the batches' prompts are prefixes of these
+    target_only = dict(k=0, with_drafter=False)
+    with _cluster(args, model, "grpc", args.verifier_device, args.dtype, max_batch, **target_only) as cluster:
+        reference = run_services(cluster.address, prompts, args.new_tokens, 0).outputs
+    Oracle([p + o for p, o in zip(prompts, reference)], vocab_size).save(work / "oracle.json")
+    forced = [sys.executable, "-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha)]
+    forced += ["--oracle", str(work / "oracle.json")]
+    rows, checks = [], []
+    for transport, drafter_device, mode in _placements(args):
+        with _cluster(args, model, transport, drafter_device, args.dtype, max_batch, drafter_command=forced) as c:
+            measured, runs_of = _measure(args, c, mode, lambda b: prompts[:b])
+        rows += measured
+        outputs = [(i, out) for batch, runs in runs_of for r in runs for i, out in enumerate(r.outputs)]
+        differ = {i for i, out in outputs if out != reference[i]}
+        checked = {i for i, _ in outputs}
+        checks.append(
+            dict(
+                mode=mode, dtype=args.dtype, prompts=len(checked), identical=len(checked - differ), outputs=len(outputs)
+            )
+        )
     return rows, checks
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "checkpoints" / "demo"))
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", default=str(ROOT / "checkpoints" / "demo"), help="checkpoint of the e2e runs")
+    where.add_argument("--shape", choices=sorted(SHAPES), help="e2e on a model shape from benchmarks/shapes.py")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--alpha", type=float, default=None, help="forced acceptance rate per draft position (--shape)")
     p.add_argument("--verifier-device", default="cuda:0")
     p.add_argument("--drafter-device", default="cuda:1")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--check-dtype", default="float32", help="dtype of the lossless check runs")
+    p.add_argument("--check-dtype", default="float32", help="dtype of the lossless check runs (--model)")
     p.add_argument("--transports", nargs="+", default=["grpc", "cuda_ipc", "nccl"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -173,6 +268,14 @@ def main() -> None:
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.shape and args.load_format != "dummy":
+        p.error("--shape has no weights: add --load-format dummy")
+    if args.shape and args.alpha is None:
+        p.error("--shape drafts with random weights: add --alpha (forced acceptance)")
+    if args.alpha is not None and not args.shape:
+        p.error("--alpha forces acceptance on --shape runs only")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        p.error("--alpha must be in [0, 1]")
     sys.stdout.reconfigure(line_buffering=True)  # tables reach a redirected log as they are printed
 
     from transformers import AutoConfig
@@ -214,14 +317,31 @@ def main() -> None:
         args.out.write_text(json.dumps(dict(transfer=transfer, devices=names), indent=1))
     e2e, checks = ([], []) if args.skip_e2e else run_e2e(args)
     if e2e:
-        print("\n| placement / transport | batch | tokens/s |\n|---|---|---|")
+        if args.shape:
+            print(
+                f"\ne2e: {args.shape} ({args.load_format} weights), {args.dtype}, forced acceptance alpha={args.alpha}"
+            )
+        else:
+            print(f"\ne2e: {args.model} ({args.load_format} weights), {args.dtype}, real drafts")
+        print(
+            "\n| placement / transport | batch | tokens/s | acceptance rate | accepted drafts per iteration "
+            "| acceptance per position |\n|---|---|---|---|---|---|"
+        )
         for r in e2e:
-            print(f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:.0f} |")
+            per_position = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+            print(
+                f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['acceptance_rate']:.2f} "
+                f"| {r['accepted_per_iteration']:.2f} | {per_position} |"
+            )
         print("\n| placement / transport | lossless check: greedy == target-only |\n|---|---|")
         for c in checks:
-            print(f"| {c['mode']} | {c['identical']}/{c['prompts']} prompts identical ({c['dtype']}) |")
+            every = f", {c['outputs']} outputs: every batch and repeat" if "outputs" in c else ""
+            print(f"| {c['mode']} | {c['identical']}/{c['prompts']} prompts identical ({c['dtype']}{every}) |")
     if args.out:
-        args.out.write_text(json.dumps(dict(transfer=transfer, e2e=e2e, lossless=checks, devices=names), indent=1))
+        e2e_model = dict(model=None if args.shape else args.model, shape=args.shape, load_format=args.load_format)
+        e2e_model.update(alpha=args.alpha, dtype=args.dtype)
+        result = dict(transfer=transfer, e2e=e2e, e2e_model=e2e_model, lossless=checks, devices=names)
+        args.out.write_text(json.dumps(result, indent=1))
     if any(c["identical"] != c["prompts"] for c in checks):
         sys.exit("lossless check failed: some greedy output differs from target-only")
 
