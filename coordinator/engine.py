@@ -1,9 +1,13 @@
 """The coordinator's engine loop: schedule → Verify (→ propose, inside the verifier) → post_step.
 
 One iteration is in flight at a time. Outputs are pushed to per-request asyncio queues that the
-Generate handlers stream from. The verifier is the only peer: if a Verify fails, the iteration's
-effect is unknown, so every running request is re-prefilled from the tokens held here — nothing
-the client already received is lost or repeated.
+Generate handlers stream from. Post_step updates the request state at once (the next schedule needs
+it) but streams the outputs (detokenize, stop strings, queue puts) only after the next iteration's
+request is on its way, while the verifier works: client-facing work off the critical path.
+
+The verifier is the only peer: if a Verify fails, the iteration's effect is unknown, so every running
+request is re-prefilled from the tokens held here — nothing the client already received is lost or
+repeated.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from coordinator import wire
 from coordinator.acceptance import AcceptanceMonitor
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.request import Request
-from coordinator.scheduler import Scheduler, SchedulerOutput
+from coordinator.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from coordinator.verify_stream import VerifyStream
 from protos import coordinator_pb2, verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
@@ -116,8 +120,10 @@ class Engine:
 
     # ---- loop --------------------------------------------------------------------------------------
     async def _run(self) -> None:
+        pending: list[StepUpdate] = []  # outputs of the last iteration, streamed once the next is sent
         while True:
             if not self.scheduler.has_work():
+                pending = self._stream_outputs(pending)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -125,25 +131,35 @@ class Engine:
             output = self.scheduler.schedule()
             t_scheduled = time.time_ns()
             if not output.scheduled and not output.finished_request_ids:
+                pending = self._stream_outputs(pending)
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
                 continue
             span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
             self._previous_iteration = span.get_span_context()
+            outputs, pending = pending, []
             try:
                 with trace.use_span(span, end_on_exit=True):
                     obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
-                    await self._iteration(output, span, t_schedule)
+                    pending = await self._iteration(output, span, t_schedule, outputs)
             except grpc.RpcError as err:
                 await self._on_verify_error(output, err)
             finally:
                 obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
 
-    async def _iteration(self, output: SchedulerOutput, span: trace.Span, t_schedule: int) -> None:
+    async def _iteration(
+        self, output: SchedulerOutput, span: trace.Span, t_schedule: int, outputs: list[StepUpdate]
+    ) -> list[StepUpdate]:
+        """Runs one iteration; streams `outputs` (the previous one's) once its request is sent; returns
+        this iteration's outputs, still to be streamed."""
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
             request = wire.verify_request(output, self.coordinator_id)
             request.trace_context.update(outgoing_metadata())
             t_sent = time.time_ns()
-            response = await self._stream.verify(request)
+            try:
+                await self._stream.send(request)
+            finally:  # also when the send failed: these tokens are the client's either way
+                self._stream_outputs(outputs)
+            response = await self._stream.receive()
             t_received = time.time_ns()
         self._failing_since = None
         self._num_failures = 0
@@ -155,10 +171,8 @@ class Engine:
             except SpecsplitError as err:
                 log.error("bad verifier response: %s; re-prefilling", err)
                 self.scheduler.reset_all()
-                return
+                return []
             self.acceptance.record(*obs.record_verify(span, output, results, response))
-            for update in updates:
-                self._emit(update.request, update.new_token_ids, update.finished)
         self.iteration_timings.append(
             coordinator_pb2.IterationTiming(
                 iteration=output.iteration,
@@ -171,6 +185,15 @@ class Engine:
                 verifier=response.timing,
             )
         )
+        return updates
+
+    def _stream_outputs(self, updates: list[StepUpdate]) -> list[StepUpdate]:
+        """Streams post_step's outputs to the Generate handlers; returns the empty pending list."""
+        if updates:
+            with obs.tracer.start_as_current_span("stream_outputs"):
+                for update in updates:
+                    self._emit(update.request, update.new_token_ids, update.finished)
+        return []
 
     def _emit(self, request: Request, new_token_ids: list[int], finished: bool) -> None:
         stream = self._streams.get(request.request_id)

@@ -10,6 +10,7 @@ verifier → drafter (`ProposeStream`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
@@ -40,11 +41,30 @@ class BidiStream:
         self._call = None
 
     async def call(self, request):
+        await self.send(request)
+        return await self.receive()
+
+    async def send(self, request) -> None:
+        """Writes one request; `receive()` reads its response (the caller may work in between)."""
         if self._call is None:
             self._call = self._open_call()
-        try:
+        async with self._failures():
             await self._call.write(request)
+
+    async def receive(self):
+        """The response to the request last sent."""
+        async with self._failures():
             response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        if response is grpc.aio.EOF:
+            self.close()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream")
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _failures(self):
+        """Every failure closes the stream and surfaces as the status a unary call would have had."""
+        try:
+            yield
         except grpc.RpcError:
             self.close()
             raise
@@ -53,10 +73,6 @@ class BidiStream:
         except asyncio.TimeoutError:
             self.close()
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
-        if response is grpc.aio.EOF:
-            self.close()
-            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream")
-        return response
 
     async def _ended(self) -> StreamError:
         """The status a stream that already finished ended with, as the error a unary call would raise."""

@@ -1,0 +1,98 @@
+"""The engine streams an iteration's outputs only once the next iteration's request is sent (the
+verifier works meanwhile), and never loses or repeats them, also when that send fails."""
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+
+from coordinator.config import SchedulerConfig
+from coordinator.engine import Engine
+from coordinator.request import Request, SamplingParams
+from coordinator.scheduler import Scheduler
+from protos import verifier_pb2
+from specsplit.bidi_stream import StreamError
+
+PROMPT = list(b"hi: ")
+
+
+def token_at(position: int) -> int:
+    return ord("a") + position % 26  # what the fake verifier samples at each position
+
+
+class ByteTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class FakeVerifyStream:
+    """Answers each request with the token of its next position (no drafts); records, at every send and
+    receive, how many tokens had been streamed to the client; fails the send of the iterations in `fail_sends`."""
+
+    def __init__(self, streamed, fail_sends=()):
+        self.queue_size = streamed
+        self.fail_sends = set(fail_sends)
+        self.events = []
+        self._last = None
+
+    async def send(self, request):
+        self.events.append(("send", request.iteration, self.queue_size()))
+        if request.iteration in self.fail_sends:
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, "verifier went away")
+        self._last = request
+
+    async def receive(self):
+        await asyncio.sleep(0)
+        self.events.append(("receive", self._last.iteration, self.queue_size()))
+        response = verifier_pb2.VerifyResponse()
+        for r in self._last.requests:
+            position = r.num_computed_tokens + len(r.token_ids)
+            response.results.add(request_id=r.request_id, sampled_token_ids=[token_at(position)], num_rejected=0)
+        return response
+
+    def close(self):
+        pass
+
+
+async def generate(max_tokens: int, fail_sends=()):
+    config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
+    engine = Engine(
+        Scheduler(config, eos_token_ids=[]), verifier=SimpleNamespace(VerifyStream=None), tokenizer=ByteTokenizer()
+    )
+    queue = engine.add_request(Request("r", PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    queued = []  # every output put on the client's queue, consumed or not
+    put = queue.put_nowait
+    queue.put_nowait = lambda out: (queued.append(out), put(out))[1]
+    engine._stream = stream = FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)
+    engine.start()
+    tokens, reason = [], None
+    try:
+        while reason is None:
+            out = await asyncio.wait_for(queue.get(), 10)
+            tokens += out.token_ids
+            reason = out.finish_reason
+    finally:
+        await engine.stop()
+    return tokens, reason, stream.events
+
+
+def test_outputs_stream_after_the_next_request_is_sent():
+    tokens, reason, events = asyncio.run(generate(max_tokens=4))
+    assert reason == "length"
+    assert tokens == [token_at(len(PROMPT) + i) for i in range(4)]
+    sends = [(it, n) for kind, it, n in events if kind == "send"]
+    receives = [(it, n) for kind, it, n in events if kind == "receive"]
+    assert [it for it, _ in sends] == [1, 2, 3, 4, 5]  # 5: frees the finished request's KV, runs nothing
+    # Iteration i's token is queued after iteration i+1's request went out and before its answer came back.
+    assert [n for _, n in sends] == [0, 0, 1, 2, 3]
+    assert [n for _, n in receives] == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_send_still_delivers_the_previous_outputs_and_nothing_twice():
+    tokens, reason, events = asyncio.run(generate(max_tokens=5, fail_sends={3}))
+    assert reason == "length"
+    assert tokens == [token_at(len(PROMPT) + i) for i in range(5)]  # none lost, none repeated
+    failed = [n for kind, it, n in events if kind == "send" and it == 3]
+    assert failed == [1]  # iteration 1's token was out; iteration 2's was streamed despite the failure
+    after = [(kind, it, n) for kind, it, n in events if it > 3]
+    assert after[0] == ("send", 4, 2)  # re-prefilled from the coordinator's tokens, then carried on
