@@ -4,6 +4,7 @@ in one process, at several batch sizes and k, side by side in one run.
 (a) target_only  — the in-process engine with k = 0 (scheduler → verifier runner, no drafter)
 (b) services     — coordinator, verifier and drafter as three processes on loopback gRPC
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
+(b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
 breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
@@ -26,6 +27,7 @@ random-weight models whose own drafts mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -78,6 +80,10 @@ def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], 
                 failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
+def services_mode(micro_batches: int) -> str:
+    return "services" if micro_batches == 1 else f"services_mb{micro_batches}"
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
@@ -94,6 +100,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="median over this many runs per cell")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
     p.add_argument("--drafter-rpc", default="stream", choices=["stream", "unary"], help="verifier → drafter")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="services runs with these `--micro-batches` (one cluster each; mode services_mbN for N > 1)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
@@ -118,37 +131,45 @@ def main() -> None:
         forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(work / "oracle.json")]
         role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
     rows, failures = [], []
-    with LocalCluster(
-        str(model),
-        num_speculative_tokens=max_k,
-        device=args.device,
-        dtype=args.dtype,
-        log_dir=work / "logs",
-        load_format=args.load_format,
-        role_commands=role_commands,
-        env=env,
-        coordinator_args=[
-            *["--max-num-seqs", str(max_batch)],
-            *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
-        ],
-        verifier_args=["--num-blocks", str(args.num_blocks), "--drafter-rpc", args.drafter_rpc],
-        drafter_args=["--num-blocks", str(args.num_blocks)],
-    ) as cluster:
-        print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work / 'logs'}]", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            services_mode(mb): stack.enter_context(
+                LocalCluster(
+                    str(model),
+                    num_speculative_tokens=max_k,
+                    device=args.device,
+                    dtype=args.dtype,
+                    log_dir=work / f"logs-{services_mode(mb)}",
+                    load_format=args.load_format,
+                    role_commands=role_commands,
+                    env=env,
+                    coordinator_args=[
+                        *["--max-num-seqs", str(max_batch)],
+                        *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
+                        *["--micro-batches", str(mb)],
+                    ],
+                    verifier_args=["--num-blocks", str(args.num_blocks), "--drafter-rpc", args.drafter_rpc],
+                    drafter_args=["--num-blocks", str(args.num_blocks)],
+                )
+            )
+            for mb in args.micro_batches
+        }
+        print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
         for batch in args.batches:
             ps, expected = all_prompts[:batch], reference[:batch]
-            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", "services")]
+            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", *clusters)]
             for k, mode in cells:
                 t_cell = time.monotonic()
                 # Warm-up: the same cell once, untimed. Its shapes make Triton compile the kernel variants
                 # they need (the first process to see them pays, later ones read the on-disk cache); that
                 # compile time must not land in one mode's timed runs and not in another's.
-                if mode == "services":
-                    run_services(cluster.address, ps, args.new_tokens, k)
+                if mode in clusters:
+                    run_services(clusters[mode].address, ps, args.new_tokens, k)
                 else:
                     engine.run(ps, args.new_tokens, k)
-                if mode == "services":
-                    runs = [run_services(cluster.address, ps, args.new_tokens, k) for _ in range(args.repeats)]
+                if mode in clusters:
+                    address = clusters[mode].address
+                    runs = [run_services(address, ps, args.new_tokens, k) for _ in range(args.repeats)]
                 else:
                     runs = [engine.run(ps, args.new_tokens, k) for _ in range(args.repeats)]
                 check_lossless(f"batch {batch} k {k} {mode}", runs, expected, failures)

@@ -44,11 +44,11 @@ def add_comparisons(rows: list[dict]) -> None:
         base = by.get((r["batch"], 0, "target_only"))
         r["speedup"] = base["seconds"] / r["seconds"] if base else None
         twin = by.get((r["batch"], r["k"], "in_process"))
-        if r["mode"] == "services" and twin:
+        r["overhead"] = r["iteration_overhead"] = None
+        if r["mode"].startswith("services") and twin:
             r["overhead"] = r["seconds"] / twin["seconds"] - 1
-            r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
-        else:
-            r["overhead"] = r["iteration_overhead"] = None
+            if r["mode"] == "services":  # a micro-batch's iteration is not the in-process one: wall time only
+                r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
 
 
 def _pct(x: float | None) -> str:

@@ -20,10 +20,15 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024
+    # Micro-batches in flight at once: the running requests are split between them, and while one
+    # micro-batch's iteration crosses the network the verifier and drafter work on another's.
+    num_micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.num_micro_batches < 1:
+            raise ValueError("num_micro_batches must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < self.num_speculative_tokens + 1:

@@ -1,9 +1,13 @@
 """The coordinator's engine loop: schedule → Verify (→ propose, inside the verifier) → post_step.
 
-One iteration is in flight at a time. Outputs are pushed to per-request asyncio queues that the
-Generate handlers stream from. Post_step updates the request state at once (the next schedule needs
-it) but streams the outputs (detokenize, stop strings, queue puts) only after the next iteration's
-request is on its way, while the verifier works: client-facing work off the critical path.
+One iteration per micro-batch is in flight at a time (`SchedulerConfig.num_micro_batches`, default 1):
+each micro-batch has its own loop and its own VerifyStream over disjoint requests, so while one
+micro-batch's iteration crosses the network the verifier and drafter work on another's.
+
+Outputs are pushed to per-request asyncio queues that the Generate handlers stream from. Post_step
+updates the request state at once (the next schedule needs it) but streams the outputs (detokenize,
+stop strings, queue puts) only after the next iteration's request is on its way, while the verifier
+works: client-facing work off the critical path.
 
 The verifier is the only peer: if a Verify fails, the iteration's effect is unknown, so every running
 request is re-prefilled from the tokens held here — nothing the client already received is lost or
@@ -75,13 +79,15 @@ class Engine:
         self.num_finished = 0
         self.num_iterations = 0
         self._streams: dict[str, _Stream] = {}
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        num = scheduler.config.num_micro_batches
+        self._wakeups = [asyncio.Event() for _ in range(num)]
+        self._tasks: list[asyncio.Task] = []
         self._failing_since: float | None = None
         self._num_failures = 0
-        self._previous_iteration: trace.SpanContext | None = None
+        # Per micro-batch: its last iteration's span (the next one links to it: the drafts' hop) and stream.
+        self._previous_iteration: list[trace.SpanContext | None] = [None] * num
         self.coordinator_id = uuid.uuid4().hex
-        self._stream = VerifyStream(verifier, verify_timeout_s)
+        self._verify_streams = [VerifyStream(verifier, verify_timeout_s) for _ in range(num)]
         self.acceptance = AcceptanceMonitor()
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
         self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
@@ -94,7 +100,7 @@ class Engine:
             request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
         )
         self._streams[request.request_id] = stream
-        self._wakeup.set()
+        self._wake()
         return stream.queue
 
     def abort(self, request_id: str) -> bool:
@@ -103,39 +109,46 @@ class Engine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._finish_stream(stream, "abort")
-        self._wakeup.set()
+        self._wake()
         return found
 
+    def _wake(self) -> None:
+        for wakeup in self._wakeups:
+            wakeup.set()
+
     def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
+        self._tasks = [asyncio.ensure_future(self._run(m)) for m in range(len(self._wakeups))]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
-        self._stream.close()
+        for stream in self._verify_streams:
+            stream.close()
 
     # ---- loop --------------------------------------------------------------------------------------
-    async def _run(self) -> None:
+    async def _run(self, micro_batch: int) -> None:
         pending: list[StepUpdate] = []  # outputs of the last iteration, streamed once the next is sent
+        wakeup = self._wakeups[micro_batch]
         while True:
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work(micro_batch):
                 pending = self._stream_outputs(pending)
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                wakeup.clear()
+                await wakeup.wait()
                 continue
             t_schedule = time.time_ns()
-            output = self.scheduler.schedule()
+            output = self.scheduler.schedule(micro_batch)
             t_scheduled = time.time_ns()
             if not output.scheduled and not output.finished_request_ids:
                 pending = self._stream_outputs(pending)
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
                 continue
-            span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
-            self._previous_iteration = span.get_span_context()
+            span = obs.start_iteration_span(output, self._previous_iteration[micro_batch], t_schedule)
+            self._previous_iteration[micro_batch] = span.get_span_context()
             outputs, pending = pending, []
             try:
                 with trace.use_span(span, end_on_exit=True):
@@ -155,11 +168,12 @@ class Engine:
             request = wire.verify_request(output, self.coordinator_id)
             request.trace_context.update(outgoing_metadata())
             t_sent = time.time_ns()
+            stream = self._verify_streams[output.micro_batch]
             try:
-                await self._stream.send(request)
+                await stream.send(request)
             finally:  # also when the send failed: these tokens are the client's either way
                 self._stream_outputs(outputs)
-            response = await self._stream.receive()
+            response = await stream.receive()
             t_received = time.time_ns()
         self._failing_since = None
         self._num_failures = 0
@@ -176,6 +190,7 @@ class Engine:
         self.iteration_timings.append(
             coordinator_pb2.IterationTiming(
                 iteration=output.iteration,
+                micro_batch=output.micro_batch,
                 batch_size=len(output.scheduled),
                 num_draft_tokens=sum(s.num_draft_tokens for s in output.scheduled),
                 schedule_start_ns=t_schedule,

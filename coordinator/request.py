@@ -50,6 +50,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step
+    num_kv_reserved: int = 0  # while its iteration is in flight: tokens the cache holds after that step
+    micro_batch: int | None = None  # which micro-batch it runs in, from its first admission on
     num_preemptions: int = 0
     finish_reason: str | None = None
     span: object | None = None  # the request's OpenTelemetry span (observability.py)

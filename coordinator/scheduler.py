@@ -11,6 +11,12 @@ Each iteration `schedule()` decides, per request, which tokens the verifier runs
 
 KV blocks live in the verifier; the coordinator does their accounting here, so it can preempt
 (recompute) the newest running request when the cache is full.
+
+Micro-batches (`num_micro_batches` > 1): `schedule(micro_batch)` plans one micro-batch while the others'
+iterations may be in flight. A request joins a micro-batch at its first admission and stays in it
+(also across preemption, so that its KV is freed and recomputed in one ordered stream of iterations);
+each micro-batch frees only its own requests and preempts only among them; KV accounting counts an
+in-flight request at its size after that step (`num_kv_reserved`).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str]  # free these on verifier and drafter before running
     num_preempted: int = 0
+    micro_batch: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -87,7 +94,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.iteration = 0
-        self._to_free: list[str] = []
+        self._to_free: list[list[str]] = [[] for _ in range(config.num_micro_batches)]
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,11 +112,11 @@ class Scheduler:
             return False
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._to_free.append(request_id)
+            self._to_free[request.micro_batch or 0].append(request_id)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             if request.num_kv_tokens:
-                self._to_free.append(request_id)
+                self._to_free[request.micro_batch or 0].append(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return True
@@ -120,8 +127,15 @@ class Scheduler:
             self._preempt(request)
         self.running.clear()
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free)
+    def has_work(self, micro_batch: int | None = None) -> bool:
+        """Anything to schedule (in `micro_batch`, or in any micro-batch when None)."""
+        if micro_batch is None:
+            return bool(self.waiting or self.running or any(self._to_free))
+        return bool(
+            self._to_free[micro_batch]
+            or any(r.micro_batch == micro_batch for r in self.running)
+            or any(r.micro_batch in (None, micro_batch) for r in self.waiting)
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -131,15 +145,21 @@ class Scheduler:
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def schedule(self) -> SchedulerOutput:
+    def _kv_blocks(self, request: Request) -> int:
+        """Blocks a running request holds, or will hold once its in-flight step is done."""
+        return self._blocks(max(request.num_kv_tokens, request.num_kv_reserved))
+
+    def schedule(self, micro_batch: int = 0) -> SchedulerOutput:
         self.iteration += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        free_blocks = cfg.num_blocks - sum(self._blocks(r.num_kv_tokens) for r in self.running)
+        free_blocks = cfg.num_blocks - sum(self._kv_blocks(r) for r in self.running)
         num_preempted = 0
+        others = [r for r in self.running if r.micro_batch != micro_batch]  # in flight, or next in line
+        seq_cap = min(-(-cfg.max_num_seqs // cfg.num_micro_batches), cfg.max_num_seqs - len(others))
 
-        queue = list(self.running)  # FCFS: earlier requests first, preempt from the back
+        queue = [r for r in self.running if r.micro_batch == micro_batch]  # FCFS, preempt from the back
         kept: list[Request] = []
         while queue:
             request = queue.pop(0)
@@ -147,15 +167,14 @@ class Scheduler:
                 kept.append(request)
                 continue
             item = self._plan(request, budget)
-            need = self._blocks(request.num_computed_tokens + len(item.token_ids))
-            need -= self._blocks(request.num_kv_tokens)
+            need = self._blocks(request.num_computed_tokens + len(item.token_ids)) - self._kv_blocks(request)
             while need > free_blocks and queue:
                 victim = queue.pop()
-                free_blocks += self._blocks(victim.num_kv_tokens)
+                free_blocks += self._kv_blocks(victim)
                 self._preempt(victim)
                 num_preempted += 1
             if need > free_blocks:
-                free_blocks += self._blocks(request.num_kv_tokens)
+                free_blocks += self._kv_blocks(request)
                 self._preempt(request)
                 num_preempted += 1
                 continue
@@ -163,28 +182,35 @@ class Scheduler:
             budget -= len(item.token_ids)
             request.spec_token_ids = []
             request.spec_draft_probs = None
+            request.num_kv_reserved = item.num_computed_tokens + len(item.token_ids)
             scheduled.append(item)
             kept.append(request)
 
-        while self.waiting and budget > 0 and len(kept) < cfg.max_num_seqs and not num_preempted:
-            request = self.waiting[0]
+        i = 0  # admission: FCFS among the waiting requests this micro-batch may take
+        while i < len(self.waiting) and budget > 0 and len(kept) < seq_cap and not num_preempted:
+            request = self.waiting[i]
+            if request.micro_batch not in (None, micro_batch):
+                i += 1
+                continue
             item = self._plan(request, budget)
             need = self._blocks(request.num_computed_tokens + len(item.token_ids))
             if need > free_blocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
+            request.micro_batch = micro_batch
             if request.admitted_time is None:
                 request.admitted_time = time.monotonic()
                 item.queue_time_ms = (request.admitted_time - request.arrival_time) * 1e3
             free_blocks -= need
             budget -= len(item.token_ids)
+            request.num_kv_reserved = item.num_computed_tokens + len(item.token_ids)
             scheduled.append(item)
             kept.append(request)
 
-        self.running = kept
-        finished, self._to_free = self._to_free, []
-        return SchedulerOutput(self.iteration, scheduled, finished, num_preempted)
+        self.running = others + kept
+        finished, self._to_free[micro_batch] = self._to_free[micro_batch], []
+        return SchedulerOutput(self.iteration, scheduled, finished, num_preempted, micro_batch)
 
     def _plan(self, request: Request, budget: int) -> ScheduledRequest:
         nc = request.num_computed_tokens
@@ -243,9 +269,10 @@ class Scheduler:
         request.spec_token_ids = []
         request.spec_draft_probs = None
         request.num_preemptions += 1
-        if request.num_kv_tokens:
-            self._to_free.append(request.request_id)
+        if request.num_kv_tokens or request.num_kv_reserved:
+            self._to_free[request.micro_batch or 0].append(request.request_id)
         request.num_kv_tokens = 0
+        request.num_kv_reserved = 0
         if request in self.running:
             self.running.remove(request)
         self.waiting.appendleft(request)
@@ -264,6 +291,7 @@ class Scheduler:
                     f"verifier result for {result.request_id!r} where {request.request_id!r} was expected"
                 )
             request.num_kv_tokens = item.num_computed_tokens + len(item.token_ids)
+            request.num_kv_reserved = 0
             if not item.sample:
                 request.num_computed_tokens += len(item.token_ids)
                 request.stats.record(0, 0)

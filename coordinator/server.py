@@ -20,6 +20,13 @@ from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 log = logging.getLogger(__name__)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
     p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
@@ -27,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--micro-batches",
+        type=_at_least_one,
+        default=1,
+        help="iterations in flight at once over disjoint requests: while one crosses the network, the verifier "
+        "and drafter work on another (2 hides the hops at larger batches)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
 
@@ -79,6 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, k + 1),
         max_waiting=args.max_waiting,
+        num_micro_batches=args.micro_batches,
     )
     engine = Engine(Scheduler(config, eos), stub, tokenizer)
     engine.start()

@@ -8,7 +8,10 @@ from protos import common_pb2, verifier_pb2
 
 def verify_request(output: SchedulerOutput, coordinator_id: str) -> verifier_pb2.VerifyRequest:
     msg = verifier_pb2.VerifyRequest(
-        iteration=output.iteration, finished_request_ids=output.finished_request_ids, coordinator_id=coordinator_id
+        iteration=output.iteration,
+        finished_request_ids=output.finished_request_ids,
+        coordinator_id=coordinator_id,
+        micro_batch=output.micro_batch,
     )
     for item in output.scheduled:
         s = item.request.sampling

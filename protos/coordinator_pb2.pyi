@@ -71,7 +71,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, include_iterations: _Optional[bool] = ...) -> None: ...
 
 class IterationTiming(_message.Message):
-    __slots__ = ("iteration", "batch_size", "num_draft_tokens", "schedule_start_ns", "verify_sent_ns", "verify_received_ns", "post_step_end_ns", "verifier")
+    __slots__ = ("iteration", "batch_size", "num_draft_tokens", "schedule_start_ns", "verify_sent_ns", "verify_received_ns", "post_step_end_ns", "verifier", "micro_batch")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class IterationTiming(_message.Message):
     VERIFY_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     POST_STEP_END_NS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     batch_size: int
     num_draft_tokens: int
@@ -88,7 +89,8 @@ class IterationTiming(_message.Message):
     verify_received_ns: int
     post_step_end_ns: int
     verifier: _verifier_pb2.VerifyTiming
-    def __init__(self, iteration: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., schedule_start_ns: _Optional[int] = ..., verify_sent_ns: _Optional[int] = ..., verify_received_ns: _Optional[int] = ..., post_step_end_ns: _Optional[int] = ..., verifier: _Optional[_Union[_verifier_pb2.VerifyTiming, _Mapping]] = ...) -> None: ...
+    micro_batch: int
+    def __init__(self, iteration: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., schedule_start_ns: _Optional[int] = ..., verify_sent_ns: _Optional[int] = ..., verify_received_ns: _Optional[int] = ..., post_step_end_ns: _Optional[int] = ..., verifier: _Optional[_Union[_verifier_pb2.VerifyTiming, _Mapping]] = ..., micro_batch: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
     __slots__ = ("spec_stats", "num_finished_requests", "num_waiting", "num_running", "iterations")

@@ -30,7 +30,7 @@ class ScheduledRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context")
+    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context", "micro_batch")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,12 +43,14 @@ class VerifyRequest(_message.Message):
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     coordinator_id: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    micro_batch: int
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., micro_batch: _Optional[int] = ...) -> None: ...
 
 class VerifiedRequest(_message.Message):
     __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "draft_token_ids", "draft_probs")

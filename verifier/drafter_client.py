@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -82,6 +83,29 @@ class ProposeBatch:
         )
 
 
+class _Countdown:
+    """Calls `callback` once, when `one()` has been called as often as `expect(n)` said, or at `done()`."""
+
+    def __init__(self, callback: Callable[[], None] | None):
+        self._callback = callback
+        self._left = 0
+
+    def expect(self, n: int) -> None:
+        self._left = n
+        if n == 0:
+            self.done()
+
+    def one(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self.done()
+
+    def done(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
+
+
 class TransportConfigError(RuntimeError):
     """Verifier and drafter cannot agree on the hidden-state transport: fix the configuration."""
 
@@ -106,6 +130,9 @@ class DrafterClient:
         self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
         self.rpc = rpc
         self._streams: dict[str, tuple[object, BidiStream]] = {}  # address -> (stub it was opened on, stream)
+        # Per replica: one Propose at a time, from handing over its rows to the reply. Micro-batches'
+        # Proposes thus reach a drafter in the order their rows were sent (nccl pairs them by order).
+        self._replica_locks: dict[str, asyncio.Lock] = {}
         self.transport = transport if transport is not None else GrpcSender()
         targets = self.pool.targets
         if self.transport.name != "grpc" and (len(targets) != 1 or targets[0].startswith(DNS_PREFIX)):
@@ -137,7 +164,16 @@ class DrafterClient:
             offsets.append(offsets[-1] + len(step.next_token_ids[i]))
         return ProposeBatch(iteration, items, offsets, step.hidden_states)
 
-    async def propose(self, plan: ProposeBatch, num_reqs: int) -> Proposal:
+    async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged: Callable[[], None] | None = None) -> Proposal:
+        """Drafts for the plan's requests. `on_staged()` is called once every replica's transport holds
+        its rows (the step's hidden states may then be overwritten), or once nothing will be sent."""
+        staged = _Countdown(on_staged)
+        try:
+            return await self._propose(plan, num_reqs, staged)
+        finally:
+            staged.done()
+
+    async def _propose(self, plan: ProposeBatch, num_reqs: int, staged: _Countdown) -> Proposal:
         nbytes = plan.hidden_state_bytes
         no_drafts = [[] for _ in range(num_reqs)]
         if not self.pool.targets:
@@ -151,7 +187,8 @@ class DrafterClient:
         t0 = time.perf_counter_ns()
         sent_ns = time.time_ns()
         replicas = self.pool.replicas  # read now: DNS re-resolution may change the set meanwhile
-        calls = [self._propose_on(replicas[addr], plan, indices) for addr, indices in groups.items()]
+        staged.expect(len(groups))
+        calls = [self._propose_on(replicas[addr], plan, indices, staged) for addr, indices in groups.items()]
         calls += [self._free_on(replicas[addr]) for addr in self.pool.healthy() if addr not in groups]
         results = await asyncio.gather(*calls)
         elapsed = time.perf_counter_ns() - t0
@@ -171,23 +208,29 @@ class DrafterClient:
         return proposal
 
     async def _propose_on(
-        self, replica: Replica, plan: ProposeBatch, indices: list[int]
+        self, replica: Replica, plan: ProposeBatch, indices: list[int], staged: _Countdown
     ) -> tuple[drafter_pb2.ProposeResponse | None, str]:
         address = replica.address
-        finished = list(replica.pending_free)
+        lock = self._replica_locks.setdefault(address, asyncio.Lock())
         transfer: Transfer | None = None
         try:
-            rows = plan.rows(indices)  # [num_rows, hidden_size]
-            msg = plan.message(indices, finished)
-            if self.transport.needs_open(rows):
-                await self.transport.open(rows, self._open_call(replica))
-            transfer = self.transport.send(rows, msg)
-            if self.rpc == "unary":
-                resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
-            else:
-                msg.trace_context.update(outgoing_metadata())
-                resp = await self._stream(replica).call(msg)
-            self.transport.finish(transfer, ok=True)
+            async with lock:
+                finished = list(replica.pending_free)
+                try:
+                    rows = plan.rows(indices)  # [num_rows, hidden_size]
+                    msg = plan.message(indices, finished)
+                    if self.transport.needs_open(rows):
+                        await self.transport.open(rows, self._open_call(replica))
+                    transfer = self.transport.send(rows, msg)
+                finally:
+                    staged.one()
+                if self.rpc == "unary":
+                    resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+                else:
+                    msg.trace_context.update(outgoing_metadata())
+                    resp = await self._stream(replica).call(msg)
+                self.transport.finish(transfer, ok=True)
+                del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
         except (grpc.RpcError, TransportError) as err:
             if isinstance(err, grpc.RpcError):
                 error = f"{err.code().name}: {err.details()}"
@@ -200,7 +243,6 @@ class DrafterClient:
                 self.transport.reset()
             self.pool.record_call(address, len(indices), error)
             return None, error
-        del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
         if len(resp.drafts) != len(indices):
             error = f"returned {len(resp.drafts)} drafts for {len(indices)} requests"
             self.pool.record_call(address, len(indices), error)

@@ -39,10 +39,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
         self._executor = device_executor(device, 1, "verifier-step")
+        # One step at a time, together with handing its hidden states to the transport; the Propose
+        # round trip runs outside it, so another micro-batch's step can run meanwhile.
         self._lock = asyncio.Lock()
         self._coordinator_id: str | None = None
         self._draining = asyncio.Event()
-        self._last_iteration = 0
+        self._last_iteration: dict[int, int] = {}  # per micro-batch
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -57,19 +59,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return self.runner.kv_cache
 
     def _check_order(self, request: verifier_pb2.VerifyRequest) -> None:
-        """Iterations of one coordinator arrive in order; a new coordinator starts afresh."""
+        """Iterations of one coordinator's micro-batch arrive in order; a new coordinator starts afresh."""
         if request.coordinator_id != self._coordinator_id:
             if self._coordinator_id is not None:
                 log.warning("new coordinator %r: dropping the KV cache of every request", request.coordinator_id)
                 self.runner.free_all()
             self._coordinator_id = request.coordinator_id
-            self._last_iteration = 0
-        if request.iteration <= self._last_iteration:
+            self._last_iteration = {}
+        last = self._last_iteration.get(request.micro_batch, 0)
+        if request.iteration <= last:
             raise FailedPrecondition(
-                f"iteration {request.iteration} arrived after iteration {self._last_iteration}; "
-                "iterations of a coordinator must strictly increase"
+                f"iteration {request.iteration} of micro-batch {request.micro_batch} arrived after iteration "
+                f"{last}; iterations of a coordinator's micro-batch must strictly increase"
             )
-        self._last_iteration = request.iteration
+        self._last_iteration[request.micro_batch] = request.iteration
 
     def _prepare_and_step(self, request: verifier_pb2.VerifyRequest):
         self._check_order(request)
@@ -125,12 +128,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
                 propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
                 nbytes = propose_msg.hidden_state_bytes
-                with tracer.start_as_current_span(
+                send = tracer.start_span(
                     "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
-                ) as send:
-                    proposal = await self.drafter.propose(propose_msg, batch.num_reqs)
-                    if not proposal.ok:
-                        send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+                )
+                with trace.use_span(send):
+                    staged = asyncio.Event()  # the rows are with the transport: the next step may run
+                    propose = asyncio.ensure_future(self.drafter.propose(propose_msg, batch.num_reqs, staged.set))
+                    waiting = asyncio.ensure_future(staged.wait())
+                    await asyncio.wait((propose, waiting), return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+            with trace.use_span(send, end_on_exit=True):
+                proposal = await propose
+                if not proposal.ok:
+                    send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
             span.set_attribute("specsplit.drafter_ok", proposal.ok)
             hidden_state_bytes.add(nbytes)
             verify_duration.record((time.time_ns() - t0) / 1e9)

@@ -63,7 +63,7 @@ async def generate(max_tokens: int, fail_sends=()):
     queued = []  # every output put on the client's queue, consumed or not
     put = queue.put_nowait
     queue.put_nowait = lambda out: (queued.append(out), put(out))[1]
-    engine._stream = stream = FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)
+    engine._verify_streams = [stream := FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)]
     engine.start()
     tokens, reason = [], None
     try:

@@ -10,8 +10,11 @@ from specsplit.errors import FailedPrecondition, ResourceExhausted
 EOS = 99
 
 
-def make(max_model_len=64, block_size=4, num_blocks=64, k=3, max_num_seqs=8, budget=32, max_waiting=16):
+def make(
+    max_model_len=64, block_size=4, num_blocks=64, k=3, max_num_seqs=8, budget=32, max_waiting=16, micro_batches=1
+):
     cfg = SchedulerConfig(
+        num_micro_batches=micro_batches,
         max_model_len=max_model_len,
         block_size=block_size,
         num_blocks=num_blocks,
@@ -204,3 +207,64 @@ def test_per_request_k_caps_the_drafts():
     assert out.scheduled[0].num_spec_tokens == 1
     s.update_from_output(out, results(out, [[50]], {0: [51, 52, 53]}))
     assert s.schedule().scheduled[0].num_draft_tokens == 1
+
+
+# ---- micro-batches: two iterations in flight, disjoint requests ---------------------------------------
+
+
+def ids(out):
+    return [i.request.request_id for i in out.scheduled]
+
+
+def test_micro_batches_split_the_running_requests_and_keep_them():
+    s = make(max_num_seqs=4, micro_batches=2, k=0)
+    for rid in "abcd":
+        s.add_request(req(rid))
+    first, second = s.schedule(0), s.schedule(1)  # both in flight
+    assert ids(first) == ["a", "b"] and ids(second) == ["c", "d"] and second.micro_batch == 1
+    s.update_from_output(first, results(first, [[7], [7]]))
+    again = s.schedule(0)
+    assert ids(again) == ["a", "b"]  # the other micro-batch's requests stay out while in flight
+    s.update_from_output(second, results(second, [[7], [7]]))
+    assert ids(s.schedule(1)) == ["c", "d"]
+
+
+def test_kv_accounting_counts_the_other_micro_batchs_step_in_flight():
+    # 4 blocks of 4 tokens. "a" (8 prompt tokens, 2 blocks) is in flight in micro-batch 0 and holds no
+    # KV yet by the coordinator's last update; "b" needs 3 blocks and must not be admitted beside it.
+    s = make(block_size=4, num_blocks=4, k=0, budget=64, micro_batches=2)
+    s.add_request(req("a", prompt_len=8))
+    s.add_request(req("b", prompt_len=12))
+    assert ids(s.schedule(0)) == ["a"]
+    out = s.schedule(1)
+    assert ids(out) == [] and s.requests["b"].status is RequestStatus.WAITING
+
+
+def test_micro_batches_free_and_preempt_only_their_own_requests():
+    s = make(block_size=4, num_blocks=6, k=0, budget=64, max_num_seqs=4, micro_batches=2)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, prompt_len=4))
+    m0 = s.schedule(0)
+    m1 = s.schedule(1)
+    assert ids(m0) == ["a", "b"] and ids(m1) == ["c"]
+    assert s.finish_request("c", "abort")  # micro-batch 1's request: freed by micro-batch 1's next iteration
+    s.update_from_output(m0, results(m0, [[1], [1]]))
+    s.update_from_output(m1, results(m1, [[1]]))
+    assert s.schedule(0).finished_request_ids == []
+    assert s.schedule(1).finished_request_ids == ["c"]
+
+
+def test_a_preempted_request_returns_to_its_own_micro_batch():
+    s = make(block_size=4, num_blocks=64, k=0, max_num_seqs=2, micro_batches=2)
+    for rid in "ab":
+        s.add_request(req(rid, prompt_len=3))
+    m0, m1 = s.schedule(0), s.schedule(1)
+    assert ids(m0) == ["a"] and ids(m1) == ["b"]
+    s.update_from_output(m0, results(m0, [[9]]))
+    s.update_from_output(m1, results(m1, [[9]]))
+    s.reset_all()  # the verifier lost its state: both re-prefill, each in its own micro-batch
+    out0 = s.schedule(0)
+    assert ids(out0) == ["a"] and out0.finished_request_ids == ["a"]  # freed, then recomputed, in order
+    out1 = s.schedule(1)
+    assert ids(out1) == ["b"] and out1.finished_request_ids == ["b"]
+    assert out1.scheduled[0].token_ids == [1, 2, 3, 9]

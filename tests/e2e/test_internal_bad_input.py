@@ -99,6 +99,13 @@ def test_bad_verify_is_refused_and_everything_keeps_serving(cluster):
     with pytest.raises(grpc.RpcError) as err:  # iterations of one coordinator must increase
         _verify(cluster, req(9))
     assert err.value.code() is Code.FAILED_PRECONDITION and "strictly increase" in err.value.details()
+    # ... within each micro-batch: another micro-batch's iterations interleave with them.
+    other = req(9, request_id="other")
+    other.micro_batch = 1
+    assert _verify(cluster, other).results[0].sampled_token_ids
+    with pytest.raises(grpc.RpcError) as err:
+        _verify(cluster, other)  # the same iteration again
+    assert err.value.code() is Code.FAILED_PRECONDITION and "micro-batch 1" in err.value.details()
     # The real coordinator's next iteration starts afresh on the verifier; clients see nothing.
     with Client(cluster.address, timeout=60) as client:
         assert len(client.generate(prompt_token_ids=[3, 4], max_tokens=6, ignore_eos=True).token_ids) == 6
