@@ -2,7 +2,8 @@
 in one process, at several batch sizes and k, side by side in one run.
 
 (a) target_only  — the in-process engine with k = 0 (scheduler → verifier runner, no drafter)
-(b) services     — coordinator, verifier and drafter as three processes on loopback gRPC
+(b) services     — coordinator, verifier and drafter as three processes on loopback gRPC; hidden
+                   states by --hidden-transport (auto: cuda_ipc on a GPU, grpc on CPU)
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 (b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
@@ -45,7 +46,7 @@ from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services  # noq
 from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
-from specsplit.launcher import LocalCluster  # noqa: E402
+from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS, LocalCluster  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -107,6 +108,12 @@ def parse_args() -> argparse.Namespace:
         default=[1],
         help="services runs with these `--micro-batches` (one cluster each; mode services_mbN for N > 1)",
     )
+    p.add_argument(
+        "--hidden-transport",
+        default="auto",
+        choices=LOCAL_HIDDEN_TRANSPORTS,
+        help="verifier → drafter hidden states (auto: cuda_ipc on CUDA, else grpc)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
@@ -142,6 +149,7 @@ def main() -> None:
                     log_dir=work / f"logs-{services_mode(mb)}",
                     load_format=args.load_format,
                     role_commands=role_commands,
+                    hidden_transport=args.hidden_transport,
                     env=env,
                     coordinator_args=[
                         *["--max-num-seqs", str(max_batch)],
@@ -180,7 +188,8 @@ def main() -> None:
     alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
     print(
         f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
-        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, verifier → drafter {args.drafter_rpc}; "
+        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, verifier → drafter {args.drafter_rpc}, "
+        f"hidden states by {next(iter(clusters.values())).hidden_transport}; "
         f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
     )
     print_tables(rows)
@@ -188,7 +197,12 @@ def main() -> None:
     if args.out:
         args.out.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "lossless_failures": failures},
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "hidden_transport": next(iter(clusters.values())).hidden_transport,
+                    "rows": rows,
+                    "lossless_failures": failures,
+                },
                 indent=1,
             )
         )

@@ -58,6 +58,7 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     cluster.start(timeout_s=args.startup_timeout)
     print(f"coordinator listening on {cluster.address}", flush=True)
+    print(f"hidden states verifier → drafter by {cluster.hidden_transport}", file=sys.stderr, flush=True)
     try:
         while not stop["now"]:
             for svc in cluster.services.values():
@@ -106,8 +107,8 @@ def _start_local(args: argparse.Namespace):
     if not args.json:
         print(
             f"[three services up in {time.monotonic() - t0:.1f}s: coordinator {cluster.address}, "
-            f"verifier {cluster.services['verifier'].address}, drafter {cluster.services['drafter'].address}; "
-            f"logs in {log_dir}/]",
+            f"verifier {cluster.services['verifier'].address}, drafter {cluster.services['drafter'].address} "
+            f"(hidden states by {cluster.hidden_transport}); logs in {log_dir}/]",
             file=sys.stderr,
         )
     return cluster, env.get("SPECSPLIT_TRACE_DIR")
@@ -193,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     from coordinator.server import add_arguments as coordinator_args
     from drafter.server import add_arguments as drafter_args
-    from models.transport import TRANSPORTS
     from specsplit.grpc_server import add_common_arguments
+    from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
     from verifier.server import add_arguments as verifier_args
 
     for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
@@ -217,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--verifier-device", default=None, help="pins the verifier, e.g. cuda:0 (default: --device)")
     up.add_argument("--drafter-device", default=None, help="pins the drafter, e.g. cuda:1 (default: --device)")
     up.add_argument(
-        "--hidden-transport", default="grpc", choices=TRANSPORTS, help="how hidden states reach the drafter"
+        "--hidden-transport",
+        default="auto",
+        choices=LOCAL_HIDDEN_TRANSPORTS,
+        help="how hidden states reach the drafter (auto: cuda_ipc when verifier and drafter are on CUDA, else grpc)",
     )
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)

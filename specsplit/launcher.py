@@ -4,10 +4,16 @@ Each child runs `python -m specsplit serve <role> …`, so its command line name
 operators can find and signal it. Ports are picked free up front so the three load in parallel.
 `role_commands` replaces that program for a role (e.g. a benchmark's wrapped drafter); the role's
 usual arguments follow it.
+
+The hidden-state transport defaults to `auto`, resolved here before any command is built, so the
+servers only ever see a concrete one (they default to grpc themselves: across machines only grpc
+and nccl apply): cuda_ipc when verifier and drafter are both on CUDA devices (one host by
+construction, one GPU or two) and the verifier talks to this cluster's one drafter; grpc otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -19,11 +25,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.transport import TRANSPORTS
+
+log = logging.getLogger(__name__)
+LOCAL_HIDDEN_TRANSPORTS = ("auto", *TRANSPORTS)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def resolve_hidden_transport(name: str, verifier_device: str, drafter_device: str, own_drafter: bool = True) -> str:
+    """The transport `name` stands for on a local cluster. `auto`: cuda_ipc when both devices are CUDA
+    devices and `own_drafter` (the verifier's one drafter is this cluster's; cuda_ipc refuses several
+    or none), grpc otherwise; any other known name is itself."""
+    if name not in LOCAL_HIDDEN_TRANSPORTS:
+        raise ValueError(f"unknown hidden-state transport {name!r}; choose one of {', '.join(LOCAL_HIDDEN_TRANSPORTS)}")
+    if name != "auto":
+        return name
+    on_cuda = all(d.partition(":")[0] == "cuda" for d in (verifier_device, drafter_device))
+    return "cuda_ipc" if on_cuda and own_drafter else "grpc"
 
 
 @dataclass
@@ -61,19 +84,19 @@ class LocalCluster:
         tls_dir: str | Path | None = None,
         load_format: str = "auto",
         role_commands: dict[str, list[str]] | None = None,
-        hidden_transport: str = "grpc",
+        hidden_transport: str = "auto",
         verifier_device: str | None = None,
         drafter_device: str | None = None,
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
-        (e.g. cuda:0 and cuda:1); hidden_transport: grpc, cuda_ipc or nccl, given to both."""
+        (e.g. cuda:0 and cuda:1); hidden_transport: auto, grpc, cuda_ipc or nccl, resolved once
+        (`resolve_hidden_transport`) and given to both as the `hidden_transport` attribute."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
         self.port = port or free_port(host)
         self.device = device
         self.devices = {"verifier": verifier_device or device, "drafter": drafter_device or device}
-        self.hidden_transport = hidden_transport
         self.dtype = dtype
         self.log_dir = Path(log_dir) if log_dir else None
         self.with_drafter = with_drafter
@@ -87,6 +110,16 @@ class LocalCluster:
         self.tls_dir = str(tls_dir) if tls_dir else None
         self.load_format = load_format
         self.role_commands = role_commands or {}
+        drafter_given = any(a == "--drafter" or a.startswith("--drafter=") for a in self.extra["verifier"])
+        self._hidden_transport = resolve_hidden_transport(
+            hidden_transport, self.devices["verifier"], self.devices["drafter"], with_drafter and not drafter_given
+        )
+        log.info("hidden-state transport: %s (asked for %s)", self._hidden_transport, hidden_transport)
+
+    @property
+    def hidden_transport(self) -> str:
+        """The concrete transport both model servers get: never `auto`."""
+        return self._hidden_transport
 
     @property
     def address(self) -> str:

@@ -18,8 +18,9 @@ def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lossless: yes" in proc.stdout
+    assert "hidden states by grpc" in proc.stdout  # auto on the CPU
     result = json.loads(out.read_text())
-    assert result["lossless_failures"] == []
+    assert result["lossless_failures"] == [] and result["hidden_transport"] == "grpc"
     rows = {r["mode"]: r for r in result["rows"]}
     assert [(r["batch"], r["k"], r["mode"]) for r in result["rows"]] == [
         (2, 0, "target_only"),
