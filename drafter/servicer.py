@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from models.device import device_executor
 from models.transport.base import HiddenStatesReceiver
-from models.wire import dtype_from_proto, fill_tensor_proto
+from models.wire import dtype_from_proto, fill_tensor_proto, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
@@ -126,7 +126,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         attrs = {
             "specsplit.iteration": request.iteration,
             "specsplit.batch_size": len(request.requests),
-            "specsplit.hidden_state_bytes": len(request.hidden_states.data) or _handle_bytes(request),
+            "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
         }
         with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
             self._queued += 1

@@ -1,7 +1,9 @@
 """torch.Tensor ↔ `specsplit.v1.Tensor` (dtype, shape, raw little-endian bytes).
 
-Receiving is zero-copy: the returned tensor views the message's bytes (read-only memory), so treat it
-as read-only or pass `copy=True`; moving it to a device (`.to("cuda")`) copies anyway.
+Receiving copies the data once (reading a bytes field of a upb message copies it: every read does, so
+read `msg.data` once) and the returned tensor views that copy (read-only memory), so treat it as
+read-only or pass `copy=True`; moving it to a device (`.to("cuda")`) copies anyway. Sending: fill the
+message's own Tensor field with `fill_tensor_proto` (a `CopyFrom` of a built Tensor copies the bytes again).
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def fill_tensor_proto(msg: common_pb2.Tensor, t: torch.Tensor) -> None:
         msg.data = host.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def tensor_nbytes(msg: common_pb2.Tensor) -> int:
+    """The bytes the Tensor's dtype and shape call for (0 when the dtype is unknown), without reading its data."""
+    dtype = _FROM_PROTO.get(msg.dtype)
+    return math.prod(msg.shape) * dtype.itemsize if dtype is not None else 0
+
+
 def tensor_from_proto(
     msg: common_pb2.Tensor,
     *,
@@ -85,14 +93,15 @@ def tensor_from_proto(
         raise ValueError(f"tensor shape {shape} does not match expected {wanted}")
     itemsize = dtype.itemsize
     numel = math.prod(shape)
-    if len(msg.data) != numel * itemsize:
+    data = msg.data  # each read of a bytes field copies it out of the message: read it once
+    if len(data) != numel * itemsize:
         raise ValueError(
-            f"tensor data has {len(msg.data)} bytes, expected {numel * itemsize} "
+            f"tensor data has {len(data)} bytes, expected {numel * itemsize} "
             f"({numel} elements of {dtype} for shape {shape})"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    t = torch.frombuffer(data, dtype=dtype).view(shape)
     return t.clone() if copy else t
 
 

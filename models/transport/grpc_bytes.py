@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.transport.base import HiddenStatesReceiver, HiddenStatesSender, Transfer, mismatch
-from models.wire import tensor_from_proto, tensor_to_proto
+from models.wire import fill_tensor_proto, tensor_from_proto
 from protos import drafter_pb2
 from specsplit.errors import InvalidArgument
 
@@ -15,7 +15,8 @@ class GrpcSender(HiddenStatesSender):
 
     def send(self, hidden_states: torch.Tensor, msg: drafter_pb2.ProposeRequest) -> Transfer:
         """hidden_states: [num_rows, hidden_size]."""
-        msg.hidden_states.CopyFrom(tensor_to_proto(hidden_states))
+        msg.ClearField("hidden_states")
+        fill_tensor_proto(msg.hidden_states, hidden_states)  # in place: no second copy of the bytes
         return Transfer()
 
 
