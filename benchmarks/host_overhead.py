@@ -67,9 +67,12 @@ class FakeStream:
     def __init__(self, k: int, sampled: bool):
         self.k, self.sampled, self.requests = k, sampled, []
 
-    async def verify(self, request):
+    async def send(self, request):
         self.requests.append(request.SerializeToString())  # serialisation is the coordinator's cost
-        return accept_all(request, self.k, self.sampled)
+        self._last = request
+
+    async def receive(self):
+        return accept_all(self._last, self.k, self.sampled)
 
     def close(self):
         pass
@@ -98,22 +101,23 @@ def coordinator_times(batch: int, k: int, sampled: bool, iterations: int, tokeni
             engine.add_request(Request(f"r{i}", [(i * 7919 + j) % 30_000 for j in range(PROMPT_LEN)], params))
         times = []
         fake_ns = 0
-        original = stream.verify
+        original = stream.receive
 
-        async def timed_verify(request):
+        async def timed_receive():
             nonlocal fake_ns
             t = time.perf_counter_ns()
-            response = await original(request)
+            response = await original()
             fake_ns += time.perf_counter_ns() - t
             return response
 
-        stream.verify = timed_verify
+        stream.receive = timed_receive
         sched = engine.scheduler
+        pending = []  # the previous iteration's outputs, streamed during this one (as the engine loop does)
         for _ in range(iterations + 2):  # prefill, the first decode, then the timed iterations
             fake_ns = 0
             t0 = time.perf_counter_ns()
             output = sched.schedule()
-            await engine._iteration(output, trace.INVALID_SPAN, time.time_ns())
+            pending = await engine._iteration(output, trace.INVALID_SPAN, time.time_ns(), pending)
             times.append((time.perf_counter_ns() - t0 - fake_ns) / 1e6)
         return times[2:], stream.requests[2:]
 
