@@ -95,7 +95,7 @@ def coordinator_times(batch: int, k: int, sampled: bool, iterations: int, tokeni
             Scheduler(config, [tokenizer.eos_token_id or 0]), types.SimpleNamespace(VerifyStream=None), tokenizer
         )
         stream = FakeStream(k, sampled)
-        engine._stream = stream
+        engine._verify_streams = [stream]
         params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.7 if sampled else 0.0)
         for i in range(batch):
             engine.add_request(Request(f"r{i}", [(i * 7919 + j) % 30_000 for j in range(PROMPT_LEN)], params))
