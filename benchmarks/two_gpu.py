@@ -148,7 +148,10 @@ def _cluster(
         with_drafter=with_drafter,
         role_commands={"drafter": drafter_command} if drafter_command else None,
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},  # benchmarks.*
-        coordinator_args=["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
+        coordinator_args=[
+            *["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
+            *["--micro-batches", str(args.micro_batches)],
+        ],
         verifier_args=["--num-blocks", "4096"],
         drafter_args=["--num-blocks", "4096"],
     )
@@ -270,6 +273,9 @@ def main() -> None:
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-transfer", action="store_true", help="only the e2e runs")
+    p.add_argument(
+        "--micro-batches", type=int, default=1, help="the coordinator's --micro-batches in every e2e cluster"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":

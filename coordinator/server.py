@@ -20,7 +20,7 @@ from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 log = logging.getLogger(__name__)
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument(
         "--micro-batches",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="iterations in flight at once over disjoint requests: while one crosses the network, the verifier "
         "and drafter work on another (2 hides the hops at larger batches)",

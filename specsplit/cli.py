@@ -34,10 +34,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
+def up_cluster(args: argparse.Namespace):
+    """The LocalCluster `specsplit up` starts (not started yet)."""
     from specsplit.launcher import LocalCluster
 
-    cluster = LocalCluster(
+    return LocalCluster(
         args.model,
         num_speculative_tokens=args.num_speculative_tokens,
         host=args.host,
@@ -48,7 +49,12 @@ def _up(args: argparse.Namespace) -> int:
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
+        coordinator_args=["--max-num-seqs", str(args.max_num_seqs), "--micro-batches", str(args.micro_batches)],
     )
+
+
+def _up(args: argparse.Namespace) -> int:
+    cluster = up_cluster(args)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -193,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service")
     roles = serve.add_subparsers(dest="role", required=True)
     from coordinator.server import add_arguments as coordinator_args
+    from coordinator.server import at_least_one
     from drafter.server import add_arguments as drafter_args
     from specsplit.grpc_server import add_common_arguments
     from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
@@ -222,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=LOCAL_HIDDEN_TRANSPORTS,
         help="how hidden states reach the drafter (auto: cuda_ipc when verifier and drafter are on CUDA, else grpc)",
+    )
+    up.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    up.add_argument(
+        "--micro-batches",
+        type=at_least_one,
+        default=1,
+        help="iterations in flight at once over disjoint requests (see serve coordinator --help)",
     )
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)

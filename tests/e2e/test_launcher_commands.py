@@ -99,3 +99,16 @@ def test_up_defaults_to_auto_and_the_servers_to_grpc_without_auto():
         assert parser.parse_args(["serve", role, "--model", "ckpt"]).hidden_transport == "grpc"
         with pytest.raises(SystemExit):  # a server only ever takes a concrete transport
             parser.parse_args(["serve", role, "--model", "ckpt", "--hidden-transport", "auto"])
+
+
+def test_up_passes_micro_batches_and_max_num_seqs_to_the_coordinator():
+    from specsplit.cli import up_cluster
+
+    parser = build_parser()
+    cmd = up_cluster(parser.parse_args(["up", "--micro-batches", "2", "--max-num-seqs", "32"])).command(
+        "coordinator", 1234, "127.0.0.1:1"
+    )
+    assert cmd[cmd.index("--micro-batches") + 1] == "2" and cmd[cmd.index("--max-num-seqs") + 1] == "32"
+    assert parser.parse_args(["up"]).micro_batches == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--micro-batches", "0"])
