@@ -9,6 +9,8 @@ import pytest
 from specsplit import Client
 from specsplit.launcher import LocalCluster
 
+from .helpers import greedy_ignoring_eos
+
 
 @pytest.fixture
 def own_cluster(tiny_checkpoint, tmp_path):
@@ -30,7 +32,7 @@ def test_killing_the_drafter_mid_generation_keeps_greedy_output_identical(own_cl
         assert killed.is_set()
         assert own_cluster.services["drafter"].proc.returncode == -signal.SIGKILL
         # ignore_eos: compare against transformers past any EOS by generating the same length
-        expected = _greedy_ignoring_eos(hf_greedy, prompt, n)
+        expected = greedy_ignoring_eos(hf_greedy, prompt, n)
         assert got == expected
 
         # Without a drafter requests still complete, with no drafts.
@@ -46,11 +48,3 @@ def test_killing_the_drafter_mid_generation_keeps_greedy_output_identical(own_cl
                 break
             time.sleep(0.2)
         assert out.stats.num_draft_tokens > 0
-
-
-def _greedy_ignoring_eos(hf_greedy, prompt, n):
-    out: list[int] = []
-    while len(out) < n:
-        step = hf_greedy(prompt + out, n - len(out))
-        out.extend(step)
-    return out[:n]

@@ -11,6 +11,8 @@ import pytest
 from specsplit import Client, SpecsplitError
 from specsplit.launcher import LocalCluster
 
+from .helpers import greedy_ignoring_eos
+
 N_TOKENS = 60
 
 
@@ -18,13 +20,6 @@ N_TOKENS = 60
 def own_cluster(tiny_checkpoint, tmp_path):
     with LocalCluster(tiny_checkpoint, num_speculative_tokens=3, log_dir=tmp_path) as c:
         yield c
-
-
-def _greedy_ignoring_eos(hf_greedy, prompt, n):
-    out: list[int] = []
-    while len(out) < n:
-        out.extend(hf_greedy(prompt + out, n - len(out)))
-    return out[:n]
 
 
 def _run_streams(address, prompts, on_progress):
@@ -60,7 +55,7 @@ def test_sigkill_under_concurrent_streams_loses_and_repeats_nothing(own_cluster,
         t.join(240)
     assert not errors, errors
     for i, p in enumerate(prompts):
-        assert results[i] == _greedy_ignoring_eos(hf_greedy, p, N_TOKENS), f"stream {i}"
+        assert results[i] == greedy_ignoring_eos(hf_greedy, p, N_TOKENS), f"stream {i}"
     with Client(own_cluster.address, timeout=60) as client:  # the restarted service is used again
         deadline = time.monotonic() + 20  # the verifier probes a lost drafter with backoff (<= 5 s)
         while True:

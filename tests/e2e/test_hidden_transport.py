@@ -3,7 +3,6 @@ equals transformers' generate, bad handles are refused, a lost drafter costs onl
 drafter started with another transport is a start-up error."""
 
 import signal
-import threading
 
 import grpc
 import pytest
@@ -11,6 +10,8 @@ import pytest
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+
+from .helpers import generate_concurrently, greedy_ignoring_eos
 
 MAX_TOKENS = 20
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [40, 41, 42, 43, 44, 45] * 5]
@@ -28,36 +29,10 @@ def nccl_cluster(tiny_checkpoint, tmp_path_factory):
         yield c
 
 
-def _generate_all(cluster) -> dict[int, object]:
-    outs, errors = {}, []
-
-    def run(i):
-        try:
-            with Client(cluster.address, timeout=120) as client:
-                outs[i] = client.generate(prompt_token_ids=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True)
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return outs
-
-
-def _greedy(hf_greedy, prompt, n):
-    out = []
-    while len(out) < n:  # ignore_eos: continue past an EOS the way the services do
-        out.extend(hf_greedy(prompt + out, n - len(out)))
-    return out[:n]
-
-
 def test_greedy_over_nccl_transport_equals_transformers_generate(nccl_cluster, hf_greedy):
-    outs = _generate_all(nccl_cluster)
+    outs = generate_concurrently(nccl_cluster.address, PROMPTS, MAX_TOKENS)
     for i, p in enumerate(PROMPTS):
-        assert outs[i].token_ids == _greedy(hf_greedy, p, MAX_TOKENS), f"prompt {i}"
+        assert outs[i].token_ids == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), f"prompt {i}"
     assert sum(o.stats.num_draft_tokens for o in outs.values()) > 0  # the drafter did get the rows
     with grpc.insecure_channel(nccl_cluster.services["drafter"].address) as ch:
         info = drafter_pb2_grpc.DrafterStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
@@ -87,12 +62,12 @@ def test_bad_handles_are_refused_and_the_transport_stays_in_step(nccl_cluster, h
         assert "same --hidden-transport" in err.value.details()
     with Client(nccl_cluster.address, timeout=60) as client:
         out = client.generate(prompt_token_ids=PROMPTS[0], max_tokens=12, ignore_eos=True)
-    assert out.token_ids == _greedy(hf_greedy, PROMPTS[0], 12) and out.stats.num_draft_tokens > 0
+    assert out.token_ids == greedy_ignoring_eos(hf_greedy, PROMPTS[0], 12) and out.stats.num_draft_tokens > 0
 
 
 def test_killing_the_nccl_drafter_keeps_output_and_a_restarted_one_is_opened_again(nccl_cluster, hf_greedy):
     prompt = [7, 8, 9, 10, 11]
-    expected = _greedy(hf_greedy, prompt, 40)
+    expected = greedy_ignoring_eos(hf_greedy, prompt, 40)
     with Client(nccl_cluster.address, timeout=120) as client:
         got = []
         for delta in client.stream(prompt_token_ids=prompt, max_tokens=40, ignore_eos=True):

@@ -2,14 +2,13 @@
 still equal transformers' generate, over the gRPC bytes transport and over nccl (gloo on CPU), whose
 hidden-state sends a drafter pairs with Proposes by order; both micro-batches really ran."""
 
-import threading
-
 import grpc
 import pytest
 
 from protos import coordinator_pb2, coordinator_pb2_grpc
-from specsplit import Client
 from specsplit.launcher import LocalCluster
+
+from .helpers import generate_concurrently, greedy_ignoring_eos
 
 MAX_TOKENS = 16
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [40, 41, 42, 43, 44, 45] * 5, [8, 9], [21] * 7]
@@ -28,36 +27,10 @@ def micro_batched(request, tiny_checkpoint, tmp_path_factory):
         yield c
 
 
-def _generate_all(address: str) -> dict[int, object]:
-    outs, errors = {}, []
-
-    def run(i):
-        try:
-            with Client(address, timeout=120) as client:
-                outs[i] = client.generate(prompt_token_ids=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True)
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return outs
-
-
-def _greedy(hf_greedy, prompt, n):
-    out = []
-    while len(out) < n:  # ignore_eos: continue past an EOS the way the services do
-        out.extend(hf_greedy(prompt + out, n - len(out)))
-    return out[:n]
-
-
 def test_two_micro_batches_are_lossless_and_both_run(micro_batched, hf_greedy):
-    outs = _generate_all(micro_batched.address)
+    outs = generate_concurrently(micro_batched.address, PROMPTS, MAX_TOKENS)
     for i, p in enumerate(PROMPTS):
-        assert outs[i].token_ids == _greedy(hf_greedy, p, MAX_TOKENS), f"prompt {i}"
+        assert outs[i].token_ids == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), f"prompt {i}"
     assert sum(o.stats.num_draft_tokens for o in outs.values()) > 0  # the drafter answered both streams
     with grpc.insecure_channel(micro_batched.address) as ch:
         stats = coordinator_pb2_grpc.CoordinatorStub(ch).GetStats(
