@@ -131,16 +131,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 send = tracer.start_span(
                     "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
                 )
-                with trace.use_span(send):
+                with trace.use_span(send):  # the Propose (its trace context) runs under this span
                     staged = asyncio.Event()  # the rows are with the transport: the next step may run
                     propose = asyncio.ensure_future(self.drafter.propose(propose_msg, batch.num_reqs, staged.set))
-                    waiting = asyncio.ensure_future(staged.wait())
+                waiting = asyncio.ensure_future(staged.wait())
+                try:
                     await asyncio.wait((propose, waiting), return_when=asyncio.FIRST_COMPLETED)
+                finally:
                     waiting.cancel()
-            with trace.use_span(send, end_on_exit=True):
-                proposal = await propose
+            try:
+                proposal = await propose  # the round trip, outside the lock
                 if not proposal.ok:
                     send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+            finally:
+                send.end()
             span.set_attribute("specsplit.drafter_ok", proposal.ok)
             hidden_state_bytes.add(nbytes)
             verify_duration.record((time.time_ns() - t0) / 1e9)
