@@ -34,3 +34,7 @@ def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp
     # Forced acceptance makes speculation pay: fewer iterations than tokens, in both modes.
     assert services["iterations"] < 12 and in_process["iterations"] < 12
     assert len(services["acceptance_per_position"]) == 2 and services["overhead"] is not None
+    # The first iteration is the prompts' prefill; one run's iterations cover its wall time but for gaps.
+    for row in rows.values():
+        assert row["first_iteration_ms"] > 0
+        assert 0 <= row["outside_iterations_ms"] < 1e3 * row["seconds"]
