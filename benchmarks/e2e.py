@@ -163,6 +163,7 @@ def main() -> None:
             for mb in args.micro_batches
         }
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
+        hidden_transport = next(iter(clusters.values())).hidden_transport  # one resolution for all of them
         for batch in args.batches:
             ps, expected = all_prompts[:batch], reference[:batch]
             cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", *clusters)]
@@ -189,7 +190,7 @@ def main() -> None:
     print(
         f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
         f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, verifier → drafter {args.drafter_rpc}, "
-        f"hidden states by {next(iter(clusters.values())).hidden_transport}; "
+        f"hidden states by {hidden_transport}; "
         f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
     )
     print_tables(rows)
@@ -199,7 +200,7 @@ def main() -> None:
             json.dumps(
                 {
                     "args": {k: str(v) for k, v in vars(args).items()},
-                    "hidden_transport": next(iter(clusters.values())).hidden_transport,
+                    "hidden_transport": hidden_transport,
                     "rows": rows,
                     "lossless_failures": failures,
                 },

@@ -32,6 +32,8 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
         "ms_per_output_token": 1e3 * seconds / new_tokens,
         "iterations": statistics.median(r.num_iterations for r in runs),
         "acceptance_per_position": acceptance_per_position(stats),
+        "acceptance_rate": stats.acceptance_rate,  # accepted / drafted
+        "accepted_per_iteration": stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
         "breakdown_ms": {key: statistics.median(row[key] for row in iterations) for key in BREAKDOWN},
         # Where a median hides time: the first iteration (the prompts' prefill) and the wall time no
         # iteration covers (negative when micro-batches overlap their iterations).

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from benchmarks.e2e import make_prompts  # noqa: E402
 from benchmarks.e2e_modes import RunResult, run_services  # noqa: E402
-from benchmarks.e2e_report import acceptance_per_position  # noqa: E402
+from benchmarks.e2e_report import cell_row  # noqa: E402
 from benchmarks.forced_acceptance import Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from models.transport import make_sender  # noqa: E402
@@ -59,7 +59,6 @@ from protos import drafter_pb2, drafter_pb2_grpc  # noqa: E402
 from specsplit import Client  # noqa: E402
 from specsplit.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from specsplit.launcher import LocalCluster, free_port  # noqa: E402
-from specsplit.results import SpecStats  # noqa: E402
 
 K = 3
 SEVEN_B_HIDDEN = 3584
@@ -178,21 +177,7 @@ def _measure(args, cluster: LocalCluster, mode: str, prompts_of) -> tuple[list[d
         # the timed runs.
         run_services(cluster.address, ps, args.new_tokens, K)
         runs = [run_services(cluster.address, ps, args.new_tokens, K) for _ in range(args.repeats)]
-        seconds = statistics.median(r.seconds for r in runs)
-        stats = SpecStats()
-        for r in runs:
-            stats.merge(r.stats)
-        rows.append(
-            dict(
-                mode=mode,
-                batch=batch,
-                k=K,
-                tokens_per_s=batch * args.new_tokens / seconds,
-                acceptance_rate=stats.acceptance_rate,  # accepted / drafted
-                accepted_per_iteration=stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
-                acceptance_per_position=acceptance_per_position(stats),  # ≈ alpha each under forced acceptance
-            )
-        )
+        rows.append(cell_row(batch, K, mode, args.new_tokens, runs))
         runs_of.append((batch, runs))
     return rows, runs_of
 

@@ -127,10 +127,8 @@ class Scheduler:
             self._preempt(request)
         self.running.clear()
 
-    def has_work(self, micro_batch: int | None = None) -> bool:
-        """Anything to schedule (in `micro_batch`, or in any micro-batch when None)."""
-        if micro_batch is None:
-            return bool(self.waiting or self.running or any(self._to_free))
+    def has_work(self, micro_batch: int = 0) -> bool:
+        """Anything for `micro_batch` to schedule: its requests, frees, or waiting requests it may take."""
         return bool(
             self._to_free[micro_batch]
             or any(r.micro_batch == micro_batch for r in self.running)

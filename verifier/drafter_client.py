@@ -17,6 +17,7 @@ again after any failed call.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -132,7 +133,7 @@ class DrafterClient:
         self._streams: dict[str, tuple[object, BidiStream]] = {}  # address -> (stub it was opened on, stream)
         # Per replica: one Propose at a time, from handing over its rows to the reply. Micro-batches'
         # Proposes thus reach a drafter in the order their rows were sent (nccl pairs them by order).
-        self._replica_locks: dict[str, asyncio.Lock] = {}
+        self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.transport = transport if transport is not None else GrpcSender()
         targets = self.pool.targets
         if self.transport.name != "grpc" and (len(targets) != 1 or targets[0].startswith(DNS_PREFIX)):
@@ -211,10 +212,9 @@ class DrafterClient:
         self, replica: Replica, plan: ProposeBatch, indices: list[int], staged: _Countdown
     ) -> tuple[drafter_pb2.ProposeResponse | None, str]:
         address = replica.address
-        lock = self._replica_locks.setdefault(address, asyncio.Lock())
         transfer: Transfer | None = None
         try:
-            async with lock:
+            async with self._replica_locks[address]:
                 finished = list(replica.pending_free)
                 try:
                     rows = plan.rows(indices)  # [num_rows, hidden_size]

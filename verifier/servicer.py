@@ -132,13 +132,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
                 )
                 with trace.use_span(send):  # the Propose (its trace context) runs under this span
-                    staged = asyncio.Event()  # the rows are with the transport: the next step may run
-                    propose = asyncio.ensure_future(self.drafter.propose(propose_msg, batch.num_reqs, staged.set))
-                waiting = asyncio.ensure_future(staged.wait())
-                try:
-                    await asyncio.wait((propose, waiting), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiting.cancel()
+                    staged = loop.create_future()  # the rows are with the transport: the next step may run
+                    propose = asyncio.ensure_future(
+                        self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
+                    )
+                await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
             try:
                 proposal = await propose  # the round trip, outside the lock
                 if not proposal.ok:

@@ -30,20 +30,20 @@ class FakeVerifyStream:
     receive, how many tokens had been streamed to the client; fails the send of the iterations in `fail_sends`."""
 
     def __init__(self, streamed, fail_sends=()):
-        self.queue_size = streamed
+        self.streamed = streamed
         self.fail_sends = set(fail_sends)
         self.events = []
         self._last = None
 
     async def send(self, request):
-        self.events.append(("send", request.iteration, self.queue_size()))
+        self.events.append(("send", request.iteration, self.streamed()))
         if request.iteration in self.fail_sends:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, "verifier went away")
         self._last = request
 
     async def receive(self):
         await asyncio.sleep(0)
-        self.events.append(("receive", self._last.iteration, self.queue_size()))
+        self.events.append(("receive", self._last.iteration, self.streamed()))
         response = verifier_pb2.VerifyResponse()
         for r in self._last.requests:
             position = r.num_computed_tokens + len(r.token_ids)
