@@ -116,7 +116,10 @@ def time_steps(
 
 
 def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
-    """Kernels and copies one eager kernel-path decode step runs on the GPU (what a graph replays)."""
+    """Kernels and copies one eager kernel-path decode step runs on the GPU (what a graph replays);
+    prints the GPU time per kernel name (top 12) and its total to stderr."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,7 +132,16 @@ def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
         torch.cuda.synchronize()
     for rid in req_ids:
         cache.truncate(rid, context)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in gpu:
+        per_name[e.name].append(e.device_time_total)  # µs
+    total = sum(sum(v) for v in per_name.values())
+    batch = len(req_ids)
+    print(f"    GPU time of one kernel-path step at batch {batch}: {total:.0f} µs in {len(gpu)} ops", file=sys.stderr)
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print(f"    {sum(times):8.0f} µs {len(times):4d}× {name[:110]}", file=sys.stderr)
+    return len(gpu)
 
 
 def bench_model(name, model, args) -> list[dict]:
