@@ -13,8 +13,10 @@ A step is what the verifier does per decode iteration: metadata (`prepare_step`,
 ids and positions to the device, forward, logits of every row, synchronize; the median over
 `--steps` steps is reported. Each request is rolled back after every step, so the context stays put.
 Roofline: the bytes of weights one step reads (every parameter, the embedding only when it is the
-LM head) over 4.8 TB/s, divided by the step time. On CUDA, `gpu_ops_per_step` counts the kernels and
-copies of one eager kernel-path step (torch.profiler; a graph replay runs the same ones).
+LM head) over 4.8 TB/s, divided by the step time; on CUDA also divided by the GPU time of the forward
++ logits alone (CUDA events around them: no metadata, upload or synchronisation on the host).
+On CUDA, `gpu_ops_per_step` counts the kernels and copies of one eager kernel-path step
+(torch.profiler; a graph replay runs the same ones).
 """
 
 from __future__ import annotations
@@ -75,10 +77,20 @@ def weight_bytes(model) -> int:
 
 
 def time_steps(
-    model, cache, runner, batch: int, context: int, steps: int, warmup: int, path: str, count_ops: list | None = None
+    model,
+    cache,
+    runner,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    path: str,
+    count_ops: list | None = None,
+    gpu_times: list | None = None,
 ) -> float:
     """Median seconds of one decode step over `batch` requests holding `context` tokens each; appends
-    the GPU ops of one kernel-path step to `count_ops` when given (CUDA only)."""
+    the GPU ops of one kernel-path step to `count_ops` when given (CUDA only), and the median GPU
+    seconds of the forward + logits alone (CUDA events around it, no host work) to `gpu_times`."""
     import torch
 
     from models.attention import use_kernel_for
@@ -91,6 +103,9 @@ def time_steps(
             prompt = torch.randint(0, model.config.vocab_size, (context,), device=device)
             model(prompt, torch.arange(context, device=device), cache, attn)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        on_cuda = device.type == "cuda" and gpu_times is not None
+        pairs = range(steps if on_cuda else 0)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in pairs]
         times = []
         for i in range(warmup + steps):
             ids = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
@@ -99,10 +114,14 @@ def time_steps(
             attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(path != "eager", [1]))
             input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             positions = torch.tensor([context] * batch, dtype=torch.int64, device=device)
+            if on_cuda and i >= warmup:
+                events[i - warmup][0].record()
             if path == "graphs":
                 runner.run(input_ids, positions, attn)
             else:
                 model.compute_logits(model(input_ids, positions, cache, attn))
+            if on_cuda and i >= warmup:
+                events[i - warmup][1].record()
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -110,6 +129,8 @@ def time_steps(
                 cache.truncate(rid, context)
         if count_ops is not None and device.type == "cuda":
             count_ops.append(gpu_ops_of_one_step(model, cache, req_ids, context))
+        if on_cuda:
+            gpu_times.append(statistics.median(a.elapsed_time(b) / 1e3 for a, b in events))
     for rid in req_ids:
         cache.free(rid)
     return statistics.median(times)
@@ -164,7 +185,10 @@ def bench_model(name, model, args) -> list[dict]:
         gpu_ops: list[int] = []
         for path in ("eager", "kernel", "graphs"):
             count_ops = gpu_ops if path == "kernel" else None
-            seconds = time_steps(model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops)
+            gpu: list[float] = []
+            seconds = time_steps(
+                model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops, gpu
+            )
             rows.append(
                 dict(
                     model=name,
@@ -174,13 +198,18 @@ def bench_model(name, model, args) -> list[dict]:
                     step_ms=seconds * 1e3,
                     tokens_per_s=batch / seconds,
                     roofline_pct=100 * ideal / seconds,
+                    # The forward + logits on the GPU alone (graph replay from the first copy in to the
+                    # last kernel), without the step's host work: what a pipelined engine would see.
+                    gpu_ms=gpu[0] * 1e3 if gpu else None,
+                    gpu_roofline_pct=100 * ideal / gpu[0] if gpu else None,
                     weight_gb=weight_bytes(model) / 1e9,
                     device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
                     gpu_ops_per_step=gpu_ops[0] if gpu_ops and path != "eager" else None,
                 )
             )
             ops = f"  ({gpu_ops[0]} GPU ops per step)" if gpu_ops and path == "kernel" else ""
-            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms{ops}", file=sys.stderr)
+            on_gpu = f"  (GPU {gpu[0] * 1e3:.3f} ms)" if gpu else ""
+            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms{on_gpu}{ops}", file=sys.stderr)
     return rows
 
 
@@ -227,12 +256,13 @@ def main(argv: list[str] | None = None) -> None:
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    print("| model | batch | path | step ms | tokens/s | % HBM roofline | GPU ops / step |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("| model | batch | path | step ms | tokens/s | % HBM roofline | GPU ms | % roofline (GPU) | GPU ops / step |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        gpu = f"{r['gpu_ms']:.3f} | {r['gpu_roofline_pct']:.1f}" if r["gpu_ms"] else "- | -"
         print(
             f"| {r['model']} | {r['batch']} | {r['path']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
-            f"| {r['roofline_pct']:.1f} | {r['gpu_ops_per_step'] or ''} |"
+            f"| {r['roofline_pct']:.1f} | {gpu} | {r['gpu_ops_per_step'] or ''} |"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ in one process, at several batch sizes and k, side by side in one run.
                    states by --hidden-transport (auto: cuda_ipc on a GPU, grpc on CPU)
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 (b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
+(b'') services_sync — (b) with `--no-async-scheduling` (--also-sync): the drafts come back with the tokens
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
 breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
@@ -81,8 +82,8 @@ def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], 
                 failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
-def services_mode(micro_batches: int) -> str:
-    return "services" if micro_batches == 1 else f"services_mb{micro_batches}"
+def services_mode(micro_batches: int, sync: bool = False) -> str:
+    return ("services" if micro_batches == 1 else f"services_mb{micro_batches}") + ("_sync" if sync else "")
 
 
 def parse_args() -> argparse.Namespace:
@@ -107,6 +108,9 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         default=[1],
         help="services runs with these `--micro-batches` (one cluster each; mode services_mbN for N > 1)",
+    )
+    p.add_argument(
+        "--also-sync", action="store_true", help="also run (b) with --no-async-scheduling (mode services_sync)"
     )
     p.add_argument(
         "--hidden-transport",
@@ -140,13 +144,13 @@ def main() -> None:
     rows, failures = [], []
     with contextlib.ExitStack() as stack:
         clusters = {
-            services_mode(mb): stack.enter_context(
+            services_mode(mb, sync): stack.enter_context(
                 LocalCluster(
                     str(model),
                     num_speculative_tokens=max_k,
                     device=args.device,
                     dtype=args.dtype,
-                    log_dir=work / f"logs-{services_mode(mb)}",
+                    log_dir=work / f"logs-{services_mode(mb, sync)}",
                     load_format=args.load_format,
                     role_commands=role_commands,
                     hidden_transport=args.hidden_transport,
@@ -155,12 +159,13 @@ def main() -> None:
                         *["--max-num-seqs", str(max_batch)],
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
                         *["--micro-batches", str(mb)],
+                        "--no-async-scheduling" if sync else "--async-scheduling",
                     ],
                     verifier_args=["--num-blocks", str(args.num_blocks), "--drafter-rpc", args.drafter_rpc],
                     drafter_args=["--num-blocks", str(args.num_blocks)],
                 )
             )
-            for mb in args.micro_batches
+            for mb, sync in [(mb, False) for mb in args.micro_batches] + [(1, True)] * args.also_sync
         }
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
         hidden_transport = next(iter(clusters.values())).hidden_transport  # one resolution for all of them

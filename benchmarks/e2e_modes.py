@@ -6,6 +6,7 @@ Breakdown (milliseconds per iteration; hops are one-way, from wall-clock stamps 
 of one host share):
     coordinator      schedule() + post_step (+ the engine loop)
     hop_c2v          coordinator → verifier: VerifyRequest serialisation, transport, parsing
+    drafts_wait      async scheduling: the Verify waiting for its micro-batch's previous Propose
     prepare          verifier: KV rollback + attention metadata (`StepOutput.prepare_ns`)
     forward          target forward + logits
     sample           rejection sampling (including the host copy of its result)
@@ -17,6 +18,10 @@ of one host share):
     hop_d2v          drafter → verifier: ProposeResponse
     hop_v2c          verifier → coordinator: VerifyResponse
     iteration        the whole iteration as the coordinator (or the in-process loop) sees it
+
+With async scheduling (the services' default) the Propose columns (hop_v2d … hop_d2v) describe the
+previous iteration's Propose, which overlapped the coordinator's work and hops; an iteration is then
+drafts_wait + the verifier's step + the hops and coordinator around it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from verifier.runner import VerifierRunner
 BREAKDOWN = (
     "coordinator",
     "hop_c2v",
+    "drafts_wait",
     "prepare",
     "forward",
     "sample",
@@ -182,16 +188,19 @@ def services_breakdown(it: coordinator_pb2.IterationTiming) -> dict[str, float]:
     row = dict.fromkeys(BREAKDOWN, 0.0) | {
         "coordinator": _ms(it.verify_sent_ns - it.schedule_start_ns + it.post_step_end_ns - it.verify_received_ns),
         "hop_c2v": _ms(v.received_ns - it.verify_sent_ns),
+        "drafts_wait": _ms(v.drafts_wait_ns),
         "prepare": _ms(v.prepare_ns),
         "forward": _ms(v.forward_ns),
         "sample": _ms(v.sample_ns),
         "hop_v2c": _ms(it.verify_received_ns - v.replied_ns),
         "iteration": _ms(it.post_step_end_ns - it.schedule_start_ns),
     }
+    held = v.drafts_wait_ns > 0  # async scheduling: the Propose stamps are the previous iteration's
+    own_propose = 0 if held else v.propose_received_ns - v.propose_sent_ns
     if v.drafter_received_ns:  # a drafter answered
         drafter = v.drafter_replied_ns - v.drafter_received_ns
         row |= {
-            "verifier_other": _ms(v.replied_ns - v.received_ns - verify - (v.propose_received_ns - v.propose_sent_ns)),
+            "verifier_other": _ms(v.replied_ns - v.received_ns - verify - v.drafts_wait_ns - own_propose),
             "hop_v2d": _ms(v.drafter_received_ns - v.propose_sent_ns),
             "step0": _ms(v.step0_ns),
             "later_steps": _ms(v.later_steps_ns),
@@ -199,7 +208,7 @@ def services_breakdown(it: coordinator_pb2.IterationTiming) -> dict[str, float]:
             "hop_d2v": _ms(v.propose_received_ns - v.drafter_replied_ns),
         }
     else:
-        row["verifier_other"] = _ms(v.replied_ns - v.received_ns - verify)
+        row["verifier_other"] = _ms(v.replied_ns - v.received_ns - verify - v.drafts_wait_ns)
     return row
 
 

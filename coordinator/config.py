@@ -23,6 +23,10 @@ class SchedulerConfig:
     # Micro-batches in flight at once: the running requests are split between them, and while one
     # micro-batch's iteration crosses the network the verifier and drafter work on another's.
     num_micro_batches: int = 1
+    # Async scheduling: the verifier answers with the sampled tokens while the drafter proposes and
+    # keeps the drafts; the next iteration is scheduled meanwhile with placeholders in their place
+    # (`spec_token_ids`), which the verifier fills in. Off: the drafts come back with the tokens.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

@@ -165,7 +165,7 @@ class Engine:
         """Runs one iteration; streams `outputs` (the previous one's) once its request is sent; returns
         this iteration's outputs, still to be streamed."""
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
-            request = wire.verify_request(output, self.coordinator_id)
+            request = wire.verify_request(output, self.coordinator_id, self.scheduler.config.async_scheduling)
             request.trace_context.update(outgoing_metadata())
             t_sent = time.time_ns()
             stream = self._verify_streams[output.micro_batch]
@@ -181,7 +181,7 @@ class Engine:
         with obs.tracer.start_as_current_span("post_step"):
             results = wire.verify_results(response)
             try:
-                updates = self.scheduler.update_from_output(output, results)
+                updates = self.scheduler.update_from_output(output, results, response.drafter_ok)
             except SpecsplitError as err:
                 log.error("bad verifier response: %s; re-prefilling", err)
                 self.scheduler.reset_all()

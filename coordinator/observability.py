@@ -17,6 +17,8 @@ import time
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from coordinator.scheduler import drafts_verified
+
 tracer = trace.get_tracer("specsplit.coordinator")
 meter = metrics.get_meter("specsplit.coordinator")
 
@@ -119,19 +121,20 @@ def start_iteration_span(output, previous: trace.SpanContext | None, schedule_st
 
 
 def record_verify(iteration_span: trace.Span, output, results, response) -> tuple[int, int]:
-    """Records the iteration's counts; returns (drafts scheduled, accepted), and accepted + rejected = drafts."""
+    """Records the iteration's counts; returns (drafts verified, accepted), and accepted + rejected = drafts."""
     accepted = rejected = 0
     for item, result in zip(output.scheduled, results):
         if not item.sample:
             continue
-        rejected += result.num_rejected
-        accepted += len(result.sampled_token_ids) - 1
-        if item.num_draft_tokens:
-            n_acc = len(result.sampled_token_ids) - 1
+        n_acc = len(result.sampled_token_ids) - 1
+        n_drafts = drafts_verified(item, result)
+        rejected += n_drafts - n_acc
+        accepted += n_acc
+        if n_drafts:
             drafts_total.add(1)
-            draft_tokens_total.add(item.num_draft_tokens)
+            draft_tokens_total.add(n_drafts)
             accepted_tokens_total.add(n_acc)
-            for pos in range(item.num_draft_tokens):  # zeros too, so every position is exported
+            for pos in range(n_drafts):  # zeros too, so every position is exported
                 accepted_per_position.add(int(pos < n_acc), {"position": pos + 1})
     iteration_span.set_attributes(
         {

@@ -9,6 +9,11 @@ Each iteration `schedule()` decides, per request, which tokens the verifier runs
 `num_computed_tokens` back by `num_rejected`, applies stop conditions and
 `update_draft_token_ids` (the new drafts become `request.spec_token_ids`).
 
+Async scheduling (`async_scheduling`): the verifier answers before the drafter has proposed and keeps
+the drafts itself, so `update_draft_token_ids` writes `num_spec_tokens` placeholders
+(`DRAFT_PLACEHOLDER`); the next schedule trims them like drafts (budget, KV, lengths) and the verifier
+fills them in. A placeholder the verifier cannot fill counts as rejected, so the accounting is the same.
+
 KV blocks live in the verifier; the coordinator does their accounting here, so it can preempt
 (recompute) the newest running request when the cache is full.
 
@@ -29,6 +34,8 @@ from coordinator.config import SchedulerConfig
 from coordinator.request import Request, RequestStatus
 from specsplit.errors import FailedPrecondition, ResourceExhausted
 
+DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling)
+
 
 @dataclass
 class ScheduledRequest:
@@ -43,6 +50,7 @@ class ScheduledRequest:
     num_spec_tokens: int  # drafts to propose after this step
     draft_probs: object | None = None  # opaque DraftProbs of the drafts, when sampled
     queue_time_ms: float | None = None  # set on a request's first admission
+    drafts_held: bool = False  # the drafts are placeholders the verifier fills in (async scheduling)
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -75,6 +83,7 @@ class VerifyResult:
     num_rejected: int
     draft_token_ids: list[int]
     draft_probs: object | None = None
+    num_draft_tokens: int | None = None  # drafts the verifier ran (held drafts: those it had); None: as scheduled
 
 
 @dataclass
@@ -84,6 +93,13 @@ class StepUpdate:
     request: Request
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+
+
+def drafts_verified(item: ScheduledRequest, result: VerifyResult) -> int:
+    """Drafts the verifier ran for the request: as scheduled, or the held drafts it had."""
+    if item.drafts_held and result.num_draft_tokens is not None:
+        return result.num_draft_tokens
+    return item.num_draft_tokens
 
 
 class Scheduler:
@@ -232,6 +248,7 @@ class Scheduler:
             0,
             self._num_spec_after(request),
             request.spec_draft_probs if drafts else None,
+            drafts_held=bool(drafts) and drafts[0] == DRAFT_PLACEHOLDER,
         )
 
     def _k(self, request: Request) -> int:
@@ -276,7 +293,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- post_step -----------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, results: list[VerifyResult]) -> list[StepUpdate]:
+    def update_from_output(
+        self, output: SchedulerOutput, results: list[VerifyResult], drafter_ok: bool = True
+    ) -> list[StepUpdate]:
+        """Post_step. `drafter_ok`: False when the verifier reported a failed (or absent) drafter; async
+        scheduling then leaves no placeholders (no budget and KV spent on drafts that will not come)
+        until a reply reports the drafter back."""
         if len(results) != len(output.scheduled):
             raise FailedPrecondition(f"verifier returned {len(results)} results for {len(output.scheduled)} requests")
         updates = []
@@ -302,7 +324,13 @@ class Scheduler:
                     f"verifier returned num_sampled={num_sampled}, num_rejected={result.num_rejected} "
                     f"for {item.num_draft_tokens} drafts of {request.request_id!r}"
                 )
-            request.stats.record(item.num_draft_tokens, num_sampled - 1)
+            num_drafts = drafts_verified(item, result)
+            if not num_sampled - 1 <= num_drafts <= item.num_draft_tokens:
+                raise FailedPrecondition(
+                    f"verifier ran {num_drafts} drafts of {request.request_id!r} ({item.num_draft_tokens} scheduled) "
+                    f"and accepted {num_sampled - 1}"
+                )
+            request.stats.record(num_drafts, num_sampled - 1)
             request.num_computed_tokens = request.num_kv_tokens - result.num_rejected
             update = StepUpdate(request)
             for token in result.sampled_token_ids:
@@ -314,9 +342,13 @@ class Scheduler:
                     update.finished = True
                     break
             if not update.finished:
-                # update_draft_token_ids: drafts for the next iteration to verify.
-                request.spec_token_ids = list(result.draft_token_ids)
-                request.spec_draft_probs = result.draft_probs
+                # update_draft_token_ids: drafts for the next iteration to verify (async scheduling:
+                # placeholders for the drafts the verifier keeps).
+                if self.config.async_scheduling:
+                    request.spec_token_ids = [DRAFT_PLACEHOLDER] * (item.num_spec_tokens if drafter_ok else 0)
+                else:
+                    request.spec_token_ids = list(result.draft_token_ids)
+                    request.spec_draft_probs = result.draft_probs
             updates.append(update)
         return updates
 

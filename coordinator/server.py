@@ -41,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="iterations in flight at once over disjoint requests: while one crosses the network, the verifier "
         "and drafter work on another (2 hides the hops at larger batches)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the verifier answers as soon as the tokens are sampled and keeps the drafts, so the next iteration "
+        "is scheduled while the drafter proposes (--no-async-scheduling: the drafts come back with the tokens)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
 
@@ -94,6 +101,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=max(args.max_num_batched_tokens, k + 1),
         max_waiting=args.max_waiting,
         num_micro_batches=args.micro_batches,
+        async_scheduling=args.async_scheduling,
     )
     engine = Engine(Scheduler(config, eos), stub, tokenizer)
     engine.start()

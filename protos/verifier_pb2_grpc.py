@@ -65,7 +65,8 @@ class VerifierServicer:
     def Verify(self, request, context):
         """Runs one iteration for a batch: target forward over each request's tokens, rejection
         sampling of its drafts, hidden states of the valid positions to the drafter, and returns the
-        sampled tokens together with the drafter's next drafts.
+        sampled tokens together with the drafter's next drafts. With drafts_held (async scheduling) it
+        returns the sampled tokens as soon as they exist and keeps the next drafts for the next iteration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

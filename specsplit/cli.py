@@ -49,7 +49,10 @@ def up_cluster(args: argparse.Namespace):
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
-        coordinator_args=["--max-num-seqs", str(args.max_num_seqs), "--micro-batches", str(args.micro_batches)],
+        coordinator_args=[
+            *["--max-num-seqs", str(args.max_num_seqs), "--micro-batches", str(args.micro_batches)],
+            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
+        ],
     )
 
 
@@ -236,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=at_least_one,
         default=1,
         help="iterations in flight at once over disjoint requests (see serve coordinator --help)",
+    )
+    up.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule the next iteration while the drafter proposes (see serve coordinator --help)",
     )
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)

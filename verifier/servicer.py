@@ -1,4 +1,10 @@
-"""Verifier gRPC servicer: protobuf in → InputBatch → runner → drafter → protobuf out."""
+"""Verifier gRPC servicer: protobuf in → InputBatch → runner → drafter → protobuf out.
+
+Async scheduling (`VerifyRequest.drafts_held`): the response goes back as soon as the tokens are
+sampled and the Propose runs on; its drafts are held (`verifier/held_drafts.py`) for the micro-batch's
+next Verify, which waits for that Propose before its step. The coordinator's post_step, schedule and
+both hops then overlap the drafter instead of following it.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.telemetry import incoming_context
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
+from verifier.held_drafts import HeldDrafts
 from verifier.input_batch import InputBatch, build_input_batch
 from verifier.runner import StepOutput, VerifierRunner
 
@@ -45,6 +52,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._coordinator_id: str | None = None
         self._draining = asyncio.Event()
         self._last_iteration: dict[int, int] = {}  # per micro-batch
+        # Async scheduling: per micro-batch, the Propose still running (its drafts go to _held).
+        self._held = HeldDrafts()
+        self._proposing: dict[int, asyncio.Future[Proposal]] = {}
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -64,6 +74,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if self._coordinator_id is not None:
                 log.warning("new coordinator %r: dropping the KV cache of every request", request.coordinator_id)
                 self.runner.free_all()
+                self._held.clear()
             self._coordinator_id = request.coordinator_id
             self._last_iteration = {}
         last = self._last_iteration.get(request.micro_batch, 0)
@@ -77,6 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _prepare_and_step(self, request: verifier_pb2.VerifyRequest):
         self._check_order(request)
         self.runner.free(list(request.finished_request_ids))
+        self._held.free(request.finished_request_ids)
         batch = build_input_batch(
             request,
             vocab_size=self.model_info.vocab_size,
@@ -119,8 +131,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         loop = asyncio.get_running_loop()
         attrs = {"specsplit.iteration": request.iteration, "specsplit.batch_size": len(request.requests)}
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
+            # Async scheduling: a step needs the drafts its micro-batch's last Propose makes; an iteration
+            # that only frees requests does not wait (its Propose then waits for the last one).
+            earlier = self._proposing.pop(request.micro_batch, None)
+            previous = None
+            if earlier is not None and request.requests:
+                with tracer.start_as_current_span("wait_for_drafts"):
+                    previous, earlier = await earlier, None
+            drafts_wait_ns = time.time_ns() - received_ns if request.drafts_held else 0
             async with self._lock:
                 self.drafter.free(list(request.finished_request_ids))
+                unfilled = self._held.fill(request)
                 batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
                 t0, t1, t2, t3 = step.stamps_ns
                 tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
@@ -137,24 +158,51 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
                     )
                 await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
-            try:
-                proposal = await propose  # the round trip, outside the lock
-                if not proposal.ok:
-                    send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
-            finally:
-                send.end()
-            span.set_attribute("specsplit.drafter_ok", proposal.ok)
             hidden_state_bytes.add(nbytes)
+            if request.drafts_held:
+                held = self._hold(propose, send, batch, step, earlier)
+                self._proposing[request.micro_batch] = asyncio.ensure_future(held)
+                proposal = previous or Proposal(True, [])
+            else:
+                proposal = previous = await self._finish_propose(propose, send)
+            if previous is not None:  # the Propose whose drafts this iteration verified (async) or made
+                span.set_attribute("specsplit.drafter_ok", proposal.ok)
             verify_duration.record((time.time_ns() - t0) / 1e9)
-        response = verify_response(batch, step, proposal, received_ns)
+        response = verify_response(batch, step, proposal, received_ns, drafts_held=request.drafts_held)
+        for result, missing in zip(response.results, unfilled):
+            result.num_rejected += missing  # relative to the placeholders scheduled
+        response.timing.drafts_wait_ns = drafts_wait_ns
         response.timing.replied_ns = time.time_ns()
         return response
+
+    @staticmethod
+    async def _finish_propose(propose: asyncio.Future[Proposal], send: trace.Span) -> Proposal:
+        """The Propose round trip (outside the lock); ends its span."""
+        try:
+            proposal = await propose
+            if not proposal.ok:
+                send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+        finally:
+            send.end()
+        return proposal
+
+    async def _hold(
+        self, propose, send: trace.Span, batch: InputBatch, step: StepOutput, earlier: asyncio.Future | None
+    ) -> Proposal:
+        """Async scheduling: the Propose's drafts go to the held drafts of the next iteration (after
+        the micro-batch's `earlier` Propose, not waited for, is done too)."""
+        if earlier is not None:
+            await earlier
+        proposal = await self._finish_propose(propose, send)
+        self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+        return proposal
 
     async def Free(self, request, context):
         await self._require_ready(context)
         async with self._lock:
             self.runner.free(list(request.request_ids))
             self.drafter.free(list(request.request_ids))
+            self._held.free(request.request_ids)
         return verifier_pb2.FreeResponse(num_free_blocks=self.kv_cache.num_free_blocks)
 
     async def GetModelInfo(self, request, context):
@@ -163,9 +211,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def verify_response(
-    batch: InputBatch, step: StepOutput, proposal: Proposal, received_ns: int
+    batch: InputBatch, step: StepOutput, proposal: Proposal, received_ns: int, drafts_held: bool = False
 ) -> verifier_pb2.VerifyResponse:
-    """The iteration's results per request (drafts only for requests that sample), and its timing."""
+    """The iteration's results per request (drafts only for requests that sample, and not when the
+    verifier holds them), and its timing (with held drafts: of the Propose whose drafts it verified)."""
     response = verifier_pb2.VerifyResponse(
         drafter_ok=proposal.ok,
         drafter_error=proposal.error,
@@ -190,8 +239,9 @@ def verify_response(
             request_id=rid,
             sampled_token_ids=step.sampled_token_ids[i],
             num_rejected=step.num_rejected[i],
-            draft_token_ids=proposal.drafts[i] if batch.sample[i] else [],
+            draft_token_ids=proposal.drafts[i] if batch.sample[i] and not drafts_held else [],
+            num_draft_tokens=batch.num_draft_tokens[i],
         )
-        if batch.sample[i] and probs[i] is not None:
+        if batch.sample[i] and not drafts_held and probs[i] is not None:
             result.draft_probs.CopyFrom(probs[i])
     return response
