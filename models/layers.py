@@ -175,6 +175,24 @@ class DecoderLayer(nn.Module):
         cache_layer: int,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache, cache_layer, attn)
-        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x)
-        return x + self.mlp(h)
+        mlp_out, residual = self.forward_deferred(x, None, rope, kv_cache, cache_layer, attn)
+        return residual + mlp_out
+
+    def forward_deferred(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the layer's input, or (with residual) the last layer's MLP output
+        residual: torch.Tensor | None,  # [T, hidden]: the stream x still has to be added to
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        cache_layer: int,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # MLP output, and the stream it still has to be added to
+        """The layer with its last residual add left to the next norm, which fuses it (one launch
+        fewer per layer); `forward` is this plus the add."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(h, rope, kv_cache, cache_layer, attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(h), residual

@@ -80,9 +80,10 @@ class TargetModel(nn.Module):
         check_token_inputs(input_ids, positions)
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None  # each layer's last add is fused into the next norm
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache, i, attn)
-        return self.norm(x)
+            x, residual = layer.forward_deferred(x, residual, rope, kv_cache, i, attn)
+        return self.norm.add_and_norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] → [N, vocab] float32
