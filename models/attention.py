@@ -46,11 +46,13 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     attn: AttentionMetadata,
+    kv_written: bool = False,  # the caller wrote k and v into the caches already (fused with its rotary)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     if q.shape[0] != attn.num_tokens:
         raise ValueError(f"{q.shape[0]} query tokens but the attention metadata describes {attn.num_tokens}")
     if attn.use_kernel:
-        write_kv_triton(k, v, k_cache, v_cache, attn.slot_mapping)
+        if not kv_written:
+            write_kv_triton(k, v, k_cache, v_cache, attn.slot_mapping)
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], q.device)
         return paged_attention_triton(
             q, k_cache, v_cache, attn.block_tables, attn.token_req_index, attn.token_context_lens, num_splits=num_splits

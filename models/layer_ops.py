@@ -20,7 +20,7 @@ import os
 import torch
 
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import apply_rotary_qk_triton, rotary_kernel_supports
+from kernels.rotary import apply_rotary_qk_triton, kv_write_supported, rotary_kernel_supports
 from kernels.silu_mul import silu_mul_reference, silu_mul_triton
 from models.rotary import apply_rotary
 
@@ -62,6 +62,29 @@ def apply_rotary_qk(
     if use_triton(q) and not _needs_grad(q, k) and rotary_kernel_supports(q, k, cos, sin):
         return apply_rotary_qk_triton(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary_qk_and_write_kv(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T], -1 = skip
+) -> tuple[torch.Tensor, torch.Tensor, bool]:  # rotated q, k; whether k and v are in the cache already
+    """The rotary embedding, and where the kernel can, the paged-cache write of k and v in the same launch."""
+    if (
+        use_triton(q)
+        and not _needs_grad(q, k, v)
+        and rotary_kernel_supports(q, k, cos, sin)
+        and kv_write_supported(k, v, k_cache, v_cache)
+    ):
+        q, k = apply_rotary_qk_triton(q, k, cos, sin, kv_write=(v, k_cache, v_cache, slot_mapping))
+        return q, k, True
+    q, k = apply_rotary_qk(q, k, cos, sin)
+    return q, k, False
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

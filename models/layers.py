@@ -16,7 +16,7 @@ from torch import nn
 from models.attention import paged_attention
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, PagedKVCache
-from models.layer_ops import apply_rotary_qk, rms_norm, silu_mul
+from models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, rms_norm, silu_mul
 from models.rotary import RotaryEmbedding
 
 __all__ = [
@@ -152,8 +152,12 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, *rope)
-        out = paged_attention(q, k, v, kv_cache.k[cache_layer], kv_cache.v[cache_layer], attn)
+        k_cache, v_cache = kv_cache.k[cache_layer], kv_cache.v[cache_layer]
+        if attn.use_kernel:  # the kernel path: the rotary launch writes k and v into the cache too
+            q, k, written = apply_rotary_qk_and_write_kv(q, k, v, *rope, k_cache, v_cache, attn.slot_mapping)
+        else:
+            (q, k), written = apply_rotary_qk(q, k, *rope), False
+        out = paged_attention(q, k, v, k_cache, v_cache, attn, kv_written=written)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -87,6 +87,31 @@ def test_rotary_kernel_equals_reference_in_place(dtype, shape):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 7, 1, 24), (3, 28, 4, 128)])  # T, heads, kv heads, dim
+def test_rotary_kernel_writes_the_rotated_k_and_v_into_their_cache_slots(dtype, shape):
+    num_tokens, heads, kv_heads, dim = shape
+    qkv, q, k = _qkv_views(num_tokens, heads, kv_heads, dim, dtype, seed=9)
+    v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
+    cos, sin = _rope(torch.arange(num_tokens) * 11 + 1, dim, dtype)
+    num_blocks, block_size = 3, 4
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 7.0, dtype=dtype)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([9, -1, 2, 5, 0][:num_tokens])  # -1: a padding token, never written
+    expected_q, expected_k = apply_rotary_qk_reference(q, k, cos, sin)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k_cache.view(-1, kv_heads, dim)[slot] = expected_k[t]
+            expected_v_cache.view(-1, kv_heads, dim)[slot] = v[t]
+    apply_rotary_qk_triton(q, k, cos, sin, kv_write=(v, k_cache, v_cache, slots))
+    torch.testing.assert_close(q, expected_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, expected_k, **TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache, expected_k_cache, **TOLERANCE[dtype])
+    assert torch.equal(k_cache.view(-1, kv_heads, dim)[slots[slots >= 0]], k[slots >= 0])  # what k became
+    assert torch.equal(v_cache, expected_v_cache)
+
+
 def test_rotary_reference_is_the_model_rotary():
     _, q, k = _qkv_views(4, 6, 2, 16, torch.bfloat16, seed=8)
     cos, sin = _rope(torch.tensor([0, 5, 9, 400]), 16, torch.bfloat16)
