@@ -9,6 +9,7 @@ checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`models.t
 
 Paths: `eager` (per-request SDPA attention, the old path), `kernel` (Triton paged attention, eager),
 `graphs` (Triton attention replayed from CUDA graphs; on CPU the same static-buffer path runs eagerly).
+`--gemv`: every path's linears run the Triton GEMV (`kernels/gemv.py`) where its table prefers it.
 A step is what the verifier does per decode iteration: metadata (`prepare_step`, one upload), input
 ids and positions to the device, forward, logits of every row, synchronize; the median over
 `--steps` steps is reported. Each request is rolled back after every step, so the context stays put.
@@ -205,6 +206,7 @@ def bench_model(name, model, args) -> list[dict]:
                     weight_gb=weight_bytes(model) / 1e9,
                     device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
                     gpu_ops_per_step=gpu_ops[0] if gpu_ops and path != "eager" else None,
+                    gemv=args.gemv,
                 )
             )
             ops = f"  ({gpu_ops[0]} GPU ops per step)" if gpu_ops and path == "kernel" else ""
@@ -229,16 +231,18 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py; --no-layer-kernels: torch ops)",
     )
+    p.add_argument("--gemv", action="store_true", help="Triton GEMV for the linears (kernels/gemv.py; default cuBLAS)")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
     import torch
 
-    from models.layer_ops import enable_layer_kernels
+    from models.layer_ops import enable_gemv, enable_layer_kernels
     from models.loader import load_target
     from models.tiny import write_tiny_checkpoint
 
     enable_layer_kernels(args.layer_kernels)
+    enable_gemv(args.gemv)
     dtype = getattr(torch, args.dtype)
     if args.tiny:
         tmp = tempfile.mkdtemp()

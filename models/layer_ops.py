@@ -11,6 +11,11 @@ The kernels are **on by default** for CUDA tensors; the servers' `--no-layer-ker
 `enable_layer_kernels(False)`) keeps the torch ops. On the H200 (`benchmarks/check_layer_kernels_cuda.py`)
 they equal the torch ops within fp32 rounding (whole tiny models: logits within 4e-6) and cut the 7B
 decode step at batch 1 from 6.96 to 4.94 ms (`benchmarks/results/e2e_h200.md`).
+
+The linears (`linear`) can run the Triton GEMV of `kernels/gemv.py` for steps of at most 32 tokens;
+it is **off by default**: `enable_gemv(True)` (the servers' and benchmarks' `--gemv`) turns it on.
+Its launch configurations come from `benchmarks/gemv.py` on the H200; shapes or token counts where
+cuBLAS measured faster, and everything off CUDA, keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
+from kernels.gemv import linear as gemv_linear
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import apply_rotary_qk_triton, kv_write_supported, rotary_kernel_supports
 from kernels.silu_mul import silu_mul_reference, silu_mul_triton
@@ -26,6 +33,7 @@ from models.rotary import apply_rotary
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _enabled = True
+_gemv_enabled = False
 
 
 def enable_layer_kernels(on: bool = True) -> None:
@@ -37,6 +45,17 @@ def enable_layer_kernels(on: bool = True) -> None:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether ops on `x` run the Triton kernels: when enabled, on CUDA tensors, unless Triton is interpreted."""
     return _enabled and x.is_cuda and not _INTERPRETED
+
+
+def enable_gemv(on: bool = True) -> None:
+    """Process-wide: linears on CUDA tensors of few tokens run the Triton GEMV, or (the default) cuBLAS."""
+    global _gemv_enabled
+    _gemv_enabled = on
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether `linear` on `x` may take the Triton GEMV: when enabled, on CUDA, unless Triton is interpreted."""
+    return _gemv_enabled and x.is_cuda and not _INTERPRETED
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -91,3 +110,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * inter] as [gate | up] → silu(gate) * up: [T, inter]
     kernel = use_triton(gate_up) and not _needs_grad(gate_up)
     return (silu_mul_triton if kernel else silu_mul_reference)(gate_up)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    # x: [T, in_features] → [T, out_features]; `layer(x)` unless the GEMV is on
+    # (kernels.gemv.linear still keeps F.linear for shapes, token counts or dtypes it does not serve)
+    return gemv_linear(x, layer.weight, layer.bias) if use_gemv(x) else layer(x)

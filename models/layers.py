@@ -4,7 +4,7 @@ Submodule names equal Hugging Face's (`self_attn.q_proj`, `mlp.gate_proj`, `inpu
 so checkpoint tensors load by name. The same `DecoderLayer` serves the target and the MTP block.
 After loading, `fuse_projections` concatenates q/k/v into one `qkv_proj` and gate/up into one
 `gate_up_proj` (one GEMM each instead of three and two); norms, rotary and the activation run as
-one Triton launch each on CUDA (`models.layer_ops`).
+one Triton launch each on CUDA, and the linears can run a Triton GEMV (`models.layer_ops`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from models.attention import paged_attention
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, PagedKVCache
-from models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, rms_norm, silu_mul
+from models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, linear, rms_norm, silu_mul
 from models.rotary import RotaryEmbedding
 
 __all__ = [
@@ -101,8 +101,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class SelfAttention(nn.Module):
@@ -133,9 +133,9 @@ class SelfAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [T, hidden] → q [T, heads * head_dim], k, v [T, kv_heads * head_dim] (views of one GEMM output)
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
         kv_size = self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        return linear(x, self.qkv_proj).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
 
     def forward(
         self,
@@ -158,7 +158,7 @@ class SelfAttention(nn.Module):
         else:
             (q, k), written = apply_rotary_qk(q, k, *rope), False
         out = paged_attention(q, k, v, k_cache, v_cache, attn, kv_written=written)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):

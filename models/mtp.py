@@ -22,6 +22,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, PagedKVCache
+from models.layer_ops import linear
 from models.layers import DecoderLayer, RMSNorm, check_token_inputs
 from models.mtp_layout import mtp_layout
 from models.rotary import RotaryEmbedding
@@ -93,7 +94,7 @@ class MTPModule(nn.Module):
             )
         e = self.enorm(self.embed_tokens(input_ids))
         h = self.hnorm(previous_hidden.to(e.dtype))
-        x = self.eh_proj(torch.cat([h, e] if self.layout.hidden_first else [e, h], dim=-1))
+        x = linear(torch.cat([h, e] if self.layout.hidden_first else [e, h], dim=-1), self.eh_proj)
         out = self.block(x, self.rotary(positions, x.dtype), kv_cache, 0, attn)
         return self.shared_head.norm(out) if self.layout.normed_output else out
 
@@ -101,4 +102,4 @@ class MTPModule(nn.Module):
         # hidden: [N, hidden] (output of forward) → [N, vocab] float32
         if not self.layout.normed_output:
             hidden = self.shared_head.norm(hidden)
-        return self.shared_head.head(hidden).float()
+        return linear(hidden, self.shared_head.head).float()

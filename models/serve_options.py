@@ -34,6 +34,12 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         default=True,
         help="Triton kernels for residual-add + RMSNorm, rotary and silu-mul on CUDA (--no-layer-kernels: torch ops)",
     )
+    p.add_argument(
+        "--gemv",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Triton GEMV for the linears of steps of <= 32 tokens on CUDA (default off: cuBLAS)",
+    )
 
 
 def attention_kernel_option(args: argparse.Namespace) -> bool | None:
@@ -42,10 +48,11 @@ def attention_kernel_option(args: argparse.Namespace) -> bool | None:
 
 
 def apply_layer_kernels_option(args: argparse.Namespace) -> None:
-    """--[no-]layer-kernels → models.layer_ops (imported here: it needs torch)."""
-    from models.layer_ops import enable_layer_kernels
+    """--[no-]layer-kernels and --[no-]gemv → models.layer_ops (imported here: it needs torch)."""
+    from models.layer_ops import enable_gemv, enable_layer_kernels
 
     enable_layer_kernels(args.layer_kernels)
+    enable_gemv(args.gemv)
 
 
 def cuda_graphs_option(args: argparse.Namespace) -> bool | None:

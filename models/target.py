@@ -11,6 +11,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, PagedKVCache
+from models.layer_ops import linear
 from models.layers import DecoderLayer, RMSNorm, check_token_inputs
 from models.rotary import RotaryEmbedding
 
@@ -87,4 +88,4 @@ class TargetModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] → [N, vocab] float32
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head).float()

@@ -1,6 +1,6 @@
 """Fused projections (qkv_proj, gate_up_proj) give the unfused model's outputs with single weights;
-the Triton layer ops, run through the interpreter on a whole model, give the torch ops' outputs;
-CUDA tensors dispatch to the Triton kernels."""
+the Triton layer ops and the Triton GEMV, run through the interpreter on whole models, give the torch
+ops' outputs; CUDA tensors dispatch to the Triton kernels (the GEMV only when switched on)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.gemv import gemv
 from models import layer_ops
 from models.layers import MLP, SelfAttention, fuse_projections
 from models.loader import load_config, load_mtp, load_target
@@ -19,12 +20,12 @@ from models.target import TargetModel
 STEPS = [{"a": 6, "b": 3}, {"a": 1, "b": 3}, {"b": 1, "a": 2}]
 
 
-def _run_steps(model, use_kernel: bool = False, seed: int = 0) -> list[torch.Tensor]:
+def _run_steps(model, use_kernel: bool = False, seed: int = 0, steps: list = STEPS) -> list[torch.Tensor]:
     """Logits of every step; steps after the prefill take the Triton attention path if `use_kernel`."""
     g = torch.Generator().manual_seed(seed)
     cache = model.make_kv_cache(num_blocks=16, block_size=4)
     logits = []
-    for i, step in enumerate(STEPS):
+    for i, step in enumerate(steps):
         ids = torch.randint(0, model.config.vocab_size, (sum(step.values()),), generator=g)
         positions = torch.cat([torch.arange(cache.num_tokens(r), cache.num_tokens(r) + n) for r, n in step.items()])
         attn = cache.prepare_step(list(step), list(step.values()), use_kernel=use_kernel and i > 0)
@@ -98,16 +99,71 @@ def test_triton_layer_ops_through_the_whole_model_equal_the_torch_ops(checkpoint
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
 
 
+def _force_gemv(monkeypatch) -> list[tuple[int, int]]:
+    """Every `layer_ops.linear` runs the Triton GEMV (the CUDA route, whatever the device and dtype);
+    returns the list that collects each call's weight shape."""
+    launched = []
+
+    def gemv_linear(x, weight, bias):
+        launched.append(tuple(weight.shape))
+        return gemv(x, weight, bias)
+
+    monkeypatch.setattr(layer_ops, "use_gemv", lambda x: True)
+    monkeypatch.setattr(layer_ops, "gemv_linear", gemv_linear)
+    return launched
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])  # qkv bias; none
+def test_triton_gemv_through_the_whole_model_equals_the_torch_linears(checkpoint_dir, monkeypatch, architecture):
+    """`--gemv` on CPU through the Triton interpreter, fp32: both GEMV paths (1 token: FMA; more: dot)."""
+    model = load_target(checkpoint_dir(architecture))
+    steps = [*STEPS, {"a": 1}]
+    expected = _run_steps(model, steps=steps)
+    launched = _force_gemv(monkeypatch)
+    got = _run_steps(model, steps=steps)
+    # Per layer qkv, o, gate_up, down; the LM head.
+    assert len(launched) == len(steps) * (model.config.num_hidden_layers * 4 + 1)
+    assert launched[-1] == tuple(model.lm_head.weight.shape)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_gemv_through_the_mtp_module_equals_the_torch_linears(checkpoint_dir, monkeypatch):
+    mtp = load_mtp(checkpoint_dir("qwen2"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, mtp.config.vocab_size, (5,), generator=g)
+    hidden = torch.randn(5, mtp.config.hidden_size, generator=g)
+
+    def logits():
+        cache = mtp.make_kv_cache(num_blocks=4, block_size=4)
+        with torch.inference_mode():
+            return mtp.compute_logits(mtp(ids, hidden, torch.arange(5), cache, cache.prepare_step(["a"], [5])))
+
+    expected = logits()
+    launched = _force_gemv(monkeypatch)
+    torch.testing.assert_close(logits(), expected, atol=1e-5, rtol=1e-5)
+    assert len(launched) == 6  # eh_proj, the block's four linears, the head
+
+
 def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
     on_cuda = SimpleNamespace(is_cuda=True)  # no GPU here: only the predicate is under test
     monkeypatch.setattr(layer_ops, "_INTERPRETED", False)
     assert layer_ops.use_triton(on_cuda)  # on by default
+    assert not layer_ops.use_gemv(on_cuda)  # off by default
     monkeypatch.setattr(layer_ops, "_enabled", False)  # --no-layer-kernels
+    monkeypatch.setattr(layer_ops, "_gemv_enabled", True)  # --gemv
     assert not layer_ops.use_triton(on_cuda)
+    assert layer_ops.use_gemv(on_cuda)
     monkeypatch.setattr(layer_ops, "_enabled", True)
-    assert not layer_ops.use_triton(torch.zeros(2))
+    assert not layer_ops.use_triton(torch.zeros(2)) and not layer_ops.use_gemv(torch.zeros(2))
     monkeypatch.setattr(layer_ops, "_INTERPRETED", True)
-    assert not layer_ops.use_triton(on_cuda)
+    assert not layer_ops.use_triton(on_cuda) and not layer_ops.use_gemv(on_cuda)
+
+
+def test_linears_are_the_modules_own_when_the_gemv_is_off():
+    layer = torch.nn.Linear(32, 24)
+    x = torch.randn(3, 32)
+    assert torch.equal(layer_ops.linear(x, layer), layer(x))
 
 
 def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
@@ -134,7 +190,8 @@ def test_servers_turn_the_layer_kernels_off_only_when_asked(monkeypatch):
     p = argparse.ArgumentParser()
     add_model_arguments(p, "steps")
     monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
-    apply_layer_kernels_option(p.parse_args(["--no-layer-kernels"]))
-    assert not layer_ops._enabled
+    monkeypatch.setattr(layer_ops, "_gemv_enabled", layer_ops._gemv_enabled)
+    apply_layer_kernels_option(p.parse_args(["--no-layer-kernels", "--gemv"]))
+    assert not layer_ops._enabled and layer_ops._gemv_enabled
     apply_layer_kernels_option(p.parse_args([]))
-    assert layer_ops._enabled
+    assert layer_ops._enabled and not layer_ops._gemv_enabled
