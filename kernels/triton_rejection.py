@@ -103,7 +103,7 @@ def rejection_sample_triton(
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
-    num_sampled, num_rejected = torch.empty(2, num_reqs, dtype=torch.int32, device=device)
+    num_sampled, num_rejected = _segments([num_reqs, num_reqs], torch.int32, False, device)
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 
