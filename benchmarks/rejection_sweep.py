@@ -22,9 +22,11 @@ Suggested table: per mode class (greedy, random) and batch, the stats launch, th
 with the least mean time relative to each shape's best; then that launch and the default are timed
 again on every shape. A bucket covers the batch sizes up to the one measured.
 
-Duration on an H200 (estimated): ``--quick`` (12 shapes, 12 + 12 candidates, ~72 compilations)
-about 1 minute; the full sweep (96 shapes, 24 + 36 candidates) about 8 minutes, or run it per
-vocabulary (``--vocab 151936``, then ``--vocab 32000``).
+Duration on an H200 (estimated, not yet measured): ``--quick`` (12 shapes, 12 + 12 candidates, 75
+compilations, 288 timings) about 1 minute: ~20 s compiling, ~30 s timing (up to 2.5 minutes if the
+worker processes fail and the kernels compile one by one); the full sweep (96 shapes, 24 + 36
+candidates, ~650 compilations, ~5200 timings) about 8 minutes, or half that per vocabulary
+(``--vocab 151936``, then ``--vocab 32000``).
 """
 
 import argparse
@@ -130,6 +132,20 @@ def timer(device: str, rep: int):
     return gpu_us if device == "cuda" else cpu_us
 
 
+def check_and_time(inputs: dict, launch: Launch, expected, time_us, where: str, failures: list) -> float | None:
+    """µs per call of ``launch``, timed only once its tokens equal ``expected``; otherwise None, and
+    the problem printed and appended to ``failures``."""
+    try:
+        problem = difference(rejection_sample_triton(**inputs, launch=launch), expected)
+        if not problem:
+            return time_us(lambda: rejection_sample_triton(**inputs, launch=launch))
+    except Exception as err:  # a launch the GPU cannot run (or capture): report it and go on
+        problem = f"error: {err!r}"[:400]
+    print(f"!!! MISMATCH {where} {astuple(launch)}: {problem}", flush=True)
+    failures.append(dict(launch=asdict(launch), problem=problem))
+    return None
+
+
 def sweep_shape(shape: tuple[int, int, int, str], grid: Grid, device: str, time_us) -> dict:
     """Times the default, the stats candidates (race at the default), then the race candidates with
     the best stats launch. Candidates whose tokens differ from the default's are not timed."""
@@ -142,17 +158,10 @@ def sweep_shape(shape: tuple[int, int, int, str], grid: Grid, device: str, time_
 
     def measure(launch: Launch) -> None:
         launch = launch.fit(vocab)
-        if launch in times:
-            return
-        try:
-            problem = difference(rejection_sample_triton(**inputs, launch=launch), expected)
-        except Exception as err:  # a launch the GPU cannot run: report it and go on
-            problem = f"error: {err!r}"[:400]
-        if problem:
-            print(f"!!! MISMATCH {shape} {describe(launch, mode)}: {problem}", flush=True)
-            failures.append(dict(launch=asdict(launch), problem=problem))
-            return
-        times[launch] = time_us(lambda: rejection_sample_triton(**inputs, launch=launch))
+        if launch not in times:
+            us = check_and_time(inputs, launch, expected, time_us, str(shape), failures)
+            if us is not None:
+                times[launch] = us
 
     measure(default)
     for stats in grid.stats:
@@ -198,19 +207,16 @@ def suggest(records: list[dict]) -> dict[str, dict[int, Launch]]:
 
 
 def validate(records: list[dict], table: dict[str, dict[int, Launch]], device: str, time_us) -> None:
-    """Times the suggested launch and the default again, back to back, on every shape."""
+    """Times the default and the suggested launch again, back to back, on every shape."""
     for r in records:
         inputs = make_inputs(r["vocab"], r["batch"], r["k"], r["mode"], device)
         suggested = table[mode_class(r["mode"])][r["batch"]].fit(r["vocab"])
         expected = rejection_sample_triton(**inputs, launch=r["default"])
-        problem = difference(rejection_sample_triton(**inputs, launch=suggested), expected)
-        if problem:
-            print(f"!!! MISMATCH {r['vocab'], r['batch'], r['k'], r['mode']} suggested: {problem}", flush=True)
-            r["failures"].append(dict(launch=asdict(suggested), problem=problem))
-            continue
-        r["suggested"] = suggested
-        r["default_again_us"] = time_us(lambda i=inputs, d=r["default"]: rejection_sample_triton(**i, launch=d))
-        r["suggested_us"] = time_us(lambda i=inputs, s=suggested: rejection_sample_triton(**i, launch=s))
+        where = f"{(r['vocab'], r['batch'], r['k'], r['mode'])} suggested"
+        default_us = check_and_time(inputs, r["default"], expected, time_us, where, r["failures"])
+        suggested_us = check_and_time(inputs, suggested, expected, time_us, where, r["failures"])
+        if default_us is not None and suggested_us is not None:
+            r.update(suggested=suggested, default_again_us=default_us, suggested_us=suggested_us)
 
 
 def table_literal(table: dict[str, dict[int, Launch]]) -> list[str]:
