@@ -42,12 +42,11 @@ ONE_HOT, DENSE, SPARSE = 0, 1, 2
 SEGMENT_ALIGN = 32  # elements: every scratch buffer starts 128-byte aligned
 
 
-def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> list[torch.Tensor]:
-    """Buffers of ``sizes`` elements carved from one allocation. Aligned starts keep Triton's pointer
-    specialisation, and so the compiled kernel, the same for every batch size."""
+def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Buffers of at least ``sizes`` elements carved from one allocation. Aligned starts keep Triton's
+    pointer specialisation, and so the compiled kernel, the same for every batch size."""
     padded = [triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in sizes]
-    whole = (torch.zeros if zero else torch.empty)(sum(padded), dtype=dtype, device=device)
-    return [segment[:n] for segment, n in zip(whole.split(padded), sizes)]
+    return (torch.zeros if zero else torch.empty)(sum(padded), dtype=dtype, device=device).split(padded)
 
 
 def _scratch(
@@ -103,7 +102,7 @@ def rejection_sample_triton(
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
-    num_sampled, num_rejected = _segments([num_reqs, num_reqs], torch.int32, False, device)
+    num_sampled, num_rejected = (out[:num_reqs] for out in _segments([num_reqs] * 2, torch.int32, False, device))
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 

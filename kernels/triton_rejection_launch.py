@@ -35,6 +35,8 @@ class Launch:
     def fit(self, vocab_size: int) -> "Launch":
         """No program wider than the vocabulary (rounded up to a power of 2)."""
         width = 1 << max(vocab_size - 1, 0).bit_length()
+        if self.stats_chunk <= width and self.race_chunk <= width:
+            return self
         stats_chunk, race_chunk = min(self.stats_chunk, width), min(self.race_chunk, width)
         return Launch(
             stats_chunk, min(self.stats_block_v, stats_chunk), self.stats_warps,
