@@ -2,8 +2,10 @@
 
 A launch shape says how each kernel cuts a vocabulary row into programs: ``chunk`` ids per program,
 tiles of ``block_v`` ids, ``warps`` per program. The stats kernel and the race kernel choose theirs
-independently. The shape changes speed, never tokens: every argmax keeps the lowest id among equal
-scores whatever the chunking, and the softmax sums differ only in their last bits.
+independently. The shape changes speed, not tokens: every argmax keeps the lowest id among equal
+scores whatever the chunking. Only the softmax sum's rounding depends on the stats chunking, so a
+token could change only where an acceptance test or a residual race ties to the last bit (the same
+caveat as between the kernels and the reference; ``benchmarks/rejection_sweep.py`` checks it).
 
 ``default_launch`` picks the GPU shape per call from ``LAUNCH_TABLE``; ``benchmarks/rejection_sweep.py``
 times the candidates and prints a table in this format.
