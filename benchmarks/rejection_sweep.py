@@ -344,10 +344,12 @@ def main(argv: list[str] | None = None) -> int:
 
     time_us = timer(args.device, args.rep)
     records = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     print("| " + " | ".join(SHAPE_COLUMNS) + " |\n" + "|---" * len(SHAPE_COLUMNS) + "|", flush=True)
     for shape in shapes:
         records.append(sweep_shape(shape, grid, args.device, time_us))
         print(shape_row(records[-1]), f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        args.out.write_text(json.dumps(dict(partial=True, results=to_json(records)), indent=2))  # if cut short
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
@@ -364,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__, triton=triton.__version__, argv=sys.argv[1:] if argv is None else argv,
         rep_ms=args.rep, elapsed_s=elapsed, failures=failures, launch_table="\n".join(literal),
     )  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(summary=summary, suggested=to_json(table), results=to_json(records)), indent=2))
     print(f"\nwrote {args.out} in {elapsed:.0f} s")
     if failures:
