@@ -2,12 +2,11 @@
 (torch.profiler), the wall time of back-to-back eager calls, and the time of one call replayed from
 a CUDA graph. When eager wall time is far above the GPU time, the call is bound by host work.
 
-    PYTHONPATH=$PWD python3 benchmarks/profile_rejection_sampler.py [--sweep]
+    PYTHONPATH=$PWD python3 benchmarks/profile_rejection_sampler.py
 
-``--sweep`` also times the batch-256 random modes for several launch shapes (chunk, tile, warps).
+Launch shapes (chunk, tile, warps per kernel) are timed by ``benchmarks/rejection_sweep.py``.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,12 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from graphed import captured  # noqa: E402
 from rejection_sampler import make_inputs  # noqa: E402
 
-import kernels.triton_rejection as launcher  # noqa: E402
 from kernels import rejection_sample  # noqa: E402
 
 CASES = [(151936, 1, 3, "greedy"), (151936, 1, 3, "one_hot"), (151936, 64, 3, "one_hot")]
 CASES += [(151936, 256, 3, m) for m in ("greedy", "one_hot", "dense", "sparse")]
-SHAPES = [(4096, 1024, 4), (8192, 1024, 4), (8192, 2048, 8), (16384, 2048, 8), (4096, 2048, 8), (2048, 512, 4)]
 
 
 def kernel_times(fn) -> str:
@@ -49,9 +46,6 @@ def wall_us(fn, n: int = 200) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
     print("| vocab, batch, k, mode | GPU µs per kernel | eager back-to-back µs | CUDA graph µs |")
     print("|---|---|---|---|")
     for vocab, batch, k, mode in CASES:
@@ -67,19 +61,6 @@ def main() -> None:
             assert torch.equal(graph().sampled, call().sampled), "graph replay differs from an eager call"
         graph_us = triton.testing.do_bench_cudagraph(call) * 1000
         print(f"| {vocab}, {batch}, {k}, {mode} | {kernel_times(call)} | {wall_us(call):.1f} | {graph_us:.1f} |")
-    if args.sweep:
-        print("\n| chunk, tile, warps | " + " | ".join(m for m in ("greedy", "one_hot", "dense", "sparse")) + " |")
-        print("|---|---|---|---|---|")
-        default = launcher.GPU_CHUNK, launcher.GPU_BLOCK_V, launcher.GPU_NUM_WARPS
-        for shape in SHAPES:
-            launcher.GPU_CHUNK, launcher.GPU_BLOCK_V, launcher.GPU_NUM_WARPS = shape
-            cells = []
-            for mode in ("greedy", "one_hot", "dense", "sparse"):
-                inputs = make_inputs(151936, 256, 3, mode, "cuda")
-                call = lambda inputs=inputs: rejection_sample(**inputs, backend="triton")  # noqa: E731
-                cells.append(f"{triton.testing.do_bench_cudagraph(call) * 1000:.1f}")
-            print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
-        launcher.GPU_CHUNK, launcher.GPU_BLOCK_V, launcher.GPU_NUM_WARPS = default
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ from kernels.triton_rng import log2, row_key, vocab_clocks
 
 
 @triton.jit
+def vocab_id(token, vocab_size):
+    """An int64 token id as int32 (compared with int32 offsets: no int64 per element); -1 where it is
+    no vocabulary id, so it still matches none."""
+    return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
+
+
+@triton.jit
 def race_kernel(
     logits_ptr,  # [num_logits, V]
     logits_stride,
@@ -91,9 +98,10 @@ def race_kernel(
                 else:
                     q = tl.zeros([BLOCK_V], tl.float32)
                     for k in range(num_q_ids):
-                        q_id = tl.load(q_ids_ptr + draft_index * q_ids_stride + k)
-                        q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
-                        q += tl.where(offs == q_id, q_prob, 0.0)
+                        q_id = vocab_id(tl.load(q_ids_ptr + draft_index * q_ids_stride + k), vocab_size)
+                        if (q_id >= start) & (q_id < start + BLOCK_V):  # most tiles hold none of the K ids
+                            q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
+                            q += tl.where(offs == q_id, q_prob, 0.0)
                 clock = vocab_clocks(key, offs)
                 race = tl.maximum(p - q, 0.0) / clock
                 best, token = lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
@@ -103,9 +111,9 @@ def race_kernel(
             publish(fallback_best_ptr + out, p_top)
             publish(fallback_token_ptr + out, p_top_token)
         else:  # the race from p: argmax x log2(e) - log2 C (Gumbel-max), maybe without the rejected draft
-            excluded = tl.full([], -1, tl.int64)
+            excluded = tl.full([], -1, tl.int32)
             if race_mode == RACE_P_EXCLUDE_DRAFT:
-                excluded = tl.load(draft_ids_ptr + draft_index)
+                excluded = vocab_id(tl.load(draft_ids_ptr + draft_index), vocab_size)
             best = tl.full([BLOCK_V], float("-inf"), tl.float32)
             token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):

@@ -1,16 +1,17 @@
 """Triton rejection sampler: the same function as ``kernels/reference.py``, on the GPU.
 
 Terms (accepted / recovered / bonus, x, p, q, the exponential race) are defined in the reference's
-docstring. Every logits row is cut into chunks of ``CHUNK`` vocabulary ids; two launches
+docstring. Every logits row is cut into chunks of vocabulary ids, one per program, each kernel with its own
+chunk size (``kernels/triton_rejection_launch.py``); two launches
 (``kernels/triton_rejection_kernels.py``, ``kernels/triton_race_kernel.py``):
 
-1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_chunks)``: the only full pass
+1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_stats_chunks)``: the only full pass
    over the logits. Per (row, chunk): online softmax statistics (max, sum of exp); greedy rows: the
    argmax. The request's last program then walks its rows until the first rejection: combine the
    chunk statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff ``u * q(d) < p(d)``
    (greedy: ``d == argmax``), write ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy
    requests are done here.
-2. ``race_kernel``, grid ``(num_reqs, num_chunks)``: for random requests only, the exponential race
+2. ``race_kernel``, grid ``(num_reqs, num_race_chunks)``: for random requests only, the exponential race
    on the one stop row: from p (bonus row, padded draft), from p without the rejected draft (one-hot
    q), or from ``max(p - q, 0)`` (dense q, or sparse q matched against the row's K ids in registers;
    no dense q is built). The last program writes the winner into the stop column. Skipped when the
@@ -34,25 +35,32 @@ import triton
 from kernels.filtering import row_thresholds
 from kernels.triton_race_kernel import race_kernel
 from kernels.triton_rejection_kernels import stats_accept_kernel
+from kernels.triton_rejection_launch import INTERPRETER_LAUNCH, Launch, default_launch
 from kernels.types import RejectionOutput, SparseDraftProbs
 
 ONE_HOT, DENSE, SPARSE = 0, 1, 2
-# Launch shape on a GPU (the interpreter uses larger programs): vocabulary ids per program, ids per
-# tile, warps per program.
-GPU_CHUNK, GPU_BLOCK_V, GPU_NUM_WARPS = 8192, 1024, 4
+SEGMENT_ALIGN = 32  # elements: every scratch buffer starts 128-byte aligned
 
 
-def _scratch(num_logits: int, num_reqs: int, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Buffers of at least ``sizes`` elements carved from one allocation. Aligned starts keep Triton's
+    pointer specialisation, and so the compiled kernel, the same for every batch size."""
+    padded = [triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in sizes]
+    return (torch.zeros if zero else torch.empty)(sum(padded), dtype=dtype, device=device).split(padded)
+
+
+def _scratch(
+    num_logits: int, num_reqs: int, num_stats_blocks: int, num_race_blocks: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """The kernels' scratch for one call: one float and one int allocation; the ints (counters among
-    them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs."""
-    rows, reqs = num_logits * num_blocks, num_reqs * num_blocks
-    floats = torch.empty(2 * rows + 2 * reqs + 2 * num_reqs, dtype=torch.float32, device=device)
-    ints = torch.zeros(rows + 2 * reqs + 3 * num_reqs, dtype=torch.int32, device=device)
-    block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = floats.split(
-        [rows, rows, reqs, reqs, num_reqs, num_reqs]
+    them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs. ``block_*``
+    hold one entry per (logits row, stats chunk), ``race_*`` / ``fallback_*`` per (request, race chunk)."""
+    rows, reqs = num_logits * num_stats_blocks, num_reqs * num_race_blocks
+    block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = _segments(
+        [rows, rows, reqs, reqs, num_reqs, num_reqs], torch.float32, False, device
     )
-    block_token, race_token, fallback_token, race_mode, stats_counter, race_counter = ints.split(
-        [rows, reqs, reqs, num_reqs, num_reqs, num_reqs]
+    block_token, race_token, fallback_token, race_mode, stats_counter, race_counter = _segments(
+        [rows, reqs, reqs, num_reqs, num_reqs, num_reqs], torch.int32, True, device
     )
     return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
             race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
@@ -70,10 +78,11 @@ def rejection_sample_triton(
     draft_probs: SparseDraftProbs | torch.Tensor | None = None,
     max_num_draft: int | None = None,
     all_greedy: bool = False,  # the caller knows every temperature is 0: no race launch
-    chunk: int | None = None,  # vocabulary ids per program; default by device
+    launch: Launch | None = None,  # the kernels' launch shapes; None: default_launch (GPU) or large programs
 ) -> RejectionOutput:
     """Launches the kernels. Host syncs: one for ``max_num_draft`` unless given, one to find the
     top-k/top-p rows unless ``top_k`` and ``top_p`` are both None (then none: graph-capturable).
+    The tokens do not depend on ``launch``.
     """
     device = target_logits.device
     num_logits, vocab_size = target_logits.shape
@@ -93,7 +102,7 @@ def rejection_sample_triton(
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
-    num_sampled, num_rejected = torch.empty(2, num_reqs, dtype=torch.int32, device=device)
+    num_sampled, num_rejected = (out[:num_reqs] for out in _segments([num_reqs] * 2, torch.int32, False, device))
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 
@@ -111,32 +120,32 @@ def rejection_sample_triton(
     q_stride = q.stride(0) if q_mode != ONE_HOT else 0
     q_ids_stride = q_ids.stride(0) if q_mode == SPARSE else 0
 
-    interpreted = device.type == "cpu"  # TRITON_INTERPRET: few, large programs run fastest
-    if chunk is None:
-        chunk = min(triton.next_power_of_2(vocab_size), 32768 if interpreted else GPU_CHUNK)
-    block_v = min(chunk, 16384 if interpreted else GPU_BLOCK_V)
-    num_warps = 4 if interpreted else GPU_NUM_WARPS
-    num_blocks = triton.cdiv(vocab_size, chunk)
-    num_blocks_pad = triton.next_power_of_2(num_blocks)
+    on_gpu = device.type != "cpu"  # CPU tensors run under TRITON_INTERPRET
+    if launch is None:
+        mode = "greedy" if all_greedy else ("one_hot", "dense", "sparse")[q_mode]
+        launch = default_launch(num_reqs, num_logits, vocab_size, mode) if on_gpu else INTERPRETER_LAUNCH
+    launch = launch.fit(vocab_size)
+    num_stats_blocks = triton.cdiv(vocab_size, launch.stats_chunk)
+    num_race_blocks = triton.cdiv(vocab_size, launch.race_chunk)
     (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
      race_best, race_token, fallback_best, fallback_token, race_counter) = _scratch(
-        num_logits, num_reqs, num_blocks, device)  # fmt: skip
+        num_logits, num_reqs, num_stats_blocks, num_race_blocks, device)  # fmt: skip
 
-    stats_accept_kernel[(num_reqs, num_cols, num_blocks)](
+    stats_accept_kernel[(num_reqs, num_cols, num_stats_blocks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, stats_counter,
-        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size, num_blocks, num_cols,
-        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v, NUM_BLOCKS_PAD=num_blocks_pad,
-        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=num_warps,
-        enable_fp_fusion=False,
+        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size, num_stats_blocks, num_cols,
+        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk, BLOCK_V=launch.stats_block_v,
+        NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_blocks), BLOCK_K=triton.next_power_of_2(num_q_ids),
+        BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=launch.stats_warps, enable_fp_fusion=False,
     )  # fmt: skip
     if not all_greedy:
-        race_kernel[(num_reqs, num_blocks)](
+        race_kernel[(num_reqs, num_race_blocks)](
             target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
             threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, race_mode,
-            race_best, race_token, fallback_best, fallback_token, race_counter, sampled, vocab_size, num_blocks,
-            num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=chunk, BLOCK_V=block_v,
-            NUM_BLOCKS_PAD=num_blocks_pad, FAST_LOG2=not interpreted, num_warps=num_warps,
-            enable_fp_fusion=False,
+            race_best, race_token, fallback_best, fallback_token, race_counter, sampled, vocab_size, num_race_blocks,
+            num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.race_chunk,
+            BLOCK_V=launch.race_block_v, NUM_BLOCKS_PAD=triton.next_power_of_2(num_race_blocks),
+            FAST_LOG2=on_gpu, num_warps=launch.race_warps, enable_fp_fusion=False,
         )  # fmt: skip
     return RejectionOutput(sampled, num_sampled, num_rejected)

@@ -10,6 +10,7 @@ import torch
 
 from kernels import RejectionOutput, SparseDraftProbs, rejection_sample
 from kernels.triton_rejection import rejection_sample_triton
+from kernels.triton_rejection_launch import Launch
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,17 @@ class Batch:
     def draft_probs(self, mode: str) -> SparseDraftProbs | torch.Tensor | None:
         return {"one_hot": None, "dense": self.dense_q, "sparse": self.sparse_q}[mode]
 
-    def sample(self, mode: str = "one_hot", backend: str = "reference", chunk: int | None = None) -> RejectionOutput:
-        """``chunk``: vocabulary ids per Triton program (a power of 2), to split rows across programs."""
+    def sample(
+        self, mode: str = "one_hot", backend: str = "reference", chunk: int | None = None, launch: Launch | None = None
+    ) -> RejectionOutput:
+        """Triton with a launch shape: ``launch``, or ``chunk`` vocabulary ids (a power of 2) per
+        program and per tile in both kernels, to split rows across programs."""
         if chunk is not None:
+            launch = Launch(chunk, chunk, 4, chunk, chunk, 4)
+        if launch is not None:
             return rejection_sample_triton(
                 self.logits, self.drafts, self.cu_num_draft, self.temperature, self.top_k, self.top_p,
-                self.seeds, self.positions, self.draft_probs(mode), chunk=chunk,
+                self.seeds, self.positions, self.draft_probs(mode), launch=launch,
             )  # fmt: skip
         return rejection_sample(
             self.logits,

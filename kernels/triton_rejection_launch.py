@@ -1,0 +1,70 @@
+"""Launch shapes of the rejection sampler's two kernels (``kernels/triton_rejection.py``).
+
+A launch shape says how each kernel cuts a vocabulary row into programs: ``chunk`` ids per program,
+tiles of ``block_v`` ids, ``warps`` per program. The stats kernel and the race kernel choose theirs
+independently. The shape changes speed, not tokens: every argmax keeps the lowest id among equal
+scores whatever the chunking. Only the softmax sum's rounding depends on the stats chunking, so a
+token could change only where an acceptance test or a residual race ties to the last bit (the same
+caveat as between the kernels and the reference; ``benchmarks/rejection_sweep.py`` checks it).
+
+``default_launch`` picks the GPU shape per call from ``LAUNCH_TABLE``; ``benchmarks/rejection_sweep.py``
+times the candidates and prints a table in this format.
+"""
+
+import sys
+from dataclasses import dataclass
+
+MODES = ("greedy", "one_hot", "dense", "sparse")
+
+
+@dataclass(frozen=True)
+class Launch:
+    stats_chunk: int  # vocabulary ids per stats program (a power of 2)
+    stats_block_v: int  # ids per tile (a power of 2, <= stats_chunk)
+    stats_warps: int
+    race_chunk: int  # the same for the race kernel
+    race_block_v: int
+    race_warps: int
+
+    def __post_init__(self) -> None:
+        for kernel in ("stats", "race"):
+            chunk, block_v = getattr(self, f"{kernel}_chunk"), getattr(self, f"{kernel}_block_v")
+            if not (_power_of_2(chunk) and _power_of_2(block_v) and block_v <= chunk):
+                raise ValueError(f"{kernel}: chunk and block_v must be powers of 2 with block_v <= chunk, got {self}")
+            if not _power_of_2(getattr(self, f"{kernel}_warps")):
+                raise ValueError(f"{kernel}_warps must be a power of 2, got {self}")
+
+    def fit(self, vocab_size: int) -> "Launch":
+        """No program wider than the vocabulary (rounded up to a power of 2)."""
+        width = 1 << max(vocab_size - 1, 0).bit_length()
+        if self.stats_chunk <= width and self.race_chunk <= width:
+            return self
+        stats_chunk, race_chunk = min(self.stats_chunk, width), min(self.race_chunk, width)
+        return Launch(
+            stats_chunk, min(self.stats_block_v, stats_chunk), self.stats_warps,
+            race_chunk, min(self.race_block_v, race_chunk), self.race_warps,
+        )  # fmt: skip
+
+
+def _power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# The interpreter (TRITON_INTERPRET, CPU tensors) runs few, large programs fastest.
+INTERPRETER_LAUNCH = Launch(32768, 16384, 4, 32768, 16384, 4)
+GPU_LAUNCH = Launch(8192, 1024, 4, 8192, 1024, 4)
+# Mode class ("greedy" or "random") -> ((largest num_reqs, launch), ...) in increasing num_reqs.
+LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
+    "greedy": ((sys.maxsize, GPU_LAUNCH),),
+    "random": ((sys.maxsize, GPU_LAUNCH),),
+}
+
+
+def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -> Launch:
+    """The GPU launch shape for a call; ``mode`` is one of ``MODES`` ("greedy": every request is)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for max_reqs, launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]:
+        if num_reqs <= max_reqs:
+            return launch
+    return GPU_LAUNCH

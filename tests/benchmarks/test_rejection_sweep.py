@@ -1,0 +1,48 @@
+"""benchmarks/rejection_sweep.py runs on a GPU only for real; its CPU smoke run (Triton's interpreter)
+goes through every step: compiling in a worker process, checking, timing, the suggested table."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kernels.triton_rejection_launch import Launch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_sweep_checks_times_and_suggests_a_table(tmp_path):
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rejection_sweep.py"), "--device", "cpu", "--tiny"]
+        + ["--jobs", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "!!!" not in proc.stdout, proc.stdout
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["results"]] == ["greedy", "dense"]
+    assert result["summary"]["failures"] == 0
+    for r in result["results"]:
+        assert len(r["stats_us"]) == 3  # the default and two candidates
+        assert r["suggested_us"] > 0 and r["default_again_us"] > 0
+    table: dict = {}
+    exec(result["summary"]["launch_table"], {"sys": sys, "Launch": Launch}, table)
+    assert set(table["LAUNCH_TABLE"]) == {"greedy", "random"}
+
+
+def test_table_literal_merges_batch_buckets_with_the_same_launch(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from rejection_sweep import table_literal
+
+    a, b = Launch(2048, 512, 4, 1024, 256, 2), Launch(8192, 1024, 8, 4096, 1024, 4)
+    literal = "\n".join(table_literal({"random": {1: a, 8: a, 64: b, 256: b}, "greedy": {1: b}}))
+    table: dict = {}
+    exec(literal, {"sys": sys, "Launch": Launch}, table)
+    assert table["LAUNCH_TABLE"] == {"random": ((8, a), (sys.maxsize, b)), "greedy": ((sys.maxsize, b),)}
