@@ -231,7 +231,13 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py; --no-layer-kernels: torch ops)",
     )
-    p.add_argument("--gemv", action="store_true", help="Triton GEMV for the linears (kernels/gemv.py; default cuBLAS)")
+    p.add_argument(
+        "--gemv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Triton GEMV for the linears: default for the measured shapes (kernels/gemv_configs.py), --gemv every "
+        "shape, --no-gemv cuBLAS",
+    )
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors

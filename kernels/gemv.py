@@ -242,9 +242,12 @@ def gemv(
     return out.view(*x.shape[:-1], n)
 
 
-def linear_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+def linear_config(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, measured_only: bool = False
+) -> GemvConfig | None:
     """The configuration `linear` runs the GEMV with, or None for F.linear: CUDA tensors of one 16-bit
-    dtype that need no gradient, 1 <= M <= MAX_M, a unit-stride weight, and no table entry for cuBLAS."""
+    dtype that need no gradient, 1 <= M <= MAX_M, a unit-stride weight, and no table entry for cuBLAS
+    (`measured_only`: and a table entry at all)."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != x.dtype for t in tensors):
         return None
@@ -255,10 +258,12 @@ def linear_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m = math.prod(x.shape[:-1])
     if not 1 <= m <= MAX_M:
         return None
-    return config_for(weight.shape[0], weight.shape[1], m, num_sms(x.device))
+    return config_for(weight.shape[0], weight.shape[1], m, num_sms(x.device), measured_only)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, measured_only: bool = False
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: by the Triton GEMV where `linear_config` gives one, else by torch."""
-    config = linear_config(x, weight, bias)
+    config = linear_config(x, weight, bias, measured_only)
     return F.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)

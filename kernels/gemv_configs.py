@@ -25,7 +25,69 @@ class GemvConfig:
     num_stages: int = 1
 
 
-CONFIGS: dict[tuple[int, int, int], GemvConfig | None] = {}
+# benchmarks/gemv.py on one H200 (2026-11-29): the Qwen2-7B shapes.
+CONFIGS: dict[tuple[int, int, int], GemvConfig | None] = {
+    # qkv: triton 10.5 µs, torch 11.5 µs
+    (4608, 3584, 1): GemvConfig(dot=False, block_n=8, block_k=512, split_k=1, num_warps=4, num_stages=1),
+    # qkv: triton 13.6 µs, torch 11.3 µs
+    (4608, 3584, 2): None,
+    # qkv: triton 13.5 µs, torch 11.3 µs
+    (4608, 3584, 4): None,
+    # qkv: triton 13.6 µs, torch 11.5 µs
+    (4608, 3584, 8): None,
+    # qkv: triton 13.7 µs, torch 11.5 µs
+    (4608, 3584, 16): None,
+    # qkv: triton 15.6 µs, torch 11.7 µs
+    (4608, 3584, 32): None,
+    # o_proj: triton 9.0 µs, torch 12.0 µs
+    (3584, 3584, 1): GemvConfig(dot=False, block_n=16, block_k=512, split_k=1, num_warps=8, num_stages=1),
+    # o_proj: triton 11.5 µs, torch 12.1 µs
+    (3584, 3584, 2): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # o_proj: triton 11.4 µs, torch 12.1 µs
+    (3584, 3584, 4): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # o_proj: triton 11.3 µs, torch 12.1 µs
+    (3584, 3584, 8): GemvConfig(dot=True, block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    # o_proj: triton 11.5 µs, torch 12.4 µs
+    (3584, 3584, 16): GemvConfig(dot=True, block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    # o_proj: triton 12.4 µs, torch 12.6 µs
+    (3584, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=5, num_warps=4, num_stages=4),
+    # gate_up: triton 62.4 µs, torch 68.1 µs
+    (37888, 3584, 1): GemvConfig(dot=False, block_n=32, block_k=256, split_k=1, num_warps=8, num_stages=1),
+    # gate_up: triton 65.4 µs, torch 68.1 µs
+    (37888, 3584, 2): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # gate_up: triton 65.6 µs, torch 67.2 µs
+    (37888, 3584, 4): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # gate_up: triton 65.7 µs, torch 68.8 µs
+    (37888, 3584, 8): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # gate_up: triton 66.1 µs, torch 68.8 µs
+    (37888, 3584, 16): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # gate_up: triton 68.2 µs, torch 70.2 µs
+    (37888, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # down: triton 35.8 µs, torch 38.2 µs
+    (3584, 18944, 1): GemvConfig(dot=False, block_n=32, block_k=256, split_k=3, num_warps=8, num_stages=1),
+    # down: triton 36.2 µs, torch 38.5 µs
+    (3584, 18944, 2): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # down: triton 36.5 µs, torch 39.0 µs
+    (3584, 18944, 4): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # down: triton 36.6 µs, torch 38.8 µs
+    (3584, 18944, 8): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # down: triton 37.5 µs, torch 40.0 µs
+    (3584, 18944, 16): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
+    # down: triton 40.5 µs, torch 39.7 µs
+    (3584, 18944, 32): None,
+    # lm_head: triton 236.7 µs, torch 248.6 µs
+    (152064, 3584, 1): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # lm_head: triton 237.8 µs, torch 249.3 µs
+    (152064, 3584, 2): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # lm_head: triton 239.5 µs, torch 250.1 µs
+    (152064, 3584, 4): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # lm_head: triton 241.7 µs, torch 251.8 µs
+    (152064, 3584, 8): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # lm_head: triton 245.1 µs, torch 253.7 µs
+    (152064, 3584, 16): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # lm_head: triton 251.5 µs, torch 257.0 µs
+    (152064, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+}
 
 
 def m_bucket(m: int) -> int:
@@ -64,7 +126,10 @@ def default_config(n: int, k: int, m: int, num_sms: int) -> GemvConfig:
     return GemvConfig(dot, block_n, block_k, split_k, num_warps=4, num_stages=num_stages)
 
 
-def config_for(n: int, k: int, m: int, num_sms: int) -> GemvConfig | None:
-    """The table's entry for (n, k, bucket of m), else `default_config`; None: use F.linear."""
+def config_for(n: int, k: int, m: int, num_sms: int, measured_only: bool = False) -> GemvConfig | None:
+    """The table's entry for (n, k, bucket of m), else `default_config` (`measured_only`: else None);
+    None: use F.linear."""
     key = (n, k, m_bucket(m))
-    return CONFIGS[key] if key in CONFIGS else default_config(n, k, m, num_sms)
+    if key in CONFIGS:
+        return CONFIGS[key]
+    return None if measured_only else default_config(n, k, m, num_sms)

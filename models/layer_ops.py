@@ -12,10 +12,11 @@ The kernels are **on by default** for CUDA tensors; the servers' `--no-layer-ker
 they equal the torch ops within fp32 rounding (whole tiny models: logits within 4e-6) and cut the 7B
 decode step at batch 1 from 6.96 to 4.94 ms (`benchmarks/results/e2e_h200.md`).
 
-The linears (`linear`) can run the Triton GEMV of `kernels/gemv.py` for steps of at most 32 tokens;
-it is **off by default**: `enable_gemv(True)` (the servers' and benchmarks' `--gemv`) turns it on.
-Its launch configurations come from `benchmarks/gemv.py` on the H200; shapes or token counts where
-cuBLAS measured faster, and everything off CUDA, keep `F.linear`.
+The linears (`linear`) run the Triton GEMV of `kernels/gemv.py` for steps of at most 32 tokens, **by
+default only for the shapes `benchmarks/gemv.py` measured on the H200** (`kernels/gemv_configs.py`;
+there it beat cuBLAS on most (shape, tokens) entries, the others keep `F.linear`); `enable_gemv(True)`
+(the servers' `--gemv`) also runs unmeasured shapes with a default launch, `enable_gemv(False)`
+(`--no-gemv`) keeps cuBLAS everywhere. Everything off CUDA keeps `F.linear`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from models.rotary import apply_rotary
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _enabled = True
-_gemv_enabled = False
+_gemv_mode = "measured"  # "off", "measured" (shapes in the table), "all"
 
 
 def enable_layer_kernels(on: bool = True) -> None:
@@ -47,15 +48,16 @@ def use_triton(x: torch.Tensor) -> bool:
     return _enabled and x.is_cuda and not _INTERPRETED
 
 
-def enable_gemv(on: bool = True) -> None:
-    """Process-wide: linears on CUDA tensors of few tokens run the Triton GEMV, or (the default) cuBLAS."""
-    global _gemv_enabled
-    _gemv_enabled = on
+def enable_gemv(on: bool | None = True) -> None:
+    """Process-wide: linears on CUDA tensors of few tokens run the Triton GEMV for every shape (True),
+    for the measured shapes only (None, the default), or nowhere (False: cuBLAS)."""
+    global _gemv_mode
+    _gemv_mode = {True: "all", None: "measured", False: "off"}[on]
 
 
 def use_gemv(x: torch.Tensor) -> bool:
     """Whether `linear` on `x` may take the Triton GEMV: when enabled, on CUDA, unless Triton is interpreted."""
-    return _gemv_enabled and x.is_cuda and not _INTERPRETED
+    return _gemv_mode != "off" and x.is_cuda and not _INTERPRETED
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -115,4 +117,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     # x: [T, in_features] → [T, out_features]; `layer(x)` unless the GEMV is on
     # (kernels.gemv.linear still keeps F.linear for shapes, token counts or dtypes it does not serve)
-    return gemv_linear(x, layer.weight, layer.bias) if use_gemv(x) else layer(x)
+    if use_gemv(x):
+        return gemv_linear(x, layer.weight, layer.bias, measured_only=_gemv_mode == "measured")
+    return layer(x)

@@ -37,8 +37,9 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     p.add_argument(
         "--gemv",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Triton GEMV for the linears of steps of <= 32 tokens on CUDA (default off: cuBLAS)",
+        default=None,
+        help="Triton GEMV for the linears of steps of <= 32 tokens on CUDA: by default for the shapes measured "
+        "faster than cuBLAS (kernels/gemv_configs.py); --gemv: every shape; --no-gemv: cuBLAS",
     )
 
 

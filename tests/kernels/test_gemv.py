@@ -103,6 +103,7 @@ def test_the_table_picks_configs_per_m_bucket_and_none_means_torch(monkeypatch):
     assert config_for(24, 32, 3, 132) is tuned
     assert config_for(24, 32, 7, 132) is None
     assert config_for(24, 32, 1, 132) == gemv_configs.default_config(24, 32, 1, 132)
+    assert config_for(24, 32, 1, 132, measured_only=True) is None  # the servers' default: measured shapes only
 
 
 def test_linear_keeps_f_linear_off_cuda_and_for_gradients():

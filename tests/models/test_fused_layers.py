@@ -104,7 +104,7 @@ def _force_gemv(monkeypatch) -> list[tuple[int, int]]:
     returns the list that collects each call's weight shape."""
     launched = []
 
-    def gemv_linear(x, weight, bias):
+    def gemv_linear(x, weight, bias, measured_only=False):
         launched.append(tuple(weight.shape))
         return gemv(x, weight, bias)
 
@@ -149,10 +149,12 @@ def test_cuda_tensors_dispatch_to_triton_unless_interpreted(monkeypatch):
     on_cuda = SimpleNamespace(is_cuda=True)  # no GPU here: only the predicate is under test
     monkeypatch.setattr(layer_ops, "_INTERPRETED", False)
     assert layer_ops.use_triton(on_cuda)  # on by default
-    assert not layer_ops.use_gemv(on_cuda)  # off by default
+    assert layer_ops.use_gemv(on_cuda)  # on by default (for the measured shapes)
     monkeypatch.setattr(layer_ops, "_enabled", False)  # --no-layer-kernels
-    monkeypatch.setattr(layer_ops, "_gemv_enabled", True)  # --gemv
+    monkeypatch.setattr(layer_ops, "_gemv_mode", "off")  # --no-gemv
     assert not layer_ops.use_triton(on_cuda)
+    assert not layer_ops.use_gemv(on_cuda)
+    monkeypatch.setattr(layer_ops, "_gemv_mode", "all")  # --gemv
     assert layer_ops.use_gemv(on_cuda)
     monkeypatch.setattr(layer_ops, "_enabled", True)
     assert not layer_ops.use_triton(torch.zeros(2)) and not layer_ops.use_gemv(torch.zeros(2))
@@ -190,8 +192,10 @@ def test_servers_turn_the_layer_kernels_off_only_when_asked(monkeypatch):
     p = argparse.ArgumentParser()
     add_model_arguments(p, "steps")
     monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
-    monkeypatch.setattr(layer_ops, "_gemv_enabled", layer_ops._gemv_enabled)
+    monkeypatch.setattr(layer_ops, "_gemv_mode", layer_ops._gemv_mode)
     apply_layer_kernels_option(p.parse_args(["--no-layer-kernels", "--gemv"]))
-    assert not layer_ops._enabled and layer_ops._gemv_enabled
+    assert not layer_ops._enabled and layer_ops._gemv_mode == "all"
+    apply_layer_kernels_option(p.parse_args(["--no-gemv"]))
+    assert layer_ops._gemv_mode == "off"
     apply_layer_kernels_option(p.parse_args([]))
-    assert layer_ops._enabled and not layer_ops._gemv_enabled
+    assert layer_ops._enabled and layer_ops._gemv_mode == "measured"
