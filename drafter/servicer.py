@@ -12,7 +12,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
-from models.device import device_executor
+from models.device import StepThread
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, fill_tensor_proto, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -66,7 +66,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.runner: DrafterRunner | None = None
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
-        self._executor = device_executor(device, 1, "drafter-step")
+        self._steps = StepThread(device, "drafter-step")
         self._lock = asyncio.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
         self._draining = asyncio.Event()
@@ -121,7 +121,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def _handle(self, request: drafter_pb2.ProposeRequest, parent) -> drafter_pb2.ProposeResponse:
         """One Propose; raises SpecsplitError with the status the caller should get."""
-        loop = asyncio.get_running_loop()
         t_arrival = time.time_ns()
         attrs = {
             "specsplit.iteration": request.iteration,
@@ -132,7 +131,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._queued += 1
             try:
                 async with self._lock:
-                    out = await loop.run_in_executor(self._executor, self._propose, request)
+                    out = await self._steps.run(self._propose, request)
             finally:
                 self._queued -= 1
             t0, t1, t2 = out.stamps_ns
@@ -152,10 +151,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def OpenHiddenTransport(self, request, context):
         await self._require_ready(context)
-        loop = asyncio.get_running_loop()
         try:
             async with self._lock:  # never while a Propose is receiving
-                await loop.run_in_executor(self._executor, self.receiver.open, request)
+                await self._steps.run(self.receiver.open, request)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
         return drafter_pb2.OpenHiddenTransportResponse(device=str(self.receiver.device))
