@@ -90,22 +90,45 @@ class BidiStream:
 
 async def until_draining(request_iterator: AsyncIterable, draining: asyncio.Event) -> AsyncIterator:
     """A server stream's requests, ending when the caller closes it or when the server begins draining
-    (SIGTERM) while it waits for the next one: an idle persistent stream must not hold the grace period."""
+    (SIGTERM) while it waits for the next one: an idle persistent stream must not hold the grace period.
+
+    The handler awaits each request directly (no task per request: a request wakes the handler in one
+    event-loop step); draining cancels that wait, through one watcher per stream."""
     requests = request_iterator.__aiter__()
-    while (request := await _next_unless_draining(requests, draining)) is not None:
-        yield request
+    task = asyncio.current_task()
+    state = _WaitState()
 
+    def on_drain(_future) -> None:
+        if state.waiting and not state.cancelled:
+            state.cancelled = True
+            task.cancel()
 
-async def _next_unless_draining(requests: AsyncIterator, draining: asyncio.Event):
-    """The stream's next request, or None when the caller closed it or draining began first."""
-    next_request = asyncio.ensure_future(requests.__anext__())
-    drain = asyncio.ensure_future(draining.wait())
-    done, _ = await asyncio.wait({next_request, drain}, return_when=asyncio.FIRST_COMPLETED)
-    drain.cancel()
-    if next_request not in done:
-        next_request.cancel()
-        return None
+    watcher = asyncio.ensure_future(draining.wait())
+    watcher.add_done_callback(on_drain)
     try:
-        return next_request.result()
-    except StopAsyncIteration:
-        return None
+        while not draining.is_set():
+            state.waiting = True
+            try:
+                request = await requests.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not state.cancelled:  # the call itself was cancelled
+                    raise
+                if hasattr(task, "uncancel"):  # Python 3.11+: this cancel is handled here
+                    task.uncancel()
+                return
+            finally:
+                state.waiting = False
+            yield request
+    finally:
+        watcher.remove_done_callback(on_drain)
+        watcher.cancel()
+
+
+class _WaitState:
+    __slots__ = ("waiting", "cancelled")
+
+    def __init__(self) -> None:
+        self.waiting = False
+        self.cancelled = False
