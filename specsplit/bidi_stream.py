@@ -10,11 +10,12 @@ verifier → drafter (`ProposeStream`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import grpc
+
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 class StreamError(grpc.RpcError):
@@ -48,31 +49,35 @@ class BidiStream:
         """Writes one request; `receive()` reads its response (the caller may work in between)."""
         if self._call is None:
             self._call = self._open_call()
-        async with self._failures():
+        try:
             await self._call.write(request)
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.TimeoutError) as err:
+            raise await self._failure(err) from None
 
     async def receive(self):
         """The response to the request last sent."""
-        async with self._failures():
-            response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        try:
+            if _timeout is not None:
+                async with _timeout(self._timeout_s):  # no task per read (3.11's wait_for wraps the read in one)
+                    response = await self._call.read()
+            else:
+                response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.TimeoutError) as err:
+            raise await self._failure(err) from None
         if response is grpc.aio.EOF:
             self.close()
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream")
         return response
 
-    @contextlib.asynccontextmanager
-    async def _failures(self):
+    async def _failure(self, err: BaseException) -> BaseException:
         """Every failure closes the stream and surfaces as the status a unary call would have had."""
-        try:
-            yield
-        except grpc.RpcError:
+        if isinstance(err, grpc.RpcError):
             self.close()
-            raise
-        except (asyncio.InvalidStateError, grpc.aio.UsageError):  # the stream ended meanwhile (peer died)
-            raise await self._ended() from None
-        except asyncio.TimeoutError:
+            return err
+        if isinstance(err, asyncio.TimeoutError):
             self.close()
-            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
+            return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s")
+        return await self._ended()  # InvalidStateError / UsageError: the stream ended meanwhile (peer died)
 
     async def _ended(self) -> StreamError:
         """The status a stream that already finished ended with, as the error a unary call would raise."""
