@@ -12,13 +12,13 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
-from models.device import device_executor
+from models.device import StepThread
 from models.transport.base import HiddenStatesReceiver
-from models.wire import dtype_from_proto, fill_tensor_proto, tensor_nbytes
+from models.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
-from specsplit.telemetry import incoming_context
+from specsplit.telemetry import extract_trace_context, incoming_context
 
 tracer = trace.get_tracer("specsplit.drafter")
 meter = metrics.get_meter("specsplit.drafter")
@@ -27,36 +27,53 @@ propose_latency = meter.create_histogram(
 )
 
 
+MAX_SPEC = 64  # bound on num_rejected and num_spec_tokens
+SEED_MASK = 2**63 - 1
+
+
 def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
+    """The request's items, validated; raises InvalidArgument naming the first bad field.
+
+    Every field is read once and checked in one expression (token ids by their min and max); the
+    message saying what is wrong is worked out only for a bad item."""
     items, seen = [], set()
     for r in msg.requests:
-        if not r.request_id or r.request_id in seen:
-            raise InvalidArgument(f"empty or repeated request_id {r.request_id!r}")
-        seen.add(r.request_id)
-        if r.start_position < 0:
-            raise InvalidArgument(f"request {r.request_id!r}: negative start_position {r.start_position}")
-        if not r.next_token_ids:
-            raise InvalidArgument(f"request {r.request_id!r}: no next_token_ids (no hidden-state rows)")
-        if any(not 0 <= t < vocab_size for t in r.next_token_ids):
-            raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
-        if not 0 <= r.num_rejected <= 64:
-            raise InvalidArgument(f"request {r.request_id!r}: num_rejected {r.num_rejected} not in [0, 64]")
-        if not 0 <= r.num_spec_tokens <= 64:
-            raise InvalidArgument(f"request {r.request_id!r}: num_spec_tokens {r.num_spec_tokens} not in [0, 64]")
-        temperature = r.sampling.temperature
-        if not (temperature >= 0 and temperature <= 1e4):
-            raise InvalidArgument(f"request {r.request_id!r}: temperature {temperature} not in [0, 1e4]")
-        items.append(
-            ProposeItem(
-                r.request_id,
-                r.start_position,
-                list(r.next_token_ids),
-                r.num_spec_tokens,
-                temperature,
-                r.sampling.seed & (2**63 - 1),
-            )
-        )
+        rid, start, tokens, spec = r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens
+        sampling = r.sampling
+        temperature = sampling.temperature
+        if not (
+            rid
+            and rid not in seen
+            and start >= 0
+            and tokens
+            and min(tokens) >= 0
+            and max(tokens) < vocab_size
+            and 0 <= r.num_rejected <= MAX_SPEC
+            and 0 <= spec <= MAX_SPEC
+            and 0 <= temperature <= 1e4
+        ):
+            raise _invalid_item(r, seen, vocab_size)
+        seen.add(rid)
+        items.append(ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK))
     return items
+
+
+def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -> InvalidArgument:
+    """What is wrong with an item `parse_items` refused, the first failing check in its order."""
+    rid = r.request_id
+    if not rid or rid in seen:
+        return InvalidArgument(f"empty or repeated request_id {rid!r}")
+    if r.start_position < 0:
+        return InvalidArgument(f"request {rid!r}: negative start_position {r.start_position}")
+    if not r.next_token_ids:
+        return InvalidArgument(f"request {rid!r}: no next_token_ids (no hidden-state rows)")
+    if any(not 0 <= t < vocab_size for t in r.next_token_ids):
+        return InvalidArgument(f"request {rid!r}: token id outside the vocabulary [0, {vocab_size})")
+    if not 0 <= r.num_rejected <= MAX_SPEC:
+        return InvalidArgument(f"request {rid!r}: num_rejected {r.num_rejected} not in [0, {MAX_SPEC}]")
+    if not 0 <= r.num_spec_tokens <= MAX_SPEC:
+        return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_SPEC}]")
+    return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -66,7 +83,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.runner: DrafterRunner | None = None
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
-        self._executor = device_executor(device, 1, "drafter-step")
+        self._steps = StepThread(device, "drafter-step")
         self._lock = asyncio.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
         self._draining = asyncio.Event()
@@ -82,22 +99,27 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.receiver = receiver
         self.runner = runner
         self.model_info = model_info
+        self._vocab_size = model_info.vocab_size
+        param = next(runner.mtp.parameters())
+        self._hidden_layout = param.device, param.dtype  # where and how propose() takes the hidden states
 
     async def _require_ready(self, context) -> None:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
 
-    def _propose(self, request: drafter_pb2.ProposeRequest):
-        self.runner.free(list(request.finished_request_ids))
+    def _propose(self, request: drafter_pb2.ProposeRequest) -> tuple[list[ProposeItem], ProposeOutput]:
+        if request.finished_request_ids:
+            self.runner.free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
-        items = parse_items(request, self.model_info.vocab_size)
+        items = parse_items(request, self._vocab_size)
         rows = sum(len(item.next_token_ids) for item in items)
         if hidden.shape[0] != rows:
             raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
-        param = next(self.runner.mtp.parameters())
-        hidden = hidden.to(device=param.device, dtype=param.dtype)
-        return self.runner.propose(items, hidden)
+        device, dtype = self._hidden_layout
+        if hidden.dtype != dtype or hidden.device != device:
+            hidden = hidden.to(device=device, dtype=dtype)
+        return items, self.runner.propose(items, hidden)
 
     async def Propose(self, request, context):
         await self._require_ready(context)
@@ -109,9 +131,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def ProposeStream(self, request_iterator, context):
         await self._require_ready(context)
         async for request in until_draining(request_iterator, self._draining):
-            parent = incoming_context(list(request.trace_context.items()))
             try:
-                yield await self._handle(request, parent)
+                yield await self._handle(request, extract_trace_context(request.trace_context))
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
 
@@ -121,26 +142,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def _handle(self, request: drafter_pb2.ProposeRequest, parent) -> drafter_pb2.ProposeResponse:
         """One Propose; raises SpecsplitError with the status the caller should get."""
-        loop = asyncio.get_running_loop()
         t_arrival = time.time_ns()
-        attrs = {
-            "specsplit.iteration": request.iteration,
-            "specsplit.batch_size": len(request.requests),
-            "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
-        }
-        with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
+        span = tracer.start_span("Propose", parent, SpanKind.SERVER)
+        recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
+        if recording:
+            span.set_attributes(
+                {
+                    "specsplit.iteration": request.iteration,
+                    "specsplit.batch_size": len(request.requests),
+                    "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
+                }
+            )
+        with trace.use_span(span, end_on_exit=True):
             self._queued += 1
             try:
                 async with self._lock:
-                    out = await loop.run_in_executor(self._executor, self._propose, request)
+                    items, out = await self._steps.run(self._propose, request)
             finally:
                 self._queued -= 1
-            t0, t1, t2 = out.stamps_ns
-            tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
-            if t2 > t1:
-                tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
+            if recording:
+                t0, t1, t2 = out.stamps_ns
+                tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
+                if t2 > t1:
+                    tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
         propose_latency.record((time.time_ns() - t_arrival) / 1e9)
-        response = propose_response(request, out, t_arrival)
+        response = propose_response(items, out, t_arrival)
         response.replied_ns = time.time_ns()
         return response
 
@@ -152,10 +178,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def OpenHiddenTransport(self, request, context):
         await self._require_ready(context)
-        loop = asyncio.get_running_loop()
         try:
             async with self._lock:  # never while a Propose is receiving
-                await loop.run_in_executor(self._executor, self.receiver.open, request)
+                await self._steps.run(self.receiver.open, request)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
         return drafter_pb2.OpenHiddenTransportResponse(device=str(self.receiver.device))
@@ -171,16 +196,21 @@ def _handle_bytes(request: drafter_pb2.ProposeRequest) -> int:
     return h.num_rows * h.hidden_size * dtype.itemsize if dtype is not None else 0
 
 
-def propose_response(
-    request: drafter_pb2.ProposeRequest, out: ProposeOutput, received_ns: int
-) -> drafter_pb2.ProposeResponse:
+def propose_response(items: list[ProposeItem], out: ProposeOutput, received_ns: int) -> drafter_pb2.ProposeResponse:
     """Drafts per request in request order (+ sparse q of sampled drafts) and the step times."""
     response = drafter_pb2.ProposeResponse(
         step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=received_ns
     )
-    for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
-        d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
+    add = response.drafts.add
+    q_msgs, q = [], []  # sampled drafts' q: filled all at once
+    for item, drafts, probs in zip(items, out.drafts, out.draft_probs or [None] * len(out.drafts)):
+        d = add()  # fields set one by one: add(request_id=..., token_ids=...) costs more
+        d.request_id = item.request_id
+        d.token_ids.extend(drafts)
         if probs is not None:
-            fill_tensor_proto(d.draft_probs.token_ids, probs[0].to(torch.int32))
-            fill_tensor_proto(d.draft_probs.probs, probs[1].to(torch.float32))
+            q_msgs.append(d.draft_probs)
+            q.append(probs)
+    if q:
+        fill_tensor_protos([m.token_ids for m in q_msgs], [ids for ids, _ in q], torch.int32)
+        fill_tensor_protos([m.probs for m in q_msgs], [probs for _, probs in q], torch.float32)
     return response

@@ -10,11 +10,12 @@ verifier → drafter (`ProposeStream`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import grpc
+
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 class StreamError(grpc.RpcError):
@@ -48,31 +49,35 @@ class BidiStream:
         """Writes one request; `receive()` reads its response (the caller may work in between)."""
         if self._call is None:
             self._call = self._open_call()
-        async with self._failures():
+        try:
             await self._call.write(request)
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.TimeoutError) as err:
+            raise await self._failure(err) from None
 
     async def receive(self):
         """The response to the request last sent."""
-        async with self._failures():
-            response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        try:
+            if _timeout is not None:
+                async with _timeout(self._timeout_s):  # no task per read (3.11's wait_for wraps the read in one)
+                    response = await self._call.read()
+            else:
+                response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.TimeoutError) as err:
+            raise await self._failure(err) from None
         if response is grpc.aio.EOF:
             self.close()
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream")
         return response
 
-    @contextlib.asynccontextmanager
-    async def _failures(self):
+    async def _failure(self, err: BaseException) -> BaseException:
         """Every failure closes the stream and surfaces as the status a unary call would have had."""
-        try:
-            yield
-        except grpc.RpcError:
+        if isinstance(err, grpc.RpcError):
             self.close()
-            raise
-        except (asyncio.InvalidStateError, grpc.aio.UsageError):  # the stream ended meanwhile (peer died)
-            raise await self._ended() from None
-        except asyncio.TimeoutError:
+            return err
+        if isinstance(err, asyncio.TimeoutError):
             self.close()
-            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
+            return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s")
+        return await self._ended()  # InvalidStateError / UsageError: the stream ended meanwhile (peer died)
 
     async def _ended(self) -> StreamError:
         """The status a stream that already finished ended with, as the error a unary call would raise."""
@@ -90,22 +95,45 @@ class BidiStream:
 
 async def until_draining(request_iterator: AsyncIterable, draining: asyncio.Event) -> AsyncIterator:
     """A server stream's requests, ending when the caller closes it or when the server begins draining
-    (SIGTERM) while it waits for the next one: an idle persistent stream must not hold the grace period."""
+    (SIGTERM) while it waits for the next one: an idle persistent stream must not hold the grace period.
+
+    The handler awaits each request directly (no task per request: a request wakes the handler in one
+    event-loop step); draining cancels that wait, through one watcher per stream."""
     requests = request_iterator.__aiter__()
-    while (request := await _next_unless_draining(requests, draining)) is not None:
-        yield request
+    task = asyncio.current_task()
+    state = _WaitState()
 
+    def on_drain(_future) -> None:
+        if state.waiting and not state.cancelled:
+            state.cancelled = True
+            task.cancel()
 
-async def _next_unless_draining(requests: AsyncIterator, draining: asyncio.Event):
-    """The stream's next request, or None when the caller closed it or draining began first."""
-    next_request = asyncio.ensure_future(requests.__anext__())
-    drain = asyncio.ensure_future(draining.wait())
-    done, _ = await asyncio.wait({next_request, drain}, return_when=asyncio.FIRST_COMPLETED)
-    drain.cancel()
-    if next_request not in done:
-        next_request.cancel()
-        return None
+    watcher = asyncio.ensure_future(draining.wait())
+    watcher.add_done_callback(on_drain)
     try:
-        return next_request.result()
-    except StopAsyncIteration:
-        return None
+        while not draining.is_set():
+            state.waiting = True
+            try:
+                request = await requests.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not state.cancelled:  # the call itself was cancelled
+                    raise
+                if hasattr(task, "uncancel"):  # Python 3.11+: this cancel is handled here
+                    task.uncancel()
+                return
+            finally:
+                state.waiting = False
+            yield request
+    finally:
+        watcher.remove_done_callback(on_drain)
+        watcher.cancel()
+
+
+class _WaitState:
+    __slots__ = ("waiting", "cancelled")
+
+    def __init__(self) -> None:
+        self.waiting = False
+        self.cancelled = False

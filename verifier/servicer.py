@@ -16,7 +16,7 @@ import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
-from models.device import device_executor
+from models.device import StepThread
 from models.kv_cache import PagedKVCache
 from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -45,7 +45,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.device = device
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
-        self._executor = device_executor(device, 1, "verifier-step")
+        self._steps = StepThread(device, "verifier-step")
         # One step at a time, together with handing its hidden states to the transport; the Propose
         # round trip runs outside it, so another micro-batch's step can run meanwhile.
         self._lock = asyncio.Lock()
@@ -142,7 +142,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             async with self._lock:
                 self.drafter.free(list(request.finished_request_ids))
                 unfilled = self._held.fill(request)
-                batch, step = await loop.run_in_executor(self._executor, self._prepare_and_step, request)
+                batch, step = await self._steps.run(self._prepare_and_step, request)
                 t0, t1, t2, t3 = step.stamps_ns
                 tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
                 tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
