@@ -7,6 +7,7 @@ import time
 import pytest
 
 from specsplit import Client
+from specsplit.launcher import LocalCluster
 
 MAX_TOKENS = 24
 
@@ -17,8 +18,24 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(length)] for length in lengths]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_concurrent_greedy_with_joins_equals_transformers_generate(cluster, hf_greedy, k):
+@pytest.fixture(scope="module")
+def sync_cluster(tiny_checkpoint, tmp_path_factory):
+    """The drafts come back with the tokens (`--no-async-scheduling`), the coordinator's other mode."""
+    with LocalCluster(
+        tiny_checkpoint,
+        num_speculative_tokens=3,
+        log_dir=tmp_path_factory.mktemp("logs-sync"),
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-async-scheduling"],
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("k", "scheduling"),
+    [(1, "async"), (3, "async"), (3, "sync")],  # async scheduling is the default
+)
+def test_concurrent_greedy_with_joins_equals_transformers_generate(request, hf_greedy, k, scheduling):
+    cluster = request.getfixturevalue("cluster" if scheduling == "async" else "sync_cluster")
     ps = prompts(8, seed=k)
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
@@ -47,6 +64,8 @@ def test_concurrent_greedy_with_joins_equals_transformers_generate(cluster, hf_g
     assert not errors, errors
     for i, p in enumerate(ps):
         assert results[i] == hf_greedy(p, MAX_TOKENS), f"prompt {i} (len {len(p)})"
+    with Client(cluster.address, timeout=60) as client:  # speculation ran: drafts were verified
+        assert client.generate(prompt_token_ids=ps[0], max_tokens=12).stats.num_draft_tokens > 0
 
 
 def test_text_prompt_streams_text_and_stats(cluster, hf_greedy, tiny_checkpoint):
