@@ -27,36 +27,53 @@ propose_latency = meter.create_histogram(
 )
 
 
+MAX_DRAFTS = 64  # bound on num_spec_tokens and num_rejected
+SEED_MASK = 2**63 - 1
+
+
 def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
+    """The request's items, validated; raises InvalidArgument naming the first bad field.
+
+    Every field is read once and checked in one expression (token ids by their min and max); the
+    message saying what is wrong is worked out only for a bad item."""
     items, seen = [], set()
     for r in msg.requests:
-        if not r.request_id or r.request_id in seen:
-            raise InvalidArgument(f"empty or repeated request_id {r.request_id!r}")
-        seen.add(r.request_id)
-        if r.start_position < 0:
-            raise InvalidArgument(f"request {r.request_id!r}: negative start_position {r.start_position}")
-        if not r.next_token_ids:
-            raise InvalidArgument(f"request {r.request_id!r}: no next_token_ids (no hidden-state rows)")
-        if any(not 0 <= t < vocab_size for t in r.next_token_ids):
-            raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
-        if not 0 <= r.num_rejected <= 64:
-            raise InvalidArgument(f"request {r.request_id!r}: num_rejected {r.num_rejected} not in [0, 64]")
-        if not 0 <= r.num_spec_tokens <= 64:
-            raise InvalidArgument(f"request {r.request_id!r}: num_spec_tokens {r.num_spec_tokens} not in [0, 64]")
-        temperature = r.sampling.temperature
-        if not (temperature >= 0 and temperature <= 1e4):
-            raise InvalidArgument(f"request {r.request_id!r}: temperature {temperature} not in [0, 1e4]")
-        items.append(
-            ProposeItem(
-                r.request_id,
-                r.start_position,
-                list(r.next_token_ids),
-                r.num_spec_tokens,
-                temperature,
-                r.sampling.seed & (2**63 - 1),
-            )
-        )
+        rid, start, tokens, spec = r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens
+        sampling = r.sampling
+        temperature = sampling.temperature
+        if not (
+            rid
+            and rid not in seen
+            and start >= 0
+            and tokens
+            and min(tokens) >= 0
+            and max(tokens) < vocab_size
+            and 0 <= r.num_rejected <= MAX_DRAFTS
+            and 0 <= spec <= MAX_DRAFTS
+            and 0 <= temperature <= 1e4
+        ):
+            raise _invalid_item(r, seen, vocab_size)
+        seen.add(rid)
+        items.append(ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK))
     return items
+
+
+def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -> InvalidArgument:
+    """What is wrong with an item `parse_items` refused, the first failing check in its order."""
+    rid = r.request_id
+    if not rid or rid in seen:
+        return InvalidArgument(f"empty or repeated request_id {rid!r}")
+    if r.start_position < 0:
+        return InvalidArgument(f"request {rid!r}: negative start_position {r.start_position}")
+    if not r.next_token_ids:
+        return InvalidArgument(f"request {rid!r}: no next_token_ids (no hidden-state rows)")
+    if any(not 0 <= t < vocab_size for t in r.next_token_ids):
+        return InvalidArgument(f"request {rid!r}: token id outside the vocabulary [0, {vocab_size})")
+    if not 0 <= r.num_rejected <= MAX_DRAFTS:
+        return InvalidArgument(f"request {rid!r}: num_rejected {r.num_rejected} not in [0, {MAX_DRAFTS}]")
+    if not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
+        return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_DRAFTS}]")
+    return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

@@ -1,0 +1,47 @@
+"""The drafter's ProposeRequest validation: items as the runner wants them, or INVALID_ARGUMENT naming
+the first bad field of the first bad item."""
+
+import math
+
+import pytest
+
+from drafter.runner import ProposeItem
+from drafter.servicer import parse_items
+from protos import common_pb2, drafter_pb2
+from specsplit.errors import InvalidArgument
+
+VOCAB = 100
+
+
+def _item(**kw) -> drafter_pb2.ProposeItem:
+    base = dict(request_id="a", start_position=3, next_token_ids=[1, 2], num_rejected=1, num_spec_tokens=3)
+    return drafter_pb2.ProposeItem(**{**base, **kw})
+
+
+def test_items_keep_request_order_and_fields():
+    sampling = common_pb2.SamplingParams(temperature=0.5, seed=2**64 - 1)
+    sampled = _item(request_id="b", next_token_ids=[99], sampling=sampling)
+    items = parse_items(drafter_pb2.ProposeRequest(requests=[_item(), sampled]), VOCAB)
+    assert items == [ProposeItem("a", 3, [1, 2], 3), ProposeItem("b", 3, [99], 3, 0.5, 2**63 - 1)]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(request_id=""), "empty or repeated request_id ''"),
+        (dict(request_id="a"), "empty or repeated request_id 'a'"),
+        (dict(start_position=-1), "request 'x': negative start_position -1"),
+        (dict(next_token_ids=[]), "request 'x': no next_token_ids"),
+        (dict(next_token_ids=[5, VOCAB]), f"request 'x': token id outside the vocabulary \\[0, {VOCAB}\\)"),
+        (dict(next_token_ids=[-1, 5]), "token id outside the vocabulary"),
+        (dict(num_rejected=65), "request 'x': num_rejected 65 not in \\[0, 64\\]"),
+        (dict(num_spec_tokens=-1), "request 'x': num_spec_tokens -1 not in \\[0, 64\\]"),
+        (dict(sampling=common_pb2.SamplingParams(temperature=-0.5)), "request 'x': temperature -0.5 not in"),
+        (dict(sampling=common_pb2.SamplingParams(temperature=math.nan)), "request 'x': temperature nan not in"),
+        (dict(start_position=-1, num_rejected=65), "negative start_position"),  # the first check that fails
+    ],
+)
+def test_a_bad_item_is_refused_naming_its_first_bad_field(bad, message):
+    msg = drafter_pb2.ProposeRequest(requests=[_item(), _item(**{"request_id": "x", **bad})])
+    with pytest.raises(InvalidArgument, match=message):
+        parse_items(msg, VOCAB)
