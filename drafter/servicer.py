@@ -18,7 +18,7 @@ from models.wire import dtype_from_proto, fill_tensor_proto, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
-from specsplit.telemetry import incoming_context
+from specsplit.telemetry import extract_trace_context, incoming_context
 
 tracer = trace.get_tracer("specsplit.drafter")
 meter = metrics.get_meter("specsplit.drafter")
@@ -126,9 +126,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def ProposeStream(self, request_iterator, context):
         await self._require_ready(context)
         async for request in until_draining(request_iterator, self._draining):
-            parent = incoming_context(list(request.trace_context.items()))
             try:
-                yield await self._handle(request, parent)
+                yield await self._handle(request, extract_trace_context(request.trace_context))
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
 

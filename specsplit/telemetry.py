@@ -11,7 +11,8 @@ Exporters are chosen by the standard variables:
 - `OTEL_SERVICE_NAME` overrides the service name (`specsplit-coordinator`, …); the OTLP exporter
   reads its own `OTEL_EXPORTER_OTLP_*` variables (endpoint, headers, insecure, …).
 W3C trace context travels in gRPC metadata (`traceparent`), injected by `outgoing_metadata()` and
-extracted by `incoming_context()`.
+extracted by `incoming_context()`; on persistent streams, in each message's `trace_context` map
+(`inject_trace_context()`, `extract_trace_context()`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 from opentelemetry import context as otel_context
@@ -135,6 +136,20 @@ def incoming_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel
     """The trace context a caller sent in gRPC metadata."""
     carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
     return propagate.extract(carrier)
+
+
+def inject_trace_context(carrier: MutableMapping[str, str]) -> None:
+    """Writes the current W3C trace context into a message's `trace_context` map, in place."""
+    propagate.inject(carrier)
+
+
+_NO_CONTEXT = otel_context.Context()
+
+
+def extract_trace_context(carrier: Mapping[str, str]) -> otel_context.Context:
+    """The trace context a caller wrote into a message's `trace_context` map, read in place; an empty
+    map (the caller does not trace) has nothing to parse."""
+    return propagate.extract(carrier) if carrier else _NO_CONTEXT
 
 
 class JsonLinesSpanExporter:

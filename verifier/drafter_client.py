@@ -31,7 +31,7 @@ from models.transport.grpc_bytes import GrpcSender
 from protos import common_pb2, drafter_pb2
 from specsplit.bidi_stream import BidiStream
 from specsplit.security import TlsFiles
-from specsplit.telemetry import outgoing_metadata
+from specsplit.telemetry import inject_trace_context, outgoing_metadata
 from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
 from verifier.input_batch import InputBatch
 from verifier.runner import StepOutput
@@ -227,7 +227,7 @@ class DrafterClient:
                 if self.rpc == "unary":
                     resp = await replica.stub.Propose(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
                 else:
-                    msg.trace_context.update(outgoing_metadata())
+                    inject_trace_context(msg.trace_context)
                     resp = await self._stream(replica).call(msg)
                 self.transport.finish(transfer, ok=True)
                 del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
