@@ -99,21 +99,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.receiver = receiver
         self.runner = runner
         self.model_info = model_info
+        self._vocab_size = model_info.vocab_size
+        param = next(runner.mtp.parameters())
+        self._hidden_layout = param.device, param.dtype  # where and how propose() takes the hidden states
 
     async def _require_ready(self, context) -> None:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
 
     def _propose(self, request: drafter_pb2.ProposeRequest):
-        self.runner.free(list(request.finished_request_ids))
+        if request.finished_request_ids:
+            self.runner.free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
-        items = parse_items(request, self.model_info.vocab_size)
+        items = parse_items(request, self._vocab_size)
         rows = sum(len(item.next_token_ids) for item in items)
         if hidden.shape[0] != rows:
             raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
-        param = next(self.runner.mtp.parameters())
-        hidden = hidden.to(device=param.device, dtype=param.dtype)
+        device, dtype = self._hidden_layout
+        if hidden.dtype != dtype or hidden.device != device:
+            hidden = hidden.to(device=device, dtype=dtype)
         return self.runner.propose(items, hidden)
 
     async def Propose(self, request, context):
