@@ -143,22 +143,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def _handle(self, request: drafter_pb2.ProposeRequest, parent) -> drafter_pb2.ProposeResponse:
         """One Propose; raises SpecsplitError with the status the caller should get."""
         t_arrival = time.time_ns()
-        attrs = {
-            "specsplit.iteration": request.iteration,
-            "specsplit.batch_size": len(request.requests),
-            "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
-        }
-        with tracer.start_as_current_span("Propose", context=parent, kind=SpanKind.SERVER, attributes=attrs):
+        span = tracer.start_span("Propose", parent, SpanKind.SERVER)
+        recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
+        if recording:
+            span.set_attributes(
+                {
+                    "specsplit.iteration": request.iteration,
+                    "specsplit.batch_size": len(request.requests),
+                    "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
+                }
+            )
+        with trace.use_span(span, end_on_exit=True):
             self._queued += 1
             try:
                 async with self._lock:
                     out = await self._steps.run(self._propose, request)
             finally:
                 self._queued -= 1
-            t0, t1, t2 = out.stamps_ns
-            tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
-            if t2 > t1:
-                tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
+            if recording:
+                t0, t1, t2 = out.stamps_ns
+                tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
+                if t2 > t1:
+                    tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
         propose_latency.record((time.time_ns() - t_arrival) / 1e9)
         response = propose_response(request, out, t_arrival)
         response.replied_ns = time.time_ns()
