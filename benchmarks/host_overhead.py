@@ -162,7 +162,7 @@ def fake_propose_output(items, k: int) -> ProposeOutput:
 
 def drafter_response(propose_msg, k: int, sampled: bool) -> drafter_pb2.ProposeResponse:
     items = parse_items(propose_msg, VOCAB)
-    return propose_response(propose_msg, fake_propose_output(items, k), 0)
+    return propose_response(items, fake_propose_output(items, k), 0)
 
 
 def drafter_times(requests: list[bytes], k: int, sampled: bool) -> list[float]:
@@ -184,7 +184,7 @@ def drafter_times(requests: list[bytes], k: int, sampled: bool) -> list[float]:
         t1 = time.perf_counter_ns()
         out = fake_propose_output(items, k)  # stands for propose(): not timed
         t2 = time.perf_counter_ns()
-        propose_response(msg, out, 0).SerializeToString()
+        propose_response(items, out, 0).SerializeToString()
         times.append((time.perf_counter_ns() - t2 + t1 - t0) / 1e6)
     return times
 

@@ -107,7 +107,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
 
-    def _propose(self, request: drafter_pb2.ProposeRequest):
+    def _propose(self, request: drafter_pb2.ProposeRequest) -> tuple[list[ProposeItem], ProposeOutput]:
         if request.finished_request_ids:
             self.runner.free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
@@ -119,7 +119,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         device, dtype = self._hidden_layout
         if hidden.dtype != dtype or hidden.device != device:
             hidden = hidden.to(device=device, dtype=dtype)
-        return self.runner.propose(items, hidden)
+        return items, self.runner.propose(items, hidden)
 
     async def Propose(self, request, context):
         await self._require_ready(context)
@@ -157,7 +157,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._queued += 1
             try:
                 async with self._lock:
-                    out = await self._steps.run(self._propose, request)
+                    items, out = await self._steps.run(self._propose, request)
             finally:
                 self._queued -= 1
             if recording:
@@ -166,7 +166,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if t2 > t1:
                     tracer.start_span("mtp_steps_1_to_k", start_time=t1).end(end_time=t2)
         propose_latency.record((time.time_ns() - t_arrival) / 1e9)
-        response = propose_response(request, out, t_arrival)
+        response = propose_response(items, out, t_arrival)
         response.replied_ns = time.time_ns()
         return response
 
@@ -196,15 +196,16 @@ def _handle_bytes(request: drafter_pb2.ProposeRequest) -> int:
     return h.num_rows * h.hidden_size * dtype.itemsize if dtype is not None else 0
 
 
-def propose_response(
-    request: drafter_pb2.ProposeRequest, out: ProposeOutput, received_ns: int
-) -> drafter_pb2.ProposeResponse:
+def propose_response(items: list[ProposeItem], out: ProposeOutput, received_ns: int) -> drafter_pb2.ProposeResponse:
     """Drafts per request in request order (+ sparse q of sampled drafts) and the step times."""
     response = drafter_pb2.ProposeResponse(
         step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=received_ns
     )
-    for r, drafts, probs in zip(request.requests, out.drafts, out.draft_probs or [None] * len(out.drafts)):
-        d = response.drafts.add(request_id=r.request_id, token_ids=drafts)
+    add = response.drafts.add
+    for item, drafts, probs in zip(items, out.drafts, out.draft_probs or [None] * len(out.drafts)):
+        d = add()  # fields set one by one: add(request_id=..., token_ids=...) costs more
+        d.request_id = item.request_id
+        d.token_ids.extend(drafts)
         if probs is not None:
             fill_tensor_proto(d.draft_probs.token_ids, probs[0].to(torch.int32))
             fill_tensor_proto(d.draft_probs.probs, probs[1].to(torch.float32))
