@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from models.device import StepThread
 from models.transport.base import HiddenStatesReceiver
-from models.wire import dtype_from_proto, fill_tensor_proto, tensor_nbytes
+from models.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
@@ -202,11 +202,15 @@ def propose_response(items: list[ProposeItem], out: ProposeOutput, received_ns: 
         step0_ns=out.step0_ns, later_steps_ns=out.later_steps_ns, received_ns=received_ns
     )
     add = response.drafts.add
+    q_msgs, q = [], []  # sampled drafts' q: filled all at once
     for item, drafts, probs in zip(items, out.drafts, out.draft_probs or [None] * len(out.drafts)):
         d = add()  # fields set one by one: add(request_id=..., token_ids=...) costs more
         d.request_id = item.request_id
         d.token_ids.extend(drafts)
         if probs is not None:
-            fill_tensor_proto(d.draft_probs.token_ids, probs[0].to(torch.int32))
-            fill_tensor_proto(d.draft_probs.probs, probs[1].to(torch.float32))
+            q_msgs.append(d.draft_probs)
+            q.append(probs)
+    if q:
+        fill_tensor_protos([m.token_ids for m in q_msgs], [ids for ids, _ in q], torch.int32)
+        fill_tensor_protos([m.probs for m in q_msgs], [probs for _, probs in q], torch.float32)
     return response

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.wire import tensor_from_proto, tensor_to_proto
+from models.wire import fill_tensor_proto, fill_tensor_protos, tensor_from_proto, tensor_to_proto
 from protos import common_pb2
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -27,6 +27,21 @@ def test_round_trip_is_exact(dtype, shape):
     back = tensor_from_proto(msg, expected_dtype=dtype, expected_shape=shape)
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.bfloat16], ids=str)
+def test_many_tensors_filled_at_once_equal_each_filled_alone(dtype):
+    tensors = [_sample(torch.float32, (n, 5)) for n in (3, 1, 0, 2)]
+    tensors[1] = tensors[1].t().contiguous().t()  # any layout
+    at_once = [common_pb2.Tensor() for _ in tensors]
+    fill_tensor_protos(at_once, tensors, dtype)
+    for msg, t in zip(at_once, tensors):
+        alone = common_pb2.Tensor()
+        fill_tensor_proto(alone, t.to(dtype))
+        assert msg == alone
+    single = common_pb2.Tensor()
+    fill_tensor_protos([single], tensors[:1], dtype)
+    assert single == at_once[0]
 
 
 def test_bytes_are_little_endian_row_major():
