@@ -273,7 +273,14 @@ def _collect(
                     q_rows.setdefault(j, []).append(q_offset + a)
             q_offset += len(rows)
     probs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
-    for j, rows in q_rows.items():
-        index = torch.tensor(rows)
-        probs[j] = (q_ids[index], q_probs[index])
+    if q_rows:  # one gather of every sampled request's rows, split into a view per request
+        index = torch.tensor([row for rows in q_rows.values() for row in rows])
+        ids, p = q_ids[index], q_probs[index]
+        if len(q_rows) == 1:
+            per_request = [(ids, p)]
+        else:
+            sizes = [len(rows) for rows in q_rows.values()]
+            per_request = zip(ids.split(sizes), p.split(sizes))
+        for j, q in zip(q_rows, per_request):
+            probs[j] = q
     return ProposeOutput(drafts, stamps_ns, probs)

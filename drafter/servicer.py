@@ -27,7 +27,7 @@ propose_latency = meter.create_histogram(
 )
 
 
-MAX_SPEC = 64  # bound on num_rejected and num_spec_tokens
+MAX_DRAFTS = 64  # bound on num_spec_tokens and num_rejected
 SEED_MASK = 2**63 - 1
 
 
@@ -48,8 +48,8 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
             and tokens
             and min(tokens) >= 0
             and max(tokens) < vocab_size
-            and 0 <= r.num_rejected <= MAX_SPEC
-            and 0 <= spec <= MAX_SPEC
+            and 0 <= r.num_rejected <= MAX_DRAFTS
+            and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
         ):
             raise _invalid_item(r, seen, vocab_size)
@@ -69,10 +69,10 @@ def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -
         return InvalidArgument(f"request {rid!r}: no next_token_ids (no hidden-state rows)")
     if any(not 0 <= t < vocab_size for t in r.next_token_ids):
         return InvalidArgument(f"request {rid!r}: token id outside the vocabulary [0, {vocab_size})")
-    if not 0 <= r.num_rejected <= MAX_SPEC:
-        return InvalidArgument(f"request {rid!r}: num_rejected {r.num_rejected} not in [0, {MAX_SPEC}]")
-    if not 0 <= r.num_spec_tokens <= MAX_SPEC:
-        return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_SPEC}]")
+    if not 0 <= r.num_rejected <= MAX_DRAFTS:
+        return InvalidArgument(f"request {rid!r}: num_rejected {r.num_rejected} not in [0, {MAX_DRAFTS}]")
+    if not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
+        return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_DRAFTS}]")
     return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
 
 

@@ -191,7 +191,7 @@ class DrafterClient:
         staged.expect(len(groups))
         calls = [self._propose_on(replicas[addr], plan, indices, staged) for addr, indices in groups.items()]
         calls += [self._free_on(replicas[addr]) for addr in self.pool.healthy() if addr not in groups]
-        results = await asyncio.gather(*calls)
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)  # one replica: no task
         elapsed = time.perf_counter_ns() - t0
         proposal = Proposal(True, no_drafts, "", nbytes, elapsed, [None] * num_reqs, sent_ns, time.time_ns())
         errors = []

@@ -4,7 +4,7 @@ entries so a drafter fed iteration by iteration equals one fed everything at onc
 import pytest
 import torch
 
-from drafter.runner import DrafterRunner, ProposeItem
+from drafter.runner import DrafterRunner, ProposeItem, _collect
 from models.cuda_graphs import CudaGraphRunner
 from models.loader import load_mtp, load_target
 from models.tiny import write_tiny_checkpoint
@@ -138,3 +138,22 @@ def test_mtp_cache_running_out_mid_proposal_keeps_a_prefix_of_the_drafts(models)
     assert len(roomy) == 6
     assert tight.propose([item], hidden).drafts[0] == roomy
     assert tight_one.propose([item], hidden).drafts[0] == roomy[:2]
+
+
+def test_collected_q_rows_are_each_sampled_request_s_own_steps():
+    """Steps are laid out step after step; each sampled request gets the q rows of its own drafts, in order."""
+    items = [
+        ProposeItem("greedy", 0, [1], 3),
+        ProposeItem("long", 0, [1], 3, temperature=0.5),
+        ProposeItem("short", 0, [1], 1, temperature=0.5),
+    ]
+    actives = [[0, 1, 2], [0, 1], [0, 1]]  # step 0: all three; steps 1 and 2: "greedy" and "long"
+    tokens = list(range(7))
+    q_ids = torch.arange(7 * 2).view(7, 2)  # a row per draft of every step that sampled
+    q_probs = q_ids.float() / 100
+    out = _collect(items, actives, tokens, q_ids, q_probs, (0, 1, 2))
+    assert out.drafts == [[0, 3, 5], [1, 4, 6], [2]]
+    assert out.draft_probs[0] is None
+    for j, rows in ((1, [1, 4, 6]), (2, [2])):
+        ids, probs = out.draft_probs[j]
+        assert torch.equal(ids, q_ids[rows]) and torch.equal(probs, q_probs[rows])
