@@ -161,24 +161,20 @@ class SelfAttention(nn.Module):
         return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Returns the full residual stream."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+class PreNormBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)), for layers with `input_layernorm`, `self_attn`,
+    `post_attention_layernorm` (RMSNorms) and `mlp`; the attention may be any (GQA here, MLA in
+    models/deepseek_v3). The target runs `forward_deferred`, whose last residual add the next layer's
+    norm fuses (one launch fewer per layer); `forward` is that plus the add (the MTP block's output)."""
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, head_dim]
-        kv_cache: PagedKVCache,
+        rope: tuple[torch.Tensor, torch.Tensor],  # the layer's rotary tables
+        kv_cache,  # the model's cache (paged, or latent for MLA)
         cache_layer: int,
         attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+    ) -> torch.Tensor:  # [T, hidden]: the full residual stream
         mlp_out, residual = self.forward_deferred(x, None, rope, kv_cache, cache_layer, attn)
         return residual + mlp_out
 
@@ -187,12 +183,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]: the layer's input, or (with residual) the last layer's MLP output
         residual: torch.Tensor | None,  # [T, hidden]: the stream x still has to be added to
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: PagedKVCache,
+        kv_cache,
         cache_layer: int,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # MLP output, and the stream it still has to be added to
-        """The layer with its last residual add left to the next norm, which fuses it (one launch
-        fewer per layer); `forward` is this plus the add."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -200,3 +194,14 @@ class DecoderLayer(nn.Module):
         attn_out = self.self_attn(h, rope, kv_cache, cache_layer, attn)
         h, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormBlock):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Returns the full residual stream."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
