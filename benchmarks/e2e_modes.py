@@ -34,8 +34,9 @@ import grpc
 import torch
 
 from coordinator.config import SchedulerConfig
+from coordinator.iteration import VerifyResult
 from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import Scheduler, VerifyResult
+from coordinator.scheduler import Scheduler
 from coordinator.wire import verify_request
 from drafter.runner import DrafterRunner, ProposeItem
 from models.loader import load_mtp, load_target

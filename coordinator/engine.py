@@ -31,8 +31,9 @@ from coordinator import observability as obs
 from coordinator import wire
 from coordinator.acceptance import AcceptanceMonitor
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.iteration import SchedulerOutput, StepUpdate
 from coordinator.request import Request
-from coordinator.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from coordinator.scheduler import Scheduler
 from coordinator.verify_stream import VerifyStream
 from protos import coordinator_pb2, verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable

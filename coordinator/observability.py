@@ -17,7 +17,7 @@ import time
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from coordinator.scheduler import drafts_verified
+from coordinator.iteration import drafts_verified
 
 tracer = trace.get_tracer("specsplit.coordinator")
 meter = metrics.get_meter("specsplit.coordinator")

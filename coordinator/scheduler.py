@@ -28,78 +28,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from coordinator.config import SchedulerConfig
+from coordinator.iteration import (
+    DRAFT_PLACEHOLDER,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepUpdate,
+    VerifyResult,
+    drafts_verified,
+)
 from coordinator.request import Request, RequestStatus
 from specsplit.errors import FailedPrecondition, ResourceExhausted
-
-DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling)
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of an iteration."""
-
-    request: Request
-    num_computed_tokens: int  # position of token_ids[0]
-    token_ids: list[int]  # prefill chunk, or [last token] + drafts
-    num_draft_tokens: int  # trailing drafts in token_ids
-    sample: bool  # False for a prefill chunk that is not the last
-    next_token_id: int  # token after a non-final chunk (for the drafter's pairs); 0 otherwise
-    num_spec_tokens: int  # drafts to propose after this step
-    draft_probs: object | None = None  # opaque DraftProbs of the drafts, when sampled
-    queue_time_ms: float | None = None  # set on a request's first admission
-    drafts_held: bool = False  # the drafts are placeholders the verifier fills in (async scheduling)
-
-    @property
-    def draft_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
-
-
-@dataclass
-class SchedulerOutput:
-    iteration: int
-    scheduled: list[ScheduledRequest]
-    finished_request_ids: list[str]  # free these on verifier and drafter before running
-    num_preempted: int = 0
-    micro_batch: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
-        return {s.request.request_id: s.draft_token_ids for s in self.scheduled if s.num_draft_tokens}
-
-
-@dataclass
-class VerifyResult:
-    """What the verifier returned for one scheduled request."""
-
-    request_id: str
-    sampled_token_ids: list[int]
-    num_rejected: int
-    draft_token_ids: list[int]
-    draft_probs: object | None = None
-    num_draft_tokens: int | None = None  # drafts the verifier ran (held drafts: those it had); None: as scheduled
-
-
-@dataclass
-class StepUpdate:
-    """What post_step changed for one request (for streaming)."""
-
-    request: Request
-    new_token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-
-
-def drafts_verified(item: ScheduledRequest, result: VerifyResult) -> int:
-    """Drafts the verifier ran for the request: as scheduled, or the held drafts it had."""
-    if item.drafts_held and result.num_draft_tokens is not None:
-        return result.num_draft_tokens
-    return item.num_draft_tokens
 
 
 class Scheduler:

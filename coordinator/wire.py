@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.scheduler import SchedulerOutput, VerifyResult
+from coordinator.iteration import SchedulerOutput, VerifyResult
 from protos import common_pb2, verifier_pb2
 
 

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 
 from coordinator import wire
+from coordinator.iteration import DRAFT_PLACEHOLDER, VerifyResult
 from coordinator.observability import record_verify
 from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import DRAFT_PLACEHOLDER, Scheduler, VerifyResult
+from coordinator.scheduler import Scheduler
 from specsplit.errors import FailedPrecondition
 from tests.coordinator.test_scheduler import make
 

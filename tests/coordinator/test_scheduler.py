@@ -3,8 +3,9 @@
 import pytest
 
 from coordinator.config import SchedulerConfig
+from coordinator.iteration import VerifyResult
 from coordinator.request import Request, RequestStatus, SamplingParams
-from coordinator.scheduler import Scheduler, VerifyResult
+from coordinator.scheduler import Scheduler
 from specsplit.errors import FailedPrecondition, ResourceExhausted
 
 EOS = 99
