@@ -137,7 +137,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             previous = None
             if earlier is not None and request.requests:
                 with tracer.start_as_current_span("wait_for_drafts"):
-                    previous, earlier = await earlier, None
+                    previous, earlier = await self._settled(earlier), None
             drafts_wait_ns = time.time_ns() - received_ns if request.drafts_held else 0
             async with self._lock:
                 self.drafter.free(list(request.finished_request_ids))
@@ -192,10 +192,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Async scheduling: the Propose's drafts go to the held drafts of the next iteration (after
         the micro-batch's `earlier` Propose, not waited for, is done too)."""
         if earlier is not None:
-            await earlier
+            await self._settled(earlier)
         proposal = await self._finish_propose(propose, send)
         self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
         return proposal
+
+    @staticmethod
+    async def _settled(held: asyncio.Future[Proposal]) -> Proposal:
+        """A held Propose's outcome; one that failed unexpectedly is a failed Propose (its requests
+        simply get no drafts), not a failed Verify."""
+        try:
+            return await held
+        except Exception as err:  # noqa: BLE001 (a bug in the drafter path must not fail the next Verify)
+            log.exception("a held Propose failed")
+            return Proposal(False, [], f"held Propose failed: {err!r}")
 
     async def Free(self, request, context):
         await self._require_ready(context)
