@@ -38,7 +38,7 @@ from coordinator.verify_stream import VerifyStream
 from protos import coordinator_pb2, verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
 from specsplit.results import SpecStats
-from specsplit.telemetry import outgoing_metadata
+from specsplit.telemetry import inject_trace_context
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Engine:
         this iteration's outputs, still to be streamed."""
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
             request = wire.verify_request(output, self.coordinator_id, self.scheduler.config.async_scheduling)
-            request.trace_context.update(outgoing_metadata())
+            inject_trace_context(request.trace_context)
             t_sent = time.time_ns()
             stream = self._verify_streams[output.micro_batch]
             try:

@@ -22,7 +22,7 @@ from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
-from specsplit.telemetry import incoming_context
+from specsplit.telemetry import extract_trace_context, incoming_context
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
 from verifier.held_drafts import HeldDrafts
 from verifier.input_batch import InputBatch, build_input_batch
@@ -122,7 +122,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _parent(request: verifier_pb2.VerifyRequest, context):
         """The caller's trace context: per message on streams, else from the call's metadata."""
         if request.trace_context:
-            return incoming_context(list(request.trace_context.items()))
+            return extract_trace_context(request.trace_context)
         return incoming_context(context.invocation_metadata())
 
     async def _verify(self, request: verifier_pb2.VerifyRequest, parent) -> verifier_pb2.VerifyResponse:
