@@ -9,7 +9,8 @@ checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`models.t
 
 Paths: `eager` (per-request SDPA attention, the old path), `kernel` (Triton paged attention, eager),
 `graphs` (Triton attention replayed from CUDA graphs; on CPU the same static-buffer path runs eagerly).
-`--gemv`: every path's linears run the Triton GEMV (`kernels/gemv.py`) where its table prefers it.
+Linears run the Triton GEMV (`kernels/gemv.py`) for the shapes its table measured faster than cuBLAS
+(the servers' default); `--gemv`: for every shape; `--no-gemv`: cuBLAS everywhere.
 A step is what the verifier does per decode iteration: metadata (`prepare_step`, one upload), input
 ids and positions to the device, forward, logits of every row, synchronize; the median over
 `--steps` steps is reported. Each request is rolled back after every step, so the context stays put.
@@ -206,7 +207,7 @@ def bench_model(name, model, args) -> list[dict]:
                     weight_gb=weight_bytes(model) / 1e9,
                     device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
                     gpu_ops_per_step=gpu_ops[0] if gpu_ops and path != "eager" else None,
-                    gemv=args.gemv,
+                    gemv={None: "measured shapes", True: "every shape", False: "off"}[args.gemv],
                 )
             )
             ops = f"  ({gpu_ops[0]} GPU ops per step)" if gpu_ops and path == "kernel" else ""
