@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.shapes import SHAPES  # noqa: E402
+from models.serve_options import add_kernel_arguments, apply_layer_kernels_option  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -226,30 +227,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    p.add_argument(
-        "--layer-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Triton RMSNorm / rotary / silu-mul (models/layer_ops.py; --no-layer-kernels: torch ops)",
-    )
-    p.add_argument(
-        "--gemv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Triton GEMV for the linears: default for the measured shapes (kernels/gemv_configs.py), --gemv every "
-        "shape, --no-gemv cuBLAS",
-    )
+    add_kernel_arguments(p)
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
     import torch
 
-    from models.layer_ops import enable_gemv, enable_layer_kernels
     from models.loader import load_target
     from models.tiny import write_tiny_checkpoint
 
-    enable_layer_kernels(args.layer_kernels)
-    enable_gemv(args.gemv)
+    apply_layer_kernels_option(args)
     dtype = getattr(torch, args.dtype)
     if args.tiny:
         tmp = tempfile.mkdtemp()

@@ -27,19 +27,16 @@ def at_least_one(text: str) -> int:
     return value
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
-    p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The scheduler's flags; `specsplit up` takes them too and passes them on (`scheduling_flags`)."""
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument(
         "--micro-batches",
         type=at_least_one,
         default=1,
         help="iterations in flight at once over disjoint requests: while one crosses the network, the verifier "
-        "and drafter work on another (2 hides the hops at larger batches)",
+        "and drafter work on another (on one GPU each micro-batch reads the weights again: 1 measured faster)",
     )
     p.add_argument(
         "--async-scheduling",
@@ -48,6 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the verifier answers as soon as the tokens are sampled and keeps the drafts, so the next iteration "
         "is scheduled while the drafter proposes (--no-async-scheduling: the drafts come back with the tokens)",
     )
+
+
+def scheduling_flags(args: argparse.Namespace) -> list[str]:
+    """`add_scheduling_arguments`' values as command-line flags again."""
+    return [
+        *["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        *["--micro-batches", str(args.micro_batches)],
+        "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
+    p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
+    add_scheduling_arguments(p)
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
 

@@ -28,6 +28,11 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         action="store_false",
         help=f"run {steps} eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
+    add_kernel_arguments(p)
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """--[no-]layer-kernels and --[no-]gemv (also benchmarks/decode_step.py's); `apply_layer_kernels_option`."""
     p.add_argument(
         "--layer-kernels",
         action=argparse.BooleanOptionalAction,

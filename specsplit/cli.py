@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def up_cluster(args: argparse.Namespace):
     """The LocalCluster `specsplit up` starts (not started yet)."""
+    from coordinator.server import scheduling_flags
     from specsplit.launcher import LocalCluster
 
     return LocalCluster(
@@ -49,10 +50,7 @@ def up_cluster(args: argparse.Namespace):
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
-        coordinator_args=[
-            *["--max-num-seqs", str(args.max_num_seqs), "--micro-batches", str(args.micro_batches)],
-            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
-        ],
+        coordinator_args=scheduling_flags(args),
     )
 
 
@@ -202,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service")
     roles = serve.add_subparsers(dest="role", required=True)
     from coordinator.server import add_arguments as coordinator_args
-    from coordinator.server import at_least_one
+    from coordinator.server import add_scheduling_arguments
     from drafter.server import add_arguments as drafter_args
     from specsplit.grpc_server import add_common_arguments
     from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
@@ -233,19 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOCAL_HIDDEN_TRANSPORTS,
         help="how hidden states reach the drafter (auto: cuda_ipc when verifier and drafter are on CUDA, else grpc)",
     )
-    up.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
-    up.add_argument(
-        "--micro-batches",
-        type=at_least_one,
-        default=1,
-        help="iterations in flight at once over disjoint requests (see serve coordinator --help)",
-    )
-    up.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule the next iteration while the drafter proposes (see serve coordinator --help)",
-    )
+    add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)
 

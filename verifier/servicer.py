@@ -159,18 +159,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     )
                 await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
             hidden_state_bytes.add(nbytes)
+            # The Propose this response reports: async, the one whose drafts this step verified (none for
+            # the micro-batch's first step); else the one this step made.
             if request.drafts_held:
                 held = self._hold(propose, send, batch, step, earlier)
                 self._proposing[request.micro_batch] = asyncio.ensure_future(held)
-                proposal = previous or Proposal(True, [])
+                proposal = previous
             else:
-                proposal = previous = await self._finish_propose(propose, send)
-            if previous is not None:  # the Propose whose drafts this iteration verified (async) or made
+                proposal = await self._finish_propose(propose, send)
+            if proposal is not None:
                 span.set_attribute("specsplit.drafter_ok", proposal.ok)
             verify_duration.record((time.time_ns() - t0) / 1e9)
-        response = verify_response(batch, step, proposal, received_ns, drafts_held=request.drafts_held)
-        for result, missing in zip(response.results, unfilled):
-            result.num_rejected += missing  # relative to the placeholders scheduled
+        response = verify_response(
+            batch, step, proposal or Proposal(True, []), received_ns, unfilled, request.drafts_held
+        )
         response.timing.drafts_wait_ns = drafts_wait_ns
         response.timing.replied_ns = time.time_ns()
         return response
@@ -221,10 +223,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def verify_response(
-    batch: InputBatch, step: StepOutput, proposal: Proposal, received_ns: int, drafts_held: bool = False
+    batch: InputBatch,
+    step: StepOutput,
+    proposal: Proposal,
+    received_ns: int,
+    unfilled: list[int] | None = None,  # per request: held-draft placeholders the step could not fill
+    drafts_held: bool = False,
 ) -> verifier_pb2.VerifyResponse:
     """The iteration's results per request (drafts only for requests that sample, and not when the
-    verifier holds them), and its timing (with held drafts: of the Propose whose drafts it verified)."""
+    verifier holds them; unfilled placeholders count as rejected), and its timing (with held drafts:
+    of the Propose whose drafts it verified)."""
+    unfilled = unfilled or [0] * batch.num_reqs
     response = verifier_pb2.VerifyResponse(
         drafter_ok=proposal.ok,
         drafter_error=proposal.error,
@@ -248,7 +257,7 @@ def verify_response(
         result = response.results.add(
             request_id=rid,
             sampled_token_ids=step.sampled_token_ids[i],
-            num_rejected=step.num_rejected[i],
+            num_rejected=step.num_rejected[i] + unfilled[i],
             draft_token_ids=proposal.drafts[i] if batch.sample[i] and not drafts_held else [],
             num_draft_tokens=batch.num_draft_tokens[i],
         )
