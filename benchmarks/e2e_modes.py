@@ -71,6 +71,8 @@ class RunResult:
     outputs: list[list[int]]  # per prompt, in order
     stats: SpecStats
     breakdown: list[dict[str, float]] = field(default_factory=list)  # per iteration, ms
+    # The run's wall time that no iteration covers, ms (negative only when micro-batches overlap theirs).
+    outside_iterations_ms: float = 0.0
 
     @property
     def num_iterations(self) -> int:
@@ -179,7 +181,8 @@ class InProcessEngine:
         stats = SpecStats()
         for request in requests:
             stats.merge(request.stats)
-        return RunResult(seconds, [r.output_token_ids for r in requests], stats, breakdown)
+        outside = 1e3 * seconds - sum(row["iteration"] for row in breakdown)
+        return RunResult(seconds, [r.output_token_ids for r in requests], stats, breakdown, outside)
 
 
 def services_breakdown(it: coordinator_pb2.IterationTiming) -> dict[str, float]:
@@ -237,16 +240,21 @@ def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int
             errors.append(err)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time_ns()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - t0
+    seconds, wall1 = time.perf_counter() - t0, time.time_ns()
     if errors:
         raise errors[0]
     stats = SpecStats()
     for s in per_request:
         stats.merge(s)
-    breakdown = [services_breakdown(it) for it in recent_iterations(address) if it.iteration > before]
-    return RunResult(seconds, outputs, stats, breakdown)
+    # The run's iterations are those that started before its last client returned (the coordinator's
+    # stamps share this host's wall clock); the free-only iteration after it is not one of them. Their
+    # time is clipped to the run's window, so one still running at its end counts only its part.
+    timings = [it for it in recent_iterations(address) if it.iteration > before and it.schedule_start_ns < wall1]
+    covered = sum(max(0, min(it.post_step_end_ns, wall1) - max(it.schedule_start_ns, wall0)) for it in timings)
+    breakdown = [services_breakdown(it) for it in timings]
+    return RunResult(seconds, outputs, stats, breakdown, _ms(wall1 - wall0 - covered))
