@@ -7,6 +7,8 @@ in one process, at several batch sizes and k, side by side in one run.
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 (b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
 (b'') services_sync — (b) with `--no-async-scheduling` (--also-sync): the drafts come back with the tokens
+(b''') services_stream — (b) with `--drafter-rpc stream` (--also-stream): the verifier → drafter control path
+                   on gRPC instead of the drafter's Unix socket (`--drafter-rpc local`, the default here)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
 breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
@@ -48,6 +50,7 @@ from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noq
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS, LocalCluster  # noqa: E402
+from specsplit.local_stream import DRAFTER_RPCS  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -82,8 +85,9 @@ def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], 
                 failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
-def services_mode(micro_batches: int, sync: bool = False) -> str:
-    return ("services" if micro_batches == 1 else f"services_mb{micro_batches}") + ("_sync" if sync else "")
+def services_mode(micro_batches: int, sync: bool = False, stream: bool = False) -> str:
+    name = "services" if micro_batches == 1 else f"services_mb{micro_batches}"
+    return name + ("_sync" if sync else "") + ("_stream" if stream else "")
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,7 +105,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="median over this many runs per cell")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
-    p.add_argument("--drafter-rpc", default="stream", choices=["stream", "unary"], help="verifier → drafter")
+    p.add_argument(
+        "--drafter-rpc", default="local", choices=DRAFTER_RPCS, help="verifier → drafter control path of (b)"
+    )
     p.add_argument(
         "--micro-batches",
         type=int,
@@ -111,6 +117,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--also-sync", action="store_true", help="also run (b) with --no-async-scheduling (mode services_sync)"
+    )
+    p.add_argument(
+        "--also-stream", action="store_true", help="also run (b) with --drafter-rpc stream (mode services_stream)"
     )
     p.add_argument(
         "--hidden-transport",
@@ -143,14 +152,16 @@ def main() -> None:
         role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
     rows, failures = [], []
     with contextlib.ExitStack() as stack:
+        specs = [(mb, False, args.drafter_rpc) for mb in args.micro_batches]
+        specs += [(1, True, args.drafter_rpc)] * args.also_sync + [(1, False, "stream")] * args.also_stream
         clusters = {
-            services_mode(mb, sync): stack.enter_context(
+            services_mode(mb, sync, rpc != args.drafter_rpc): stack.enter_context(
                 LocalCluster(
                     str(model),
                     num_speculative_tokens=max_k,
                     device=args.device,
                     dtype=args.dtype,
-                    log_dir=work / f"logs-{services_mode(mb, sync)}",
+                    log_dir=work / f"logs-{services_mode(mb, sync, rpc != args.drafter_rpc)}",
                     load_format=args.load_format,
                     role_commands=role_commands,
                     hidden_transport=args.hidden_transport,
@@ -161,11 +172,12 @@ def main() -> None:
                         *["--micro-batches", str(mb)],
                         "--no-async-scheduling" if sync else "--async-scheduling",
                     ],
-                    verifier_args=["--num-blocks", str(args.num_blocks), "--drafter-rpc", args.drafter_rpc],
+                    verifier_args=["--num-blocks", str(args.num_blocks)],
                     drafter_args=["--num-blocks", str(args.num_blocks)],
+                    drafter_rpc=rpc,
                 )
             )
-            for mb, sync in [(mb, False) for mb in args.micro_batches] + [(1, True)] * args.also_sync
+            for mb, sync, rpc in specs
         }
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
         hidden_transport = next(iter(clusters.values())).hidden_transport  # one resolution for all of them

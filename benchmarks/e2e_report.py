@@ -53,7 +53,7 @@ def add_comparisons(rows: list[dict]) -> None:
         r["overhead"] = r["iteration_overhead"] = None
         if r["mode"].startswith("services") and twin:
             r["overhead"] = r["seconds"] / twin["seconds"] - 1
-            if r["mode"] in ("services", "services_sync"):  # a micro-batch's iteration is not the in-process one
+            if not r["mode"].startswith("services_mb"):  # a micro-batch's iteration is not the in-process one
                 r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
 
 

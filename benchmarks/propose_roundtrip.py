@@ -1,6 +1,8 @@
 """Host cost of one Propose round trip: the verifier's real `DrafterClient` on a `ProposeStream` to a
 real drafter server process on 127.0.0.1 (`specsplit serve drafter`, a tiny checkpoint, the CPU,
-transport grpc).
+hidden transport grpc), for each `--rpc` in turn against the same drafter: `stream` (the gRPC
+ProposeStream), `local` (the same stream on the drafter's `--propose-socket`, without gRPC),
+`unary` (one Propose call per iteration).
 
 Each iteration proposes for `--batch` decoding requests (k + 1 hidden-state rows each, every draft
 accepted), timed around `DrafterClient.propose`. The drafter's step is left out, so what remains is
@@ -13,8 +15,8 @@ steps); the drafter → verifier hop (replied_ns → answer back), from both pro
 (one host); and the CPU time per Propose of each process, all its threads (less noisy than wall
 time on a shared machine).
 
-    python benchmarks/propose_roundtrip.py [--batch 1] [--k 3] [--iterations 2000] [--step fake|real]
-        [--tracing] [--profile verifier|drafter]
+    python benchmarks/propose_roundtrip.py [--rpc stream local] [--batch 1] [--k 3] [--iterations 2000]
+        [--step fake|real] [--tracing] [--profile verifier|drafter]
 `--tracing` exports every span to files (what `SPECSPLIT_TRACE_DIR` does); without it no tracer
 provider is installed (the services' default). `--profile drafter` runs cProfile in the drafter
 process with its steps inline on the event loop (one thread, all of the handler visible);
@@ -118,7 +120,7 @@ def cpu_ns(pid: int) -> int:
     return sum(int((t / "schedstat").read_text().split()[0]) for t in Path(f"/proc/{pid}/task").iterdir())
 
 
-async def round_trips(address: str, drafter_pid: int, args, profiler: cProfile.Profile | None):
+async def round_trips(address: str, drafter_pid: int, args, rpc: str, profiler: cProfile.Profile | None):
     """Per timed iteration: round trip less steps, hop out, handler less steps, hop back (ns); and
     the CPU ns per iteration of this process and of the drafter's."""
     import torch
@@ -146,7 +148,7 @@ async def round_trips(address: str, drafter_pid: int, args, profiler: cProfile.P
         ]
         hidden = torch.randn(batch * rows, info.hidden_size).to(getattr(torch, info.dtype))
         plans.append(ProposeBatch(i + 1, items, list(range(0, batch * rows + 1, rows)), hidden))
-    client = DrafterClient(address, rpc="stream")
+    client = DrafterClient(address, rpc=rpc)
     tracer = trace.get_tracer("propose_roundtrip")
     out = []
     for i, plan in enumerate(plans):
@@ -181,6 +183,7 @@ def main() -> None:
         serve_drafter(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rpc", nargs="+", choices=["stream", "local", "unary"], default=["stream", "local"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--iterations", type=int, default=2000)
@@ -202,13 +205,17 @@ def main() -> None:
         telemetry.setup("verifier")
         checkpoint = Path(args.model) if args.model else write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
         extra = ["--fake-step"] if args.step == "fake" else []
+        extra += ["--propose-socket", str(Path(tmp) / "drafter.sock")]
         profile_out = Path(tmp) / "drafter.prof"
         if args.profile == "drafter":
             extra += ["--profile-out", str(profile_out), "--profile-after", str(args.warmup + 1)]
         proc, address = start_drafter(checkpoint, extra)
         profiler = cProfile.Profile() if args.profile == "verifier" else None
+        columns = []
         try:
-            out, cpu = asyncio.run(round_trips(address, proc.pid, args, profiler))
+            for rpc in args.rpc:
+                out, cpu = asyncio.run(round_trips(address, proc.pid, args, rpc, profiler))
+                columns.append([statistics.median(ns) / 1e3 for ns in zip(*out)] + [ns / 1e3 for ns in cpu])
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -218,10 +225,9 @@ def main() -> None:
             f"µs per Propose (medians of {args.iterations}; CPU: mean)"
         )
         names = ["round trip less steps", "verifier -> drafter", "drafter handler", "drafter -> verifier"]
-        for name, ns in zip(names, zip(*out)):
-            print(f"  {name:22s} {statistics.median(ns) / 1e3:8.1f}")
-        for name, ns in zip(["verifier CPU", "drafter CPU"], cpu):
-            print(f"  {name:22s} {ns / 1e3:8.1f}")
+        print(f"  {'':22s} " + " ".join(f"{rpc:>8s}" for rpc in args.rpc))
+        for i, name in enumerate(names + ["verifier CPU", "drafter CPU"]):
+            print(f"  {name:22s} " + " ".join(f"{column[i]:8.1f}" for column in columns))
         if args.profile:
             stats = pstats.Stats(profiler) if profiler is not None else pstats.Stats(str(profile_out))
             stats.sort_stats("tottime").print_stats(30)

@@ -17,6 +17,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
+from specsplit.local_stream import LocalStreamServer
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=TRANSPORTS,
         help="how hidden states arrive; must equal the verifier's (grpc: bytes in Propose; cuda_ipc: "
         "buffers shared on one host; nccl: torch.distributed send, rendezvous set by the verifier)",
+    )
+    p.add_argument(
+        "--propose-socket",
+        default=None,
+        metavar="PATH",
+        help="also serve ProposeStream on this Unix socket, without gRPC, for a verifier on this host started "
+        "with --drafter-rpc local (the faster control path; the socket is created 0600)",
     )
     p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
@@ -69,6 +77,21 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     servicer = DrafterServicer(args.device)
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
+    local = None
+    if args.propose_socket:  # opened now: a bad path fails before minutes of loading
+        local = LocalStreamServer(
+            str(Path(args.propose_socket).resolve()),
+            drafter_pb2.ProposeRequest.FromString,
+            servicer.handle_stream_request,
+            servicer.draining,
+            args.max_message_mb * 2**20,
+        )
+        try:
+            await local.start()
+        except (OSError, ValueError) as err:
+            log.error("cannot serve --propose-socket %s: %s", args.propose_socket, err)
+            await server.stop(0)
+            raise SystemExit(2) from err
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()
@@ -87,6 +110,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         dtype=args.dtype,
         hidden_size=config.hidden_size,
         hidden_transport=args.hidden_transport,
+        propose_socket=local.path if local else "",
     )
     cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
     runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
@@ -106,5 +130,17 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     )
     await server.mark_serving()
     announce("drafter", server.address)
-    log.info("serving MTP of %s on %s (hidden transport %s)", args.model, args.device, args.hidden_transport)
-    await run_until_signal(server, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain)
+    log.info(
+        "serving MTP of %s on %s (hidden transport %s%s)",
+        args.model,
+        args.device,
+        args.hidden_transport,
+        f", ProposeStream also on {info.propose_socket}" if local else "",
+    )
+    await run_until_signal(
+        server,
+        local.close if local else None,
+        grace_s=args.shutdown_grace,
+        delay_s=args.shutdown_delay,
+        on_drain=servicer.drain,
+    )

@@ -86,7 +86,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._steps = StepThread(device, "drafter-step")
         self._lock = asyncio.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
-        self._draining = asyncio.Event()
+        self.draining = asyncio.Event()
 
         def queue_depth(_options):
             yield metrics.Observation(self._queued)
@@ -124,24 +124,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Propose(self, request, context):
         await self._require_ready(context)
         try:
-            return await self._handle(request, incoming_context(context.invocation_metadata()))
+            return await self._handle(request, incoming_context(context.invocation_metadata()), "unary")
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
 
     async def ProposeStream(self, request_iterator, context):
         await self._require_ready(context)
-        async for request in until_draining(request_iterator, self._draining):
+        async for request in until_draining(request_iterator, self.draining):
             try:
-                yield await self._handle(request, extract_trace_context(request.trace_context))
+                yield await self.handle_stream_request(request, "stream")
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
 
+    async def handle_stream_request(
+        self, request: drafter_pb2.ProposeRequest, rpc: str = "local"
+    ) -> drafter_pb2.ProposeResponse:
+        """One message of a ProposeStream: on gRPC (rpc "stream") or on the `--propose-socket`
+        (`LocalStreamServer`, rpc "local")."""
+        if self.runner is None:
+            raise SpecsplitError("drafter is loading its weights", grpc.StatusCode.UNAVAILABLE)
+        return await self._handle(request, extract_trace_context(request.trace_context), rpc)
+
     def drain(self) -> None:
         """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
-        self._draining.set()
+        self.draining.set()
 
-    async def _handle(self, request: drafter_pb2.ProposeRequest, parent) -> drafter_pb2.ProposeResponse:
-        """One Propose; raises SpecsplitError with the status the caller should get."""
+    async def _handle(self, request: drafter_pb2.ProposeRequest, parent, rpc: str) -> drafter_pb2.ProposeResponse:
+        """One Propose that came by `rpc` (unary, stream or local); raises SpecsplitError with the
+        status the caller should get."""
         t_arrival = time.time_ns()
         span = tracer.start_span("Propose", parent, SpanKind.SERVER)
         recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
@@ -149,6 +159,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             span.set_attributes(
                 {
                     "specsplit.iteration": request.iteration,
+                    "specsplit.drafter_rpc": rpc,
                     "specsplit.batch_size": len(request.requests),
                     "specsplit.hidden_state_bytes": tensor_nbytes(request.hidden_states) or _handle_bytes(request),
                 }

@@ -16,16 +16,19 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.transport import TRANSPORTS
+from specsplit.local_stream import DRAFTER_RPCS
 
 log = logging.getLogger(__name__)
 LOCAL_HIDDEN_TRANSPORTS = ("auto", *TRANSPORTS)
@@ -87,10 +90,13 @@ class LocalCluster:
         hidden_transport: str = "auto",
         verifier_device: str | None = None,
         drafter_device: str | None = None,
+        drafter_rpc: str = "local",
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
         (e.g. cuda:0 and cuda:1); hidden_transport: auto, grpc, cuda_ipc or nccl, resolved once
-        (`resolve_hidden_transport`) and given to both as the `hidden_transport` attribute."""
+        (`resolve_hidden_transport`) and given to both as the `hidden_transport` attribute;
+        drafter_rpc: the verifier's `--drafter-rpc` (local: the drafter also serves ProposeStream on a
+        Unix socket in a temporary directory of this cluster's, removed at stop())."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -110,6 +116,10 @@ class LocalCluster:
         self.tls_dir = str(tls_dir) if tls_dir else None
         self.load_format = load_format
         self.role_commands = role_commands or {}
+        if drafter_rpc not in DRAFTER_RPCS:
+            raise ValueError(f"unknown drafter rpc {drafter_rpc!r}; choose one of {', '.join(DRAFTER_RPCS)}")
+        self.drafter_rpc = drafter_rpc
+        self._socket_dir: str | None = None  # made by the first command that names the socket
         drafter_given = any(a == "--drafter" or a.startswith("--drafter=") for a in self.extra["verifier"])
         self._hidden_transport = resolve_hidden_transport(
             hidden_transport, self.devices["verifier"], self.devices["drafter"], with_drafter and not drafter_given
@@ -140,12 +150,21 @@ class LocalCluster:
             cmd += ["--device", self.devices[role], "--dtype", self.dtype, "--load-format", self.load_format]
             cmd += ["--hidden-transport", self.hidden_transport]
         if role == "verifier" and peer:
-            cmd += ["--drafter", peer]
+            cmd += ["--drafter", peer, "--drafter-rpc", self.drafter_rpc]
+        if role == "drafter" and self.drafter_rpc == "local":
+            cmd += ["--propose-socket", self.propose_socket]
         if role == "coordinator":
             cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
         if self.tls_dir:
             cmd += ["--tls-dir", self.tls_dir]
         return cmd + self.extra[role]
+
+    @property
+    def propose_socket(self) -> str:
+        """The drafter's `--propose-socket`: short (a Unix socket path holds at most 107 bytes)."""
+        if self._socket_dir is None:
+            self._socket_dir = tempfile.mkdtemp(prefix="specsplit-")
+        return os.path.join(self._socket_dir, "drafter.sock")
 
     def spawn(self, role: str, port: int, peer: str | None = None) -> Service:
         log_path = None
@@ -238,6 +257,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 svc.proc.kill()
                 svc.proc.wait()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

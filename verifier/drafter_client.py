@@ -3,7 +3,8 @@
 The batch is split by the replica that owns each request (`DrafterPool`): one Propose per
 replica, all concurrent, drafts merged back in batch order. Each replica gets one persistent
 `ProposeStream` (one message each way per iteration; `rpc="unary"`: one unary Propose call per
-iteration instead); a broken stream fails exactly like a failed unary call and is reopened.
+iteration instead; `rpc="local"`: the same stream on the replica's `--propose-socket`, a Unix socket
+on this host, without gRPC); a broken stream fails exactly like a failed unary call and is reopened.
 Losing a replica never changes output: its requests get no drafts this iteration and are placed on
 another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
 the replica that owned the request, with its next call (or alone, in a Free call, when it has no
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +31,8 @@ import torch
 from models.transport.base import HiddenStatesSender, Transfer, TransportError
 from models.transport.grpc_bytes import GrpcSender
 from protos import common_pb2, drafter_pb2
-from specsplit.bidi_stream import BidiStream
+from specsplit.bidi_stream import BidiStream, StreamError
+from specsplit.local_stream import DRAFTER_RPCS, LocalStream
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
 from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
@@ -124,13 +127,14 @@ class DrafterClient:
         rpc: str = "stream",
         transport: HiddenStatesSender | None = None,
     ):
-        if rpc not in ("stream", "unary"):
-            raise ValueError(f"drafter rpc must be 'stream' or 'unary', got {rpc!r}")
+        if rpc not in DRAFTER_RPCS:
+            raise ValueError(f"drafter rpc must be one of {', '.join(DRAFTER_RPCS)}, got {rpc!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
         self.rpc = rpc
-        self._streams: dict[str, tuple[object, BidiStream]] = {}  # address -> (stub it was opened on, stream)
+        # address -> (stub it was opened on, stream)
+        self._streams: dict[str, tuple[object, BidiStream | LocalStream]] = {}
         # Per replica: one Propose at a time, from handing over its rows to the reply. Micro-batches'
         # Proposes thus reach a drafter in the order their rows were sent (nccl pairs them by order).
         self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -250,16 +254,32 @@ class DrafterClient:
         self.pool.record_call(address, len(indices))
         return resp, ""
 
-    def _stream(self, replica: Replica) -> BidiStream:
+    def _stream(self, replica: Replica) -> BidiStream | LocalStream:
         """The replica's ProposeStream, reopened on its current channel (a failed replica gets a fresh
         channel from its health probe; a stream that failed has closed itself)."""
         stub, stream = self._streams.get(replica.address, (None, None))
         if stub is not replica.stub:
             if stream is not None:
                 stream.close()
-            stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, f"drafter {replica.address}")
+            peer = f"drafter {replica.address}"
+            if self.rpc == "local":
+                parse = drafter_pb2.ProposeResponse.FromString
+                stream = LocalStream(lambda: self._propose_socket(replica), parse, self.timeout_s, peer)
+            else:
+                stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, peer)
             self._streams[replica.address] = (replica.stub, stream)
         return stream
+
+    async def _propose_socket(self, replica: Replica) -> str:
+        """The replica's `--propose-socket`, asked of the replica at each (re)connection: a restarted
+        drafter may serve another path. Raises grpc.RpcError (the replica's call fails) without one."""
+        info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        if not info.propose_socket:
+            raise StreamError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"drafter {replica.address} serves no --propose-socket (needed by --drafter-rpc local)",
+            )
+        return info.propose_socket
 
     def _open_call(self, replica: Replica):
         def call(request: drafter_pb2.OpenHiddenTransportRequest):
@@ -270,8 +290,9 @@ class DrafterClient:
     async def open_transport(self, example: torch.Tensor, wait_s: float) -> None:
         """Start-up: opens a cuda_ipc / nccl transport with the drafter once it has loaded (waiting up to
         `wait_s`; past that, the first Propose opens it). example: [1, hidden_size], dtype and device of
-        the hidden states. Raises TransportConfigError when the drafter runs another transport."""
-        if self.transport.name == "grpc":
+        the hidden states. Raises TransportConfigError when the drafter runs another transport, or serves
+        no `--propose-socket` on this host for `rpc="local"`."""
+        if self.transport.name == "grpc" and self.rpc != "local":
             return
         await self.pool.start()
         replica = next(iter(self.pool.replicas.values()))
@@ -286,6 +307,13 @@ class DrafterClient:
                     log.warning("drafter %s not ready (%s); opening the transport later", replica.address, err.code())
                     return
                 await asyncio.sleep(0.5)
+        if self.rpc == "local" and not os.path.exists(info.propose_socket):
+            raise TransportConfigError(
+                f"--drafter-rpc local needs drafter {replica.address} on this host, started with --propose-socket; "
+                f"it serves {info.propose_socket or 'none'!r} (or use --drafter-rpc stream)"
+            )
+        if self.transport.name == "grpc":
+            return
         theirs = info.hidden_transport or "grpc"
         if theirs != self.transport.name:
             raise TransportConfigError(

@@ -16,6 +16,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
+from specsplit.local_stream import DRAFTER_RPCS
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter-rpc",
         default="stream",
-        choices=["stream", "unary"],
-        help="one persistent ProposeStream per drafter replica, or one unary Propose per iteration",
+        choices=DRAFTER_RPCS,
+        help="stream: one persistent ProposeStream per drafter replica; unary: one Propose call per iteration; "
+        "local: the ProposeStream on the Unix socket a drafter on this host serves (its --propose-socket), "
+        "without gRPC: the fastest control path for co-located services",
     )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(

@@ -12,15 +12,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_round_trip_reports_each_part_and_profiles_the_drafter():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "propose_roundtrip.py"), "--iterations", "10", "--warmup", "3"]
-        + ["--step", "real", "--batch", "2", "--tracing", "--profile", "drafter"],
+        + ["--step", "real", "--batch", "2", "--tracing", "--profile", "drafter", "--rpc", "stream", "local"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    times = {name: float(us) for name, us in re.findall(r"^  (\S.*?)\s+(-?[0-9.]+)$", proc.stdout, re.M)}
+    rows = re.findall(r"^  (\S.*?)\s+(-?[0-9.]+)\s+(-?[0-9.]+)$", proc.stdout, re.M)
+    times = {name: {"stream": float(a), "local": float(b)} for name, a, b in rows}  # one column per --rpc
     parts = {"round trip less steps", "verifier -> drafter", "drafter handler", "drafter -> verifier", "verifier CPU"}
     assert set(times) >= parts | {"drafter CPU"}, proc.stdout
-    assert times["round trip less steps"] > 0 and times["drafter CPU"] > 0
+    for rpc in ("stream", "local"):
+        assert times["round trip less steps"][rpc] > 0 and times["drafter CPU"][rpc] > 0
     assert "_handle" in proc.stdout  # the drafter's handler shows in its profile

@@ -32,9 +32,10 @@ def test_role_command_replaces_the_program_and_keeps_the_roles_arguments():
     assert cmd[len(wrapper) :] == [
         *["--host", "127.0.0.1", "--port", "1234", "--model", "ckpt"],
         *["--device", "cpu", "--dtype", "float32", "--load-format", "auto", "--hidden-transport", "grpc"],
-        *["--num-blocks", "8"],
+        *["--propose-socket", cluster.propose_socket, "--num-blocks", "8"],
     ]
     assert cluster.command("verifier", 1)[2:4] == ["specsplit", "serve"]
+    cluster.stop()  # removes the socket's directory
 
 
 def test_auto_transport_is_grpc_on_cpu():

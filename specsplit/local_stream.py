@@ -1,0 +1,222 @@
+"""A persistent request/response stream over a Unix-domain socket: the control path between two
+services on one host, without gRPC.
+
+The gRPC streams (`BidiStream`) cost each message a trip through grpc.aio's completion-queue
+thread and several generator layers on both ends. Two services on one host can instead exchange
+the same protobuf messages as length-prefixed frames on a Unix socket, read and written directly by
+their event loops (`benchmarks/propose_roundtrip.py --rpc local` measures both).
+
+Frame: `<u32 length><u8 kind>` then `length` bytes.
+    kind 0  a message (the protobuf's serialised bytes)
+    kind 1  an error: `<u32 grpc status code>` then the details in UTF-8; the server closes the
+            connection after it, as a gRPC stream ends with its status
+
+The client (`LocalStream`) has `BidiStream`'s interface and failure semantics: any failure closes
+the connection and raises a `grpc.RpcError` with the status a unary call would have had; the next
+call connects again. The socket file is created with mode 0600: only the server's user (or root)
+can connect, which is the access control here (the gRPC port keeps its TLS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specsplit.bidi_stream import StreamError, until_draining
+from specsplit.errors import SpecsplitError
+
+log = logging.getLogger(__name__)
+
+# The verifier's `--drafter-rpc` choices: the gRPC ProposeStream, one unary Propose per iteration, or the
+# same stream on the drafter's `--propose-socket` through this module.
+DRAFTER_RPCS = ("stream", "unary", "local")
+HEADER = struct.Struct("<IB")
+ERROR_CODE = struct.Struct("<I")
+KIND_MESSAGE, KIND_ERROR = 0, 1
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+MAX_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL (Linux)
+
+
+def _error_frame(code: grpc.StatusCode, details: str) -> bytes:
+    body = ERROR_CODE.pack(code.value[0]) + details.encode()
+    return HEADER.pack(len(body), KIND_ERROR) + body
+
+
+class LocalStreamServer:
+    """Serves `handle(request) -> response` on the Unix socket `path`, one connection per client,
+    requests answered in order. `parse(bytes)` makes the request; `handle` raises SpecsplitError for
+    a status other than OK. When `draining` is set, a connection waiting for its next request ends
+    (as `until_draining` ends a gRPC stream) and `close()` stops accepting."""
+
+    def __init__(
+        self,
+        path: str,
+        parse: Callable[[bytes], Any],
+        handle: Callable[[Any], Awaitable[Any]],
+        draining: asyncio.Event,
+        max_message_bytes: int,
+    ):
+        self.path = path
+        self._parse = parse
+        self._handle = handle
+        self._draining = draining
+        self._max_message_bytes = max_message_bytes
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Listens; raises ValueError for a path too long for a Unix socket, OSError when it cannot bind."""
+        if len(os.fsencode(self.path)) > MAX_PATH_BYTES:
+            raise ValueError(f"a Unix socket path holds at most {MAX_PATH_BYTES} bytes; {self.path!r} is longer")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a socket file left by a process that did not stop cleanly
+        old_umask = os.umask(0o177)  # created 0600: no window in which others could connect
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, self.path)
+        finally:
+            os.umask(old_umask)
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            async for request in until_draining(self._requests(reader, writer), self._draining):
+                try:
+                    response = await self._handle(request)
+                except SpecsplitError as err:
+                    writer.write(_error_frame(err.code, err.message))
+                    return
+                body = response.SerializeToString()
+                writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
+                if writer.transport.get_write_buffer_size() > 2**20:
+                    await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; it reconnects for its next call
+        except Exception as err:  # noqa: BLE001 (one connection's bug must not take the server down)
+            log.exception("local stream %s: handler failed", self.path)
+            with contextlib.suppress(ConnectionError):
+                writer.write(_error_frame(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
+        finally:
+            self._connections.discard(task)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            writer.close()
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AsyncIterator[Any]:
+        """The connection's requests until the client closes it; a bad frame is answered with its
+        error status and ends the connection."""
+        while True:
+            try:
+                length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+            except asyncio.IncompleteReadError as err:
+                if err.partial:
+                    writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
+                return
+            if kind != KIND_MESSAGE:
+                writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
+                return
+            if length > self._max_message_bytes:
+                details = f"message of {length} bytes over the limit of {self._max_message_bytes}"
+                writer.write(_error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+                return
+            body = await reader.readexactly(length)
+            try:
+                request = self._parse(body)
+            except DecodeError as err:
+                writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
+                return
+            yield request
+
+
+class LocalStream:
+    """Client end: `connect()` returns the socket's path (asked of the server, so a restarted server
+    is found again); `parse(bytes)` makes the response. Same interface as `BidiStream`."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[str]],
+        parse: Callable[[bytes], Any],
+        timeout_s: float,
+        peer: str,
+    ):
+        self._connect = connect
+        self._parse = parse
+        self._timeout_s = timeout_s
+        self._peer = peer
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def call(self, request):
+        await self.send(request)
+        return await self.receive()
+
+    async def send(self, request) -> None:
+        """Writes one request; `receive()` reads its response (the caller may work in between)."""
+        try:
+            if self._writer is None:
+                path = await self._connect()
+                self._reader, self._writer = await asyncio.open_unix_connection(path)
+            body = request.SerializeToString()
+            self._writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
+            if self._writer.transport.get_write_buffer_size() > 2**20:
+                await self._writer.drain()
+        except OSError as err:
+            self.close()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the {self._peer}: {err}") from None
+
+    async def receive(self):
+        """The response to the request last sent."""
+        if self._reader is None:
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"no open stream to the {self._peer}")
+        try:
+            if _timeout is not None:
+                async with _timeout(self._timeout_s):
+                    length, kind, body = await self._read_frame()
+            else:
+                length, kind, body = await asyncio.wait_for(self._read_frame(), self._timeout_s)
+        except asyncio.TimeoutError:
+            self.close()
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
+        except (OSError, asyncio.IncompleteReadError):
+            self.close()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream") from None
+        if kind == KIND_ERROR:
+            self.close()
+            (code,) = ERROR_CODE.unpack_from(body)
+            status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+            raise StreamError(status, body[ERROR_CODE.size :].decode(errors="replace"))
+        try:
+            return self._parse(body)
+        except DecodeError as err:
+            self.close()
+            raise StreamError(grpc.StatusCode.INTERNAL, f"cannot parse the {self._peer}'s answer: {err}") from None
+
+    async def _read_frame(self) -> tuple[int, int, bytes]:
+        length, kind = HEADER.unpack(await self._reader.readexactly(HEADER.size))
+        return length, kind, await self._reader.readexactly(length)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None

@@ -1,0 +1,215 @@
+"""specsplit.local_stream: a request/response stream over a Unix socket with BidiStream's interface
+and failure semantics (in order, statuses as a unary call would have them, reconnect after any
+failure), refusing bad frames, ending idle connections when the server drains."""
+
+import asyncio
+import os
+import stat
+import struct
+
+import grpc
+import pytest
+
+from protos import common_pb2
+from specsplit.bidi_stream import StreamError
+from specsplit.errors import FailedPrecondition
+from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer
+
+Req = common_pb2.SamplingParams  # any message: seed in, seed out
+
+
+@pytest.fixture
+def socket_path(tmp_path_factory):
+    # pytest's tmp_path can be longer than a Unix socket path may be.
+    short = tmp_path_factory.getbasetemp() / "s"
+    short.mkdir(exist_ok=True)
+    path = short / f"t{os.getpid()}.sock"
+    assert len(str(path)) < 100
+    return str(path)
+
+
+async def echo(request):
+    if request.seed == 13:
+        raise FailedPrecondition("thirteen is refused")
+    if request.seed == 7:
+        await asyncio.sleep(0.5)
+    return Req(seed=request.seed + 1)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def serving(path, handle=echo, max_bytes=1 << 20):
+    draining = asyncio.Event()
+    server = LocalStreamServer(path, Req.FromString, handle, draining, max_bytes)
+    await server.start()
+    return server, draining
+
+
+def client(path, timeout_s=5.0):
+    async def connect():
+        return path
+
+    return LocalStream(connect, Req.FromString, timeout_s, "test server")
+
+
+def test_answers_in_order_on_one_connection_and_the_socket_is_private(socket_path):
+    async def main():
+        server, _ = await serving(socket_path)
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+        stream = client(socket_path)
+        got = [(await stream.call(Req(seed=i))).seed for i in range(20, 70)]
+        await stream.send(Req(seed=100))  # send and receive apart, as the verifier does
+        got.append((await stream.receive()).seed)
+        stream.close()
+        await server.close()
+        return got
+
+    assert run(main()) == list(range(21, 71)) + [101]
+    assert not os.path.exists(socket_path)  # close() removes the socket file
+
+
+def test_a_handler_error_is_the_callers_status_and_the_next_call_reconnects(socket_path):
+    async def main():
+        server, _ = await serving(socket_path)
+        stream = client(socket_path)
+        with pytest.raises(StreamError) as err:
+            await stream.call(Req(seed=13))
+        after = await stream.call(Req(seed=1))
+        await server.close()
+        return err.value, after
+
+    err, after = run(main())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and err.details() == "thirteen is refused"
+    assert after.seed == 2
+
+
+def test_no_answer_in_time_is_deadline_exceeded(socket_path):
+    async def main():
+        server, _ = await serving(socket_path)
+        stream = client(socket_path, timeout_s=0.1)
+        with pytest.raises(StreamError) as err:
+            await stream.call(Req(seed=7))
+        after = await stream.call(Req(seed=2))  # a fresh connection: the late answer is not read as this one's
+        await server.close()
+        return err.value, after
+
+    err, after = run(main())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert after.seed == 3
+
+
+def test_no_server_and_a_server_gone_are_unavailable(socket_path):
+    async def main():
+        stream = client(socket_path)
+        with pytest.raises(StreamError) as nobody:
+            await stream.call(Req(seed=1))
+        server, _ = await serving(socket_path)
+        first = await stream.call(Req(seed=1))
+        await server.close()
+        with pytest.raises(StreamError) as gone:
+            await stream.call(Req(seed=2))
+        server, _ = await serving(socket_path)  # the server back on the same path
+        again = await stream.call(Req(seed=3))
+        await server.close()
+        return nobody.value, first, gone.value, again
+
+    nobody, first, gone, again = run(main())
+    assert nobody.code() == gone.code() == grpc.StatusCode.UNAVAILABLE
+    assert (first.seed, again.seed) == (2, 4)
+
+
+async def raw_exchange(path, payload: bytes) -> tuple[int, int, bytes]:
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(payload)
+    length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+    body = await reader.readexactly(length)
+    closed = await reader.read(1) == b""  # the server ends the connection after an error
+    writer.close()
+    assert closed
+    return kind, struct.unpack_from("<I", body)[0], body[4:]
+
+
+@pytest.mark.parametrize(
+    "payload, code, says",
+    [
+        (HEADER.pack(3, 0) + b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "cannot parse"),
+        (HEADER.pack(0, 9), grpc.StatusCode.INVALID_ARGUMENT, "unknown frame kind 9"),
+        (HEADER.pack(2**20 + 1, 0), grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
+    ],
+    ids=["garbage", "bad-kind", "too-big"],
+)
+def test_a_bad_frame_is_refused_with_its_status_and_the_server_keeps_serving(socket_path, payload, code, says):
+    async def main():
+        server, _ = await serving(socket_path)
+        kind, got_code, details = await raw_exchange(socket_path, payload)
+        after = await client(socket_path).call(Req(seed=5))
+        await server.close()
+        return kind, got_code, details.decode(), after
+
+    kind, got_code, details, after = run(main())
+    assert kind == 1 and got_code == code.value[0] and says in details
+    assert after.seed == 6
+
+
+def test_a_handler_bug_is_internal_and_does_not_stop_the_server(socket_path):
+    async def buggy(request):
+        if request.seed == 0:
+            raise RuntimeError("boom")
+        return Req(seed=request.seed)
+
+    async def main():
+        server, _ = await serving(socket_path, handle=buggy)
+        stream = client(socket_path)
+        with pytest.raises(StreamError) as err:
+            await stream.call(Req(seed=0))
+        after = await stream.call(Req(seed=4))
+        await server.close()
+        return err.value, after
+
+    err, after = run(main())
+    assert err.code() == grpc.StatusCode.INTERNAL and "boom" in err.details()
+    assert after.seed == 4
+
+
+def test_draining_ends_an_idle_connection_but_not_a_call_in_flight(socket_path):
+    async def main():
+        server, draining = await serving(socket_path)
+        stream = client(socket_path)
+        await stream.call(Req(seed=1))  # connected, now idle
+        slow = client(socket_path)
+        await slow.send(Req(seed=7))  # in flight for 0.5 s
+        await asyncio.sleep(0.05)
+        draining.set()
+        answered = await slow.receive()
+        with pytest.raises(StreamError) as ended:
+            await stream.call(Req(seed=2))  # its connection was closed while idle
+        await server.close()
+        return answered, ended.value
+
+    answered, ended = run(main())
+    assert answered.seed == 8
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_path_too_long_for_a_unix_socket_is_refused(tmp_path):
+    async def main():
+        await serving(str(tmp_path / ("x" * 120)))
+
+    with pytest.raises(ValueError, match="at most 107 bytes"):
+        run(main())
+
+
+def test_a_stale_socket_file_is_replaced(socket_path):
+    async def main():
+        first, _ = await serving(socket_path)
+        first._server.close()  # a process that died: its file stays
+        await first._server.wait_closed()
+        assert os.path.exists(socket_path)
+        second, _ = await serving(socket_path)
+        got = await client(socket_path).call(Req(seed=9))
+        await second.close()
+        return got
+
+    assert run(main()).seed == 10
