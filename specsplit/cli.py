@@ -50,6 +50,7 @@ def up_cluster(args: argparse.Namespace):
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
+        drafter_rpc=args.drafter_rpc,
         coordinator_args=scheduling_flags(args),
     )
 
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     from drafter.server import add_arguments as drafter_args
     from specsplit.grpc_server import add_common_arguments
     from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
+    from specsplit.local_stream import DRAFTER_RPCS
     from verifier.server import add_arguments as verifier_args
 
     for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
@@ -230,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=LOCAL_HIDDEN_TRANSPORTS,
         help="how hidden states reach the drafter (auto: cuda_ipc when verifier and drafter are on CUDA, else grpc)",
+    )
+    up.add_argument(
+        "--drafter-rpc",
+        default="local",
+        choices=DRAFTER_RPCS,
+        help="verifier → drafter control path (local: the drafter's Unix socket, without gRPC; stream: gRPC's "
+        "ProposeStream; unary: one Propose call per iteration)",
     )
     add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)

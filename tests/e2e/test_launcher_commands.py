@@ -1,5 +1,8 @@
 """LocalCluster's command lines: load format for the model servers, a replaced program for one role,
-the hidden-state transport (`auto` resolved before any command is built)."""
+the hidden-state transport (`auto` resolved before any command is built), the verifier → drafter
+control path (`--drafter-rpc`, with the drafter's `--propose-socket` for local)."""
+
+import os
 
 import pytest
 
@@ -113,3 +116,23 @@ def test_up_passes_micro_batches_and_max_num_seqs_to_the_coordinator():
     assert parser.parse_args(["up"]).micro_batches == 1
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--micro-batches", "0"])
+
+
+@pytest.mark.parametrize("rpc", ["local", "stream"])
+def test_up_gives_the_drafter_rpc_to_the_verifier_and_a_socket_to_the_drafter_only_for_local(rpc):
+    from specsplit.cli import up_cluster
+
+    args = ["up"] if rpc == "local" else ["up", "--drafter-rpc", rpc]  # local is up's default
+    cluster = up_cluster(build_parser().parse_args(args))
+    verifier = cluster.command("verifier", 1234, "127.0.0.1:1")
+    drafter = cluster.command("drafter", 1235)
+    assert verifier[verifier.index("--drafter-rpc") + 1] == rpc
+    if rpc == "local":
+        socket_path = drafter[drafter.index("--propose-socket") + 1]
+        assert len(socket_path) < 108 and socket_path.endswith("drafter.sock")
+    else:
+        assert "--propose-socket" not in drafter
+    cluster.stop()
+    assert rpc != "local" or not os.path.exists(os.path.dirname(socket_path))  # stop() removes its directory
+    # A verifier started by hand keeps gRPC's stream: its drafter may be on another host.
+    assert build_parser().parse_args(["serve", "verifier", "--model", "ckpt"]).drafter_rpc == "stream"
