@@ -7,8 +7,8 @@ in one process, at several batch sizes and k, side by side in one run.
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
 (b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
 (b'') services_sync — (b) with `--no-async-scheduling` (--also-sync): the drafts come back with the tokens
-(b''') services_stream — (b) with `--drafter-rpc stream` (--also-stream): the verifier → drafter control path
-                   on gRPC instead of the drafter's Unix socket (`--drafter-rpc local`, the default here)
+(b''') services_stream — (b) on gRPC's streams (--also-stream): `--verifier-rpc stream --drafter-rpc stream`,
+                   the control paths over gRPC instead of the services' Unix sockets (`local`, the default here)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
 breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
@@ -50,7 +50,7 @@ from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noq
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS, LocalCluster  # noqa: E402
-from specsplit.local_stream import DRAFTER_RPCS  # noqa: E402
+from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -109,6 +109,9 @@ def parse_args() -> argparse.Namespace:
         "--drafter-rpc", default="local", choices=DRAFTER_RPCS, help="verifier → drafter control path of (b)"
     )
     p.add_argument(
+        "--verifier-rpc", default="local", choices=VERIFIER_RPCS, help="coordinator → verifier control path of (b)"
+    )
+    p.add_argument(
         "--micro-batches",
         type=int,
         nargs="+",
@@ -119,7 +122,9 @@ def parse_args() -> argparse.Namespace:
         "--also-sync", action="store_true", help="also run (b) with --no-async-scheduling (mode services_sync)"
     )
     p.add_argument(
-        "--also-stream", action="store_true", help="also run (b) with --drafter-rpc stream (mode services_stream)"
+        "--also-stream",
+        action="store_true",
+        help="also run (b) with --verifier-rpc stream --drafter-rpc stream (mode services_stream)",
     )
     p.add_argument(
         "--hidden-transport",
@@ -152,16 +157,17 @@ def main() -> None:
         role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
     rows, failures = [], []
     with contextlib.ExitStack() as stack:
-        specs = [(mb, False, args.drafter_rpc) for mb in args.micro_batches]
-        specs += [(1, True, args.drafter_rpc)] * args.also_sync + [(1, False, "stream")] * args.also_stream
+        rpcs = (args.verifier_rpc, args.drafter_rpc)
+        specs = [(mb, False, rpcs) for mb in args.micro_batches]
+        specs += [(1, True, rpcs)] * args.also_sync + [(1, False, ("stream", "stream"))] * args.also_stream
         clusters = {
-            services_mode(mb, sync, rpc != args.drafter_rpc): stack.enter_context(
+            services_mode(mb, sync, rpc != rpcs): stack.enter_context(
                 LocalCluster(
                     str(model),
                     num_speculative_tokens=max_k,
                     device=args.device,
                     dtype=args.dtype,
-                    log_dir=work / f"logs-{services_mode(mb, sync, rpc != args.drafter_rpc)}",
+                    log_dir=work / f"logs-{services_mode(mb, sync, rpc != rpcs)}",
                     load_format=args.load_format,
                     role_commands=role_commands,
                     hidden_transport=args.hidden_transport,
@@ -174,7 +180,8 @@ def main() -> None:
                     ],
                     verifier_args=["--num-blocks", str(args.num_blocks)],
                     drafter_args=["--num-blocks", str(args.num_blocks)],
-                    drafter_rpc=rpc,
+                    verifier_rpc=rpc[0],
+                    drafter_rpc=rpc[1],
                 )
             )
             for mb, sync, rpc in specs
@@ -206,8 +213,8 @@ def main() -> None:
     alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
     print(
         f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
-        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, verifier → drafter {args.drafter_rpc}, "
-        f"hidden states by {hidden_transport}; "
+        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, coordinator → verifier {args.verifier_rpc}, "
+        f"verifier → drafter {args.drafter_rpc}, hidden states by {hidden_transport}; "
         f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
     )
     print_tables(rows)

@@ -34,7 +34,7 @@ from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.iteration import SchedulerOutput, StepUpdate
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
-from coordinator.verify_stream import VerifyStream
+from coordinator.verify_stream import VerifyStream, local_verify_stream
 from protos import coordinator_pb2, verifier_pb2_grpc
 from specsplit.errors import SpecsplitError, Unavailable
 from specsplit.results import SpecStats
@@ -70,6 +70,7 @@ class Engine:
         *,
         verify_timeout_s: float = 120.0,
         verifier_unavailable_s: float = 30.0,
+        verifier_rpc: str = "stream",
     ):
         self.scheduler = scheduler
         self.verifier = verifier
@@ -88,7 +89,9 @@ class Engine:
         # Per micro-batch: its last iteration's span (the next one links to it: the drafts' hop) and stream.
         self._previous_iteration: list[trace.SpanContext | None] = [None] * num
         self.coordinator_id = uuid.uuid4().hex
-        self._verify_streams = [VerifyStream(verifier, verify_timeout_s) for _ in range(num)]
+        # Per micro-batch: gRPC's VerifyStream, or the same stream on the verifier's Unix socket.
+        make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
+        self._verify_streams = [make_stream(verifier, verify_timeout_s) for _ in range(num)]
         self.acceptance = AcceptanceMonitor()
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
         self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 
 import grpc
@@ -15,6 +16,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.servicer import CoordinatorServicer
 from protos import common_pb2, coordinator_pb2, verifier_pb2_grpc
 from specsplit.grpc_server import ServiceServer, add_service, announce, peer_channel, run_until_signal
+from specsplit.local_stream import VERIFIER_RPCS
 from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,13 @@ def scheduling_flags(args: argparse.Namespace) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
     p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
+    p.add_argument(
+        "--verifier-rpc",
+        default="stream",
+        choices=VERIFIER_RPCS,
+        help="stream: gRPC's VerifyStream; local: the same stream on the Unix socket a verifier on this host "
+        "serves (its --verify-socket), without gRPC",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
     add_scheduling_arguments(p)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
@@ -99,6 +108,16 @@ async def serve(args: argparse.Namespace) -> None:
     channel = peer_channel(args.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await _wait_for_model_info(stub, args.startup_timeout)
+    if args.verifier_rpc == "local" and not os.path.exists(info.verify_socket):
+        log.error(
+            "--verifier-rpc local needs the verifier %s on this host, started with --verify-socket; it serves %r "
+            "(or use --verifier-rpc stream)",
+            args.verifier,
+            info.verify_socket or "none",
+        )
+        await channel.close()
+        await server.stop(0)
+        raise SystemExit(2)
     k = args.num_speculative_tokens
     model_info = common_pb2.ModelInfo()
     model_info.CopyFrom(info)
@@ -117,7 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
         num_micro_batches=args.micro_batches,
         async_scheduling=args.async_scheduling,
     )
-    engine = Engine(Scheduler(config, eos), stub, tokenizer)
+    engine = Engine(Scheduler(config, eos), stub, tokenizer, verifier_rpc=args.verifier_rpc)
     engine.start()
     servicer.ready(engine, model_info)
     await server.mark_serving()

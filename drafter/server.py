@@ -17,7 +17,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
-from specsplit.local_stream import LocalStreamServer
+from specsplit.local_stream import LocalStreamServer, listen_or_exit
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
             servicer.draining,
             args.max_message_mb * 2**20,
         )
-        try:
-            await local.start()
-        except (OSError, ValueError) as err:
-            log.error("cannot serve --propose-socket %s: %s", args.propose_socket, err)
-            await server.stop(0)
-            raise SystemExit(2) from err
+        await listen_or_exit(local, "--propose-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()

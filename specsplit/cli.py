@@ -51,6 +51,7 @@ def up_cluster(args: argparse.Namespace):
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
         drafter_rpc=args.drafter_rpc,
+        verifier_rpc=args.verifier_rpc,
         coordinator_args=scheduling_flags(args),
     )
 
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     from drafter.server import add_arguments as drafter_args
     from specsplit.grpc_server import add_common_arguments
     from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
-    from specsplit.local_stream import DRAFTER_RPCS
+    from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
     from verifier.server import add_arguments as verifier_args
 
     for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
@@ -239,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DRAFTER_RPCS,
         help="verifier → drafter control path (local: the drafter's Unix socket, without gRPC; stream: gRPC's "
         "ProposeStream; unary: one Propose call per iteration)",
+    )
+    up.add_argument(
+        "--verifier-rpc",
+        default="local",
+        choices=VERIFIER_RPCS,
+        help="coordinator → verifier control path (local: the verifier's Unix socket, without gRPC; stream: gRPC's "
+        "VerifyStream)",
     )
     add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)

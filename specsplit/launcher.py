@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.transport import TRANSPORTS
-from specsplit.local_stream import DRAFTER_RPCS
+from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
 
 log = logging.getLogger(__name__)
 LOCAL_HIDDEN_TRANSPORTS = ("auto", *TRANSPORTS)
@@ -91,12 +91,14 @@ class LocalCluster:
         verifier_device: str | None = None,
         drafter_device: str | None = None,
         drafter_rpc: str = "local",
+        verifier_rpc: str = "local",
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
         (e.g. cuda:0 and cuda:1); hidden_transport: auto, grpc, cuda_ipc or nccl, resolved once
         (`resolve_hidden_transport`) and given to both as the `hidden_transport` attribute;
         drafter_rpc: the verifier's `--drafter-rpc` (local: the drafter also serves ProposeStream on a
-        Unix socket in a temporary directory of this cluster's, removed at stop())."""
+        Unix socket in a temporary directory of this cluster's, removed at stop()); verifier_rpc: the
+        coordinator's `--verifier-rpc` (local: the verifier's VerifyStream on a socket there too)."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -118,7 +120,9 @@ class LocalCluster:
         self.role_commands = role_commands or {}
         if drafter_rpc not in DRAFTER_RPCS:
             raise ValueError(f"unknown drafter rpc {drafter_rpc!r}; choose one of {', '.join(DRAFTER_RPCS)}")
-        self.drafter_rpc = drafter_rpc
+        if verifier_rpc not in VERIFIER_RPCS:
+            raise ValueError(f"unknown verifier rpc {verifier_rpc!r}; choose one of {', '.join(VERIFIER_RPCS)}")
+        self.drafter_rpc, self.verifier_rpc = drafter_rpc, verifier_rpc
         self._socket_dir: str | None = None  # made by the first command that names the socket
         drafter_given = any(a == "--drafter" or a.startswith("--drafter=") for a in self.extra["verifier"])
         self._hidden_transport = resolve_hidden_transport(
@@ -152,19 +156,21 @@ class LocalCluster:
         if role == "verifier" and peer:
             cmd += ["--drafter", peer, "--drafter-rpc", self.drafter_rpc]
         if role == "drafter" and self.drafter_rpc == "local":
-            cmd += ["--propose-socket", self.propose_socket]
+            cmd += ["--propose-socket", self.socket_path("drafter")]
+        if role == "verifier" and self.verifier_rpc == "local":
+            cmd += ["--verify-socket", self.socket_path("verifier")]
         if role == "coordinator":
-            cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
+            cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k), "--verifier-rpc", self.verifier_rpc]
         if self.tls_dir:
             cmd += ["--tls-dir", self.tls_dir]
         return cmd + self.extra[role]
 
-    @property
-    def propose_socket(self) -> str:
-        """The drafter's `--propose-socket`: short (a Unix socket path holds at most 107 bytes)."""
+    def socket_path(self, role: str) -> str:
+        """The drafter's `--propose-socket` or the verifier's `--verify-socket`: short (a Unix socket
+        path holds at most 107 bytes)."""
         if self._socket_dir is None:
             self._socket_dir = tempfile.mkdtemp(prefix="specsplit-")
-        return os.path.join(self._socket_dir, "drafter.sock")
+        return os.path.join(self._socket_dir, f"{role}.sock")
 
     def spawn(self, role: str, port: int, peer: str | None = None) -> Service:
         log_path = None

@@ -36,8 +36,10 @@ from specsplit.errors import SpecsplitError
 log = logging.getLogger(__name__)
 
 # The verifier's `--drafter-rpc` choices: the gRPC ProposeStream, one unary Propose per iteration, or the
-# same stream on the drafter's `--propose-socket` through this module.
+# same stream on the drafter's `--propose-socket` through this module; the coordinator's `--verifier-rpc`:
+# the gRPC VerifyStream or the same stream on the verifier's `--verify-socket`.
 DRAFTER_RPCS = ("stream", "unary", "local")
+VERIFIER_RPCS = ("stream", "local")
 HEADER = struct.Struct("<IB")
 ERROR_CODE = struct.Struct("<I")
 KIND_MESSAGE, KIND_ERROR = 0, 1
@@ -147,6 +149,17 @@ class LocalStreamServer:
                 writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
                 return
             yield request
+
+
+async def listen_or_exit(local: LocalStreamServer, flag: str, stop_server: Callable[[], Awaitable[None]]) -> None:
+    """A service's start-up: listens on `local`, or logs why it cannot and exits 2 once `stop_server()`
+    has run (before the weights load, so a bad path fails at once)."""
+    try:
+        await local.start()
+    except (OSError, ValueError) as err:
+        log.error("cannot serve %s %s: %s", flag, local.path, err)
+        await stop_server()
+        raise SystemExit(2) from err
 
 
 class LocalStream:

@@ -16,7 +16,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
-from specsplit.local_stream import DRAFTER_RPCS
+from specsplit.local_stream import DRAFTER_RPCS, LocalStreamServer, listen_or_exit
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stream: one persistent ProposeStream per drafter replica; unary: one Propose call per iteration; "
         "local: the ProposeStream on the Unix socket a drafter on this host serves (its --propose-socket), "
         "without gRPC: the fastest control path for co-located services",
+    )
+    p.add_argument(
+        "--verify-socket",
+        default=None,
+        metavar="PATH",
+        help="also serve VerifyStream on this Unix socket, without gRPC, for a coordinator on this host started "
+        "with --verifier-rpc local (the socket is created 0600)",
     )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
@@ -73,7 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: int) -> common_pb2.ModelInfo:
+def model_info(
+    model_dir: str, config, args: argparse.Namespace, max_model_len: int, verify_socket: str = ""
+) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model=Path(model_dir).resolve().name,
         architecture=config.architecture,
@@ -85,6 +94,7 @@ def model_info(model_dir: str, config, args: argparse.Namespace, max_model_len: 
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         hidden_size=config.hidden_size,
+        verify_socket=verify_socket,
     )
 
 
@@ -127,6 +137,16 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
+    local = None
+    if args.verify_socket:  # opened now: a bad path fails before minutes of loading
+        local = LocalStreamServer(
+            str(Path(args.verify_socket).resolve()),
+            verifier_pb2.VerifyRequest.FromString,
+            servicer.handle_stream_request,
+            servicer.draining,
+            args.max_message_mb * 2**20,
+        )
+        await listen_or_exit(local, "--verify-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()
@@ -147,6 +167,8 @@ async def serve(args: argparse.Namespace) -> None:
         except TransportConfigError as err:
             log.error("%s", err)
             await drafter.close()
+            if local is not None:
+                await local.close()
             await server.stop(0)
             raise SystemExit(2) from err
     runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
@@ -160,7 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=max_model_len,
         ),
     )
-    servicer.ready(runner, model_info(args.model, config, args, max_model_len))
+    servicer.ready(runner, model_info(args.model, config, args, max_model_len, local.path if local else ""))
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(
@@ -172,6 +194,12 @@ async def serve(args: argparse.Namespace) -> None:
         args.block_size,
         args.hidden_transport,
     )
+
+    async def on_stop() -> None:
+        if local is not None:
+            await local.close()
+        await drafter.close()
+
     await run_until_signal(
-        server, drafter.close, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain
+        server, on_stop, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain
     )

@@ -50,7 +50,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # round trip runs outside it, so another micro-batch's step can run meanwhile.
         self._lock = asyncio.Lock()
         self._coordinator_id: str | None = None
-        self._draining = asyncio.Event()
+        self.draining = asyncio.Event()
         self._last_iteration: dict[int, int] = {}  # per micro-batch
         # Async scheduling: per micro-batch, the Propose still running (its drafts go to _held).
         self._held = HeldDrafts()
@@ -102,21 +102,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request, context):
         await self._require_ready(context)
         try:
-            return await self._verify(request, self._parent(request, context))
+            return await self._verify(request, self._parent(request, context), "unary")
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
 
     async def VerifyStream(self, request_iterator, context):
         await self._require_ready(context)
-        async for request in until_draining(request_iterator, self._draining):
+        async for request in until_draining(request_iterator, self.draining):
             try:
-                yield await self._verify(request, self._parent(request, context))
+                yield await self._verify(request, self._parent(request, context), "stream")
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
 
+    async def handle_stream_request(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        """One message of a VerifyStream on the `--verify-socket` (`LocalStreamServer`)."""
+        if self.runner is None:
+            raise SpecsplitError("verifier is loading its weights", grpc.StatusCode.UNAVAILABLE)
+        return await self._verify(request, extract_trace_context(request.trace_context), "local")
+
     def drain(self) -> None:
         """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
-        self._draining.set()
+        self.draining.set()
 
     @staticmethod
     def _parent(request: verifier_pb2.VerifyRequest, context):
@@ -125,11 +131,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return extract_trace_context(request.trace_context)
         return incoming_context(context.invocation_metadata())
 
-    async def _verify(self, request: verifier_pb2.VerifyRequest, parent) -> verifier_pb2.VerifyResponse:
-        """One iteration; raises SpecsplitError with the status the caller should get."""
+    async def _verify(self, request: verifier_pb2.VerifyRequest, parent, rpc: str) -> verifier_pb2.VerifyResponse:
+        """One iteration that came by `rpc` (unary, stream or local); raises SpecsplitError with the
+        status the caller should get."""
         received_ns = time.time_ns()
         loop = asyncio.get_running_loop()
-        attrs = {"specsplit.iteration": request.iteration, "specsplit.batch_size": len(request.requests)}
+        attrs = {
+            "specsplit.iteration": request.iteration,
+            "specsplit.batch_size": len(request.requests),
+            "specsplit.verifier_rpc": rpc,
+        }
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
             # Async scheduling: a step needs the drafts its micro-batch's last Propose makes; an iteration
             # that only frees requests does not wait (its Propose then waits for the last one).

@@ -35,7 +35,7 @@ def test_role_command_replaces_the_program_and_keeps_the_roles_arguments():
     assert cmd[len(wrapper) :] == [
         *["--host", "127.0.0.1", "--port", "1234", "--model", "ckpt"],
         *["--device", "cpu", "--dtype", "float32", "--load-format", "auto", "--hidden-transport", "grpc"],
-        *["--propose-socket", cluster.propose_socket, "--num-blocks", "8"],
+        *["--propose-socket", cluster.socket_path("drafter"), "--num-blocks", "8"],
     ]
     assert cluster.command("verifier", 1)[2:4] == ["specsplit", "serve"]
     cluster.stop()  # removes the socket's directory
@@ -119,20 +119,26 @@ def test_up_passes_micro_batches_and_max_num_seqs_to_the_coordinator():
 
 
 @pytest.mark.parametrize("rpc", ["local", "stream"])
-def test_up_gives_the_drafter_rpc_to_the_verifier_and_a_socket_to_the_drafter_only_for_local(rpc):
+def test_up_gives_the_rpcs_to_the_callers_and_sockets_to_the_servers_only_for_local(rpc):
     from specsplit.cli import up_cluster
 
-    args = ["up"] if rpc == "local" else ["up", "--drafter-rpc", rpc]  # local is up's default
+    args = ["up"] if rpc == "local" else ["up", "--drafter-rpc", rpc, "--verifier-rpc", rpc]  # local: the default
     cluster = up_cluster(build_parser().parse_args(args))
+    coordinator = cluster.command("coordinator", 1233, "127.0.0.1:1")
     verifier = cluster.command("verifier", 1234, "127.0.0.1:1")
     drafter = cluster.command("drafter", 1235)
+    assert coordinator[coordinator.index("--verifier-rpc") + 1] == rpc
     assert verifier[verifier.index("--drafter-rpc") + 1] == rpc
-    if rpc == "local":
-        socket_path = drafter[drafter.index("--propose-socket") + 1]
-        assert len(socket_path) < 108 and socket_path.endswith("drafter.sock")
-    else:
-        assert "--propose-socket" not in drafter
+    sockets = []
+    for cmd, flag in ((drafter, "--propose-socket"), (verifier, "--verify-socket")):
+        if rpc == "local":
+            sockets.append(cmd[cmd.index(flag) + 1])
+        else:
+            assert flag not in cmd
+    assert all(len(path) < 108 and path.endswith(".sock") for path in sockets) and len(set(sockets)) == len(sockets)
     cluster.stop()
-    assert rpc != "local" or not os.path.exists(os.path.dirname(socket_path))  # stop() removes its directory
-    # A verifier started by hand keeps gRPC's stream: its drafter may be on another host.
-    assert build_parser().parse_args(["serve", "verifier", "--model", "ckpt"]).drafter_rpc == "stream"
+    assert not any(os.path.exists(os.path.dirname(path)) for path in sockets)  # stop() removes their directory
+    # Services started by hand keep gRPC's streams: their peers may be on other hosts.
+    parser = build_parser()
+    assert parser.parse_args(["serve", "verifier", "--model", "ckpt"]).drafter_rpc == "stream"
+    assert parser.parse_args(["serve", "coordinator", "--model", "m", "--verifier", "v:1"]).verifier_rpc == "stream"

@@ -20,12 +20,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sync_cluster(tiny_checkpoint, tmp_path_factory):
-    """The drafts come back with the tokens (`--no-async-scheduling`), the coordinator's other mode; the
-    verifier's Proposes on gRPC's ProposeStream (`--drafter-rpc stream`), not LocalCluster's default socket."""
+    """The drafts come back with the tokens (`--no-async-scheduling`), the coordinator's other mode; Verify
+    and Propose on gRPC's streams (`--verifier-rpc stream`, `--drafter-rpc stream`), not LocalCluster's
+    default Unix sockets."""
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("logs-sync"),
+        verifier_rpc="stream",
         drafter_rpc="stream",
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-async-scheduling"],
     ) as c:

@@ -84,8 +84,9 @@ def test_server_spans_are_children_of_the_callers_client_spans(traced):
         by_id[s["parent_id"]]["name"] == "verify" and by_id[s["parent_id"]]["kind"] == "CLIENT" for s in verifies
     )
     assert all(by_id[s["parent_id"]]["name"] == "send_hidden_states" for s in proposes)
-    # LocalCluster's default control path: the trace context crossed the drafter's Unix socket.
+    # LocalCluster's default control paths: the trace context crossed both Unix sockets.
     assert {s["attributes"]["specsplit.drafter_rpc"] for s in proposes} == {"local"}
+    assert {s["attributes"]["specsplit.verifier_rpc"] for s in verifies} == {"local"}
     for name in ("prepare_inputs", "target_forward", "rejection_sample"):
         assert all(by_id[s["parent_id"]]["name"] == "Verify" for s in trace if s["name"] == name)
     assert {s["name"] for s in trace} >= {"schedule", "post_step", "mtp_step_0", "mtp_steps_1_to_k"}
