@@ -10,11 +10,9 @@ verifier's `--verify-socket` instead (`local_verify_stream`), failing the same w
 
 from __future__ import annotations
 
-import grpc
-
-from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
+from protos import verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import BidiStream, StreamError
-from specsplit.local_stream import LocalStream
+from specsplit.local_stream import LocalStream, served_socket
 
 __all__ = ["StreamError", "VerifyStream", "local_verify_stream"]
 
@@ -25,15 +23,6 @@ class VerifyStream(BidiStream):
 
 
 def local_verify_stream(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> LocalStream:
-    """The VerifyStream on the verifier's `--verify-socket`, its path asked of the verifier at each
-    (re)connection (a restarted verifier may serve another one)."""
-
-    async def socket_path() -> str:
-        info = await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout_s)
-        if not info.verify_socket:
-            raise StreamError(
-                grpc.StatusCode.FAILED_PRECONDITION, "the verifier serves no --verify-socket (--verifier-rpc local)"
-            )
-        return info.verify_socket
-
-    return LocalStream(socket_path, verifier_pb2.VerifyResponse.FromString, timeout_s, "verifier")
+    """The VerifyStream on the verifier's `--verify-socket`."""
+    connect = served_socket(stub, "verify_socket", "verifier", timeout_s)
+    return LocalStream(connect, verifier_pb2.VerifyResponse.FromString, timeout_s, "verifier")

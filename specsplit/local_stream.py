@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from protos import common_pb2
 from specsplit.bidi_stream import StreamError, until_draining
 from specsplit.errors import SpecsplitError
 
@@ -160,6 +161,20 @@ async def listen_or_exit(local: LocalStreamServer, flag: str, stop_server: Calla
         log.error("cannot serve %s %s: %s", flag, local.path, err)
         await stop_server()
         raise SystemExit(2) from err
+
+
+def served_socket(stub, field: str, peer: str, timeout_s: float) -> Callable[[], Awaitable[str]]:
+    """`LocalStream`'s `connect`: the path the server behind `stub` names in `ModelInfo.<field>`, asked
+    at each (re)connection (a restarted server may serve another one). Without one, the call fails
+    with FAILED_PRECONDITION."""
+
+    async def path() -> str:
+        info = await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout_s)
+        if not getattr(info, field):
+            raise StreamError(grpc.StatusCode.FAILED_PRECONDITION, f"the {peer} serves no Unix socket (no {field})")
+        return getattr(info, field)
+
+    return path
 
 
 class LocalStream:

@@ -31,8 +31,8 @@ import torch
 from models.transport.base import HiddenStatesSender, Transfer, TransportError
 from models.transport.grpc_bytes import GrpcSender
 from protos import common_pb2, drafter_pb2
-from specsplit.bidi_stream import BidiStream, StreamError
-from specsplit.local_stream import DRAFTER_RPCS, LocalStream
+from specsplit.bidi_stream import BidiStream
+from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
 from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
@@ -263,23 +263,12 @@ class DrafterClient:
                 stream.close()
             peer = f"drafter {replica.address}"
             if self.rpc == "local":
-                parse = drafter_pb2.ProposeResponse.FromString
-                stream = LocalStream(lambda: self._propose_socket(replica), parse, self.timeout_s, peer)
+                connect = served_socket(replica.stub, "propose_socket", peer, self.timeout_s)
+                stream = LocalStream(connect, drafter_pb2.ProposeResponse.FromString, self.timeout_s, peer)
             else:
                 stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, peer)
             self._streams[replica.address] = (replica.stub, stream)
         return stream
-
-    async def _propose_socket(self, replica: Replica) -> str:
-        """The replica's `--propose-socket`, asked of the replica at each (re)connection: a restarted
-        drafter may serve another path. Raises grpc.RpcError (the replica's call fails) without one."""
-        info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
-        if not info.propose_socket:
-            raise StreamError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"drafter {replica.address} serves no --propose-socket (needed by --drafter-rpc local)",
-            )
-        return info.propose_socket
 
     def _open_call(self, replica: Replica):
         def call(request: drafter_pb2.OpenHiddenTransportRequest):

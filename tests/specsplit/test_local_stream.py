@@ -13,7 +13,7 @@ import pytest
 from protos import common_pb2
 from specsplit.bidi_stream import StreamError
 from specsplit.errors import FailedPrecondition
-from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer
+from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, served_socket
 
 Req = common_pb2.SamplingParams  # any message: seed in, seed out
 
@@ -213,3 +213,35 @@ def test_a_stale_socket_file_is_replaced(socket_path):
         return got
 
     assert run(main()).seed == 10
+
+
+class _Stub:
+    """Stands in for a gRPC stub: GetModelInfo answers `info`, counting the calls."""
+
+    def __init__(self, info):
+        self.info, self.calls = info, 0
+
+    async def GetModelInfo(self, request, timeout):  # noqa: N802 (the gRPC method's name)
+        self.calls += 1
+        return self.info
+
+
+def test_the_path_is_asked_of_the_server_at_each_connection_and_none_is_failed_precondition(socket_path):
+    async def main():
+        server, _ = await serving(socket_path)
+        stub = _Stub(common_pb2.ModelInfo(verify_socket=socket_path))
+        stream = LocalStream(served_socket(stub, "verify_socket", "verifier", 5), Req.FromString, 5, "verifier")
+        await stream.call(Req(seed=1))
+        await stream.call(Req(seed=2))  # same connection: not asked again
+        asked_once = stub.calls
+        stream.close()
+        await stream.call(Req(seed=3))  # a new connection asks again
+        none = LocalStream(served_socket(_Stub(common_pb2.ModelInfo()), "verify_socket", "verifier", 5), Req, 5, "v")
+        with pytest.raises(StreamError) as err:
+            await none.call(Req(seed=1))
+        await server.close()
+        return asked_once, stub.calls, err.value
+
+    asked_once, asked, err = run(main())
+    assert (asked_once, asked) == (1, 2)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no verify_socket" in err.details()
