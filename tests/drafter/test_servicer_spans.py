@@ -83,6 +83,7 @@ def test_propose_span_has_the_counts_and_the_step_children(spans):
     assert propose.kind == trace.SpanKind.SERVER and propose.parent.span_id == send.context.span_id
     assert dict(propose.attributes) == {
         "specsplit.iteration": 4,
+        "specsplit.drafter_rpc": "stream",  # gRPC's ProposeStream
         "specsplit.batch_size": 1,
         "specsplit.hidden_state_bytes": 2 * HIDDEN * 4,
     }
