@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -77,16 +78,33 @@ class LocalStreamServer:
         self._connections: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        """Listens; raises ValueError for a path too long for a Unix socket, OSError when it cannot bind."""
+        """Listens; raises ValueError for a path too long for a Unix socket or one another file or live
+        server holds (`_remove_stale`), OSError when it cannot bind."""
         if len(os.fsencode(self.path)) > MAX_PATH_BYTES:
             raise ValueError(f"a Unix socket path holds at most {MAX_PATH_BYTES} bytes; {self.path!r} is longer")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a socket file left by a process that did not stop cleanly
+        await self._remove_stale()
         old_umask = os.umask(0o177)  # created 0600: no window in which others could connect
         try:
             self._server = await asyncio.start_unix_server(self._serve, self.path)
         finally:
             os.umask(old_umask)
+
+    async def _remove_stale(self) -> None:
+        """Removes the socket file a process that did not stop cleanly left at the path. Anything else
+        there is refused (ValueError): a file that is not a socket, or a socket a live server answers on."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise ValueError(f"{self.path} exists and is not a socket")
+        try:
+            _, writer = await asyncio.open_unix_connection(self.path)
+        except OSError:  # nobody listens: stale
+            os.unlink(self.path)
+            return
+        writer.close()
+        raise ValueError(f"another server is listening on {self.path}")
 
     async def close(self) -> None:
         if self._server is None:

@@ -4,6 +4,7 @@ failure), refusing bad frames, ending idle connections when the server drains.""
 
 import asyncio
 import os
+import socket
 import stat
 import struct
 
@@ -201,15 +202,32 @@ def test_a_path_too_long_for_a_unix_socket_is_refused(tmp_path):
         run(main())
 
 
-def test_a_stale_socket_file_is_replaced(socket_path):
+def test_a_file_that_is_not_a_socket_or_a_live_server_is_never_replaced(socket_path):
     async def main():
-        first, _ = await serving(socket_path)
-        first._server.close()  # a process that died: its file stays
-        await first._server.wait_closed()
-        assert os.path.exists(socket_path)
-        second, _ = await serving(socket_path)
+        with open(socket_path, "w") as f:
+            f.write("keep me")
+        with pytest.raises(ValueError, match="is not a socket"):
+            await serving(socket_path)
+        os.unlink(socket_path)
+        live, _ = await serving(socket_path)
+        with pytest.raises(ValueError, match="another server is listening"):
+            await serving(socket_path)
+        got = await client(socket_path).call(Req(seed=1))  # the live one still serves its path
+        await live.close()
+        return got
+
+    assert run(main()).seed == 2
+
+
+def test_a_stale_socket_file_is_replaced(socket_path):
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(socket_path)  # a process that died: its socket file stays, nobody listens
+    dead.close()
+
+    async def main():
+        server, _ = await serving(socket_path)
         got = await client(socket_path).call(Req(seed=9))
-        await second.close()
+        await server.close()
         return got
 
     assert run(main()).seed == 10
