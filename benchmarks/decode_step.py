@@ -7,8 +7,12 @@ Models: the Qwen2-7B shape (hidden 3584, 28 layers, 28 heads / 4 kv heads, head_
 intermediate 18944, vocab 152064, untied) with random bf16 weights made on the device, and the demo
 checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`models.tiny`) instead.
 
-Paths: `eager` (per-request SDPA attention, the old path), `kernel` (Triton paged attention, eager),
-`graphs` (Triton attention replayed from CUDA graphs; on CPU the same static-buffer path runs eagerly).
+Paths (`--paths`): `eager` (SDPA attention in one call over the step padded to its longest request,
+what every CPU step and every GPU prefill step runs), `eager_loop` (the same with one SDPA call per
+request, the path before), `kernel` (Triton paged attention, eager), `graphs` (Triton attention replayed
+from CUDA graphs; on CPU the same static-buffer path runs eagerly).
+
+    PYTHONPATH=. python benchmarks/decode_step.py --device cpu --tiny --batch-sizes 8,32 --paths eager,eager_loop
 Linears run the Triton GEMV (`kernels/gemv.py`) for the shapes its table measured faster than cuBLAS
 (the servers' default); `--gemv`: for every shape; `--no-gemv`: cuBLAS everywhere.
 A step is what the verifier does per decode iteration: metadata (`prepare_step`, one upload), input
@@ -114,7 +118,8 @@ def time_steps(
             ids = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
             sync()
             t0 = time.perf_counter()
-            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(path != "eager", [1]))
+            eager = path in ("eager", "eager_loop")
+            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(not eager, [1]))
             input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             positions = torch.tensor([context] * batch, dtype=torch.int64, device=device)
             if on_cuda and i >= warmup:
@@ -171,6 +176,7 @@ def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
 def bench_model(name, model, args) -> list[dict]:
     import torch
 
+    from models import kv_cache as kv_cache_module
     from models.cuda_graphs import CudaGraphRunner
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -186,12 +192,18 @@ def bench_model(name, model, args) -> list[dict]:
     rows = []
     for batch in batches:
         gpu_ops: list[int] = []
-        for path in ("eager", "kernel", "graphs"):
+        for path in args.paths.split(","):
             count_ops = gpu_ops if path == "kernel" else None
             gpu: list[float] = []
-            seconds = time_steps(
-                model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops, gpu
-            )
+            # eager_loop: no step is padded into one SDPA call (models.kv_cache.PADDED_BATCH_MAX_PAIRS).
+            padded_max = kv_cache_module.PADDED_BATCH_MAX_PAIRS
+            kv_cache_module.PADDED_BATCH_MAX_PAIRS = 0 if path == "eager_loop" else padded_max
+            try:
+                seconds = time_steps(
+                    model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops, gpu
+                )
+            finally:
+                kv_cache_module.PADDED_BATCH_MAX_PAIRS = padded_max
             rows.append(
                 dict(
                     model=name,
@@ -207,13 +219,13 @@ def bench_model(name, model, args) -> list[dict]:
                     gpu_roofline_pct=100 * ideal / gpu[0] if gpu else None,
                     weight_gb=weight_bytes(model) / 1e9,
                     device=torch.cuda.get_device_name(cache.device) if on_cuda else "cpu",
-                    gpu_ops_per_step=gpu_ops[0] if gpu_ops and path != "eager" else None,
+                    gpu_ops_per_step=gpu_ops[0] if gpu_ops and path in ("kernel", "graphs") else None,
                     gemv={None: "measured shapes", True: "every shape", False: "off"}[args.gemv],
                 )
             )
             ops = f"  ({gpu_ops[0]} GPU ops per step)" if gpu_ops and path == "kernel" else ""
             on_gpu = f"  (GPU {gpu[0] * 1e3:.3f} ms)" if gpu else ""
-            print(f"  batch {batch:3d} {path:7s} {seconds * 1e3:9.3f} ms{on_gpu}{ops}", file=sys.stderr)
+            print(f"  batch {batch:3d} {path:10s} {seconds * 1e3:9.3f} ms{on_gpu}{ops}", file=sys.stderr)
     return rows
 
 
@@ -224,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="one tiny random model instead of Qwen2-7B and the demo")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument(
+        "--paths",
+        default="eager,kernel,graphs",
+        help="comma-separated, from eager, eager_loop, kernel, graphs (see above)",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")

@@ -7,8 +7,9 @@ cache indices 0 .. seq_len - n + j. Two paths:
   tensors; no host work per request, no host sync, capturable in a CUDA graph. Runners choose it
   for decode / verify steps (`use_kernel_for`): one program per query token re-reads its context,
   which is right for a few new tokens per request, wasteful for long prompts.
-- otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): a per-request loop of
-  `scaled_dot_product_attention` over the gathered K/V (flash attention for long prompts).
+- otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): `scaled_dot_product_attention` over
+  the gathered K/V, in one call over the step padded to its longest request (`attn.padded_batch`)
+  when the padding costs at most twice the real work, else in a per-request loop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels.kv_write import write_kv_triton
 from kernels.paged_attention import choose_num_splits, paged_attention_triton
-from models.kv_cache import AttentionMetadata
+from models.kv_cache import AttentionMetadata, PaddedBatch
 
 # Steps whose requests all have at most this many new tokens run the kernel (decode: 1, verify: 1 + k).
 KERNEL_MAX_QUERY_LEN = 16
@@ -63,6 +64,9 @@ def paged_attention(
     group = num_heads // kv_heads
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     flat_v = v_cache.view(-1, kv_heads, head_dim)
+    batch = attn.padded_batch
+    if batch is not None:
+        return _sdpa_padded(q, flat_k, flat_v, batch, kv_heads, group)
     out = torch.empty_like(q)
     qsl, ctx = attn.query_start_loc_host, attn.context_start_loc_host
     for r, seq_len in enumerate(attn.seq_lens_host):
@@ -82,3 +86,24 @@ def paged_attention(
         o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
         out[q_start:q_end] = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out
+
+
+def _sdpa_padded(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    flat_k: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    flat_v: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    batch: PaddedBatch,
+    kv_heads: int,
+    group: int,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """The whole step in one SDPA call over the padded batch: a constant number of launches per
+    layer, where the per-request loop launches about ten per request."""
+    num_reqs, n, head_dim = batch.slots.shape[0], batch.max_new, q.shape[2]
+    keys = flat_k[batch.slots].permute(0, 2, 1, 3).to(q.dtype)  # [R, kv_heads, L, head_dim]
+    values = flat_v[batch.slots].permute(0, 2, 1, 3).to(q.dtype)  # [R, kv_heads, L, head_dim]
+    queries = q[batch.query_index].view(num_reqs, n, kv_heads, group, head_dim)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(num_reqs, kv_heads, group * n, head_dim)  # rows (g, j)
+    mask = batch.mask.repeat(1, group, 1)[:, None]  # [R, 1, group * N, L]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [R, kv_heads, group * N, D]
+    o = o.view(num_reqs, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)  # [R, N, kv_heads, group, D]
+    return o.reshape(num_reqs * n, kv_heads * group, head_dim)[batch.out_index]

@@ -74,6 +74,51 @@ class AttentionMetadata:
         seq_lens = torch.tensor(self.seq_lens_host)
         return slots[cache_index[None, :] < seq_lens[:, None]].to(self.slot_mapping.device)
 
+    @functools.cached_property
+    def padded_batch(self) -> PaddedBatch | None:
+        """The step as one padded batch for a single SDPA call (`models.attention`), or None where the
+        padding would cost more than the per-request loop saves: one request, more than twice the
+        real (query, key) pairs, or over `PADDED_BATCH_MAX_PAIRS`. Built once per step."""
+        qsl, seq_lens = self.query_start_loc_host, self.seq_lens_host
+        n_new = [b - a for a, b in zip(qsl, qsl[1:])]
+        num_reqs, max_new, max_len = len(seq_lens), max(n_new), max(seq_lens)
+        real_pairs = sum(n * length for n, length in zip(n_new, seq_lens))
+        padded_pairs = num_reqs * max_new * max_len
+        if num_reqs < 2 or padded_pairs > 2 * real_pairs or padded_pairs > PADDED_BATCH_MAX_PAIRS:
+            return None
+        size, width = self.block_size, max(len(t) for t in self.block_tables_host)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
+        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)[:, :max_len]  # [R, L]
+        key = torch.arange(max_len)
+        lens = torch.tensor(seq_lens)
+        slots = torch.where(key[None, :] < lens[:, None], slots, 0)  # padding reads slot 0, masked out
+        new = torch.tensor(n_new)
+        j = torch.minimum(torch.arange(max_new)[None, :], new[:, None] - 1)  # [R, N]: padded rows repeat the last
+        query_index = torch.tensor(qsl[:-1])[:, None] + j  # [R, N] rows of q
+        last_visible = (lens - new)[:, None] + j  # [R, N]: query j sees keys 0 .. seq_len - n + j
+        mask = key[None, None, :] <= last_visible[:, :, None]  # [R, N, L]
+        out_index = torch.cat([r * max_new + torch.arange(n) for r, n in enumerate(n_new)])  # [T] rows of [R * N]
+        device = self.slot_mapping.device
+        return PaddedBatch(
+            slots.to(device), query_index.to(device), mask.to(device), out_index.to(device), max_new, max_len
+        )
+
+
+# Bound on a padded batch's (query, key) pairs: its SDPA scores are pairs x heads floats.
+PADDED_BATCH_MAX_PAIRS = 1 << 22
+
+
+@dataclass
+class PaddedBatch:
+    """A ragged eager step as [num_reqs, max_new] queries over [num_reqs, max_len] keys."""
+
+    slots: torch.Tensor  # [R, L] int64 flat cache slots (padding: 0)
+    query_index: torch.Tensor  # [R, N] int64 rows of q (padding: the request's last row again)
+    mask: torch.Tensor  # [R, N, L] bool, causal and padding
+    out_index: torch.Tensor  # [T] int64, each token's row in the flattened [R * N] output
+    max_new: int
+    max_len: int
+
 
 @dataclass
 class StepPlan:

@@ -1,11 +1,15 @@
-"""paged_attention equals dense causal GQA attention over each request's whole sequence."""
+"""paged_attention equals dense causal GQA attention over each request's whole sequence, on the
+eager path in both its forms: one SDPA call over the step padded to its longest request, and the
+per-request loop (where padding would cost too much)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from models import kv_cache as kv_cache_module
 from models.attention import paged_attention
 from models.kv_cache import PagedKVCache
 
@@ -20,7 +24,10 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps():
+@pytest.mark.parametrize("padded", [True, False], ids=["one-padded-call", "per-request-loop"])
+def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps(monkeypatch, padded):
+    if not padded:
+        monkeypatch.setattr(kv_cache_module, "PADDED_BATCH_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 6, 2, 8
     cache = PagedKVCache(1, kv_heads, dim, num_blocks=16, block_size=3, dtype=torch.float32, device="cpu")
@@ -30,6 +37,7 @@ def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps():
     done = {"a": 0, "b": 0}
     for step in steps:
         attn = cache.prepare_step(list(step), list(step.values()))
+        assert (attn.padded_batch is not None) == padded  # these steps pad to at most twice their work
         q, k, v = (torch.cat([full[r][i][done[r] : done[r] + n] for r, n in step.items()]) for i in range(3))
         out = paged_attention(q, k, v, cache.k[0], cache.v[0], attn)
         row = 0
@@ -38,3 +46,14 @@ def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps():
             expected = _dense_causal(*(t[:end] for t in full[r]))[done[r] :]
             torch.testing.assert_close(out[row : row + n], expected, atol=1e-5, rtol=0)
             row, done[r] = row + n, end
+
+
+def test_a_step_that_padding_would_double_keeps_the_loop():
+    cache = PagedKVCache(1, 1, 4, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    attn = cache.prepare_step(["long", "d1", "d2"], [40, 1, 1])  # 40 x 40 pairs padded three times
+    assert attn.padded_batch is None
+    assert cache.prepare_step(["one"], [8]).padded_batch is None  # one request: nothing to batch
+    batch = cache.prepare_step(["p", "q"], [6, 5]).padded_batch
+    assert batch is not None and (batch.max_new, batch.max_len) == (6, 6)
+    assert batch.out_index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # q's 5 rows follow p's 6
+    assert batch.query_index[1].tolist() == [6, 7, 8, 9, 10, 10]  # q's padded row repeats its last
