@@ -17,7 +17,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
-from specsplit.local_stream import LocalStreamServer, listen_or_exit
+from specsplit.local_stream import serve_or_exit
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,14 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     servicer = DrafterServicer(args.device)
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    local = None
-    if args.propose_socket:  # opened now: a bad path fails before minutes of loading
-        local = LocalStreamServer(
-            str(Path(args.propose_socket).resolve()),
-            drafter_pb2.ProposeRequest.FromString,
-            servicer.handle_stream_request,
-            servicer.draining,
-            args.max_message_mb * 2**20,
-        )
-        await listen_or_exit(local, "--propose-socket", lambda: server.stop(0))
+    local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading
+        args.propose_socket,
+        "--propose-socket",
+        drafter_pb2.ProposeRequest.FromString,
+        servicer,
+        args.max_message_mb * 2**20,
+        lambda: server.stop(0),
+    )
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()

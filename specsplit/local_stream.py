@@ -170,15 +170,29 @@ class LocalStreamServer:
             yield request
 
 
-async def listen_or_exit(local: LocalStreamServer, flag: str, stop_server: Callable[[], Awaitable[None]]) -> None:
-    """A service's start-up: listens on `local`, or logs why it cannot and exits 2 once `stop_server()`
-    has run (before the weights load, so a bad path fails at once)."""
+async def serve_or_exit(
+    path: str | None,
+    flag: str,
+    parse: Callable[[bytes], Any],
+    servicer,
+    max_message_bytes: int,
+    stop_server: Callable[[], Awaitable[None]],
+) -> LocalStreamServer | None:
+    """A service's start-up, before its weights load (a bad path fails at once): serves `servicer`'s
+    `handle_stream_request` on the socket `path` (its `flag`; None: no socket), ending idle connections
+    once `servicer.draining` is set. Where it cannot listen it logs why and exits 2 after `stop_server()`."""
+    if not path:
+        return None
+    local = LocalStreamServer(
+        os.path.abspath(path), parse, servicer.handle_stream_request, servicer.draining, max_message_bytes
+    )
     try:
         await local.start()
     except (OSError, ValueError) as err:
         log.error("cannot serve %s %s: %s", flag, local.path, err)
         await stop_server()
         raise SystemExit(2) from err
+    return local
 
 
 def served_socket(stub, field: str, peer: str, timeout_s: float) -> Callable[[], Awaitable[str]]:

@@ -16,7 +16,7 @@ from models.serve_options import (
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
-from specsplit.local_stream import DRAFTER_RPCS, LocalStreamServer, listen_or_exit
+from specsplit.local_stream import DRAFTER_RPCS, serve_or_exit
 from specsplit.security import load_tls
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,14 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = VerifierServicer(drafter, args.device)
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    local = None
-    if args.verify_socket:  # opened now: a bad path fails before minutes of loading
-        local = LocalStreamServer(
-            str(Path(args.verify_socket).resolve()),
-            verifier_pb2.VerifyRequest.FromString,
-            servicer.handle_stream_request,
-            servicer.draining,
-            args.max_message_mb * 2**20,
-        )
-        await listen_or_exit(local, "--verify-socket", lambda: server.stop(0))
+    local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading
+        args.verify_socket,
+        "--verify-socket",
+        verifier_pb2.VerifyRequest.FromString,
+        servicer,
+        args.max_message_mb * 2**20,
+        lambda: server.stop(0),
+    )
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()
