@@ -67,12 +67,19 @@ class AttentionMetadata:
         """Flat slots of every cached token (old and new) of every request, request after request:
         request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
         Built on first use, by the eager (SDPA / MLA) paths only."""
+        slots, valid = self._slot_grid
+        return slots[valid].to(self.slot_mapping.device)
+
+    @functools.cached_property
+    def _slot_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host: [num_reqs, max_seq_len] flat slot of each request's cache index (0 past its
+        end) and whether that index holds one of its tokens."""
         size, width = self.block_size, max(len(t) for t in self.block_tables_host)
-        tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
-        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)  # [num_reqs, width * size]
-        cache_index = torch.arange(width * size)
-        seq_lens = torch.tensor(self.seq_lens_host)
-        return slots[cache_index[None, :] < seq_lens[:, None]].to(self.slot_mapping.device)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
+        max_len = max(self.seq_lens_host)
+        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)[:, :max_len]
+        valid = torch.arange(max_len)[None, :] < torch.tensor(self.seq_lens_host)[:, None]
+        return torch.where(valid, slots, 0), valid
 
     @functools.cached_property
     def padded_batch(self) -> PaddedBatch | None:
@@ -86,12 +93,9 @@ class AttentionMetadata:
         padded_pairs = num_reqs * max_new * max_len
         if num_reqs < 2 or padded_pairs > 2 * real_pairs or padded_pairs > PADDED_BATCH_MAX_PAIRS:
             return None
-        size, width = self.block_size, max(len(t) for t in self.block_tables_host)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
-        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)[:, :max_len]  # [R, L]
+        slots = self._slot_grid[0]  # [R, L]; padding reads slot 0, masked out
         key = torch.arange(max_len)
         lens = torch.tensor(seq_lens)
-        slots = torch.where(key[None, :] < lens[:, None], slots, 0)  # padding reads slot 0, masked out
         new = torch.tensor(n_new)
         j = torch.minimum(torch.arange(max_new)[None, :], new[:, None] - 1)  # [R, N]: padded rows repeat the last
         query_index = torch.tensor(qsl[:-1])[:, None] + j  # [R, N] rows of q

@@ -10,12 +10,22 @@ verifier → drafter (`ProposeStream`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+T = TypeVar("T")
+
+
+async def within(read: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """`await read()`, raising asyncio.TimeoutError past `timeout_s`; on 3.11+ without a task per
+    read (3.11's wait_for wraps the awaitable in one)."""
+    if _timeout is not None:
+        async with _timeout(timeout_s):
+            return await read()
+    return await asyncio.wait_for(read(), timeout_s)
 
 
 class StreamError(grpc.RpcError):
@@ -57,11 +67,7 @@ class BidiStream:
     async def receive(self):
         """The response to the request last sent."""
         try:
-            if _timeout is not None:
-                async with _timeout(self._timeout_s):  # no task per read (3.11's wait_for wraps the read in one)
-                    response = await self._call.read()
-            else:
-                response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+            response = await within(self._call.read, self._timeout_s)
         except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.TimeoutError) as err:
             raise await self._failure(err) from None
         if response is grpc.aio.EOF:

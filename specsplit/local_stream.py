@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import common_pb2
-from specsplit.bidi_stream import StreamError, until_draining
+from specsplit.bidi_stream import StreamError, until_draining, within
 from specsplit.errors import SpecsplitError
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,15 @@ HEADER = struct.Struct("<IB")
 ERROR_CODE = struct.Struct("<I")
 KIND_MESSAGE, KIND_ERROR = 0, 1
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 MAX_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL (Linux)
+
+
+async def _write_message(writer: asyncio.StreamWriter, message) -> None:
+    """One message frame; waits only when over 1 MiB is still unsent (a large hidden-state message)."""
+    body = message.SerializeToString()
+    writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
+    if writer.transport.get_write_buffer_size() > 2**20:
+        await writer.drain()
 
 
 def _error_frame(code: grpc.StatusCode, details: str) -> bytes:
@@ -128,10 +135,7 @@ class LocalStreamServer:
                 except SpecsplitError as err:
                     writer.write(_error_frame(err.code, err.message))
                     return
-                body = response.SerializeToString()
-                writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
-                if writer.transport.get_write_buffer_size() > 2**20:
-                    await writer.drain()
+                await _write_message(writer, response)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; it reconnects for its next call
         except Exception as err:  # noqa: BLE001 (one connection's bug must not take the server down)
@@ -237,10 +241,7 @@ class LocalStream:
             if self._writer is None:
                 path = await self._connect()
                 self._reader, self._writer = await asyncio.open_unix_connection(path)
-            body = request.SerializeToString()
-            self._writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
-            if self._writer.transport.get_write_buffer_size() > 2**20:
-                await self._writer.drain()
+            await _write_message(self._writer, request)
         except OSError as err:
             self.close()
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the {self._peer}: {err}") from None
@@ -250,11 +251,7 @@ class LocalStream:
         if self._reader is None:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"no open stream to the {self._peer}")
         try:
-            if _timeout is not None:
-                async with _timeout(self._timeout_s):
-                    length, kind, body = await self._read_frame()
-            else:
-                length, kind, body = await asyncio.wait_for(self._read_frame(), self._timeout_s)
+            length, kind, body = await within(self._read_frame, self._timeout_s)
         except asyncio.TimeoutError:
             self.close()
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
