@@ -119,7 +119,7 @@ def time_steps(
             sync()
             t0 = time.perf_counter()
             eager = path in ("eager", "eager_loop")
-            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(not eager, [1]))
+            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(not eager, [1], [context + 1]))
             input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             positions = torch.tensor([context] * batch, dtype=torch.int64, device=device)
             if on_cuda and i >= warmup:

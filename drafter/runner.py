@@ -72,7 +72,7 @@ class DrafterRunner:
         *,
         attention_kernel: bool | None = None,
         cuda_graphs: bool | None = None,
-        max_graph_tokens: int = 256,
+        max_graph_tokens: int = 512,
     ):
         """`attention_kernel`: MTP steps with few new tokens per request run the Triton paged
         attention (default: on CUDA, for modules that support it). `cuda_graphs`: those steps
@@ -149,7 +149,8 @@ class DrafterRunner:
             sampling32,
         )
         input_ids, positions_t, select, slots = int64[:4]
-        attn = plan.metadata([slots], int32, use_kernel=use_kernel_for(self.attention_kernel, counts))
+        seq_lens = [item.start_position + 1 + n for item, n in zip(items, counts)]  # MTP cache positions
+        attn = plan.metadata([slots], int32, use_kernel=use_kernel_for(self.attention_kernel, counts, seq_lens))
         out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
         t1 = time.time_ns()
         if not active:

@@ -5,8 +5,11 @@ K/V at `slot_mapping`, and returns the attention output; query j of a request's 
 cache indices 0 .. seq_len - n + j. Two paths:
 - `attn.use_kernel`: the Triton kernel (`kernels/paged_attention.py`) over the metadata's device
   tensors; no host work per request, no host sync, capturable in a CUDA graph. Runners choose it
-  for decode / verify steps (`use_kernel_for`): one program per query token re-reads its context,
-  which is right for a few new tokens per request, wasteful for long prompts.
+  (`use_kernel_for`) for decode / verify steps, and for prefill chunks whose (query, key) pairs stay
+  few: one program per query token re-reads its context, right for a few new tokens per request,
+  wasteful for long prompts; but the eager path's host work (about 50 ms per 7B step on the H200's
+  host, whatever the prompt: `benchmarks/prefill_step.py`) costs more than that re-reading for short
+  prompts, and the kernel path can replay a CUDA graph.
 - otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): `scaled_dot_product_attention` over
   the gathered K/V, in one call over the step padded to its longest request (`attn.padded_batch`)
   when the padding costs at most twice the real work, else in a per-request loop.
@@ -23,10 +26,21 @@ from models.kv_cache import AttentionMetadata, PaddedBatch
 
 # Steps whose requests all have at most this many new tokens run the kernel (decode: 1, verify: 1 + k).
 KERNEL_MAX_QUERY_LEN = 16
+# Longer steps (prefill chunks) run it while the step has at most this many (query token, visible key)
+# pairs: a 512-token prompt from its start is 131,328.
+KERNEL_MAX_PREFILL_PAIRS = 1 << 18
 
 
-def use_kernel_for(enabled: bool, num_new_tokens: list[int]) -> bool:
-    return enabled and max(num_new_tokens) <= KERNEL_MAX_QUERY_LEN
+def use_kernel_for(enabled: bool, num_new_tokens: list[int], seq_lens: list[int]) -> bool:
+    """Whether a step of requests with these new tokens and (after the step) sequence lengths runs the
+    Triton kernel, given that the runner may use it (`enabled`)."""
+    if not enabled:
+        return False
+    if max(num_new_tokens) <= KERNEL_MAX_QUERY_LEN:
+        return True
+    # Query j of n new tokens in a sequence of s sees s - n + j + 1 keys.
+    pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(num_new_tokens, seq_lens))
+    return pairs <= KERNEL_MAX_PREFILL_PAIRS
 
 
 def write_kv(

@@ -60,7 +60,7 @@ class VerifierRunner:
         attention_kernel: bool | None = None,
         cuda_graphs: bool | None = None,
         max_model_len: int | None = None,
-        max_graph_tokens: int = 256,
+        max_graph_tokens: int = 512,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -95,7 +95,8 @@ class VerifierRunner:
                 cache.truncate(rid, nc)
         self._request_ids.update(batch.req_ids)
         try:
-            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens)
+            seq_lens = [nc + n for nc, n in zip(batch.num_computed_tokens, batch.num_new_tokens)]
+            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens, seq_lens)
             attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens, use_kernel=use_kernel)
         except KVCacheFull as err:
             raise ResourceExhausted(f"verifier KV cache is full: {err}") from err

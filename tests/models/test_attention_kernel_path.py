@@ -92,3 +92,15 @@ def test_steps_outside_the_graphs_are_refused(checkpoint_dir):
     assert runner.can_run(attn)
     with pytest.raises(ValueError, match="does not fit the CUDA graph buckets"):
         runner.run(torch.zeros(5, dtype=torch.int64), torch.arange(5), cache.prepare_step(["c"], [5], use_kernel=True))
+
+
+def test_steps_take_the_kernel_by_query_length_then_by_attention_pairs():
+    from models.attention import KERNEL_MAX_PREFILL_PAIRS, KERNEL_MAX_QUERY_LEN, use_kernel_for
+
+    assert not use_kernel_for(False, [1], [10])
+    assert use_kernel_for(True, [KERNEL_MAX_QUERY_LEN, 1], [10**6, 10**6])  # verify steps: always
+    assert use_kernel_for(True, [512], [512])  # a 512-token prompt from its start: 131,328 pairs
+    assert not use_kernel_for(True, [512], [4096])  # a late chunk of a long prompt: 1.9M pairs
+    n = 64
+    fits = (KERNEL_MAX_PREFILL_PAIRS + n * (n - 1) // 2) // n  # pairs n * s - n (n - 1) / 2: the longest s that fits
+    assert use_kernel_for(True, [n], [fits]) and not use_kernel_for(True, [n], [fits + 1])

@@ -167,3 +167,20 @@ def test_kernel_and_graph_buffer_path_decodes_like_the_sdpa_path(model):
     outs = [step(r, [("p", nc, drafts, 3, True), ("q", nc, drafts, 3, True)]) for r in (plain, graphed)]
     assert outs[0].sampled_token_ids == outs[1].sampled_token_ids == [ref[1:5], ref[1:5]]
     torch.testing.assert_close(outs[1].hidden_states, outs[0].hidden_states, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_longer_than_a_verify_step_runs_the_kernel_through_the_graph_buffers(model):
+    """A 40-token prompt (over KERNEL_MAX_QUERY_LEN, few (query, key) pairs) takes the kernel path and the
+    graph runner's 64-token bucket, and samples and hands the drafter what the SDPA path does."""
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
+    plain = VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+    cache = model.make_kv_cache(64, 4)
+    graphed = VerifierRunner(model, cache, sampler_backend="reference", attention_kernel=True, cuda_graphs=False)
+    graphed.graphs = CudaGraphRunner(model, cache, max_model_len=64, max_num_tokens=64, capture=False)
+    ran = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda *args: ran.append(args[2].num_tokens) or run(*args)
+    outs = [step(r, [("p", 0, prompt, 0, True)]) for r in (plain, graphed)]
+    assert ran == [40]
+    assert outs[0].sampled_token_ids == outs[1].sampled_token_ids
+    torch.testing.assert_close(outs[1].hidden_states, outs[0].hidden_states, atol=1e-4, rtol=1e-4)
