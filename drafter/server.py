@@ -84,6 +84,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         servicer,
         args.max_message_mb * 2**20,
         lambda: server.stop(0),
+        threaded=True,  # each connection's thread runs its Proposes itself
     )
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)

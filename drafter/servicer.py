@@ -1,9 +1,15 @@
 """Drafter gRPC servicer: ProposeRequest → hidden states (by the configured transport) → propose() →
-drafts, one unary call or one message of a persistent ProposeStream per iteration."""
+drafts, one unary call or one message of a persistent ProposeStream per iteration.
+
+A Propose is handled whole (parse, receive the rows, the MTP steps, the answer) on one thread: the
+step thread for gRPC calls, or the `--propose-socket` connection's own thread
+(`ThreadedLocalStreamServer`), which then writes the answer itself, with no event loop between the
+request's bytes and the model. One lock keeps the model to one thread at a time."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -12,7 +18,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
-from models.device import StepThread
+from models.device import StepThread, use_device
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -83,8 +89,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.runner: DrafterRunner | None = None
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
+        self.device = device
         self._steps = StepThread(device, "drafter-step")
-        self._lock = asyncio.Lock()
+        self._model_lock = threading.Lock()  # runner and receiver: one thread at a time
+        self._queued_lock = threading.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
         self.draining = asyncio.Event()
 
@@ -106,6 +114,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def _require_ready(self, context) -> None:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
+
+    def init_thread(self) -> None:
+        """First call on a `--propose-socket` connection's thread: the model's device becomes current."""
+        use_device(self.device)
+
+    def _count(self, delta: int) -> None:
+        with self._queued_lock:
+            self._queued += delta
 
     def _propose(self, request: drafter_pb2.ProposeRequest) -> tuple[list[ProposeItem], ProposeOutput]:
         if request.finished_request_ids:
@@ -132,27 +148,38 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         await self._require_ready(context)
         async for request in until_draining(request_iterator, self.draining):
             try:
-                yield await self.handle_stream_request(request, "stream")
+                yield await self._handle(request, extract_trace_context(request.trace_context), "stream")
             except SpecsplitError as err:
                 await context.abort(err.code, err.message)
 
-    async def handle_stream_request(
-        self, request: drafter_pb2.ProposeRequest, rpc: str = "local"
-    ) -> drafter_pb2.ProposeResponse:
-        """One message of a ProposeStream: on gRPC (rpc "stream") or on the `--propose-socket`
-        (`LocalStreamServer`, rpc "local")."""
+    def handle_local_request(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+        """One message of a ProposeStream on the `--propose-socket`, on its connection's thread."""
         if self.runner is None:
             raise SpecsplitError("drafter is loading its weights", grpc.StatusCode.UNAVAILABLE)
-        return await self._handle(request, extract_trace_context(request.trace_context), rpc)
+        self._count(1)
+        try:
+            return self._serve_propose(request, extract_trace_context(request.trace_context), "local", time.time_ns())
+        finally:
+            self._count(-1)
 
     def drain(self) -> None:
         """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
         self.draining.set()
 
     async def _handle(self, request: drafter_pb2.ProposeRequest, parent, rpc: str) -> drafter_pb2.ProposeResponse:
-        """One Propose that came by `rpc` (unary, stream or local); raises SpecsplitError with the
-        status the caller should get."""
+        """One Propose that came by gRPC (`rpc` unary or stream), handled on the step thread."""
         t_arrival = time.time_ns()
+        self._count(1)
+        try:
+            return await self._steps.run(self._serve_propose, request, parent, rpc, t_arrival)
+        finally:
+            self._count(-1)
+
+    def _serve_propose(
+        self, request: drafter_pb2.ProposeRequest, parent, rpc: str, t_arrival: int
+    ) -> drafter_pb2.ProposeResponse:
+        """One Propose that came by `rpc` (unary, stream or local) at `t_arrival`, on a model thread;
+        raises SpecsplitError with the status the caller should get."""
         span = tracer.start_span("Propose", parent, SpanKind.SERVER)
         recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
         if recording:
@@ -165,12 +192,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 }
             )
         with trace.use_span(span, end_on_exit=True):
-            self._queued += 1
-            try:
-                async with self._lock:
-                    items, out = await self._steps.run(self._propose, request)
-            finally:
-                self._queued -= 1
+            with self._model_lock:
+                items, out = self._propose(request)
             if recording:
                 t0, t1, t2 = out.stamps_ns
                 tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
@@ -183,18 +206,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Free(self, request, context):
         await self._require_ready(context)
-        async with self._lock:
-            self.runner.free(list(request.request_ids))
+        await self._steps.run(self._locked, self.runner.free, list(request.request_ids))
         return drafter_pb2.DrafterFreeResponse(num_free_blocks=self.runner.kv_cache.num_free_blocks)
 
     async def OpenHiddenTransport(self, request, context):
         await self._require_ready(context)
-        try:
-            async with self._lock:  # never while a Propose is receiving
-                await self._steps.run(self.receiver.open, request)
+        try:  # never while a Propose is receiving
+            await self._steps.run(self._locked, self.receiver.open, request)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
         return drafter_pb2.OpenHiddenTransportResponse(device=str(self.receiver.device))
+
+    def _locked(self, fn, *args):
+        with self._model_lock:
+            return fn(*args)
 
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)

@@ -1,6 +1,8 @@
 """specsplit.local_stream: a request/response stream over a Unix socket with BidiStream's interface
 and failure semantics (in order, statuses as a unary call would have them, reconnect after any
-failure), refusing bad frames, ending idle connections when the server drains."""
+failure), refusing bad frames, ending idle connections when the server drains. Every server test
+runs against both servers: the event loop's (`LocalStreamServer`) and the one with a thread per
+connection (`ThreadedLocalStreamServer`, given the same handlers run synchronously)."""
 
 import asyncio
 import os
@@ -14,7 +16,7 @@ import pytest
 from protos import common_pb2
 from specsplit.bidi_stream import StreamError
 from specsplit.errors import FailedPrecondition
-from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, served_socket
+from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, ThreadedLocalStreamServer, served_socket
 
 Req = common_pb2.SamplingParams  # any message: seed in, seed out
 
@@ -41,11 +43,29 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-async def serving(path, handle=echo, max_bytes=1 << 20):
-    draining = asyncio.Event()
-    server = LocalStreamServer(path, Req.FromString, handle, draining, max_bytes)
-    await server.start()
-    return server, draining
+@pytest.fixture(params=["loop", "threads"])
+def serving(request):
+    """`await serving(path, handle=echo)` -> (a started server, its draining event)."""
+    threaded = request.param == "threads"
+    inits = []  # one per connection thread started
+
+    async def start(path, handle=echo, max_bytes=1 << 20):
+        draining = asyncio.Event()
+        if threaded:
+
+            def handle_here(req):  # the connection's thread runs the handler itself
+                return asyncio.run(handle(req))
+
+            server = ThreadedLocalStreamServer(
+                path, Req.FromString, handle_here, draining, max_bytes, thread_init=lambda: inits.append(1)
+            )
+        else:
+            server = LocalStreamServer(path, Req.FromString, handle, draining, max_bytes)
+        await server.start()
+        return server, draining
+
+    start.threaded, start.thread_inits = threaded, inits
+    return start
 
 
 def client(path, timeout_s=5.0):
@@ -55,7 +75,7 @@ def client(path, timeout_s=5.0):
     return LocalStream(connect, Req.FromString, timeout_s, "test server")
 
 
-def test_answers_in_order_on_one_connection_and_the_socket_is_private(socket_path):
+def test_answers_in_order_on_one_connection_and_the_socket_is_private(socket_path, serving):
     async def main():
         server, _ = await serving(socket_path)
         assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
@@ -69,9 +89,11 @@ def test_answers_in_order_on_one_connection_and_the_socket_is_private(socket_pat
 
     assert run(main()) == list(range(21, 71)) + [101]
     assert not os.path.exists(socket_path)  # close() removes the socket file
+    if serving.threaded:
+        assert serving.thread_inits == [1]  # one connection: its thread ran thread_init once
 
 
-def test_a_handler_error_is_the_callers_status_and_the_next_call_reconnects(socket_path):
+def test_a_handler_error_is_the_callers_status_and_the_next_call_reconnects(socket_path, serving):
     async def main():
         server, _ = await serving(socket_path)
         stream = client(socket_path)
@@ -86,7 +108,7 @@ def test_a_handler_error_is_the_callers_status_and_the_next_call_reconnects(sock
     assert after.seed == 2
 
 
-def test_no_answer_in_time_is_deadline_exceeded(socket_path):
+def test_no_answer_in_time_is_deadline_exceeded(socket_path, serving):
     async def main():
         server, _ = await serving(socket_path)
         stream = client(socket_path, timeout_s=0.1)
@@ -101,7 +123,7 @@ def test_no_answer_in_time_is_deadline_exceeded(socket_path):
     assert after.seed == 3
 
 
-def test_no_server_and_a_server_gone_are_unavailable(socket_path):
+def test_no_server_and_a_server_gone_are_unavailable(socket_path, serving):
     async def main():
         stream = client(socket_path)
         with pytest.raises(StreamError) as nobody:
@@ -141,7 +163,7 @@ async def raw_exchange(path, payload: bytes) -> tuple[int, int, bytes]:
     ],
     ids=["garbage", "bad-kind", "too-big"],
 )
-def test_a_bad_frame_is_refused_with_its_status_and_the_server_keeps_serving(socket_path, payload, code, says):
+def test_a_bad_frame_is_refused_with_its_status_and_the_server_keeps_serving(socket_path, payload, code, says, serving):
     async def main():
         server, _ = await serving(socket_path)
         kind, got_code, details = await raw_exchange(socket_path, payload)
@@ -154,7 +176,7 @@ def test_a_bad_frame_is_refused_with_its_status_and_the_server_keeps_serving(soc
     assert after.seed == 6
 
 
-def test_a_handler_bug_is_internal_and_does_not_stop_the_server(socket_path):
+def test_a_handler_bug_is_internal_and_does_not_stop_the_server(socket_path, serving):
     async def buggy(request):
         if request.seed == 0:
             raise RuntimeError("boom")
@@ -174,7 +196,7 @@ def test_a_handler_bug_is_internal_and_does_not_stop_the_server(socket_path):
     assert after.seed == 4
 
 
-def test_draining_ends_an_idle_connection_but_not_a_call_in_flight(socket_path):
+def test_draining_ends_an_idle_connection_but_not_a_call_in_flight(socket_path, serving):
     async def main():
         server, draining = await serving(socket_path)
         stream = client(socket_path)
@@ -194,7 +216,7 @@ def test_draining_ends_an_idle_connection_but_not_a_call_in_flight(socket_path):
     assert ended.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_path_too_long_for_a_unix_socket_is_refused(tmp_path):
+def test_a_path_too_long_for_a_unix_socket_is_refused(tmp_path, serving):
     async def main():
         await serving(str(tmp_path / ("x" * 120)))
 
@@ -202,7 +224,7 @@ def test_a_path_too_long_for_a_unix_socket_is_refused(tmp_path):
         run(main())
 
 
-def test_a_file_that_is_not_a_socket_or_a_live_server_is_never_replaced(socket_path):
+def test_a_file_that_is_not_a_socket_or_a_live_server_is_never_replaced(socket_path, serving):
     async def main():
         with open(socket_path, "w") as f:
             f.write("keep me")
@@ -219,7 +241,7 @@ def test_a_file_that_is_not_a_socket_or_a_live_server_is_never_replaced(socket_p
     assert run(main()).seed == 2
 
 
-def test_a_stale_socket_file_is_replaced(socket_path):
+def test_a_stale_socket_file_is_replaced(socket_path, serving):
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(socket_path)  # a process that died: its socket file stays, nobody listens
     dead.close()
@@ -244,7 +266,7 @@ class _Stub:
         return self.info
 
 
-def test_the_path_is_asked_of_the_server_at_each_connection_and_none_is_failed_precondition(socket_path):
+def test_the_path_is_asked_of_the_server_at_each_connection_and_none_is_failed_precondition(socket_path, serving):
     async def main():
         server, _ = await serving(socket_path)
         stub = _Stub(common_pb2.ModelInfo(verify_socket=socket_path))
