@@ -39,6 +39,13 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
         # iteration covers (negative when micro-batches overlap their iterations).
         "first_iteration_ms": statistics.median(r.breakdown[0]["iteration"] for r in runs),
         "outside_iterations_ms": statistics.median(r.outside_iterations_ms for r in runs),
+        # The slowest iteration after the first, median over the runs; and the slowest of all, whole.
+        "slowest_iteration_ms": statistics.median(
+            max((b["iteration"] for b in r.breakdown[1:]), default=0.0) for r in runs
+        ),  # fmt: skip
+        "slowest_iteration": max(
+            (b for r in runs for b in r.breakdown[1:]), key=lambda b: b["iteration"], default=None
+        ),
     }
 
 
@@ -64,16 +71,17 @@ def _pct(x: float | None) -> str:
 def print_tables(rows: list[dict]) -> None:
     print(
         "| batch | k | mode | tokens/s | ms per output token | iterations | acceptance per position | "
-        "speedup vs (a) | overhead (b)/(c)−1 | per-iteration overhead | first iteration ms | wall − Σ iterations ms |"
+        "speedup vs (a) | overhead (b)/(c)−1 | per-iteration overhead | first iteration ms | "
+        "slowest later iteration ms | wall − Σ iterations ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         print(
             f"| {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ms_per_output_token']:.2f} | "
             f"{r['iterations']:.0f} | {acc} | {speedup} | {_pct(r['overhead'])} | {_pct(r['iteration_overhead'])} | "
-            f"{r['first_iteration_ms']:.1f} | {r['outside_iterations_ms']:.1f} |"
+            f"{r['first_iteration_ms']:.1f} | {r['slowest_iteration_ms']:.1f} | {r['outside_iterations_ms']:.1f} |"
         )
     print("\nPer-iteration breakdown, median ms (hops are one-way; see benchmarks/e2e_modes.py):\n")
     print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
@@ -81,3 +89,10 @@ def print_tables(rows: list[dict]) -> None:
     for r in rows:
         cells = " | ".join(f"{r['breakdown_ms'][key]:.3f}" for key in BREAKDOWN)
         print(f"| {r['batch']} | {r['k']} | {r['mode']} | {cells} |")
+    print("\nThe slowest iteration of each cell (all runs, the first iteration left out), ms:\n")
+    print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
+    print("|---|---|---|" + "---|" * len(BREAKDOWN))
+    for r in rows:
+        if r["slowest_iteration"] is not None:
+            cells = " | ".join(f"{r['slowest_iteration'][key]:.3f}" for key in BREAKDOWN)
+            print(f"| {r['batch']} | {r['k']} | {r['mode']} | {cells} |")

@@ -7,6 +7,7 @@ each call returns fresh host tensors. Calls must not overlap (steps are serial).
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 
@@ -14,6 +15,17 @@ import torch
 
 # int64 first: every group then starts at an offset its element size divides.
 DTYPES = (torch.int64, torch.int32, torch.float32)
+TYPECODES = ("q", "i", "f")  # the same, as `array` type codes
+
+
+def host_tensor(values, typecode: str, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of `values`, through `array.array` (C conversion per element, about 3x faster
+    than `torch.tensor` on a list); the same values, since both round a Python float to float32 the
+    same way."""
+    buffer = array.array(typecode, values)
+    if not buffer:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype)
 
 
 class StepUpload:
@@ -30,7 +42,7 @@ class StepUpload:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The arrays as 1-D device tensors, per dtype in the order given."""
         groups = (int64_arrays, int32_arrays, float32_arrays)
-        hosts = [torch.tensor(list(itertools.chain.from_iterable(g)), dtype=d) for g, d in zip(groups, DTYPES)]
+        hosts = [host_tensor(itertools.chain.from_iterable(g), c, d) for g, c, d in zip(groups, TYPECODES, DTYPES)]
         if self.device.type == "cuda":
             devices = self._copy(hosts)
         else:

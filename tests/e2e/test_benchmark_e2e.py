@@ -38,3 +38,5 @@ def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp
     for row in rows.values():
         assert row["first_iteration_ms"] > 0
         assert 0 <= row["outside_iterations_ms"] < 1e3 * row["seconds"]
+        # The slowest later iteration: whole in the JSON, and no faster than the runs' median of theirs.
+        assert row["slowest_iteration"]["iteration"] >= row["slowest_iteration_ms"] > 0
