@@ -35,6 +35,7 @@ from specsplit.bidi_stream import BidiStream
 from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
+from verifier.direct_propose import DirectProposer
 from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
 from verifier.input_batch import InputBatch
 from verifier.runner import StepOutput
@@ -140,7 +141,10 @@ class DrafterClient:
         self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.transport = transport if transport is not None else GrpcSender()
         targets = self.pool.targets
-        if self.transport.name != "grpc" and (len(targets) != 1 or targets[0].startswith(DNS_PREFIX)):
+        one_replica = len(targets) == 1 and not targets[0].startswith(DNS_PREFIX)
+        # `rpc="local"` to one drafter: with async scheduling the step thread makes the Proposes itself.
+        self.direct = DirectProposer(self, targets[0]) if rpc == "local" and one_replica else None
+        if self.transport.name != "grpc" and not one_replica:
             raise TransportConfigError(
                 f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "
                 "(several drafter replicas need --hidden-transport grpc)"
@@ -333,6 +337,8 @@ class DrafterClient:
         self.pool.record_call(address, 0)
 
     async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         for _, stream in self._streams.values():
             stream.close()
         self.transport.close()

@@ -13,6 +13,7 @@ import logging
 import time
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
@@ -23,6 +24,7 @@ from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.telemetry import extract_trace_context, incoming_context
+from verifier.direct_propose import DirectProposer, PendingPropose
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
 from verifier.held_drafts import HeldDrafts
 from verifier.input_batch import InputBatch, build_input_batch
@@ -52,9 +54,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._coordinator_id: str | None = None
         self.draining = asyncio.Event()
         self._last_iteration: dict[int, int] = {}  # per micro-batch
-        # Async scheduling: per micro-batch, the Propose still running (its drafts go to _held).
+        # Async scheduling: per micro-batch, the Propose still running (its drafts go to _held): made on
+        # the loop (a future) or by the step thread (`verifier/direct_propose.py`).
         self._held = HeldDrafts()
-        self._proposing: dict[int, asyncio.Future[Proposal]] = {}
+        self._proposing: dict[int, asyncio.Future[Proposal] | PendingPropose] = {}
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -135,58 +138,145 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """One iteration that came by `rpc` (unary, stream or local); raises SpecsplitError with the
         status the caller should get."""
         received_ns = time.time_ns()
-        loop = asyncio.get_running_loop()
         attrs = {
             "specsplit.iteration": request.iteration,
             "specsplit.batch_size": len(request.requests),
             "specsplit.verifier_rpc": rpc,
         }
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
-            # Async scheduling: a step needs the drafts its micro-batch's last Propose makes; an iteration
-            # that only frees requests does not wait (its Propose then waits for the last one).
-            earlier = self._proposing.pop(request.micro_batch, None)
-            previous = None
-            if earlier is not None and request.requests:
-                with tracer.start_as_current_span("wait_for_drafts"):
-                    previous, earlier = await self._settled(earlier), None
-            drafts_wait_ns = time.time_ns() - received_ns if request.drafts_held else 0
-            async with self._lock:
-                self.drafter.free(list(request.finished_request_ids))
-                unfilled = self._held.fill(request)
-                batch, step = await self._steps.run(self._prepare_and_step, request)
-                t0, t1, t2, t3 = step.stamps_ns
-                tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
-                tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
-                tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
-                propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
-                nbytes = propose_msg.hidden_state_bytes
-                send = tracer.start_span(
-                    "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
-                )
-                with trace.use_span(send):  # the Propose (its trace context) runs under this span
-                    staged = loop.create_future()  # the rows are with the transport: the next step may run
-                    propose = asyncio.ensure_future(
-                        self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
-                    )
-                await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
-            hidden_state_bytes.add(nbytes)
-            # The Propose this response reports: async, the one whose drafts this step verified (none for
-            # the micro-batch's first step); else the one this step made.
-            if request.drafts_held:
-                held = self._hold(propose, send, batch, step, earlier)
-                self._proposing[request.micro_batch] = asyncio.ensure_future(held)
-                proposal = previous
+            direct = await self._direct_for(request)
+            span.set_attribute("specsplit.propose_path", "step_thread" if direct is not None else "event_loop")
+            if direct is not None:
+                outcome = await self._verify_direct(request, direct, received_ns)
             else:
-                proposal = await self._finish_propose(propose, send)
+                outcome = await self._verify_on_loop(request, received_ns)
+            batch, step, unfilled, proposal, drafts_wait_ns = outcome
             if proposal is not None:
                 span.set_attribute("specsplit.drafter_ok", proposal.ok)
-            verify_duration.record((time.time_ns() - t0) / 1e9)
+            verify_duration.record((time.time_ns() - step.stamps_ns[0]) / 1e9)
         response = verify_response(
             batch, step, proposal or Proposal(True, []), received_ns, unfilled, request.drafts_held
         )
         response.timing.drafts_wait_ns = drafts_wait_ns
         response.timing.replied_ns = time.time_ns()
         return response
+
+    async def _direct_for(self, request: verifier_pb2.VerifyRequest) -> DirectProposer | None:
+        """The step thread's own Propose path (`verifier/direct_propose.py`) when it serves this
+        iteration: async scheduling, `--drafter-rpc local` to one drafter that owns every request."""
+        direct = self.drafter.direct
+        if direct is None or not request.drafts_held:
+            return None
+        await self.drafter.pool.start()
+        owners = self.drafter.pool.assign([r.request_id for r in request.requests])
+        return direct if all(owner == direct.address for owner in owners) else None
+
+    async def _verify_direct(self, request: verifier_pb2.VerifyRequest, direct: DirectProposer, received_ns: int):
+        """The step thread waits for its micro-batch's last Propose, steps, and sends this step's."""
+        earlier = self._proposing.pop(request.micro_batch, None)
+        if isinstance(earlier, asyncio.Future):  # made on the loop: settled before the transport is used here
+            previous, earlier = await self._settled(earlier), None
+        else:
+            previous = None
+        parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
+        async with self._lock:  # the step thread uses the connection only inside calls made under it
+            await direct.prepare()
+            self.drafter.free(list(request.finished_request_ids))
+            batch, step, unfilled, (w0, w1), pending = await self._steps.run(
+                self._direct_step, request, earlier, direct, parent
+            )
+            self._record_direct(direct)
+        self._proposing[request.micro_batch] = pending
+        if earlier is not None and request.requests:
+            tracer.start_span("wait_for_drafts", start_time=w0).end(end_time=w1)
+            previous = earlier.proposal
+        self._step_spans(step)
+        return batch, step, unfilled, previous, w1 - received_ns
+
+    def _direct_step(self, request, earlier: PendingPropose | None, direct: DirectProposer, parent):
+        """Step thread: the micro-batch's last Propose's drafts, the step, this step's Propose sent."""
+        w0 = time.time_ns()
+        if earlier is not None and request.requests:  # an iteration that only frees does not wait
+            direct.wait(earlier)
+        w1 = time.time_ns()
+        unfilled = self._held.fill(request)
+        batch, step = self._prepare_and_step(request)
+        plan = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
+        pending = direct.send(plan, (batch, step), self._keep_direct, parent)
+        return batch, step, unfilled, (w0, w1), pending
+
+    def _keep_direct(self, pending: PendingPropose) -> None:
+        """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step."""
+        batch, step = pending.context
+        proposal = pending.proposal
+        self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+
+    def _record_direct(self, direct: DirectProposer) -> None:
+        """Event loop: the direct Proposes answered meanwhile, counted in the drafter pool."""
+        replica = direct.replica
+        for p in direct.collect():
+            ok = p.proposal.ok
+            self.drafter.pool.record_call(direct.address, p.num_reqs, None if ok else p.proposal.error)
+            if ok:
+                del replica.pending_free[: p.num_finished]  # frees queued meanwhile stay
+            hidden_state_bytes.add(p.nbytes)
+
+    async def _drain_direct(self) -> None:
+        """Before the loop's Propose path is used: every direct Propose answered (its drafts held)."""
+        direct = self.drafter.direct
+        if direct is not None and direct.busy:
+            async with self._lock:
+                await self._steps.run(direct.wait_all)
+                self._record_direct(direct)
+
+    @staticmethod
+    def _step_spans(step: StepOutput) -> None:
+        t0, t1, t2, t3 = step.stamps_ns
+        tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
+        tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
+        tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
+
+    async def _verify_on_loop(self, request: verifier_pb2.VerifyRequest, received_ns: int):
+        """The event loop's path: the step on the step thread, the Propose (to any number of drafter
+        replicas, by any rpc) on the loop."""
+        loop = asyncio.get_running_loop()
+        earlier = self._proposing.pop(request.micro_batch, None)
+        await self._drain_direct()  # the step thread's Proposes answered before this path uses the transport
+        # Async scheduling: a step needs the drafts its micro-batch's last Propose makes; an iteration
+        # that only frees requests does not wait (its Propose then waits for the last one).
+        previous = None
+        if isinstance(earlier, PendingPropose):  # the step thread's: answered by now
+            previous, earlier = (earlier.proposal if request.requests else None), None
+        elif earlier is not None and request.requests:
+            with tracer.start_as_current_span("wait_for_drafts"):
+                previous, earlier = await self._settled(earlier), None
+        drafts_wait_ns = time.time_ns() - received_ns if request.drafts_held else 0
+        async with self._lock:
+            self.drafter.free(list(request.finished_request_ids))
+            unfilled = self._held.fill(request)
+            batch, step = await self._steps.run(self._prepare_and_step, request)
+            self._step_spans(step)
+            propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
+            nbytes = propose_msg.hidden_state_bytes
+            send = tracer.start_span(
+                "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
+            )
+            with trace.use_span(send):  # the Propose (its trace context) runs under this span
+                staged = loop.create_future()  # the rows are with the transport: the next step may run
+                propose = asyncio.ensure_future(
+                    self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
+                )
+            await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
+        hidden_state_bytes.add(nbytes)
+        # The Propose this response reports: async, the one whose drafts this step verified (none for
+        # the micro-batch's first step); else the one this step made.
+        if request.drafts_held:
+            held = self._hold(propose, send, batch, step, earlier)
+            self._proposing[request.micro_batch] = asyncio.ensure_future(held)
+            proposal = previous
+        else:
+            proposal = await self._finish_propose(propose, send)
+        return batch, step, unfilled, proposal, drafts_wait_ns
 
     @staticmethod
     async def _finish_propose(propose: asyncio.Future[Proposal], send: trace.Span) -> Proposal:

@@ -87,7 +87,9 @@ def test_server_spans_are_children_of_the_callers_client_spans(traced):
     # LocalCluster's default control paths: the trace context crossed both Unix sockets.
     assert {s["attributes"]["specsplit.drafter_rpc"] for s in proposes} == {"local"}
     assert {s["attributes"]["specsplit.verifier_rpc"] for s in verifies} == {"local"}
-    for name in ("prepare_inputs", "target_forward", "rejection_sample"):
+    # Async scheduling with one drafter on its socket: the step thread makes the Proposes itself.
+    assert {s["attributes"]["specsplit.propose_path"] for s in verifies} == {"step_thread"}
+    for name in ("prepare_inputs", "target_forward", "rejection_sample", "wait_for_drafts"):
         assert all(by_id[s["parent_id"]]["name"] == "Verify" for s in trace if s["name"] == name)
     assert {s["name"] for s in trace} >= {"schedule", "post_step", "mtp_step_0", "mtp_steps_1_to_k"}
 

@@ -1,0 +1,164 @@
+"""verifier.direct_propose: the step thread's Proposes on the drafter's `--propose-socket`. Answers are
+read in the order the Proposes went out, each handed to its `on_answer` (the held drafts) with the
+drafts merged back; a drafter error, a drafter gone, no answer in time or a malformed answer fail every
+Propose in flight with the status a call would have, and the next Propose reconnects."""
+
+import asyncio
+import os
+import time
+import types
+
+import grpc
+import pytest
+import torch
+
+from models.transport.grpc_bytes import GrpcSender
+from models.wire import tensor_from_proto
+from protos import common_pb2, drafter_pb2
+from specsplit.errors import FailedPrecondition
+from specsplit.local_stream import ThreadedLocalStreamServer
+from verifier.direct_propose import DirectProposer
+from verifier.drafter_client import ProposeBatch
+
+ADDRESS = "127.0.0.1:1"
+
+
+@pytest.fixture
+def socket_path(tmp_path_factory):
+    short = tmp_path_factory.getbasetemp() / "d"
+    short.mkdir(exist_ok=True)
+    return str(short / f"p{os.getpid()}.sock")
+
+
+class FakeDrafter:
+    """Answers each request's items with drafts [iteration, row count]; iteration 13 is refused,
+    iteration 7 takes 0.5 s, iteration 9 answers one draft too few; records what it got."""
+
+    def __init__(self):
+        self.got: list[tuple[int, list[str], int]] = []
+
+    def handle(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+        rows = tensor_from_proto(request.hidden_states).shape[0]
+        self.got.append((request.iteration, list(request.finished_request_ids), rows))
+        if request.iteration == 13:
+            raise FailedPrecondition("thirteen is refused")
+        if request.iteration == 7:
+            time.sleep(0.5)
+        items = request.requests[:-1] if request.iteration == 9 else request.requests
+        response = drafter_pb2.ProposeResponse(step0_ns=5, received_ns=1)
+        for item in items:
+            response.drafts.add(request_id=item.request_id, token_ids=[request.iteration, rows])
+        return response
+
+
+class FakeClient:
+    """What DirectProposer uses of DrafterClient: one replica (its stub names the socket), the
+    transport, the timeout."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0):
+        async def model_info(request, timeout):
+            return common_pb2.ModelInfo(propose_socket=path)
+
+        async def start():
+            pass
+
+        replica = types.SimpleNamespace(stub=types.SimpleNamespace(GetModelInfo=model_info), pending_free=[])
+        self.pool = types.SimpleNamespace(replicas={ADDRESS: replica}, start=start)
+        self.transport = GrpcSender()
+        self.timeout_s = timeout_s
+
+
+def plan(iteration: int, request_ids: list[str]) -> ProposeBatch:
+    items = [drafter_pb2.ProposeItem(request_id=rid, next_token_ids=[1], num_spec_tokens=2) for rid in request_ids]
+    return ProposeBatch(iteration, items, list(range(len(items) + 1)), torch.zeros(len(items), 4))
+
+
+async def serve(path: str, drafter: FakeDrafter) -> ThreadedLocalStreamServer:
+    server = ThreadedLocalStreamServer(
+        path, drafter_pb2.ProposeRequest.FromString, drafter.handle, asyncio.Event(), 1 << 20
+    )
+    await server.start()
+    return server
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(socket_path):
+    drafter, answered = FakeDrafter(), []
+
+    async def main():
+        server = await serve(socket_path, drafter)
+        client = FakeClient(socket_path)
+        client.pool.replicas[ADDRESS].pending_free.extend(["gone"])
+        direct = DirectProposer(client, ADDRESS)
+        await direct.prepare()
+        a = direct.send(plan(1, ["a", "b"]), "A", answered.append, None)
+        b = direct.send(plan(2, ["c"]), "B", answered.append, None)  # pipelined: A not read yet
+        assert direct.busy
+        proposal = await asyncio.to_thread(direct.wait, b)  # reads A's answer first
+        done = direct.collect()
+        direct.close()
+        await server.close()
+        return a, b, proposal, done
+
+    a, b, proposal, done = run(main())
+    assert [p.context for p in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
+    assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.num_finished == 1
+    assert proposal is b.proposal and proposal.ok and proposal.drafts == [[2, 1]]
+    assert proposal.step0_ns == 5 and proposal.sent_ns > 0 and proposal.received_ns >= proposal.sent_ns
+    assert drafter.got == [(1, ["gone"], 2), (2, ["gone"], 1)]  # the loop drops answered frees (collect)
+
+
+@pytest.mark.parametrize(
+    "iteration, timeout_s, code",
+    [(13, 5.0, "FAILED_PRECONDITION: thirteen is refused"), (7, 0.1, "DEADLINE_EXCEEDED"), (9, 5.0, "returned 1")],
+    ids=["drafter-error", "too-slow", "drafts-missing"],
+)
+def test_a_failed_propose_fails_what_is_in_flight_and_the_next_one_reconnects(socket_path, iteration, timeout_s, code):
+    drafter, answered = FakeDrafter(), []
+
+    async def main():
+        server = await serve(socket_path, drafter)
+        direct = DirectProposer(FakeClient(socket_path, timeout_s), ADDRESS)
+        await direct.prepare()
+        bad = direct.send(plan(iteration, ["a", "b"]), "bad", answered.append, None)
+        behind = direct.send(plan(3, ["c"]), "behind", answered.append, None)
+        await asyncio.to_thread(direct.wait, behind)
+        await direct.prepare()  # reconnects if the failure closed the connection
+        after = direct.send(plan(4, ["d"]), "after", answered.append, None)
+        await asyncio.to_thread(direct.wait, after)
+        direct.close()
+        await server.close()
+        return bad, behind, after
+
+    bad, behind, after = run(main())
+    assert not bad.proposal.ok and code in bad.proposal.error and bad.proposal.drafts == [[], []]
+    if iteration != 9:  # a malformed answer fails only its own Propose; a broken stream fails all in flight
+        assert not behind.proposal.ok and behind.proposal.drafts == [[]]
+    else:
+        assert behind.proposal.ok
+    assert after.proposal.ok and after.proposal.drafts == [[4, 1]]
+    assert [p.context for p in answered] == ["bad", "behind", "after"]
+
+
+def test_no_drafter_is_a_failed_propose_and_a_drafter_back_is_found(socket_path):
+    drafter, answered = FakeDrafter(), []
+
+    async def main():
+        direct = DirectProposer(FakeClient(socket_path), ADDRESS)
+        await direct.prepare()  # nobody listens: not connected
+        lost = direct.send(plan(1, ["a"]), "lost", answered.append, None)
+        server = await serve(socket_path, drafter)
+        await direct.prepare()
+        found = direct.send(plan(2, ["a"]), "found", answered.append, None)
+        await asyncio.to_thread(direct.wait, found)
+        direct.close()
+        await server.close()
+        return lost, found
+
+    lost, found = run(main())
+    assert not lost.proposal.ok and "UNAVAILABLE" in lost.proposal.error
+    assert found.proposal.ok and [p.context for p in answered] == ["lost", "found"]
+    assert grpc.StatusCode.UNAVAILABLE.name in lost.proposal.error
