@@ -34,7 +34,7 @@ def step_logits(model, cache, rid, context, prompt, ids, gemv):
     model(prompt, torch.arange(context, device=device), cache, attn)
     enable_gemv(gemv)
     n = ids.numel()
-    attn = cache.prepare_step([rid], [n], use_kernel=use_kernel_for(True, [n], [context + n]))
+    attn = cache.prepare_step([rid], [n], use_kernel=use_kernel_for(True, [n], [context + n], n))
     logits = model.compute_logits(model(ids, torch.arange(context, context + n, device=device), cache, attn))
     cache.free(rid)
     enable_gemv(None)

@@ -119,7 +119,7 @@ def time_steps(
             sync()
             t0 = time.perf_counter()
             eager = path in ("eager", "eager_loop")
-            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(not eager, [1], [context + 1]))
+            attn = cache.prepare_step(req_ids, [1] * batch, use_kernel=use_kernel_for(not eager, [1], [context + 1], 0))
             input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             positions = torch.tensor([context] * batch, dtype=torch.int64, device=device)
             if on_cuda and i >= warmup:
@@ -229,11 +229,32 @@ def bench_model(name, model, args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(description: str, tiny_help: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The options the step benchmarks share (this one and `benchmarks/prefill_step.py`)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tiny", action="store_true", help="one tiny random model instead of Qwen2-7B and the demo")
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    add_kernel_arguments(p)
+    return p
+
+
+def parse_step_arguments(p: argparse.ArgumentParser, argv: list[str] | None):
+    """-> (args, torch dtype); on CPU the Triton kernels run interpreted (set before triton is imported)."""
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    apply_layer_kernels_option(args)
+    return args, getattr(torch, args.dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = step_arguments(__doc__.splitlines()[0], "one tiny random model instead of Qwen2-7B and the demo", 30, 5)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512)
     p.add_argument(
@@ -241,20 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         default="eager,kernel,graphs",
         help="comma-separated, from eager, eager_loop, kernel, graphs (see above)",
     )
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    add_kernel_arguments(p)
-    args = p.parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
+    args, dtype = parse_step_arguments(p, argv)
     import torch
 
     from models.loader import load_target
     from models.tiny import write_tiny_checkpoint
 
-    apply_layer_kernels_option(args)
-    dtype = getattr(torch, args.dtype)
     if args.tiny:
         tmp = tempfile.mkdtemp()
         models = [("tiny", lambda: load_target(write_tiny_checkpoint(tmp), dtype=dtype, device=args.device))]

@@ -18,9 +18,7 @@ eager step by host (self CPU) time and by GPU time, to stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -29,8 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.decode_step import random_qwen2_7b  # noqa: E402
-from models.serve_options import add_kernel_arguments, apply_layer_kernels_option  # noqa: E402
+from benchmarks.decode_step import parse_step_arguments, random_qwen2_7b, step_arguments  # noqa: E402
 
 
 def one_step(model, cache, prompt_len: int, context: int = 0, graphs=None, events=None) -> float:
@@ -137,29 +134,18 @@ def bench(name: str, model, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tiny", action="store_true", help="one tiny random model instead of the Qwen2-7B shape")
+    p = step_arguments(__doc__.splitlines()[0], "one tiny random model instead of the Qwen2-7B shape", 10, 2)
     p.add_argument("--prompts", default="16,64,256,512,1024", help="comma-separated chunk lengths")
     p.add_argument("--context", type=int, default=0, help="tokens the request holds before the chunk")
     p.add_argument("--paths", default="eager,graphs", help="comma-separated, from eager, graphs (see above)")
     p.add_argument("--max-graph-tokens", type=int, default=512, help="the graphs' largest token bucket")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one step per prompt")
-    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    add_kernel_arguments(p)
-    args = p.parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
+    args, dtype = parse_step_arguments(p, argv)
     import torch
 
     from models.loader import load_target
     from models.tiny import write_tiny_checkpoint
 
-    apply_layer_kernels_option(args)
-    dtype = getattr(torch, args.dtype)
     if args.tiny:
         model = load_target(write_tiny_checkpoint(tempfile.mkdtemp()), dtype=dtype, device=args.device)
         name = "tiny"

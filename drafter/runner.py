@@ -15,6 +15,7 @@ starts afresh at the first new position: drafts may be worse for a while, output
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from models.cuda_graphs import resolve_step_path
 from models.kv_cache import AttentionMetadata, PagedKVCache
 from models.mtp import MTPModule
 from models.step_upload import StepUpload
+from models.warm_up import warm_up_eager
 
 # A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.
 _Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -34,6 +36,8 @@ _Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _Pick = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 # A later step: rows of the previous step that go on ([n] int64, None: all), attention, positions [n], sampling.
 _LaterStep = tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor, _Sampling | None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +89,14 @@ class DrafterRunner:
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
+        if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
+
+            def eager_step(ids, positions, attn):
+                previous = torch.zeros(ids.numel(), mtp.config.hidden_size, dtype=kv_cache.k.dtype, device=ids.device)
+                return mtp.compute_logits(mtp(ids, previous, positions, kv_cache, attn)[-1:])
+
+            steps, seconds = warm_up_eager(kv_cache, eager_step)
+            log.info("drafter: %d eager warm-up steps in %.1f s", steps, seconds)
         self._upload = StepUpload(self.device)  # each step's small arrays, one pinned buffer
         self._timer = StepTimer(self.device)
 
@@ -150,7 +162,9 @@ class DrafterRunner:
         )
         input_ids, positions_t, select, slots = int64[:4]
         seq_lens = [item.start_position + 1 + n for item, n in zip(items, counts)]  # MTP cache positions
-        attn = plan.metadata([slots], int32, use_kernel=use_kernel_for(self.attention_kernel, counts, seq_lens))
+        graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
+        use_kernel = use_kernel_for(self.attention_kernel, counts, seq_lens, graph_tokens)
+        attn = plan.metadata([slots], int32, use_kernel=use_kernel)
         out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
         t1 = time.time_ns()
         if not active:

@@ -29,7 +29,7 @@ def vocab_id(token, vocab_size):
     return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols"])
 def race_kernel(
     logits_ptr,  # [num_logits, V]
     logits_stride,

@@ -32,6 +32,7 @@ exp/log/sum between libraries (about 1e-7 per row).
 import torch
 import triton
 
+from kernels import triton_rejection_launch as launch_table
 from kernels.filtering import row_thresholds
 from kernels.triton_race_kernel import race_kernel
 from kernels.triton_rejection_kernels import stats_accept_kernel
@@ -40,6 +41,9 @@ from kernels.types import RejectionOutput, SparseDraftProbs
 
 ONE_HOT, DENSE, SPARSE = 0, 1, 2
 SEGMENT_ALIGN = 32  # elements: every scratch buffer starts 128-byte aligned
+# The output columns' tile is at least this wide: batches with 0..3 drafts per request (prefill chunks,
+# unfilled held drafts) share one compiled kernel with k = 3 batches instead of compiling their own.
+MIN_BLOCK_COLS = 4
 
 
 def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -137,7 +141,8 @@ def rejection_sample_triton(
         sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size, num_stats_blocks, num_cols,
         Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk, BLOCK_V=launch.stats_block_v,
         NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_blocks), BLOCK_K=triton.next_power_of_2(num_q_ids),
-        BLOCK_COLS=triton.next_power_of_2(num_cols), num_warps=launch.stats_warps, enable_fp_fusion=False,
+        BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)), num_warps=launch.stats_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
     if not all_greedy:
         race_kernel[(num_reqs, num_race_blocks)](
@@ -149,3 +154,43 @@ def rejection_sample_triton(
             FAST_LOG2=on_gpu, num_warps=launch.race_warps, enable_fp_fusion=False,
         )  # fmt: skip
     return RejectionOutput(sampled, num_sampled, num_rejected)
+
+
+def warm_up_plan(num_drafts: int = 3) -> list[tuple[str, int]]:
+    """(mode, num_reqs) calls that make `default_launch` pick each launch shape of its table once, for
+    greedy, one-hot and sparse batches of `num_drafts` drafts per request."""
+    plan = []
+    for mode_class, rows in launch_table.LAUNCH_TABLE.items():
+        sizes = [max_reqs for max_reqs, _ in rows[:-1]] + [rows[-2][0] + 1]  # the last row: just past the one before
+        for mode in ("greedy",) if mode_class == "greedy" else ("one_hot", "sparse"):
+            plan += [(mode, num_reqs) for num_reqs in sizes]
+    return plan
+
+
+def warm_up(vocab_size: int, device: torch.device, num_drafts: int = 3, num_q_ids: int = 16) -> int:
+    """Compiles (or loads from Triton's on-disk cache) the kernel variants that batches without top-k /
+    top-p make the sampler launch, so that no request waits ~0.5 s for a compile mid-run: every launch
+    shape `default_launch` can pick, greedy, one-hot and sparse (`num_q_ids` ids per draft, the
+    drafter's `--draft-top-k`). Returns the number of calls made."""
+    plan = warm_up_plan(num_drafts)
+    for mode, num_reqs in plan:
+        num_logits = num_reqs * (num_drafts + 1)
+        draft_total = num_reqs * num_drafts
+        probs = None
+        if mode == "sparse":
+            ids = torch.arange(num_q_ids, device=device).remainder(vocab_size).expand(draft_total, -1).contiguous()
+            probs = SparseDraftProbs(ids, torch.full((draft_total, num_q_ids), 1.0 / num_q_ids, device=device))
+        rejection_sample_triton(
+            torch.zeros(num_logits, vocab_size, device=device),
+            torch.zeros(draft_total, dtype=torch.int64, device=device),
+            torch.arange(0, draft_total + 1, num_drafts, dtype=torch.int32, device=device),
+            torch.full((num_reqs,), 0.0 if mode == "greedy" else 1.0, device=device),
+            None,
+            None,
+            torch.zeros(num_reqs, dtype=torch.int64, device=device),
+            torch.zeros(num_reqs, dtype=torch.int64, device=device),
+            draft_probs=probs,
+            max_num_draft=num_drafts,
+            all_greedy=mode == "greedy",
+        )
+    return len(plan)

@@ -43,7 +43,7 @@ def _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_index
     return q_d
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols"])  # one compiled variant whatever the batch's most drafts
 def stats_accept_kernel(
     logits_ptr,  # [num_logits, V] float32 / bf16 / fp16, unit stride along V
     logits_stride,

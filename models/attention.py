@@ -31,13 +31,17 @@ KERNEL_MAX_QUERY_LEN = 16
 KERNEL_MAX_PREFILL_PAIRS = 1 << 18
 
 
-def use_kernel_for(enabled: bool, num_new_tokens: list[int], seq_lens: list[int]) -> bool:
+def use_kernel_for(enabled: bool, num_new_tokens: list[int], seq_lens: list[int], max_prefill_tokens: int) -> bool:
     """Whether a step of requests with these new tokens and (after the step) sequence lengths runs the
-    Triton kernel, given that the runner may use it (`enabled`)."""
+    Triton kernel, given that the runner may use it (`enabled`). Longer steps only up to
+    `max_prefill_tokens` in all (the runner's largest CUDA graph; 0 without graphs): run eagerly, the
+    kernel would gain nothing over SDPA, and each new step length could compile a kernel variant."""
     if not enabled:
         return False
     if max(num_new_tokens) <= KERNEL_MAX_QUERY_LEN:
         return True
+    if sum(num_new_tokens) > max_prefill_tokens:
+        return False
     # Query j of n new tokens in a sequence of s sees s - n + j + 1 keys.
     pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(num_new_tokens, seq_lens))
     return pairs <= KERNEL_MAX_PREFILL_PAIRS

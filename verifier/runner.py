@@ -7,6 +7,7 @@ the request's next step (the coordinator sends the new `num_computed_tokens`).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,8 +18,11 @@ from models.attention import use_kernel_for
 from models.cuda_graphs import resolve_step_path
 from models.kv_cache import KVCacheFull, PagedKVCache
 from models.target import TargetModel
+from models.warm_up import warm_up_eager
 from specsplit.errors import ResourceExhausted
 from verifier.input_batch import InputBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +78,23 @@ class VerifierRunner:
             max_model_len or model.config.max_position_embeddings,
             max_graph_tokens,
         )
+        if kv_cache.device.type == "cuda":
+            self._warm_up(sampler_backend)
+
+    def _warm_up(self, sampler_backend: str) -> None:
+        """Start-up, on CUDA: the sampler's kernel variants compiled and large eager steps run once, so no
+        request waits for either (`kernels.triton_rejection.warm_up`, `models.warm_up`)."""
+        model, cache = self.model, self.kv_cache
+        if sampler_backend in ("auto", "triton"):
+            from kernels.triton_rejection import warm_up
+
+            t0 = time.perf_counter()
+            calls = warm_up(model.config.vocab_size, cache.device)
+            log.info("rejection sampler: %d kernel variants warmed up in %.1f s", calls, time.perf_counter() - t0)
+        steps, seconds = warm_up_eager(
+            cache, lambda ids, pos, attn: model.compute_logits(model(ids, pos, cache, attn)[-1:])
+        )
+        log.info("verifier: %d eager warm-up steps in %.1f s", steps, seconds)
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -96,7 +117,8 @@ class VerifierRunner:
         self._request_ids.update(batch.req_ids)
         try:
             seq_lens = [nc + n for nc, n in zip(batch.num_computed_tokens, batch.num_new_tokens)]
-            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens, seq_lens)
+            graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
+            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens, seq_lens, graph_tokens)
             attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens, use_kernel=use_kernel)
         except KVCacheFull as err:
             raise ResourceExhausted(f"verifier KV cache is full: {err}") from err

@@ -97,10 +97,12 @@ def test_steps_outside_the_graphs_are_refused(checkpoint_dir):
 def test_steps_take_the_kernel_by_query_length_then_by_attention_pairs():
     from models.attention import KERNEL_MAX_PREFILL_PAIRS, KERNEL_MAX_QUERY_LEN, use_kernel_for
 
-    assert not use_kernel_for(False, [1], [10])
-    assert use_kernel_for(True, [KERNEL_MAX_QUERY_LEN, 1], [10**6, 10**6])  # verify steps: always
-    assert use_kernel_for(True, [512], [512])  # a 512-token prompt from its start: 131,328 pairs
-    assert not use_kernel_for(True, [512], [4096])  # a late chunk of a long prompt: 1.9M pairs
+    assert not use_kernel_for(False, [1], [10], 512)
+    assert use_kernel_for(True, [KERNEL_MAX_QUERY_LEN, 1], [10**6, 10**6], 0)  # verify steps: always
+    assert use_kernel_for(True, [512], [512], 512)  # a 512-token prompt from its start: 131,328 pairs
+    assert not use_kernel_for(True, [512], [512], 256)  # no CUDA graph that large: eager SDPA
+    assert not use_kernel_for(True, [64, 64], [64, 64], 0)  # no graphs at all
+    assert not use_kernel_for(True, [512], [4096], 512)  # a late chunk of a long prompt: 1.9M pairs
     n = 64
     fits = (KERNEL_MAX_PREFILL_PAIRS + n * (n - 1) // 2) // n  # pairs n * s - n (n - 1) / 2: the longest s that fits
-    assert use_kernel_for(True, [n], [fits]) and not use_kernel_for(True, [n], [fits + 1])
+    assert use_kernel_for(True, [n], [fits], 512) and not use_kernel_for(True, [n], [fits + 1], 512)
