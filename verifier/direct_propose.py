@@ -138,17 +138,17 @@ class DirectProposer:
             pending.sent_ns = time.time_ns()
             self._sock.sendall(HEADER.pack(len(body), KIND_MESSAGE) + body)
         except grpc.RpcError as err:
-            self._fail([pending], f"{err.code().name}: {err.details()}")
+            self._fail_after_answers(pending, f"{err.code().name}: {err.details()}")
             return pending
         except OSError as err:  # the socket (TimeoutError included)
-            self._fail([pending], f"UNAVAILABLE: cannot reach drafter {self.address}: {err}")
+            self._fail_after_answers(pending, f"UNAVAILABLE: cannot reach drafter {self.address}: {err}")
             return pending
         except TransportError as err:
-            self._fail([pending], f"hidden-state transport {transport.name}: {err}")
+            self._fail_after_answers(pending, f"hidden-state transport {transport.name}: {err}")
             return pending
         except Exception as err:  # noqa: BLE001 (e.g. nccl's rendezvous timing out: a failed Propose, not a failed Verify)
             log.exception("direct Propose to drafter %s failed", self.address)
-            self._fail([pending], f"hidden-state transport {transport.name}: {type(err).__name__}: {err}")
+            self._fail_after_answers(pending, f"hidden-state transport {transport.name}: {type(err).__name__}: {err}")
             return pending
         self._pending.append(pending)
         return pending
@@ -217,6 +217,12 @@ class DirectProposer:
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
+
+    def _fail_after_answers(self, pending: PendingPropose, error: str) -> None:
+        """`pending` could not be sent: the answers to the Proposes before it are read first (a drafter that
+        closed the connection may have answered them, an error among them), in order; then it fails."""
+        self.wait_all()
+        self._fail([pending], error)
 
     def _fail(self, pendings: list[PendingPropose], error: str) -> None:
         """These Proposes failed (with every other one in flight): the connection and the transport are reset."""

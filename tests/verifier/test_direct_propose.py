@@ -162,3 +162,28 @@ def test_no_drafter_is_a_failed_propose_and_a_drafter_back_is_found(socket_path)
     assert not lost.proposal.ok and "UNAVAILABLE" in lost.proposal.error
     assert found.proposal.ok and [p.context for p in answered] == ["lost", "found"]
     assert grpc.StatusCode.UNAVAILABLE.name in lost.proposal.error
+
+
+def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socket_path):
+    """The drafter refuses a Propose and closes the connection before the next one is sent: that send
+    fails (UNAVAILABLE), and the refused Propose still reports the drafter's own status."""
+    drafter, answered = FakeDrafter(), []
+
+    async def main():
+        server = await serve(socket_path, drafter)
+        direct = DirectProposer(FakeClient(socket_path), ADDRESS)
+        await direct.prepare()
+        bad = direct.send(plan(13, ["a"]), "bad", answered.append, None)
+        for _ in range(250):  # the drafter has refused it and closed the connection: its thread is gone
+            if drafter.got and not server._connections:
+                break
+            await asyncio.sleep(0.02)
+        behind = await asyncio.to_thread(direct.send, plan(3, ["b"]), "behind", answered.append, None)
+        direct.close()
+        await server.close()
+        return bad, behind
+
+    bad, behind = run(main())
+    assert "FAILED_PRECONDITION: thirteen is refused" in bad.proposal.error
+    assert not behind.proposal.ok and "UNAVAILABLE" in behind.proposal.error
+    assert [p.context for p in answered] == ["bad", "behind"]
