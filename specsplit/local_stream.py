@@ -12,9 +12,10 @@ Frame: `<u32 length><u8 kind>` then `length` bytes.
             connection after it, as a gRPC stream ends with its status
 
 Two servers: `LocalStreamServer` reads and answers on its event loop and awaits an async handler;
-`ThreadedLocalStreamServer` serves each connection on a thread of its own that calls a synchronous
-handler itself, so a request's bytes reach the model, and its answer the socket, without waiting
-for an event loop or handing over between threads (the drafter's `--propose-socket`).
+`ThreadedLocalStreamServer` (`specsplit/threaded_stream.py`) serves each connection on a thread of
+its own that calls a synchronous handler itself, so a request's bytes reach the model, and its answer
+the socket, without waiting for an event loop or handing over between threads (the drafter's
+`--propose-socket`).
 
 The client (`LocalStream`) has `BidiStream`'s interface and failure semantics: any failure closes
 the connection and raises a `grpc.RpcError` with the status a unary call would have had; the next
@@ -28,11 +29,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import select
 import socket
 import stat
 import struct
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -55,7 +54,6 @@ ERROR_CODE = struct.Struct("<I")
 KIND_MESSAGE, KIND_ERROR = 0, 1
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL (Linux)
-READ_TIMEOUT_S = 30.0  # a threaded server's wait for the rest of a frame begun
 
 
 async def _write_message(writer: asyncio.StreamWriter, message) -> None:
@@ -66,7 +64,7 @@ async def _write_message(writer: asyncio.StreamWriter, message) -> None:
         await writer.drain()
 
 
-def _error_frame(code: grpc.StatusCode, details: str) -> bytes:
+def error_frame(code: grpc.StatusCode, details: str) -> bytes:
     body = ERROR_CODE.pack(code.value[0]) + details.encode()
     return HEADER.pack(len(body), KIND_ERROR) + body
 
@@ -123,7 +121,7 @@ class LocalStreamServer:
                 try:
                     response = await self._handle(request)
                 except SpecsplitError as err:
-                    writer.write(_error_frame(err.code, err.message))
+                    writer.write(error_frame(err.code, err.message))
                     return
                 await _write_message(writer, response)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -131,7 +129,7 @@ class LocalStreamServer:
         except Exception as err:  # noqa: BLE001 (one connection's bug must not take the server down)
             log.exception("local stream %s: handler failed", self.path)
             with contextlib.suppress(ConnectionError):
-                writer.write(_error_frame(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                writer.write(error_frame(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
         finally:
             self._connections.discard(task)
             with contextlib.suppress(ConnectionError):
@@ -146,20 +144,20 @@ class LocalStreamServer:
                 length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
             except asyncio.IncompleteReadError as err:
                 if err.partial:
-                    writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
+                    writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
                 return
             if kind != KIND_MESSAGE:
-                writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
+                writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
                 return
             if length > self._max_message_bytes:
                 details = f"message of {length} bytes over the limit of {self._max_message_bytes}"
-                writer.write(_error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+                writer.write(error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
                 return
             body = await reader.readexactly(length)
             try:
                 request = self._parse(body)
             except DecodeError as err:
-                writer.write(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
+                writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
                 return
             yield request
 
@@ -187,151 +185,6 @@ def claim_path(path: str) -> None:
     raise ValueError(f"another server is listening on {path}")
 
 
-class ThreadedLocalStreamServer:
-    """`LocalStreamServer`'s protocol and failure semantics, each connection served by its own thread:
-    it reads a request, calls the synchronous `handle(request) -> response` itself, and writes the
-    answer. `handle` runs on several threads at once when several clients are connected: it guards
-    what it shares. `draining` (an `asyncio.Event` or a `threading.Event`: only `is_set()` is read)
-    ends connections waiting for their next request; a call in flight finishes. `start()` and
-    `close()` are coroutines, as `LocalStreamServer`'s."""
-
-    IDLE_POLL_S = 0.1  # how often a connection waiting for a request looks at `draining`
-
-    def __init__(
-        self,
-        path: str,
-        parse: Callable[[bytes], Any],
-        handle: Callable[[Any], Any],
-        draining,
-        max_message_bytes: int,
-        name: str = "local-stream",
-        thread_init: Callable[[], None] | None = None,  # run first on every connection's thread
-    ):
-        self.path = path
-        self._thread_init = thread_init
-        self._parse = parse
-        self._handle = handle
-        self._draining = draining
-        self._max_message_bytes = max_message_bytes
-        self._name = name
-        self._listener: socket.socket | None = None
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: dict[threading.Thread, socket.socket] = {}
-
-    async def start(self) -> None:
-        claim_path(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # created 0600: no window in which others could connect
-        try:
-            listener.bind(self.path)
-        except OSError:
-            listener.close()
-            raise
-        finally:
-            os.umask(old_umask)
-        listener.listen(16)
-        self._listener = listener
-        threading.Thread(target=self._accept, name=f"{self._name}-accept", daemon=True).start()
-
-    async def close(self) -> None:
-        """Stops accepting, ends every connection (waiting for the calls in flight, up to 30 s) and
-        removes the socket file."""
-        if self._listener is None:
-            return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._listener = None
-        with self._lock:
-            threads = list(self._connections)
-        await asyncio.get_running_loop().run_in_executor(None, _join_all, threads, 30.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def _accept(self) -> None:
-        listener = self._listener
-        while not self._closed.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # closed
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
-            with self._lock:
-                self._connections[thread] = conn
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(READ_TIMEOUT_S)  # for the rest of a frame once its first byte is here
-        try:
-            if self._thread_init is not None:
-                self._thread_init()
-            while (request := self._next_request(conn)) is not None:
-                try:
-                    response = self._handle(request)
-                except SpecsplitError as err:
-                    conn.sendall(_error_frame(err.code, err.message))
-                    return
-                except Exception as err:  # noqa: BLE001 (one connection's bug must not take the server down)
-                    log.exception("local stream %s: handler failed", self.path)
-                    conn.sendall(_error_frame(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
-                    return
-                body = response.SerializeToString()
-                conn.sendall(HEADER.pack(len(body), KIND_MESSAGE) + body)
-        except OSError:
-            pass  # the client went away; it reconnects for its next call
-        finally:
-            with self._lock:
-                self._connections.pop(threading.current_thread(), None)
-            conn.close()
-
-    def _next_request(self, conn: socket.socket):
-        """The connection's next request; None when the client closed it, the server drains or closes
-        while it is idle, or after a bad frame (answered with its error status)."""
-        while not select.select([conn], [], [], self.IDLE_POLL_S)[0]:
-            if self._draining.is_set() or self._closed.is_set():
-                return None
-        header = _recv_exactly(conn, HEADER.size)
-        if len(header) < HEADER.size:
-            if header:
-                conn.sendall(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
-            return None
-        length, kind = HEADER.unpack(header)
-        if kind != KIND_MESSAGE:
-            conn.sendall(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
-            return None
-        if length > self._max_message_bytes:
-            details = f"message of {length} bytes over the limit of {self._max_message_bytes}"
-            conn.sendall(_error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
-            return None
-        body = _recv_exactly(conn, length)
-        if len(body) < length:
-            return None
-        try:
-            return self._parse(body)
-        except DecodeError as err:
-            conn.sendall(_error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
-            return None
-
-
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    """Up to `n` bytes: fewer only when the peer closed the connection."""
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _join_all(threads: list[threading.Thread], timeout_s: float) -> None:
-    for thread in threads:
-        thread.join(timeout_s)
-
-
 async def serve_or_exit(
     path: str | None,
     flag: str,
@@ -340,7 +193,7 @@ async def serve_or_exit(
     max_message_bytes: int,
     stop_server: Callable[[], Awaitable[None]],
     threaded: bool = False,
-) -> LocalStreamServer | ThreadedLocalStreamServer | None:
+) -> LocalStreamServer | None:
     """A service's start-up, before its weights load (a bad path fails at once): serves `servicer`'s
     `handle_stream_request` on the socket `path` (its `flag`; None: no socket), ending idle connections
     once `servicer.draining` is set; `threaded`: its synchronous `handle_local_request` on connection
@@ -350,6 +203,8 @@ async def serve_or_exit(
         return None
     path = os.path.abspath(path)
     if threaded:
+        from specsplit.threaded_stream import ThreadedLocalStreamServer  # it builds on this module
+
         local = ThreadedLocalStreamServer(
             path, parse, servicer.handle_local_request, servicer.draining, max_message_bytes,
             name=flag.strip("-"), thread_init=servicer.init_thread,

@@ -16,7 +16,8 @@ import pytest
 from protos import common_pb2
 from specsplit.bidi_stream import StreamError
 from specsplit.errors import FailedPrecondition
-from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, ThreadedLocalStreamServer, served_socket
+from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, served_socket
+from specsplit.threaded_stream import ThreadedLocalStreamServer
 
 Req = common_pb2.SamplingParams  # any message: seed in, seed out
 

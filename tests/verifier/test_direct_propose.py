@@ -16,7 +16,7 @@ from models.transport.grpc_bytes import GrpcSender
 from models.wire import tensor_from_proto
 from protos import common_pb2, drafter_pb2
 from specsplit.errors import FailedPrecondition
-from specsplit.local_stream import ThreadedLocalStreamServer
+from specsplit.threaded_stream import ThreadedLocalStreamServer
 from verifier.direct_propose import DirectProposer
 from verifier.drafter_client import ProposeBatch
 
