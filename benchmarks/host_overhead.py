@@ -38,8 +38,8 @@ from models.wire import tensor_to_proto
 from protos import drafter_pb2, verifier_pb2
 from verifier.drafter_client import DrafterClient, Proposal, merge_replica_drafts, sampling_of
 from verifier.input_batch import build_input_batch
+from verifier.response import verify_response
 from verifier.runner import step_output
-from verifier.servicer import verify_response
 
 VOCAB = 151_936
 HIDDEN = 64  # the rows' bytes are not timed; a small hidden size keeps the fake tensors cheap

@@ -143,7 +143,10 @@ class DrafterClient:
         targets = self.pool.targets
         one_replica = len(targets) == 1 and not targets[0].startswith(DNS_PREFIX)
         # `rpc="local"` to one drafter: with async scheduling the step thread makes the Proposes itself.
-        self.direct = DirectProposer(self, targets[0]) if rpc == "local" and one_replica else None
+        # Not over nccl: its sends pair with the drafter's receives through a process group that a restarted
+        # drafter must re-join, which the event loop's path handles and the step thread's was not shown to.
+        direct = rpc == "local" and one_replica and self.transport.name != "nccl"
+        self.direct = DirectProposer(self, targets[0]) if direct else None
         if self.transport.name != "grpc" and not one_replica:
             raise TransportConfigError(
                 f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "

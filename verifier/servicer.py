@@ -28,6 +28,7 @@ from verifier.direct_propose import DirectProposer, PendingPropose
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
 from verifier.held_drafts import HeldDrafts
 from verifier.input_batch import InputBatch, build_input_batch
+from verifier.response import verify_response
 from verifier.runner import StepOutput, VerifierRunner
 
 log = logging.getLogger(__name__)
@@ -321,47 +322,3 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)
         return self.model_info
-
-
-def verify_response(
-    batch: InputBatch,
-    step: StepOutput,
-    proposal: Proposal,
-    received_ns: int,
-    unfilled: list[int] | None = None,  # per request: held-draft placeholders the step could not fill
-    drafts_held: bool = False,
-) -> verifier_pb2.VerifyResponse:
-    """The iteration's results per request (drafts only for requests that sample, and not when the
-    verifier holds them; unfilled placeholders count as rejected), and its timing (with held drafts:
-    of the Propose whose drafts it verified)."""
-    unfilled = unfilled or [0] * batch.num_reqs
-    response = verifier_pb2.VerifyResponse(
-        drafter_ok=proposal.ok,
-        drafter_error=proposal.error,
-        hidden_state_bytes=proposal.hidden_state_bytes,
-        timing=verifier_pb2.VerifyTiming(
-            prepare_ns=step.prepare_ns,
-            forward_ns=step.forward_ns,
-            sample_ns=step.sample_ns,
-            propose_ns=proposal.propose_ns,
-            received_ns=received_ns,
-            propose_sent_ns=proposal.sent_ns,
-            propose_received_ns=proposal.received_ns,
-            drafter_received_ns=proposal.drafter_received_ns,
-            drafter_replied_ns=proposal.drafter_replied_ns,
-            step0_ns=proposal.step0_ns,
-            later_steps_ns=proposal.later_steps_ns,
-        ),
-    )
-    probs = proposal.draft_probs or [None] * batch.num_reqs
-    for i, rid in enumerate(batch.req_ids):
-        result = response.results.add(
-            request_id=rid,
-            sampled_token_ids=step.sampled_token_ids[i],
-            num_rejected=step.num_rejected[i] + unfilled[i],
-            draft_token_ids=proposal.drafts[i] if batch.sample[i] and not drafts_held else [],
-            num_draft_tokens=batch.num_draft_tokens[i],
-        )
-        if batch.sample[i] and not drafts_held and probs[i] is not None:
-            result.draft_probs.CopyFrom(probs[i])
-    return response
