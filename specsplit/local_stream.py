@@ -56,10 +56,14 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL (Linux)
 
 
+def message_frame(message) -> bytes:
+    body = message.SerializeToString()
+    return HEADER.pack(len(body), KIND_MESSAGE) + body
+
+
 async def _write_message(writer: asyncio.StreamWriter, message) -> None:
     """One message frame; waits only when over 1 MiB is still unsent (a large hidden-state message)."""
-    body = message.SerializeToString()
-    writer.write(HEADER.pack(len(body), KIND_MESSAGE) + body)
+    writer.write(message_frame(message))
     if writer.transport.get_write_buffer_size() > 2**20:
         await writer.drain()
 
@@ -67,6 +71,38 @@ async def _write_message(writer: asyncio.StreamWriter, message) -> None:
 def error_frame(code: grpc.StatusCode, details: str) -> bytes:
     body = ERROR_CODE.pack(code.value[0]) + details.encode()
     return HEADER.pack(len(body), KIND_ERROR) + body
+
+
+def error_of_frame(body: bytes) -> StreamError:
+    """The status an error frame's body carries."""
+    (code,) = ERROR_CODE.unpack_from(body)
+    return StreamError(_CODES.get(code, grpc.StatusCode.UNKNOWN), body[ERROR_CODE.size :].decode(errors="replace"))
+
+
+def header_error(length: int, kind: int, max_message_bytes: int) -> bytes | None:
+    """A server's answer to a request frame header it refuses (an error frame), or None."""
+    if kind != KIND_MESSAGE:
+        return error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}")
+    if length > max_message_bytes:
+        details = f"message of {length} bytes over the limit of {max_message_bytes}"
+        return error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    return None
+
+
+def parse_error(err: DecodeError) -> bytes:
+    return error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}")
+
+
+def recv_exactly(conn: socket.socket, n: int) -> bytes:
+    """Up to `n` bytes from a blocking socket: fewer only when the peer closed the connection."""
+    chunks, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 class LocalStreamServer:
@@ -146,18 +182,15 @@ class LocalStreamServer:
                 if err.partial:
                     writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
                 return
-            if kind != KIND_MESSAGE:
-                writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
-                return
-            if length > self._max_message_bytes:
-                details = f"message of {length} bytes over the limit of {self._max_message_bytes}"
-                writer.write(error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+            refused = header_error(length, kind, self._max_message_bytes)
+            if refused is not None:
+                writer.write(refused)
                 return
             body = await reader.readexactly(length)
             try:
                 request = self._parse(body)
             except DecodeError as err:
-                writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
+                writer.write(parse_error(err))
                 return
             yield request
 
@@ -281,9 +314,7 @@ class LocalStream:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream") from None
         if kind == KIND_ERROR:
             self.close()
-            (code,) = ERROR_CODE.unpack_from(body)
-            status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-            raise StreamError(status, body[ERROR_CODE.size :].decode(errors="replace"))
+            raise error_of_frame(body)
         try:
             return self._parse(body)
         except DecodeError as err:

@@ -21,7 +21,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specsplit.errors import SpecsplitError
-from specsplit.local_stream import HEADER, KIND_MESSAGE, claim_path, error_frame
+from specsplit.local_stream import (
+    HEADER,
+    claim_path,
+    error_frame,
+    header_error,
+    message_frame,
+    parse_error,
+    recv_exactly,
+)
 
 log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 30.0  # the wait for the rest of a frame begun
@@ -117,8 +125,7 @@ class ThreadedLocalStreamServer:
                     log.exception("local stream %s: handler failed", self.path)
                     conn.sendall(error_frame(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
                     return
-                body = response.SerializeToString()
-                conn.sendall(HEADER.pack(len(body), KIND_MESSAGE) + body)
+                conn.sendall(message_frame(response))
         except OSError:
             pass  # the client went away; it reconnects for its next call
         finally:
@@ -132,39 +139,24 @@ class ThreadedLocalStreamServer:
         while not select.select([conn], [], [], self.IDLE_POLL_S)[0]:
             if self._draining.is_set() or self._closed.is_set():
                 return None
-        header = _recv_exactly(conn, HEADER.size)
+        header = recv_exactly(conn, HEADER.size)
         if len(header) < HEADER.size:
             if header:
                 conn.sendall(error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
             return None
         length, kind = HEADER.unpack(header)
-        if kind != KIND_MESSAGE:
-            conn.sendall(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}"))
+        refused = header_error(length, kind, self._max_message_bytes)
+        if refused is not None:
+            conn.sendall(refused)
             return None
-        if length > self._max_message_bytes:
-            details = f"message of {length} bytes over the limit of {self._max_message_bytes}"
-            conn.sendall(error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
-            return None
-        body = _recv_exactly(conn, length)
+        body = recv_exactly(conn, length)
         if len(body) < length:
             return None
         try:
             return self._parse(body)
         except DecodeError as err:
-            conn.sendall(error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}"))
+            conn.sendall(parse_error(err))
             return None
-
-
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    """Up to `n` bytes: fewer only when the peer closed the connection."""
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def _join_all(threads: list[threading.Thread], timeout_s: float) -> None:

@@ -33,12 +33,12 @@ from opentelemetry.trace import SpanKind
 from models.transport.base import Transfer, TransportError
 from protos import drafter_pb2
 from specsplit.bidi_stream import StreamError
-from specsplit.local_stream import ERROR_CODE, HEADER, KIND_ERROR, KIND_MESSAGE, served_socket
+from specsplit.local_stream import HEADER, KIND_ERROR, error_of_frame, message_frame, recv_exactly, served_socket
 from specsplit.telemetry import inject_trace_context
+from verifier.drafter_client import Proposal, merge_replica_drafts
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass
@@ -74,12 +74,11 @@ class DirectProposer:
         return self.client.pool.replicas[self.address]
 
     async def prepare(self) -> None:
-        """Event loop, before a step-thread call that may send: connects if not connected (asking the
-        drafter for its socket's path). A failure here is left for `send` to report."""
+        """Event loop, before a step-thread call that may send (the pool started): connects if not
+        connected (asking the drafter for its socket's path). A failure here is left for `send` to report."""
         self._loop = asyncio.get_running_loop()
         if self._sock is not None:
             return
-        await self.client.pool.start()
         peer = f"drafter {self.address}"
         try:
             path = await served_socket(self.replica.stub, "propose_socket", peer, self.client.timeout_s)()
@@ -134,9 +133,9 @@ class DirectProposer:
                 inject_trace_context(msg.trace_context)
             if self._sock is None:
                 raise StreamError(grpc.StatusCode.UNAVAILABLE, f"no connection to drafter {self.address}'s socket")
-            body = msg.SerializeToString()
+            frame = message_frame(msg)
             pending.sent_ns = time.time_ns()
-            self._sock.sendall(HEADER.pack(len(body), KIND_MESSAGE) + body)
+            self._sock.sendall(frame)
         except grpc.RpcError as err:
             self._fail_after_answers(pending, f"{err.code().name}: {err.details()}")
             return pending
@@ -172,8 +171,6 @@ class DirectProposer:
             return
         self._pending.popleft()
         self.client.transport.finish(head.transfer, ok=True)
-        from verifier.drafter_client import Proposal, merge_replica_drafts  # import cycle
-
         no_drafts = [[] for _ in range(head.num_reqs)]
         elapsed = time.perf_counter_ns() - head.t0
         proposal = Proposal(True, no_drafts, "", head.nbytes, elapsed, [None] * head.num_reqs, head.sent_ns)
@@ -199,9 +196,7 @@ class DirectProposer:
         except OSError as err:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"drafter {self.address} closed the stream: {err}") from None
         if kind == KIND_ERROR:
-            (code,) = ERROR_CODE.unpack_from(body)
-            details = body[ERROR_CODE.size :].decode(errors="replace")
-            raise StreamError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+            raise error_of_frame(body)
         try:
             return drafter_pb2.ProposeResponse.FromString(body)
         except DecodeError as err:
@@ -209,14 +204,10 @@ class DirectProposer:
             raise StreamError(grpc.StatusCode.INTERNAL, details) from None
 
     def _recv(self, n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = self._sock.recv(min(left, 1 << 20))
-            if not chunk:
-                raise ConnectionError("connection closed")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        data = recv_exactly(self._sock, n)
+        if len(data) < n:
+            raise ConnectionError("connection closed")
+        return data
 
     def _fail_after_answers(self, pending: PendingPropose, error: str) -> None:
         """`pending` could not be sent: the answers to the Proposes before it are read first (a drafter that
@@ -226,8 +217,6 @@ class DirectProposer:
 
     def _fail(self, pendings: list[PendingPropose], error: str) -> None:
         """These Proposes failed (with every other one in flight): the connection and the transport are reset."""
-        from verifier.drafter_client import Proposal  # import cycle
-
         pendings = pendings + [p for p in self._pending if p not in pendings]
         self._pending.clear()
         self.close()

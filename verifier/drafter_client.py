@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -35,10 +36,12 @@ from specsplit.bidi_stream import BidiStream
 from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
-from verifier.direct_propose import DirectProposer
 from verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
 from verifier.input_batch import InputBatch
 from verifier.runner import StepOutput
+
+if TYPE_CHECKING:
+    from verifier.direct_propose import DirectProposer
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +148,11 @@ class DrafterClient:
         # `rpc="local"` to one drafter: with async scheduling the step thread makes the Proposes itself.
         # Not over nccl: its sends pair with the drafter's receives through a process group that a restarted
         # drafter must re-join, which the event loop's path handles and the step thread's was not shown to.
-        direct = rpc == "local" and one_replica and self.transport.name != "nccl"
-        self.direct = DirectProposer(self, targets[0]) if direct else None
+        self.direct: DirectProposer | None = None
+        if rpc == "local" and one_replica and self.transport.name != "nccl":
+            from verifier.direct_propose import DirectProposer  # it builds on this module
+
+            self.direct = DirectProposer(self, targets[0])
         if self.transport.name != "grpc" and not one_replica:
             raise TransportConfigError(
                 f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "
