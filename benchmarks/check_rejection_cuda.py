@@ -1,8 +1,9 @@
 """On a CUDA GPU: the Triton rejection sampler against the torch reference on the same device,
 for random ragged batches of every mode (greedy, one-hot, dense, sparse q), k = 0..5, odd vocab
 sizes and top-k / top-p. Prints the number of requests whose tokens differ and exits 1 on any
-mismatch that is not a near-tie: on the GPU the race kernel takes log2 from the hardware's
-``lg2.approx`` (about 2 ulp) where the reference's torch.log2 is correctly rounded, so when two
+mismatch that is not a near-tie: on the GPU the race kernel computes its logs with the hardware's
+approximations (``lg2.approx``, and ``fast_clock`` for the clocks: a few ulp; its error over every
+uniform is measured too) where the reference's torch.log2 is correctly rounded, so when two
 candidates' race scores agree to ~1e-6 (relative) the two may pick different winners. Such a request
 (same accepted drafts, only the recovered / bonus token differs, both tokens' reference scores
 within 1e-5) is reported as a near-tie, not a failure.
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -23,8 +26,28 @@ from kernels import SparseDraftProbs, rejection_sample  # noqa: E402
 from kernels.filtering import logit_thresholds  # noqa: E402
 from kernels.reference import LOG2E, densify  # noqa: E402
 from kernels.rng import row_key, vocab_clocks  # noqa: E402
+from kernels.triton_rng import fast_clock  # noqa: E402
 
 NEAR_TIE = 1e-5
+CLOCK_TOLERANCE = 1e-6  # relative: the race scores' differences from the reference stay far below NEAR_TIE
+
+
+@triton.jit
+def _clock_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
+    tl.store(out_ptr + offs, fast_clock(u, True), mask=offs < n)
+
+
+def clock_error() -> float:
+    """Max relative error of the GPU's race clock (``fast_clock`` with the hardware's approximations)
+    against -log2(u) in float64, over every uniform the RNG can produce (odd multiples of 2^-24)."""
+    u64 = (torch.arange(2**23, dtype=torch.float64, device="cuda") * 2 + 1) * 2.0**-24
+    u = u64.float()
+    out = torch.empty_like(u)
+    _clock_kernel[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), BLOCK=1024)
+    truth = -torch.log2(u64)
+    return ((out.double() - truth).abs() / truth).max().item()
 
 
 def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
@@ -106,11 +129,13 @@ def main() -> None:
             bad_reqs += gap >= NEAR_TIE
             ours, ref = a.sampled[r].tolist(), b.sampled[r].tolist()
             print(f"case {i} request {r}: triton {ours} reference {ref}, race-score gap {gap:.1e}")
+    clock = clock_error()
+    print(f"race clock on the GPU: max relative error {clock:.2e} over all 2^23 uniforms (limit {CLOCK_TOLERANCE:g})")
     print(
         f"triton vs reference on {torch.cuda.get_device_name()}: {args.cases} batches, {total_reqs} requests, "
         f"{bad_reqs} differ, {near_ties} near-ties (< {NEAR_TIE:g} relative race-score gap)"
     )
-    sys.exit(1 if bad_reqs else 0)
+    sys.exit(1 if bad_reqs or clock > CLOCK_TOLERANCE else 0)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def race_kernel(
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NUM_BLOCKS_PAD: tl.constexpr,
-    FAST_LOG2: tl.constexpr,  # the GPU's lg2.approx for the Gumbel score's outer log (kernels/triton_rng.py)
+    FAST_LOG2: tl.constexpr,  # GPU: approximate logs for the clocks and the Gumbel score (kernels/triton_rng.py)
 ):
     """Grid (num_reqs, num_blocks): the exponential race on each random request's stop row, one
     chunk per program; the request's last program writes the winner into the stop column."""
@@ -102,7 +102,7 @@ def race_kernel(
                         if (q_id >= start) & (q_id < start + BLOCK_V):  # most tiles hold none of the K ids
                             q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
                             q += tl.where(offs == q_id, q_prob, 0.0)
-                clock = vocab_clocks(key, offs)
+                clock = vocab_clocks(key, offs, FAST_LOG2)
                 race = tl.maximum(p - q, 0.0) / clock
                 best, token = lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
                 p_best, p_token = lane_argmax(x * LOG2E - log2(clock, FAST_LOG2), offs, p_best, p_token)
@@ -119,7 +119,8 @@ def race_kernel(
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
                 x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                score = x * LOG2E - log2(vocab_clocks(key, offs), FAST_LOG2)
+                clock = vocab_clocks(key, offs, FAST_LOG2)
+                score = x * LOG2E - log2(clock, FAST_LOG2)
                 score = tl.where(offs == excluded, float("-inf"), score)
                 best, token = lane_argmax(score, offs, best, token)
             top, top_token = first_argmax(best, token)

@@ -21,7 +21,7 @@ def _noise_kernel(
     key = triton_rng.row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     tl.store(accept_ptr + row, triton_rng.accept_uniform(key))
     offs = tl.arange(0, BLOCK_V)
-    clocks = triton_rng.vocab_clocks(key, offs)
+    clocks = triton_rng.vocab_clocks(key, offs, False)
     tl.store(clocks_ptr + row * vocab_size + offs, clocks, mask=offs < vocab_size)
 
 
@@ -53,3 +53,27 @@ def test_noise_depends_on_seed_counter_and_index():
     assert len({tuple(row.tolist()) for row in clocks}) == 3
     assert clocks[0].unique().numel() == 50
     assert rng.accept_uniform(key).unique().numel() == 3
+
+
+@triton.jit
+def _fast_clock_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
+    tl.store(out_ptr + offs, triton_rng.fast_clock(u, False), mask=offs < n)
+
+
+def test_fast_clock_algebra_is_accurate_on_every_uniform():
+    """The GPU's clock (kernels/triton_rng.fast_clock: log below 1/2, an atanh series above) with exact
+    log2 and reciprocal in place of the hardware's approximations: within 3 ulp of -log2(u) in float64 on
+    every value ``uniform`` can produce (odd multiples of 2^-24), the tiny clocks near u = 1 included.
+    (On the GPU, benchmarks/check_rejection_cuda.py measures it with the approximations.)"""
+    u64 = (torch.arange(2**23, dtype=torch.float64) * 2 + 1) * 2.0**-24
+    u = u64.float()
+    assert torch.equal(u.double(), u64)  # every uniform is exact in float32
+    out = torch.empty_like(u)
+    block = 1 << 20
+    _fast_clock_kernel[(triton.cdiv(u.numel(), block),)](u, out, u.numel(), BLOCK=block)
+    truth = -torch.log2(u64)
+    relative = ((out.double() - truth).abs() / truth).max().item()
+    assert relative < 3 * 2.0**-23, relative
+    assert out.min() > 0 and out[-1] < 1e-7  # u = 1 - 2^-24: the smallest clock, still accurate
