@@ -23,7 +23,7 @@ import torch
 
 from drafter.sampling import pick_drafts
 from drafter.step_timer import StepTimer
-from models.attention import use_kernel_for
+from models.attention import use_kernel_for, use_precompiled_sdpa
 from models.cuda_graphs import resolve_step_path
 from models.kv_cache import AttentionMetadata, PagedKVCache
 from models.mtp import MTPModule
@@ -89,6 +89,7 @@ class DrafterRunner:
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
+        use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
 
             def eager_step(ids, positions, attn):

@@ -11,6 +11,7 @@ from kernels.triton_rejection_common import (
     NO_RACE,
     RACE_P_EXCLUDE_DRAFT,
     RACE_RESIDUAL,
+    UNALIGNED_INPUTS,
     first_argmax,
     lane_argmax,
     last_of_request,
@@ -29,7 +30,7 @@ def vocab_id(token, vocab_size):
     return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["num_cols"])
+@triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=UNALIGNED_INPUTS)
 def race_kernel(
     logits_ptr,  # [num_logits, V]
     logits_stride,

@@ -16,6 +16,7 @@ from kernels.triton_rejection_common import (
     RACE_P,
     RACE_P_EXCLUDE_DRAFT,
     RACE_RESIDUAL,
+    UNALIGNED_INPUTS,
     first_argmax,
     lane_argmax,
     last_of_request,
@@ -43,7 +44,8 @@ def _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_index
     return q_d
 
 
-@triton.jit(do_not_specialize=["num_cols"])  # one compiled variant whatever the batch's most drafts
+# One compiled variant whatever the batch's most drafts and wherever its per-request inputs start.
+@triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=UNALIGNED_INPUTS)
 def stats_accept_kernel(
     logits_ptr,  # [num_logits, V] float32 / bf16 / fp16, unit stride along V
     logits_stride,

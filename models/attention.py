@@ -24,6 +24,17 @@ from kernels.kv_write import write_kv_triton
 from kernels.paged_attention import choose_num_splits, paged_attention_triton
 from models.kv_cache import AttentionMetadata, PaddedBatch
 
+
+def use_precompiled_sdpa() -> None:
+    """Keeps `scaled_dot_product_attention` off PyTorch's cuDNN backend in this process (process-wide, as
+    torch's backend switches are; both runners call it). With a mask, on the H200 machine (torch 2.11,
+    cuDNN 9.19) SDPA picked cuDNN, which builds an execution plan (kernels compiled by NVRTC) for every new
+    (query, key) shape: 80 ms to 1.6 s on each shape's first call, against 0.1 ms for the precompiled
+    memory-efficient kernel (`benchmarks/sdpa_first_call.py`). Prefill chunks come in every length, so
+    each new length stalled every request in flight (the batch-32 stalls of `benchmarks/results/e2e_h200.md`)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 # Steps whose requests all have at most this many new tokens run the kernel (decode: 1, verify: 1 + k).
 KERNEL_MAX_QUERY_LEN = 16
 # Longer steps (prefill chunks) run it while the step has at most this many (query token, visible key)

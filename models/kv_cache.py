@@ -84,14 +84,13 @@ class AttentionMetadata:
     @functools.cached_property
     def padded_batch(self) -> PaddedBatch | None:
         """The step as one padded batch for a single SDPA call (`models.attention`), or None where the
-        padding would cost more than the per-request loop saves: one request, more than twice the
-        real (query, key) pairs, or over `PADDED_BATCH_MAX_PAIRS`. Built once per step."""
+        per-request loop is better (`worth_padding`). Built once per step."""
         qsl, seq_lens = self.query_start_loc_host, self.seq_lens_host
         n_new = [b - a for a, b in zip(qsl, qsl[1:])]
         num_reqs, max_new, max_len = len(seq_lens), max(n_new), max(seq_lens)
         real_pairs = sum(n * length for n, length in zip(n_new, seq_lens))
         padded_pairs = num_reqs * max_new * max_len
-        if num_reqs < 2 or padded_pairs > 2 * real_pairs or padded_pairs > PADDED_BATCH_MAX_PAIRS:
+        if not worth_padding(num_reqs, real_pairs, padded_pairs, self.slot_mapping.device.type == "cuda"):
             return None
         slots = self._slot_grid[0]  # [R, L]; padding reads slot 0, masked out
         key = torch.arange(max_len)
@@ -110,6 +109,18 @@ class AttentionMetadata:
 
 # Bound on a padded batch's (query, key) pairs: its SDPA scores are pairs x heads floats.
 PADDED_BATCH_MAX_PAIRS = 1 << 22
+
+
+def worth_padding(num_reqs: int, real_pairs: int, padded_pairs: int, on_cuda: bool) -> bool:
+    """One SDPA call over a step padded to its longest request, rather than a loop of about ten launches
+    per request and layer? Never for one request or past `PADDED_BATCH_MAX_PAIRS`. On CUDA always
+    otherwise: the loop's launches cost far more host time than the padding costs the GPU (on the H200
+    machine, a batch-32 step mixing prefill and decode looped for 0.5-1.4 s of host work,
+    `benchmarks/results/e2e_h200.md`, seventh session). On CPU the padding is real work: only while it
+    at most doubles the (query, key) pairs."""
+    if num_reqs < 2 or padded_pairs > PADDED_BATCH_MAX_PAIRS:
+        return False
+    return on_cuda or padded_pairs <= 2 * real_pairs
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rejection import rejection_sample
-from models.attention import use_kernel_for
+from models.attention import use_kernel_for, use_precompiled_sdpa
 from models.cuda_graphs import resolve_step_path
 from models.kv_cache import KVCacheFull, PagedKVCache
 from models.target import TargetModel
@@ -78,6 +78,7 @@ class VerifierRunner:
             max_model_len or model.config.max_position_embeddings,
             max_graph_tokens,
         )
+        use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":
             self._warm_up(sampler_backend)
 

@@ -11,7 +11,7 @@ import torch
 
 from models import kv_cache as kv_cache_module
 from models.attention import paged_attention
-from models.kv_cache import PagedKVCache
+from models.kv_cache import PagedKVCache, worth_padding
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,15 @@ def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps(monkeypatch,
             expected = _dense_causal(*(t[:end] for t in full[r]))[done[r] :]
             torch.testing.assert_close(out[row : row + n], expected, atol=1e-5, rtol=0)
             row, done[r] = row + n, end
+
+
+def test_padding_rule_pads_every_multi_request_step_on_cuda_but_only_cheap_ones_on_cpu():
+    assert worth_padding(3, real_pairs=1_000, padded_pairs=1_900, on_cuda=False)
+    assert not worth_padding(3, real_pairs=1_000, padded_pairs=2_100, on_cuda=False)
+    assert worth_padding(32, real_pairs=200_000, padded_pairs=1_000_000, on_cuda=True)  # a mixed prefill/decode step
+    assert not worth_padding(1, real_pairs=100, padded_pairs=100, on_cuda=True)
+    too_many = kv_cache_module.PADDED_BATCH_MAX_PAIRS + 1
+    assert not worth_padding(2, real_pairs=too_many, padded_pairs=too_many, on_cuda=True)
 
 
 def test_a_step_that_padding_would_double_keeps_the_loop():
