@@ -19,6 +19,7 @@ from protos import common_pb2, drafter_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.local_stream import serve_or_exit
 from specsplit.security import load_tls
+from specsplit.slow_steps import SlowStepWatch
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
     use_device(args.device)
     asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
-    servicer = DrafterServicer(args.device)
+    servicer = DrafterServicer(args.device, SlowStepWatch("drafter", args.slow_step_s))
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading

@@ -24,6 +24,7 @@ from models.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import InvalidArgument, SpecsplitError
+from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
 
 tracer = trace.get_tracer("specsplit.drafter")
@@ -85,11 +86,12 @@ def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", slow_steps: SlowStepWatch | None = None):
         self.runner: DrafterRunner | None = None
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self.device = device
+        self.slow_steps = slow_steps or SlowStepWatch("drafter", 0)  # `--slow-step-s`; 0: off
         self._steps = StepThread(device, "drafter-step")
         self._model_lock = threading.Lock()  # runner and receiver: one thread at a time
         self._queued_lock = threading.Lock()
@@ -192,7 +194,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 }
             )
         with trace.use_span(span, end_on_exit=True):
-            with self._model_lock:
+            with self._model_lock, self.slow_steps.watch("propose"):
                 items, out = self._propose(request)
             if recording:
                 t0, t1, t2 = out.stamps_ns

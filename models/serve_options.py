@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from specsplit.slow_steps import DEFAULT_SLOW_STEP_S
+
 
 def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     """``steps``: what the attention and graph options apply to, for the help text."""
@@ -28,7 +30,21 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         action="store_false",
         help=f"run {steps} eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
     )
+    p.add_argument(
+        "--slow-step-s",
+        type=_seconds,
+        default=DEFAULT_SLOW_STEP_S,
+        help="log the Python stack of a model step (verifier: forward + sampling; drafter: a Propose) still "
+        "running after this many seconds, and count it in specsplit.slow_steps (0: off)",
+    )
     add_kernel_arguments(p)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {text}")
+    return value
 
 
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:

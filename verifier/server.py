@@ -18,6 +18,7 @@ from protos import common_pb2, verifier_pb2
 from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
 from specsplit.local_stream import DRAFTER_RPCS, serve_or_exit
 from specsplit.security import load_tls
+from specsplit.slow_steps import SlowStepWatch
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
     # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
     use_device(args.device)
     asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
-    servicer = VerifierServicer(drafter, args.device)
+    servicer = VerifierServicer(drafter, args.device, SlowStepWatch("verifier", args.slow_step_s))
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading

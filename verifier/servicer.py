@@ -23,6 +23,7 @@ from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
+from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
 from verifier.direct_propose import DirectProposer, PendingPropose
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
@@ -41,10 +42,11 @@ hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
-    def __init__(self, drafter: DrafterClient, device: str):
+    def __init__(self, drafter: DrafterClient, device: str, slow_steps: SlowStepWatch | None = None):
         self.runner: VerifierRunner | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self.drafter = drafter
+        self.slow_steps = slow_steps or SlowStepWatch("verifier", 0)  # `--slow-step-s`; 0: off
         self.device = device
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
@@ -101,7 +103,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             device=self.device,
             upload=self._upload,
         )
-        return batch, self.runner.step(batch)
+        with self.slow_steps.watch("step"):
+            return batch, self.runner.step(batch)
 
     async def Verify(self, request, context):
         await self._require_ready(context)
