@@ -29,8 +29,8 @@ def use_precompiled_sdpa() -> None:
     """Keeps `scaled_dot_product_attention` off PyTorch's cuDNN backend in this process (process-wide, as
     torch's backend switches are; both runners call it). With a mask, on the H200 machine (torch 2.11,
     cuDNN 9.19) SDPA picked cuDNN, which builds an execution plan (kernels compiled by NVRTC) for every new
-    (query, key) shape: 80 ms to 1.6 s on each shape's first call, against 0.1 ms for the precompiled
-    memory-efficient kernel (`benchmarks/sdpa_first_call.py`). Prefill chunks come in every length, so
+    (query, key) shape: a new shape's first call took 68 ms (median) and up to 1.5 s, against 0.1 ms without
+    cuDNN (`benchmarks/sdpa_first_call.py`). Prefill chunks come in every length, so
     each new length stalled every request in flight (the batch-32 stalls of `benchmarks/results/e2e_h200.md`)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -1,11 +1,12 @@
 """Start-up warm-up of a runner's eager path (prefill steps too large for its CUDA graphs).
 
 The first eager step in a process pays one-time costs on the GPU machine: CUDA loads the modules of the
-cuBLAS / attention kernels it picks on their first launch (45–325 ms each on the H200 machine,
-`benchmarks/sdpa_first_call.py`). A runner on CUDA therefore runs a few dummy eager steps at start-up, as
-large as a step the coordinator's token budget allows, with several requests (one padded SDPA call per
-layer) and with one (per-request SDPA). (The 1.7 s stalls of the sixth session were cuDNN building an SDPA
-plan for each new shape, which no warm-up can cover: `models.attention.use_precompiled_sdpa`.)
+cuBLAS / attention kernels it picks on their first launch (the first SDPA call of a process took 17–230 ms
+on the H200 machine, by backend: `benchmarks/sdpa_first_call.py`). A runner on CUDA therefore runs a few
+dummy eager steps at start-up, as large as a step the coordinator's token budget allows, with several
+requests (one padded SDPA call per layer) and with one (per-request SDPA). (The 1.7 s stalls of the sixth
+session were cuDNN building an SDPA plan for each new shape, which no warm-up can cover:
+`models.attention.use_precompiled_sdpa`.)
 """
 
 from __future__ import annotations
