@@ -176,7 +176,7 @@ def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
 def bench_model(name, model, args) -> list[dict]:
     import torch
 
-    from models import kv_cache as kv_cache_module
+    from models import padded_batch as padded_batch_module
     from models.cuda_graphs import CudaGraphRunner
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -195,15 +195,15 @@ def bench_model(name, model, args) -> list[dict]:
         for path in args.paths.split(","):
             count_ops = gpu_ops if path == "kernel" else None
             gpu: list[float] = []
-            # eager_loop: no step is padded into one SDPA call (models.kv_cache.PADDED_BATCH_MAX_PAIRS).
-            padded_max = kv_cache_module.PADDED_BATCH_MAX_PAIRS
-            kv_cache_module.PADDED_BATCH_MAX_PAIRS = 0 if path == "eager_loop" else padded_max
+            # eager_loop: no step is padded into one SDPA call (models.padded_batch.PADDED_BATCH_MAX_PAIRS).
+            padded_max = padded_batch_module.PADDED_BATCH_MAX_PAIRS
+            padded_batch_module.PADDED_BATCH_MAX_PAIRS = 0 if path == "eager_loop" else padded_max
             try:
                 seconds = time_steps(
                     model, cache, runner, batch, args.context, args.steps, args.warmup, path, count_ops, gpu
                 )
             finally:
-                kv_cache_module.PADDED_BATCH_MAX_PAIRS = padded_max
+                padded_batch_module.PADDED_BATCH_MAX_PAIRS = padded_max
             rows.append(
                 dict(
                     model=name,

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from kernels.kv_write import write_kv_triton
 from kernels.paged_attention import choose_num_splits, paged_attention_triton
-from models.kv_cache import AttentionMetadata, PaddedBatch
+from models.kv_cache import AttentionMetadata
+from models.padded_batch import PaddedBatch
 
 
 def use_precompiled_sdpa() -> None:

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from models import kv_cache as kv_cache_module
+from models import padded_batch as padded_batch_module
 from models.attention import paged_attention
-from models.kv_cache import PagedKVCache, worth_padding
+from models.kv_cache import PagedKVCache
+from models.padded_batch import worth_padding
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -27,7 +28,7 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("padded", [True, False], ids=["one-padded-call", "per-request-loop"])
 def test_paged_attention_matches_dense_causal_gqa_over_ragged_steps(monkeypatch, padded):
     if not padded:
-        monkeypatch.setattr(kv_cache_module, "PADDED_BATCH_MAX_PAIRS", 0)
+        monkeypatch.setattr(padded_batch_module, "PADDED_BATCH_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 6, 2, 8
     cache = PagedKVCache(1, kv_heads, dim, num_blocks=16, block_size=3, dtype=torch.float32, device="cpu")
@@ -53,7 +54,7 @@ def test_padding_rule_pads_every_multi_request_step_on_cuda_but_only_cheap_ones_
     assert not worth_padding(3, real_pairs=1_000, padded_pairs=2_100, on_cuda=False)
     assert worth_padding(32, real_pairs=200_000, padded_pairs=1_000_000, on_cuda=True)  # a mixed prefill/decode step
     assert not worth_padding(1, real_pairs=100, padded_pairs=100, on_cuda=True)
-    too_many = kv_cache_module.PADDED_BATCH_MAX_PAIRS + 1
+    too_many = padded_batch_module.PADDED_BATCH_MAX_PAIRS + 1
     assert not worth_padding(2, real_pairs=too_many, padded_pairs=too_many, on_cuda=True)
 
 
