@@ -87,7 +87,7 @@ class AttentionMetadata:
         """The step as one padded batch for a single SDPA call (`models/padded_batch.py`), or None where the
         per-request loop is better. Built once per step."""
         return build_padded_batch(
-            self.query_start_loc_host, self.seq_lens_host, lambda: self._slot_grid[0], self.slot_mapping.device
+            self.query_start_loc_host, self.seq_lens_host, self._slot_grid[0], self.slot_mapping.device
         )
 
 

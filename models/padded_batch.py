@@ -3,7 +3,6 @@ instead of a loop of about ten launches per request and layer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ def worth_padding(num_reqs: int, real_pairs: int, padded_pairs: int, on_cuda: bo
 def build_padded_batch(
     query_start_loc: list[int],  # [R + 1] host
     seq_lens: list[int],  # [R] host, after the step
-    slot_grid: Callable[[], torch.Tensor],  # -> [R, max(seq_lens)] int64 host flat slots (0 past a request's end)
+    slots: torch.Tensor,  # [R, max(seq_lens)] int64 host flat slots (0 past a request's end; padding reads it)
     device: torch.device,
 ) -> PaddedBatch | None:
     """The step padded (None where `worth_padding` says no); its index tensors on `device`."""
@@ -49,7 +48,6 @@ def build_padded_batch(
     padded_pairs = num_reqs * max_new * max_len
     if not worth_padding(num_reqs, real_pairs, padded_pairs, device.type == "cuda"):
         return None
-    slots = slot_grid()  # [R, L]; padding reads slot 0, masked out
     key = torch.arange(max_len)
     lens = torch.tensor(seq_lens)
     new = torch.tensor(n_new)
