@@ -18,7 +18,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
 from drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
-from models.device import StepThread, use_device
+from models.device import DeviceClaim, StepThread, use_device
 from models.transport.base import HiddenStatesReceiver
 from models.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -91,6 +91,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.receiver: HiddenStatesReceiver | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self.device = device
+        self._device_claim = DeviceClaim(device)  # the GPU switched to us while a Propose is planned
         self.slow_steps = slow_steps or SlowStepWatch("drafter", 0)  # `--slow-step-s`; 0: off
         self._steps = StepThread(device, "drafter-step")
         self._model_lock = threading.Lock()  # runner and receiver: one thread at a time
@@ -130,14 +131,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self.runner.free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
-        items = parse_items(request, self._vocab_size)
-        rows = sum(len(item.next_token_ids) for item in items)
-        if hidden.shape[0] != rows:
-            raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
-        device, dtype = self._hidden_layout
-        if hidden.dtype != dtype or hidden.device != device:
-            hidden = hidden.to(device=device, dtype=dtype)
-        return items, self.runner.propose(items, hidden)
+        try:
+            items = parse_items(request, self._vocab_size)
+            rows = sum(len(item.next_token_ids) for item in items)
+            if hidden.shape[0] != rows:
+                raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
+            device, dtype = self._hidden_layout
+            if hidden.dtype != dtype or hidden.device != device:
+                hidden = hidden.to(device=device, dtype=dtype)
+            return items, self.runner.propose(items, hidden)
+        finally:
+            self.receiver.release()  # before any reply: the sender reuses the rows' memory once it has one
 
     async def Propose(self, request, context):
         await self._require_ready(context)
@@ -182,6 +186,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ) -> drafter_pb2.ProposeResponse:
         """One Propose that came by `rpc` (unary, stream or local) at `t_arrival`, on a model thread;
         raises SpecsplitError with the status the caller should get."""
+        self._device_claim.claim()
         span = tracer.start_span("Propose", parent, SpanKind.SERVER)
         recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
         if recording:

@@ -101,14 +101,22 @@ class CudaGraphRunner:
         return hidden[:num_tokens], logits[:num_tokens]
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, bucket: int) -> None:
+        """The step's inputs into the static buffers: one multi-tensor copy per dtype (a launch each, not
+        one per buffer), then the block tables; the padding rows only when the bucket has any."""
         n, (num_reqs, width) = attn.num_tokens, attn.block_tables.shape
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(attn.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bucket].fill_(-1)
-        self.token_req_index[:n].copy_(attn.token_req_index, non_blocking=True)
-        self.token_context_lens[:n].copy_(attn.token_context_lens, non_blocking=True)
-        self.token_context_lens[n:bucket].fill_(0)
+        torch._foreach_copy_(
+            [self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]],
+            [input_ids, positions, attn.slot_mapping],
+            non_blocking=True,
+        )
+        torch._foreach_copy_(
+            [self.token_req_index[:n], self.token_context_lens[:n]],
+            [attn.token_req_index, attn.token_context_lens],
+            non_blocking=True,
+        )
+        if n < bucket:
+            self.slot_mapping[n:bucket].fill_(-1)
+            self.token_context_lens[n:bucket].fill_(0)
         # Entries right of `width` and rows below `num_reqs` are stale but never read (context lengths).
         self.block_tables[:num_reqs, :width].copy_(attn.block_tables, non_blocking=True)
 

@@ -52,6 +52,16 @@ class HeldDrafts:
             last = batch.num_computed_tokens[i] + batch.num_new_tokens[i] - batch.num_draft_tokens[i] - 1 + num_sampled
             self._held[rid] = HeldDraft(last, list(drafts[i]), probs[i] if probs else None)
 
+    @staticmethod
+    def placeholders(msg: verifier_pb2.VerifyRequest) -> dict[str, int]:
+        """Request id → held drafts asked for, of the requests `fill` can fill (one token, no drafts,
+        sampling): what a batch planned before the drafts are in holds in their place."""
+        return {
+            r.request_id: r.num_held_drafts
+            for r in msg.requests
+            if r.num_held_drafts > 0 and not r.num_draft_tokens and r.sample and len(r.token_ids) == 1
+        }
+
     def fill(self, msg: verifier_pb2.VerifyRequest) -> list[int]:
         """Puts the held drafts into `msg`'s requests that ask for them (in place); returns, per
         request, how many of its placeholders stayed unfilled."""

@@ -55,6 +55,38 @@ class InputBatch:
         return len(self.req_ids)
 
 
+@dataclass
+class PlannedBatch:
+    """An input batch's host side (validated lists), before its one upload (`upload_input_batch`).
+
+    `plan_input_batch(..., placeholders=...)` plans a batch before its held drafts are in, with
+    placeholder drafts; `with_held_drafts` then puts the real ones in place."""
+
+    req_ids: list[str]
+    num_computed_tokens: list[int]
+    num_new_tokens: list[int]
+    token_ids: list[list[int]]
+    num_draft_tokens: list[int]
+    sample: list[bool]
+    next_token_ids: list[int]
+    num_spec_tokens: list[int]
+    flat_ids: list[int]
+    flat_pos: list[int]
+    query_start: list[int]
+    sampling_indices: list[int]
+    num_drafts: list[int]  # per sampling request
+    logits_idx: list[int]
+    drafts: list[int]  # every sampling request's drafts, request after request
+    draft_start: list[int]  # per request: where its drafts start in `drafts` (-1: it does not sample)
+    temps: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    seeds: list[int]
+    first_pos: list[int]
+    msgs: list  # per sampling request, its VerifyRequest entry (its q is decoded at upload)
+    placeholders: dict[str, int]  # request id → placeholder drafts planned in its place
+
+
 def build_input_batch(
     msg: verifier_pb2.VerifyRequest,
     *,
@@ -64,11 +96,29 @@ def build_input_batch(
     device: torch.device | str = "cpu",
     upload: StepUpload | None = None,  # the caller's, so its pinned buffer is reused step after step
 ) -> InputBatch:
+    planned = plan_input_batch(
+        msg, vocab_size=vocab_size, max_model_len=max_model_len, num_cached_tokens=num_cached_tokens
+    )
+    return upload_input_batch(planned, vocab_size=vocab_size, device=device, upload=upload)
+
+
+def plan_input_batch(
+    msg: verifier_pb2.VerifyRequest,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    num_cached_tokens,  # callable: request id -> tokens the KV cache holds (0 if unknown)
+    placeholders: dict[str, int] | None = None,
+) -> PlannedBatch:
+    """The batch's lists, validated; raises SpecsplitError naming the first bad field.
+
+    placeholders: request id → n, for requests whose n held drafts are not in `msg` yet (async
+    scheduling: one token, no drafts): planned as if followed by n drafts of token 0."""
+    placeholders = placeholders or {}
     req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec = [], [], [], [], [], [], [], []
     flat_ids, flat_pos, query_start = [], [], [0]
-    sampling_indices, num_drafts, logits_idx, drafts = [], [], [], []
-    temps, top_ks, top_ps, seeds, first_pos = [], [], [], [], []
-    q_rows: list[RequestQ] = []  # per sampling request
+    sampling_indices, num_drafts, logits_idx, drafts, draft_start = [], [], [], [], []
+    temps, top_ks, top_ps, seeds, first_pos, msgs = [], [], [], [], [], []
     seen = set()
     for i, r in enumerate(msg.requests):
         rid = r.request_id
@@ -78,9 +128,12 @@ def build_input_batch(
             raise InvalidArgument(f"request {rid!r} appears twice in one iteration")
         seen.add(rid)
         tokens = list(r.token_ids)
-        n = len(tokens)
         nc = r.num_computed_tokens
         d = r.num_draft_tokens
+        if rid in placeholders:
+            tokens += [0] * placeholders[rid]
+            d = placeholders[rid]
+        n = len(tokens)
         if n == 0:
             raise InvalidArgument(f"request {rid!r} has no token_ids")
         if nc < 0:
@@ -121,14 +174,57 @@ def build_input_batch(
             num_drafts.append(d)
             start = query_start[-1] + n - d - 1
             logits_idx.extend(range(start, start + d + 1))
+            draft_start.append(len(drafts))
             drafts.extend(tokens[n - d :])
             temps.append(sp.temperature)
             top_ks.append(sp.top_k)
             top_ps.append(top_p)
             seeds.append(sp.seed & (2**63 - 1))
             first_pos.append(nc + n - d - 1)
-            q_rows.append(decode_q(r, rid, tokens[n - d :]))
+            msgs.append(r)
+        else:
+            draft_start.append(-1)
         query_start.append(query_start[-1] + n)
+    return PlannedBatch(
+        req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec, flat_ids, flat_pos, query_start,
+        sampling_indices, num_drafts, logits_idx, drafts, draft_start, temps, top_ks, top_ps, seeds, first_pos, msgs,
+        dict(placeholders),
+    )  # fmt: skip
+
+
+def with_held_drafts(planned: PlannedBatch, msg: verifier_pb2.VerifyRequest, vocab_size: int) -> PlannedBatch | None:
+    """`planned` (made with placeholders) with the drafts `HeldDrafts.fill` has since put into `msg`,
+    in place; None when a request got fewer drafts than planned (plan it again). Raises
+    InvalidArgument for a draft outside the vocabulary, as planning would."""
+    for i, r in enumerate(msg.requests):
+        n = planned.placeholders.get(r.request_id)
+        if n is None:
+            continue
+        if r.num_draft_tokens != n or len(r.token_ids) != n + 1:
+            return None
+        real = list(r.token_ids)[1:]
+        if not all(0 <= t < vocab_size for t in real):
+            raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
+        planned.token_ids[i][1:] = real
+        at = planned.query_start[i] + 1
+        planned.flat_ids[at : at + n] = real
+        at = planned.draft_start[i]
+        planned.drafts[at : at + n] = real
+    planned.placeholders = {}
+    return planned
+
+
+def upload_input_batch(
+    planned: PlannedBatch,
+    *,
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    upload: StepUpload | None = None,
+) -> InputBatch:
+    """The planned batch on `device`: every tensor but the sparse q in one host→device copy."""
+    if planned.placeholders:
+        raise ValueError("a batch planned with placeholder drafts needs with_held_drafts() first")
+    p = planned
 
     def cumsum(xs: list[int]) -> list[int]:
         out = [0]
@@ -136,31 +232,34 @@ def build_input_batch(
             out.append(out[-1] + x)
         return out
 
-    # Every tensor but the sparse q in one host→device copy.
+    q_rows: list[RequestQ] = [
+        decode_q(r, r.request_id, p.drafts[start : start + d])
+        for r, start, d in zip(p.msgs, (p.draft_start[i] for i in p.sampling_indices), p.num_drafts)
+    ]
     upload = upload or StepUpload(device)
     (
         (ids_t, pos_t, logits_idx_t, drafts_t, seeds_t, first_pos_t),
         (cu_logits_t, cu_draft_t, top_k_t),
         (temps_t, top_p_t),
     ) = upload(
-        [flat_ids, flat_pos, logits_idx, drafts, seeds, first_pos],
-        [cumsum([d + 1 for d in num_drafts]), cumsum(num_drafts), top_ks],
-        [temps, top_ps],
+        [p.flat_ids, p.flat_pos, p.logits_idx, p.drafts, p.seeds, p.first_pos],
+        [cumsum([d + 1 for d in p.num_drafts]), cumsum(p.num_drafts), p.top_ks],
+        [p.temps, p.top_ps],
     )
     return InputBatch(
-        req_ids=req_ids,
-        num_computed_tokens=nc_list,
-        num_new_tokens=n_list,
-        token_ids=tokens_list,
-        num_draft_tokens=d_list,
-        sample=sample,
-        next_token_ids=next_ids,
-        num_spec_tokens=n_spec,
+        req_ids=p.req_ids,
+        num_computed_tokens=p.num_computed_tokens,
+        num_new_tokens=p.num_new_tokens,
+        token_ids=p.token_ids,
+        num_draft_tokens=p.num_draft_tokens,
+        sample=p.sample,
+        next_token_ids=p.next_token_ids,
+        num_spec_tokens=p.num_spec_tokens,
         input_ids=ids_t,
         positions=pos_t,
-        query_start=query_start,
-        sampling_indices=sampling_indices,
-        num_draft_tokens_per_req=num_drafts,
+        query_start=p.query_start,
+        sampling_indices=p.sampling_indices,
+        num_draft_tokens_per_req=p.num_drafts,
         cu_num_logits=cu_logits_t,
         logits_indices=logits_idx_t,
         draft_token_ids=drafts_t,
@@ -171,7 +270,7 @@ def build_input_batch(
         seeds=seeds_t,
         first_logits_positions=first_pos_t,
         draft_probs=batch_q(q_rows, vocab_size, device),
-        all_greedy=all(t == 0 for t in temps),
-        any_filter=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
-        max_num_draft=max(num_drafts, default=0),
+        all_greedy=all(t == 0 for t in p.temps),
+        any_filter=any(k > 0 for k in p.top_ks) or any(tp < 1 for tp in p.top_ps),
+        max_num_draft=max(p.num_drafts, default=0),
     )

@@ -16,13 +16,30 @@ import torch
 from kernels.rejection import rejection_sample
 from models.attention import use_kernel_for, use_precompiled_sdpa
 from models.cuda_graphs import resolve_step_path
-from models.kv_cache import KVCacheFull, PagedKVCache
+from models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache
 from models.target import TargetModel
 from models.warm_up import warm_up_eager
 from specsplit.errors import ResourceExhausted
 from verifier.input_batch import InputBatch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A step's KV side made by `VerifierRunner.prepare`, for the batch of these requests and counts."""
+
+    req_ids: list[str]
+    num_computed: list[int]
+    num_new: list[int]
+    attn: AttentionMetadata
+
+    def matches(self, batch: InputBatch) -> bool:
+        return (
+            self.req_ids == batch.req_ids
+            and self.num_computed == batch.num_computed_tokens
+            and self.num_new == batch.num_new_tokens
+        )
 
 
 @dataclass
@@ -105,24 +122,36 @@ class VerifierRunner:
     def free_all(self) -> None:
         self.free(list(self._request_ids))
 
+    def prepare(self, req_ids: list[str], num_computed: list[int], num_new: list[int]) -> Prepared:
+        """A step's KV cache side, before its inputs are uploaded: each request rolled back to
+        `num_computed` tokens, then slots for its `num_new` tokens and the attention metadata. A
+        step may be prepared while the previous Propose still runs (`step(batch, prepared)`); if
+        the batch then differs, `step` prepares it again (the rollback undoes this one)."""
+        cache = self.kv_cache
+        for rid, nc in zip(req_ids, num_computed):
+            if cache.has(rid):
+                cache.truncate(rid, nc)
+        self._request_ids.update(req_ids)
+        try:
+            seq_lens = [nc + n for nc, n in zip(num_computed, num_new)]
+            graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
+            use_kernel = use_kernel_for(self.attention_kernel, num_new, seq_lens, graph_tokens)
+            attn = cache.prepare_step(req_ids, num_new, use_kernel=use_kernel)
+        except KVCacheFull as err:
+            raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
+        return Prepared(list(req_ids), list(num_computed), list(num_new), attn)
+
     @torch.inference_mode()
-    def step(self, batch: InputBatch) -> StepOutput:
+    def step(self, batch: InputBatch, prepared: Prepared | None = None) -> StepOutput:
+        """One iteration; `prepared`: this batch's `prepare()` made ahead of time (off the critical
+        path: the step's stamps then show no prepare time), or None to prepare now."""
         t0 = time.time_ns()
         if batch.num_reqs == 0:  # an iteration that only frees finished requests
             hidden = torch.empty(0, self.model.config.hidden_size, device=self.kv_cache.device)
             return StepOutput([], [], [], [], hidden, stamps_ns=(t0, t0, t0, t0))
-        cache = self.kv_cache
-        for rid, nc in zip(batch.req_ids, batch.num_computed_tokens):
-            if cache.has(rid):
-                cache.truncate(rid, nc)
-        self._request_ids.update(batch.req_ids)
-        try:
-            seq_lens = [nc + n for nc, n in zip(batch.num_computed_tokens, batch.num_new_tokens)]
-            graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
-            use_kernel = use_kernel_for(self.attention_kernel, batch.num_new_tokens, seq_lens, graph_tokens)
-            attn = cache.prepare_step(batch.req_ids, batch.num_new_tokens, use_kernel=use_kernel)
-        except KVCacheFull as err:
-            raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
+        if prepared is None or not prepared.matches(batch):
+            prepared = self.prepare(batch.req_ids, batch.num_computed_tokens, batch.num_new_tokens)
+        cache, attn = self.kv_cache, prepared.attn
         t1 = time.time_ns()
         if self.graphs is not None and self.graphs.can_run(attn):
             hidden, all_logits = self.graphs.run(batch.input_ids, batch.positions, attn)  # [T, H], [T, V]
@@ -145,7 +174,7 @@ class VerifierRunner:
             max_num_draft=batch.max_num_draft,
             all_greedy=batch.all_greedy,
         )
-        sampled, num_sampled = out.sampled.tolist(), out.num_sampled.tolist()
+        sampled, num_sampled = _to_host(out.sampled, out.num_sampled)
         t3 = time.time_ns()
         return step_output(batch, sampled, num_sampled, hidden, (t0, t1, t2, t3))
 
@@ -175,7 +204,10 @@ def step_output(
         rows.extend(range(qs, qs + len(follow)))
         start_positions.append(batch.num_computed_tokens[i])
         next_ids.append(follow)
-    hidden_rows = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))  # [rows, H]
+    if rows and rows[-1] - rows[0] == len(rows) - 1:  # one run of rows (always at batch 1): a copy, no index upload
+        hidden_rows = hidden[rows[0] : rows[-1] + 1].clone()  # [rows, H]
+    else:
+        hidden_rows = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))
     return StepOutput(
         sampled_ids,
         num_rejected,
@@ -184,3 +216,12 @@ def step_output(
         hidden_rows,
         stamps_ns=stamps_ns,
     )
+
+
+def _to_host(sampled: torch.Tensor, num_sampled: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """The sampler's outputs as lists, with one wait for the device: both copies are queued first."""
+    if sampled.is_cuda:
+        stream = torch.cuda.current_stream(sampled.device)
+        sampled, num_sampled = sampled.to("cpu", non_blocking=True), num_sampled.to("cpu", non_blocking=True)
+        stream.synchronize()
+    return sampled.tolist(), num_sampled.tolist()

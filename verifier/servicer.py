@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
-from models.device import StepThread
+from models.device import DeviceClaim, StepThread
 from models.kv_cache import PagedKVCache
 from models.step_upload import StepUpload
 from protos import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -28,15 +29,25 @@ from specsplit.telemetry import extract_trace_context, incoming_context
 from verifier.direct_propose import DirectProposer, PendingPropose
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
 from verifier.held_drafts import HeldDrafts
-from verifier.input_batch import InputBatch, build_input_batch
+from verifier.input_batch import InputBatch, PlannedBatch, plan_input_batch, upload_input_batch, with_held_drafts
 from verifier.response import verify_response
-from verifier.runner import StepOutput, VerifierRunner
+from verifier.runner import Prepared, StepOutput, VerifierRunner
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
 meter = metrics.get_meter("specsplit.verifier")
 verify_duration = meter.create_histogram("specsplit.verifier.verify_duration", unit="s")
 hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes", unit="By")
+
+
+@dataclass
+class EarlyStep:
+    """A step planned before its held drafts are in (`VerifierServicer._plan_early`): its batch with
+    placeholder drafts and its KV side; or the error its beginning raised; or nothing (plan it then)."""
+
+    planned: PlannedBatch | None = None
+    prepared: Prepared | None = None
+    error: SpecsplitError | None = None
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -48,6 +59,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.drafter = drafter
         self.slow_steps = slow_steps or SlowStepWatch("verifier", 0)  # `--slow-step-s`; 0: off
         self.device = device
+        self._device_claim = DeviceClaim(device)  # the GPU switched to us while a step is planned
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
         self._steps = StepThread(device, "verifier-step")
@@ -91,20 +103,55 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         self._last_iteration[request.micro_batch] = request.iteration
 
-    def _prepare_and_step(self, request: verifier_pb2.VerifyRequest):
+    def _begin_step(self, request: verifier_pb2.VerifyRequest) -> None:
+        """Once per step, first: the iteration's order checked, finished requests freed."""
         self._check_order(request)
         self.runner.free(list(request.finished_request_ids))
         self._held.free(request.finished_request_ids)
-        batch = build_input_batch(
-            request,
-            vocab_size=self.model_info.vocab_size,
-            max_model_len=self.model_info.max_model_len,
-            num_cached_tokens=self.kv_cache.num_tokens,
-            device=self.device,
-            upload=self._upload,
-        )
+
+    def _plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
+        """Step thread, while the micro-batch's drafts are still on their way: the step begun, its batch
+        planned with placeholder drafts and its KV side prepared, so that only the drafts, the upload
+        and the launch are left once they are in. Never raises: an error of the step's beginning is
+        raised by the step; anything else leaves the planning to the step."""
+        try:
+            self._begin_step(request)
+        except SpecsplitError as err:
+            return EarlyStep(error=err)
+        try:
+            planned = plan_input_batch(
+                request,
+                vocab_size=self.model_info.vocab_size,
+                max_model_len=self.model_info.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+                placeholders=HeldDrafts.placeholders(request),
+            )
+            prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
+        except SpecsplitError:  # e.g. no KV room for every placeholder: the step plans with the real drafts
+            return EarlyStep()
+        return EarlyStep(planned, prepared)
+
+    def _prepare_and_step(self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None):
+        """The step of `request` (its held drafts filled in); `early`: what `_plan_early` made of it."""
+        # The drafter is done with the GPU (its drafts are in) but its context may still hold it: the switch
+        # starts now and overlaps what is left to do on the host. Not earlier: it would preempt the drafter.
+        self._device_claim.claim()
+        if early is None:
+            self._begin_step(request)
+        elif early.error is not None:
+            raise early.error
+        vocab = self.model_info.vocab_size
+        planned = early.planned if early is not None else None
+        if planned is not None:
+            planned = with_held_drafts(planned, request, vocab)  # None: fewer drafts came than planned
+        if planned is None:
+            planned = plan_input_batch(
+                request, vocab_size=vocab, max_model_len=self.model_info.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+            )  # fmt: skip
+        batch = upload_input_batch(planned, vocab_size=vocab, device=self.device, upload=self._upload)
         with self.slow_steps.watch("step"):
-            return batch, self.runner.step(batch)
+            return batch, self.runner.step(batch, early.prepared if early is not None else None)
 
     async def Verify(self, request, context):
         await self._require_ready(context)
@@ -200,11 +247,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _direct_step(self, request, earlier: PendingPropose | None, direct: DirectProposer, parent):
         """Step thread: the micro-batch's last Propose's drafts, the step, this step's Propose sent."""
         w0 = time.time_ns()
+        early = None
         if earlier is not None and request.requests:  # an iteration that only frees does not wait
+            early = self._plan_early(request)  # while the drafts are on their way
             direct.wait(earlier)
         w1 = time.time_ns()
         unfilled = self._held.fill(request)
-        batch, step = self._prepare_and_step(request)
+        batch, step = self._prepare_and_step(request, early)
         plan = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
         pending = direct.send(plan, (batch, step), self._keep_direct, parent)
         return batch, step, unfilled, (w0, w1), pending

@@ -8,8 +8,10 @@ Sender, per Propose call to the one drafter it serves:
 A failed call leaves the transport in an unknown state (a slot may still be read, a send may be
 unpaired), so `finish(..., ok=False)` resets it and the next call opens it afresh (a new generation).
 
-Receiver, in the drafter: `open(request)` for OpenHiddenTransport, `receive(msg)` for each Propose;
-both raise `SpecsplitError`s carrying the status the verifier should get.
+Receiver, in the drafter: `open(request)` for OpenHiddenTransport, `receive(msg)` for each Propose
+(both raise `SpecsplitError`s carrying the status the verifier should get), and `release()` once the
+drafter's device work on the rows is queued, before it replies: the sender may reuse their memory as
+soon as the reply arrives.
 """
 
 from __future__ import annotations
@@ -82,8 +84,13 @@ class HiddenStatesReceiver:
             raise mismatch(self.name, request.transport or "an unnamed transport")
 
     def receive(self, msg: drafter_pb2.ProposeRequest) -> torch.Tensor:
-        """The rows of `msg`, [num_rows, hidden_size] on the drafter's device."""
+        """The rows of `msg`, [num_rows, hidden_size], on the drafter's device (cuda_ipc: in place on the
+        verifier's GPU; the caller moves them where they are needed); valid until `release()`."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """The rows of the last `receive` are read no more once the work queued so far is done: waits
+        for that where their memory is the sender's (cuda_ipc). Called before every reply."""
 
     def close(self) -> None:
         """Forgets the open transport."""

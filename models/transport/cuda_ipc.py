@@ -1,7 +1,8 @@
 """Transport `cuda_ipc`: the verifier keeps a ring of preallocated GPU buffers, shares them once by
 CUDA IPC (OpenHiddenTransport), and each Propose names only (slot, rows, dtype, offset). The
-drafter maps the buffers once and peer-copies each call's rows to its own GPU before it replies, so
-a slot is free again when the reply arrives (`SlotRing`).
+drafter maps the buffers once; its MTP step reads each call's rows in place (copied across when the
+drafter runs on another GPU), and it waits for that work before it replies, so a slot is free again
+when the reply arrives (`SlotRing`).
 
 Both processes run on one host and see the verifier's GPU (in Kubernetes: one pod, or hostIPC with
 both GPUs visible to both containers); GPUs are matched by UUID, since device indices differ
@@ -152,6 +153,7 @@ class CudaIpcReceiver(HiddenStatesReceiver):
         super().__init__(device, hidden_size)
         self._slots: list[torch.Tensor] = []  # per slot: [>= slot_rows * hidden_size], on the verifier's GPU
         self._state: OpenState | None = None
+        self._reading: torch.device | None = None  # the slots' device while a receive's rows are in use
 
     def open(self, request: drafter_pb2.OpenHiddenTransportRequest) -> None:
         super().open(request)
@@ -185,15 +187,24 @@ class CudaIpcReceiver(HiddenStatesReceiver):
         log.info("cuda_ipc transport open (generation %d, %d slots on cuda:%d)", state.generation, len(slots), index)
 
     def receive(self, msg: drafter_pb2.ProposeRequest) -> torch.Tensor:
+        """The rows in place in the verifier's slot, no copy: the MTP step reads them (its CUDA graph
+        copies them into its input buffer anyway); `release()` waits for that before the reply frees the
+        slot."""
         h = check_handle(msg, self._state, self.name)
         n = h.num_rows * h.hidden_size
-        src = self._slots[h.slot][h.offset : h.offset + n].view(h.num_rows, h.hidden_size)
-        rows = torch.empty((h.num_rows, h.hidden_size), dtype=self._state.dtype, device=self.device)
-        rows.copy_(src)  # peer copy
-        # The slot may be rewritten once the reply leaves: the copy must be done before.
-        torch.cuda.current_stream(self.device).synchronize()
         self._state.next_sequence += 1
-        return rows
+        self._reading = self._slots[h.slot].device
+        return self._slots[h.slot][h.offset : h.offset + n].view(h.num_rows, h.hidden_size)
+
+    def release(self) -> None:
+        """Waits for the work queued on the rows (on the drafter's device, and on the slot's where the
+        rows were copied across): the slot may be rewritten once the reply leaves."""
+        if self._reading is None:
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._reading != self.device:
+            torch.cuda.current_stream(self._reading).synchronize()
+        self._reading = None
 
     def close(self) -> None:
         self._slots = []

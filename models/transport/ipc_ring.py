@@ -1,7 +1,7 @@
 """Slot bookkeeping of the cuda_ipc ring (torch-free, so it is tested on any machine).
 
 A slot is taken for one Propose and comes back only when the reply to that call has arrived: the
-drafter has copied the rows out before it replies. The slot of a failed call never comes back (the
+drafter has finished reading the rows before it replies. The slot of a failed call never comes back (the
 drafter may still be reading it); the sender opens the transport again with a fresh ring.
 """
 

@@ -17,6 +17,7 @@ from drafter.servicer import DrafterServicer
 from models.transport.grpc_bytes import GrpcReceiver
 from models.wire import fill_tensor_proto
 from protos import common_pb2, drafter_pb2
+from specsplit.errors import SpecsplitError
 from specsplit.telemetry import inject_trace_context
 
 HIDDEN = 8
@@ -99,3 +100,45 @@ def test_a_refused_propose_leaves_an_error_span(spans):
         _stream([_request(caller, 10)])
     (propose,) = [s for s in exporter.get_finished_spans() if s.name == "Propose"]
     assert propose.status.status_code == trace.StatusCode.ERROR
+
+
+class RecordingReceiver(GrpcReceiver):
+    """Records when the servicer takes the rows and when it lets them go."""
+
+    def __init__(self, events):
+        super().__init__("cpu", HIDDEN)
+        self.events = events
+
+    def receive(self, msg):
+        self.events.append("receive")
+        return super().receive(msg)
+
+    def release(self):
+        self.events.append("release")
+
+
+class RecordingRunner(StampedRunner):
+    def __init__(self, events):
+        self.events = events
+
+    def propose(self, items, hidden_states):
+        self.events.append("propose")
+        return super().propose(items, hidden_states)
+
+
+@pytest.mark.parametrize("token, expected", [(5, ["receive", "propose", "release"]), (10, ["receive", "release"])])
+def test_the_rows_are_released_before_every_reply_refusals_included(spans, token, expected):
+    """cuda_ipc's rows are the verifier's slot, read in place: the servicer must let them go (wait for
+    the work on them) before any answer leaves, or the verifier could rewrite a slot still being read."""
+    caller, _ = spans
+    events = []
+    servicer = DrafterServicer("cpu")
+    servicer.ready(RecordingRunner(events), common_pb2.ModelInfo(vocab_size=10), RecordingReceiver(events))
+    try:
+        response = servicer.handle_local_request(_request(caller, token))
+    except SpecsplitError as err:  # token 10 is outside the vocabulary
+        assert "outside the vocabulary" in err.message
+        response = None
+    events.append("reply")
+    assert events == [*expected, "reply"]
+    assert (response is not None) == (token == 5)

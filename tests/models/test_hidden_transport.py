@@ -229,7 +229,8 @@ def _ipc_drafter(conn, device: str):
                 receiver.open(drafter_pb2.OpenHiddenTransportRequest.FromString(payload))
                 conn.send(("ok", b""))
             else:
-                rows = receiver.receive(drafter_pb2.ProposeRequest.FromString(payload))
+                rows = receiver.receive(drafter_pb2.ProposeRequest.FromString(payload)).clone()  # a "propose"
+                receiver.release()  # as the drafter does before it replies
                 conn.send(("ok", rows.cpu()))
     except Exception as err:  # reported to the parent
         conn.send(("error", repr(err)))

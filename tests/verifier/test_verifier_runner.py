@@ -184,3 +184,71 @@ def test_prefill_longer_than_a_verify_step_runs_the_kernel_through_the_graph_buf
     assert ran == [40]
     assert outs[0].sampled_token_ids == outs[1].sampled_token_ids
     torch.testing.assert_close(outs[1].hidden_states, outs[0].hidden_states, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("wrong_first", [False, True])
+def test_hidden_rows_are_those_of_the_accepted_positions_request_after_request(wrong_first):
+    """`step_output` sends the drafter the hidden rows of each request's kept positions, in request
+    order: one run of rows when every draft is kept (a slice), separate runs when a request loses its
+    tail (an index); both must pick exactly the rows of the positions the tokens follow."""
+    from verifier.runner import step_output
+
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    # a: 1 token + 2 drafts; b: 1 token + 1 draft. Query rows: a 0..2, b 3..4.
+    for rid, tokens in (("a", [5, 6, 7]), ("b", [8, 9])):
+        msg.requests.add(
+            request_id=rid,
+            num_computed_tokens=4,
+            token_ids=tokens,
+            num_draft_tokens=len(tokens) - 1,
+            sample=True,
+            sampling=common_pb2.SamplingParams(top_p=1.0),
+            num_spec_tokens=2,
+        )
+    batch = build_input_batch(msg, vocab_size=100, max_model_len=64, num_cached_tokens=lambda rid: 4)
+    hidden = torch.arange(5, dtype=torch.float32)[:, None].repeat(1, 3)  # row i holds i
+    # Sampled per request (padded with -1): a keeps both drafts or loses both; b keeps its draft.
+    sampled = [[6, 7, 11], [9, 12, -1]] if not wrong_first else [[13, -1, -1], [9, 12, -1]]
+    num_sampled = [3, 2] if not wrong_first else [1, 2]
+    out = step_output(batch, sampled, num_sampled, hidden, (0, 0, 0, 0))
+    rows_a = [0, 1, 2] if not wrong_first else [0]
+    assert out.hidden_states[:, 0].tolist() == [*rows_a, 3, 4]
+    assert out.next_token_ids == [sampled[0][: num_sampled[0]], [9, 12]]
+    assert out.num_rejected == ([2, 0] if wrong_first else [0, 0])
+
+
+def test_a_step_prepared_for_more_drafts_than_came_equals_a_plain_step(runner):
+    """Async scheduling plans a step before its held drafts are in (`VerifierRunner.prepare` with a
+    placeholder per draft asked for); when fewer come, `step` prepares the real batch again: the
+    early KV slots are rolled back and the output is that of a plain step."""
+    ref = greedy(runner, "plain", 6)
+    step(runner, [("p", 0, PROMPT, 0, True)])
+    nc = len(PROMPT)
+    early = runner.prepare(["p"], [nc], [1 + 3])  # 3 drafts asked for
+    out = step(runner, [("p", nc, [ref[0], ref[1]], 1, True)])  # ... 1 came
+    assert out.sampled_token_ids[0] == ref[1:3] and runner.kv_cache.num_tokens("p") == nc + 2
+    assert not early.matches(_batch(runner, [("p", nc, [ref[0], ref[1]], 1, True)]))
+    # A batch that matches its early prepare steps on it: same output as preparing it then.
+    nc += 2
+    msg = [("p", nc, [ref[2], ref[3], ref[4]], 2, True)]
+    prepared = runner.prepare(["p"], [nc], [3])
+    calls = []
+    runner.prepare = lambda *args: calls.append(args)  # the step must not prepare again (instance attribute)
+    try:
+        out = runner.step(_batch(runner, msg), prepared)
+    finally:
+        del runner.prepare
+    assert out.sampled_token_ids[0] == ref[3:6] and out.num_rejected[0] == 0 and calls == []
+    runner.free(["p"])
+
+
+def _batch(runner, reqs):
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    for rid, nc, tokens, d, sample in reqs:
+        msg.requests.add(
+            request_id=rid, num_computed_tokens=nc, token_ids=tokens, num_draft_tokens=d, sample=sample,
+            sampling=common_pb2.SamplingParams(top_p=1.0), num_spec_tokens=3,
+        )  # fmt: skip
+    return build_input_batch(
+        msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
+    )

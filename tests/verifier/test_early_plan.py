@@ -1,0 +1,88 @@
+"""A batch planned before its held drafts are in (async scheduling, `VerifierServicer._plan_early`):
+placeholders where the drafts go, then `with_held_drafts` puts the real ones in. It must equal the
+batch planned from the filled request, refuse what planning refuses, and give up (None) when fewer
+drafts came than planned."""
+
+import pytest
+import torch
+
+from protos import common_pb2, verifier_pb2
+from specsplit.errors import InvalidArgument
+from verifier.held_drafts import HeldDrafts
+from verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
+
+VOCAB = 50
+
+
+def _request(held: dict[str, int]) -> verifier_pb2.VerifyRequest:
+    msg = verifier_pb2.VerifyRequest(iteration=2, drafts_held=True)
+    msg.requests.add(  # a prefill chunk: no held drafts
+        request_id="chunk", num_computed_tokens=0, token_ids=[3, 4, 5], sample=False, next_token_id=6,
+        sampling=common_pb2.SamplingParams(top_p=1.0),
+    )  # fmt: skip
+    for i, (rid, n) in enumerate(held.items()):
+        msg.requests.add(
+            request_id=rid, num_computed_tokens=10 + i, token_ids=[7 + i], sample=True, num_held_drafts=n,
+            num_spec_tokens=n, sampling=common_pb2.SamplingParams(top_p=0.9, temperature=0.5, seed=i),
+        )  # fmt: skip
+    return msg
+
+
+def _fill(msg: verifier_pb2.VerifyRequest, drafts: dict[str, list[int]]) -> None:
+    """What `HeldDrafts.fill` does for drafts that continue where each request stands."""
+    for r in msg.requests:
+        if r.request_id in drafts:
+            r.token_ids.extend(drafts[r.request_id])
+            r.num_draft_tokens = len(drafts[r.request_id])
+
+
+def _plan(msg):
+    return plan_input_batch(
+        msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 64,
+        placeholders=HeldDrafts.placeholders(msg),
+    )  # fmt: skip
+
+
+def test_planned_with_placeholders_then_filled_equals_planned_filled():
+    msg = _request({"a": 3, "b": 2})
+    assert HeldDrafts.placeholders(msg) == {"a": 3, "b": 2}
+    planned = _plan(msg)
+    _fill(msg, {"a": [11, 12, 13], "b": [21, 22]})
+    early = upload_input_batch(with_held_drafts(planned, msg, VOCAB), vocab_size=VOCAB)
+    plain = build_input_batch(msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 64)
+    lists = ("req_ids", "num_computed_tokens", "num_new_tokens", "token_ids", "num_draft_tokens", "query_start")
+    for field in (*lists, "sampling_indices", "num_draft_tokens_per_req", "max_num_draft", "all_greedy", "any_filter"):
+        assert getattr(early, field) == getattr(plain, field), field
+    tensors = ("input_ids", "positions", "logits_indices", "draft_token_ids", "cu_num_draft", "cu_num_logits")
+    for field in (*tensors, "temperature", "top_k", "top_p", "seeds", "first_logits_positions"):
+        assert torch.equal(getattr(early, field), getattr(plain, field)), field
+    assert early.token_ids[1] == [7, 11, 12, 13] and early.draft_token_ids.tolist() == [11, 12, 13, 21, 22]
+
+
+def test_fewer_drafts_than_planned_is_planned_again():
+    msg = _request({"a": 3, "b": 2})
+    planned = _plan(msg)
+    _fill(msg, {"a": [11], "b": [21, 22]})  # the drafter made one draft for a
+    assert with_held_drafts(planned, msg, VOCAB) is None
+
+
+def test_a_held_draft_outside_the_vocabulary_is_refused_as_planning_would():
+    msg = _request({"a": 2})
+    planned = _plan(msg)
+    _fill(msg, {"a": [11, VOCAB]})
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        with_held_drafts(planned, msg, VOCAB)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        build_input_batch(msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 64)
+
+
+def test_a_batch_with_placeholders_cannot_be_uploaded():
+    with pytest.raises(ValueError, match="with_held_drafts"):
+        upload_input_batch(_plan(_request({"a": 1})), vocab_size=VOCAB)
+
+
+def test_only_requests_fill_can_fill_get_placeholders():
+    msg = _request({"a": 2})
+    msg.requests.add(request_id="two_tokens", token_ids=[1, 2], sample=True, num_held_drafts=2)
+    msg.requests.add(request_id="chunk_held", token_ids=[1], sample=False, num_held_drafts=2)
+    assert HeldDrafts.placeholders(msg) == {"a": 2}
