@@ -205,7 +205,10 @@ class PagedBlocks:
         Advances every request's cached length by its new tokens (the caller then runs the forward
         that writes them). Raises KVCacheFull, changing nothing, when blocks run out.
         """
-        plan = self.plan_step(req_ids, num_new_tokens)
+        return self.upload_step(self.plan_step(req_ids, num_new_tokens), use_kernel=use_kernel)
+
+    def upload_step(self, plan: StepPlan, *, use_kernel: bool = False) -> AttentionMetadata:
+        """The device half of `prepare_step`: `plan`'s arrays in one host→device copy."""
         if self._upload is None:
             self._upload = StepUpload(self.device)
         int64, int32, _ = self._upload(plan.int64_arrays, plan.int32_arrays)

@@ -16,7 +16,7 @@ import torch
 from kernels.rejection import rejection_sample
 from models.attention import use_kernel_for, use_precompiled_sdpa
 from models.cuda_graphs import resolve_step_path
-from models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache
+from models.kv_cache import KVCacheFull, PagedKVCache, StepPlan
 from models.target import TargetModel
 from models.warm_up import warm_up_eager
 from specsplit.errors import ResourceExhausted
@@ -27,12 +27,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """A step's KV side made by `VerifierRunner.prepare`, for the batch of these requests and counts."""
+    """A step's KV side planned by `VerifierRunner.prepare` (slots allocated, host arrays; uploaded by
+    the step), for the batch of these requests and counts."""
 
     req_ids: list[str]
     num_computed: list[int]
     num_new: list[int]
-    attn: AttentionMetadata
+    plan: StepPlan
+    use_kernel: bool
 
     def matches(self, batch: InputBatch) -> bool:
         return (
@@ -123,10 +125,10 @@ class VerifierRunner:
         self.free(list(self._request_ids))
 
     def prepare(self, req_ids: list[str], num_computed: list[int], num_new: list[int]) -> Prepared:
-        """A step's KV cache side, before its inputs are uploaded: each request rolled back to
-        `num_computed` tokens, then slots for its `num_new` tokens and the attention metadata. A
-        step may be prepared while the previous Propose still runs (`step(batch, prepared)`); if
-        the batch then differs, `step` prepares it again (the rollback undoes this one)."""
+        """A step's KV cache side, on the host only: each request rolled back to `num_computed` tokens,
+        then slots for its `num_new` tokens and the attention metadata's arrays. A step may be prepared
+        while the previous Propose still runs on the GPU (`step(batch, prepared)`, which uploads the
+        arrays); if the batch then differs, `step` prepares it again (the rollback undoes this one)."""
         cache = self.kv_cache
         for rid, nc in zip(req_ids, num_computed):
             if cache.has(rid):
@@ -136,10 +138,10 @@ class VerifierRunner:
             seq_lens = [nc + n for nc, n in zip(num_computed, num_new)]
             graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
             use_kernel = use_kernel_for(self.attention_kernel, num_new, seq_lens, graph_tokens)
-            attn = cache.prepare_step(req_ids, num_new, use_kernel=use_kernel)
+            plan = cache.plan_step(req_ids, num_new)
         except KVCacheFull as err:
             raise ResourceExhausted(f"verifier KV cache is full: {err}") from err
-        return Prepared(list(req_ids), list(num_computed), list(num_new), attn)
+        return Prepared(list(req_ids), list(num_computed), list(num_new), plan, use_kernel)
 
     @torch.inference_mode()
     def step(self, batch: InputBatch, prepared: Prepared | None = None) -> StepOutput:
@@ -151,7 +153,8 @@ class VerifierRunner:
             return StepOutput([], [], [], [], hidden, stamps_ns=(t0, t0, t0, t0))
         if prepared is None or not prepared.matches(batch):
             prepared = self.prepare(batch.req_ids, batch.num_computed_tokens, batch.num_new_tokens)
-        cache, attn = self.kv_cache, prepared.attn
+        cache = self.kv_cache
+        attn = cache.upload_step(prepared.plan, use_kernel=prepared.use_kernel)
         t1 = time.time_ns()
         if self.graphs is not None and self.graphs.can_run(attn):
             hidden, all_logits = self.graphs.run(batch.input_ids, batch.positions, attn)  # [T, H], [T, V]

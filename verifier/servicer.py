@@ -43,7 +43,7 @@ hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes
 @dataclass
 class EarlyStep:
     """A step planned before its held drafts are in (`VerifierServicer._plan_early`): its batch with
-    placeholder drafts and its KV side; or the error its beginning raised; or nothing (plan it then)."""
+    placeholder drafts and its KV slots; or the error its beginning raised; or nothing (plan it then)."""
 
     planned: PlannedBatch | None = None
     prepared: Prepared | None = None
@@ -111,9 +111,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
         """Step thread, while the micro-batch's drafts are still on their way: the step begun, its batch
-        planned with placeholder drafts and its KV side prepared, so that only the drafts, the upload
-        and the launch are left once they are in. Never raises: an error of the step's beginning is
-        raised by the step; anything else leaves the planning to the step."""
+        planned with placeholder drafts and its KV slots allocated, all on the host (the drafter is
+        using the GPU), so that only the drafts, the uploads and the launch are left once they are in.
+        Never raises: an error of the step's beginning is raised by the step; anything else leaves the
+        planning to the step."""
         try:
             self._begin_step(request)
         except SpecsplitError as err:
