@@ -85,13 +85,16 @@ def _resolve(future: asyncio.Future, result, error: BaseException | None) -> Non
 
 
 class DeviceClaim:
-    """`claim()` queues a one-element kernel on ``device``'s current stream, to be called as soon as a
-    service knows it is about to work (a request arrived), before the host plans the step.
+    """`claim()` queues a one-element kernel on ``device``'s current stream. A service calls it as soon
+    as the other service is done with the GPU and its own work is next (the drafter: a Propose arrived;
+    the verifier: its drafts are in), before the host plans its step. Not earlier: a kernel queued
+    while the other process still works takes the GPU from it.
 
     Two processes on one GPU (the verifier and the drafter) take turns on it, and a turn that starts
     while the other process's context still holds the GPU waits for the switch: about 0.27 ms per turn
-    on an H200 (`benchmarks/gpu_handoff.py`). The claim starts that switch at once, so it overlaps the
-    host's planning instead of delaying the step's first kernel. Nothing to do off CUDA."""
+    on an H200, and 0.21 ms after 0.3 ms of host work (`benchmarks/gpu_handoff.py`). Claiming first
+    starts the switch early and brought the latter to 0.13 ms: part of it overlaps the host work (the
+    claim's own launch can wait for the rest). Nothing to do off CUDA."""
 
     def __init__(self, device: str | torch.device):
         device = torch.device(device)
