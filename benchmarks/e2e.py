@@ -9,7 +9,8 @@ in one process, at several batch sizes and k, side by side in one run.
 (b'') services_sync — (b) with `--no-async-scheduling` (--also-sync): the drafts come back with the tokens
 (b''') services_stream — (b) on gRPC's streams (--also-stream): `--verifier-rpc stream --drafter-rpc stream`,
                    the control paths over gRPC instead of the services' Unix sockets (`local`, the default here)
-Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set;
+Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set; the
+--repeats go round the cells (repeat r of every mode runs side by side), after one untimed warm-up of each;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
 breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
 checked against the target-only greedy output (lossless); a mismatch fails the run after printing.
@@ -103,7 +104,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="median over this many runs per cell")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="median over this many runs per cell; they go round the cells"
+    )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
     p.add_argument(
         "--drafter-rpc", default="local", choices=DRAFTER_RPCS, help="verifier → drafter control path of (b)"
@@ -191,23 +194,28 @@ def main() -> None:
         for batch in args.batches:
             ps, expected = all_prompts[:batch], reference[:batch]
             cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", *clusters)]
+
+            def run(k: int, mode: str, ps=ps):
+                if mode in clusters:
+                    return run_services(clusters[mode].address, ps, args.new_tokens, k)
+                return engine.run(ps, args.new_tokens, k)
+
+            t_batch = time.monotonic()
+            # Warm-up: every cell once, untimed. Its shapes make Triton compile the kernel variants they
+            # need (the first process to see them pays, later ones read the on-disk cache); that compile
+            # time must not land in one mode's timed runs and not in another's.
             for k, mode in cells:
-                t_cell = time.monotonic()
-                # Warm-up: the same cell once, untimed. Its shapes make Triton compile the kernel variants
-                # they need (the first process to see them pays, later ones read the on-disk cache); that
-                # compile time must not land in one mode's timed runs and not in another's.
-                if mode in clusters:
-                    run_services(clusters[mode].address, ps, args.new_tokens, k)
-                else:
-                    engine.run(ps, args.new_tokens, k)
-                if mode in clusters:
-                    address = clusters[mode].address
-                    runs = [run_services(address, ps, args.new_tokens, k) for _ in range(args.repeats)]
-                else:
-                    runs = [engine.run(ps, args.new_tokens, k) for _ in range(args.repeats)]
-                check_lossless(f"batch {batch} k {k} {mode}", runs, expected, failures)
-                rows.append(cell_row(batch, k, mode, args.new_tokens, runs))
-                print(f"[batch {batch} k {k} {mode}: {time.monotonic() - t_cell:.1f}s]", file=sys.stderr)
+                run(k, mode)
+            # The repeats go round the cells, so that a slow spell of the machine touches every mode alike
+            # and repeat r of each mode ran side by side with repeat r of the others.
+            runs: dict[tuple[int, str], list] = {cell: [] for cell in cells}
+            for _ in range(args.repeats):
+                for k, mode in cells:
+                    runs[k, mode].append(run(k, mode))
+            for k, mode in cells:
+                check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], expected, failures)
+                rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
+            print(f"[batch {batch}: {len(cells)} cells in {time.monotonic() - t_batch:.1f}s]", file=sys.stderr)
     add_comparisons(rows)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"

@@ -46,6 +46,9 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
         "slowest_iteration": max(
             (b for r in runs for b in r.breakdown[1:]), key=lambda b: b["iteration"], default=None
         ),
+        # Per repeat (the repeats go round the cells, so repeat r of every cell ran side by side).
+        "tokens_per_s_runs": [batch * new_tokens / r.seconds for r in runs],
+        "iteration_ms_runs": [statistics.median(b["iteration"] for b in r.breakdown) for r in runs],
     }
 
 
@@ -58,10 +61,14 @@ def add_comparisons(rows: list[dict]) -> None:
         r["speedup"] = base["seconds"] / r["seconds"] if base else None
         twin = by.get((r["batch"], r["k"], "in_process"))
         r["overhead"] = r["iteration_overhead"] = None
+        r["iteration_overhead_runs"] = []
         if r["mode"].startswith("services") and twin:
             r["overhead"] = r["seconds"] / twin["seconds"] - 1
             if not r["mode"].startswith("services_mb"):  # a micro-batch's iteration is not the in-process one
                 r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
+                r["iteration_overhead_runs"] = [
+                    mine / theirs - 1 for mine, theirs in zip(r["iteration_ms_runs"], twin["iteration_ms_runs"])
+                ]
 
 
 def _pct(x: float | None) -> str:
@@ -89,6 +96,13 @@ def print_tables(rows: list[dict]) -> None:
     for r in rows:
         cells = " | ".join(f"{r['breakdown_ms'][key]:.3f}" for key in BREAKDOWN)
         print(f"| {r['batch']} | {r['k']} | {r['mode']} | {cells} |")
+    spread = [r for r in rows if r["iteration_overhead_runs"]]
+    if spread:
+        print("\nPer-iteration overhead repeat by repeat (each against the in-process run beside it), and its range:\n")
+        for r in spread:
+            runs = r["iteration_overhead_runs"]
+            each = ", ".join(_pct(x) for x in runs)
+            print(f"- batch {r['batch']} k {r['k']} {r['mode']}: {each} (from {_pct(min(runs))} to {_pct(max(runs))})")
     print("\nThe slowest iteration of each cell (all runs, the first iteration left out), ms:\n")
     print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
     print("|---|---|---|" + "---|" * len(BREAKDOWN))

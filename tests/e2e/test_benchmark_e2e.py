@@ -6,13 +6,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp_path):
     out = tmp_path / "e2e.json"
     args = ["--shape", "qwen2-tiny", "--load-format", "dummy", "--alpha", "0.8", "--batches", "2"]
-    args += ["--ks", "2", "--new-tokens", "12", "--repeats", "1", "--num-blocks", "256", "--out", str(out)]
+    args += ["--ks", "2", "--new-tokens", "12", "--repeats", "2", "--num-blocks", "256", "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args], capture_output=True, text=True, timeout=300
     )
@@ -34,6 +36,14 @@ def test_the_benchmark_runs_the_matrix_losslessly_and_breaks_iterations_down(tmp
     # Forced acceptance makes speculation pay: fewer iterations than tokens, in both modes.
     assert services["iterations"] < 12 and in_process["iterations"] < 12
     assert len(services["acceptance_per_position"]) == 2 and services["overhead"] is not None
+    # The repeats went round the cells: each cell has its own, and the services' overhead is paired
+    # repeat by repeat with the in-process run beside it.
+    for row in rows.values():
+        assert len(row["tokens_per_s_runs"]) == len(row["iteration_ms_runs"]) == 2
+    paired = zip(services["iteration_ms_runs"], in_process["iteration_ms_runs"])
+    assert services["iteration_overhead_runs"] == pytest.approx([mine / theirs - 1 for mine, theirs in paired])
+    assert in_process["iteration_overhead_runs"] == []
+    assert "- batch 2 k 2 services: " in proc.stdout
     # The first iteration is the prompts' prefill; one run's iterations cover its wall time but for gaps.
     for row in rows.values():
         assert row["first_iteration_ms"] > 0
