@@ -47,7 +47,7 @@ class EarlyStep:
 
     planned: PlannedBatch | None = None
     prepared: Prepared | None = None
-    error: SpecsplitError | None = None
+    error: Exception | None = None
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -113,11 +113,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Step thread, while the micro-batch's drafts are still on their way: the step begun, its batch
         planned with placeholder drafts and its KV slots allocated, all on the host (the drafter is
         using the GPU), so that only the drafts, the uploads and the launch are left once they are in.
-        Never raises: an error of the step's beginning is raised by the step; anything else leaves the
-        planning to the step."""
+        Never raises, so the drafts are always read first: an error of the step's beginning is raised
+        by the step; any other leaves the planning to the step (which meets it again, if it is no
+        placeholder's)."""
         try:
             self._begin_step(request)
-        except SpecsplitError as err:
+        except Exception as err:  # noqa: BLE001 (raised by the step, after the drafts are read)
             return EarlyStep(error=err)
         try:
             planned = plan_input_batch(
@@ -128,7 +129,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 placeholders=HeldDrafts.placeholders(request),
             )
             prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
-        except SpecsplitError:  # e.g. no KV room for every placeholder: the step plans with the real drafts
+        except Exception:  # noqa: BLE001 (e.g. no KV room for every placeholder: the step plans with the real drafts)
             return EarlyStep()
         return EarlyStep(planned, prepared)
 

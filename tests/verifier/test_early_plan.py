@@ -86,3 +86,68 @@ def test_only_requests_fill_can_fill_get_placeholders():
     msg.requests.add(request_id="two_tokens", token_ids=[1, 2], sample=True, num_held_drafts=2)
     msg.requests.add(request_id="chunk_held", token_ids=[1], sample=False, num_held_drafts=2)
     assert HeldDrafts.placeholders(msg) == {"a": 2}
+
+
+class _Runner:
+    """Records what the servicer asks of the runner."""
+
+    def __init__(self):
+        self.calls = []
+        self.kv = {}
+
+    def free(self, ids):
+        self.calls.append(("free", list(ids)))
+
+    def prepare(self, req_ids, num_computed, num_new):
+        from verifier.runner import Prepared
+
+        self.calls.append(("prepare", list(num_new)))
+        return Prepared(list(req_ids), list(num_computed), list(num_new), plan=None, use_kernel=False)
+
+    def step(self, batch, prepared):
+        self.calls.append(("step", batch.num_new_tokens, prepared is not None and prepared.matches(batch)))
+        return "stepped"
+
+
+def _servicer():
+    from types import SimpleNamespace
+
+    from verifier.servicer import VerifierServicer
+
+    servicer = VerifierServicer(drafter=None, device="cpu")
+    servicer.ready(_Runner(), common_pb2.ModelInfo(vocab_size=VOCAB, max_model_len=64))
+    servicer.runner.kv_cache = SimpleNamespace(num_tokens=lambda rid: 64)
+    return servicer
+
+
+def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
+    servicer = _servicer()
+    msg = _request({"a": 2})
+    early = servicer._plan_early(msg)
+    assert early.error is None and servicer.runner.calls == [("free", []), ("prepare", [3, 3])]
+    _fill(msg, {"a": [11, 12]})
+    batch, out = servicer._prepare_and_step(msg, early)
+    assert out == "stepped" and batch.token_ids[1] == [7, 11, 12]
+    assert servicer.runner.calls[-1] == ("step", [3, 3], True)  # on the early prepare: no second one
+
+
+def test_an_early_error_is_raised_by_the_step_and_order_is_checked_once():
+    from specsplit.errors import FailedPrecondition
+
+    servicer = _servicer()
+    servicer._prepare_and_step(_request({"a": 2}))  # iteration 2 of micro-batch 0 has run
+    stale = _request({"a": 2})  # iteration 2 again
+    early = servicer._plan_early(stale)
+    assert isinstance(early.error, FailedPrecondition)
+    with pytest.raises(FailedPrecondition, match="strictly increase"):
+        servicer._prepare_and_step(stale, early)
+
+
+def test_a_plan_refused_early_is_planned_again_by_the_step():
+    servicer = _servicer()
+    msg = _request({"a": 60})  # 60 placeholders after position 10 overflow max_model_len 64...
+    early = servicer._plan_early(msg)
+    assert early.planned is None and early.error is None
+    _fill(msg, {"a": [11, 12]})  # ... but only 2 drafts came: the step plans them and runs
+    batch, out = servicer._prepare_and_step(msg, early)
+    assert out == "stepped" and batch.num_new_tokens == [3, 3]
