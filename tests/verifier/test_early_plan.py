@@ -93,7 +93,6 @@ class _Runner:
 
     def __init__(self):
         self.calls = []
-        self.kv = {}
 
     def free(self, ids):
         self.calls.append(("free", list(ids)))
