@@ -48,6 +48,8 @@ class EarlyStep:
     planned: PlannedBatch | None = None
     prepared: Prepared | None = None
     error: Exception | None = None
+    planned_ns: int = 0  # when the planning ended (the `plan_ahead` span)
+    used: bool = False  # the step ran on this plan (False: it planned again, with the drafts that came)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -146,6 +148,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         planned = early.planned if early is not None else None
         if planned is not None:
             planned = with_held_drafts(planned, request, vocab)  # None: fewer drafts came than planned
+            early.used = planned is not None
         if planned is None:
             planned = plan_input_batch(
                 request, vocab_size=vocab, max_model_len=self.model_info.max_model_len,
@@ -235,13 +238,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         async with self._lock:  # the step thread uses the connection only inside calls made under it
             await direct.prepare()
             self.drafter.free(list(request.finished_request_ids))
-            batch, step, unfilled, (w0, w1), pending = await self._steps.run(
+            batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(
                 self._direct_step, request, earlier, direct, parent
             )
             self._record_direct(direct)
         self._proposing[request.micro_batch] = pending
         if earlier is not None and request.requests:
             tracer.start_span("wait_for_drafts", start_time=w0).end(end_time=w1)
+            attributes = {"specsplit.plan_used": early.used}
+            tracer.start_span("plan_ahead", start_time=w0, attributes=attributes).end(end_time=early.planned_ns)
             previous = earlier.proposal
         self._step_spans(step)
         return batch, step, unfilled, previous, w1 - received_ns
@@ -252,13 +257,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         early = None
         if earlier is not None and request.requests:  # an iteration that only frees does not wait
             early = self._plan_early(request)  # while the drafts are on their way
+            early.planned_ns = time.time_ns()
             direct.wait(earlier)
         w1 = time.time_ns()
         unfilled = self._held.fill(request)
         batch, step = self._prepare_and_step(request, early)
         plan = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
         pending = direct.send(plan, (batch, step), self._keep_direct, parent)
-        return batch, step, unfilled, (w0, w1), pending
+        return batch, step, unfilled, (w0, w1, early), pending
 
     def _keep_direct(self, pending: PendingPropose) -> None:
         """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step."""

@@ -89,8 +89,11 @@ def test_server_spans_are_children_of_the_callers_client_spans(traced):
     assert {s["attributes"]["specsplit.verifier_rpc"] for s in verifies} == {"local"}
     # Async scheduling with one drafter on its socket: the step thread makes the Proposes itself.
     assert {s["attributes"]["specsplit.propose_path"] for s in verifies} == {"step_thread"}
-    for name in ("prepare_inputs", "target_forward", "rejection_sample", "wait_for_drafts"):
+    for name in ("prepare_inputs", "target_forward", "rejection_sample", "wait_for_drafts", "plan_ahead"):
         assert all(by_id[s["parent_id"]]["name"] == "Verify" for s in trace if s["name"] == name)
+    # The step planned while its drafts were on their way, and ran on that plan (the drafter made every draft).
+    plans = [s for s in trace if s["name"] == "plan_ahead"]
+    assert plans and all(s["attributes"]["specsplit.plan_used"] for s in plans)
     assert {s["name"] for s in trace} >= {"schedule", "post_step", "mtp_step_0", "mtp_steps_1_to_k"}
 
 
