@@ -56,11 +56,7 @@ class HeldDrafts:
     def placeholders(msg: verifier_pb2.VerifyRequest) -> dict[str, int]:
         """Request id → held drafts asked for, of the requests `fill` can fill (one token, no drafts,
         sampling): what a batch planned before the drafts are in holds in their place."""
-        return {
-            r.request_id: r.num_held_drafts
-            for r in msg.requests
-            if r.num_held_drafts > 0 and not r.num_draft_tokens and r.sample and len(r.token_ids) == 1
-        }
+        return {r.request_id: r.num_held_drafts for r in msg.requests if r.num_held_drafts > 0 and _fillable(r)}
 
     def fill(self, msg: verifier_pb2.VerifyRequest) -> list[int]:
         """Puts the held drafts into `msg`'s requests that ask for them (in place); returns, per
@@ -71,7 +67,7 @@ class HeldDrafts:
             if n == 0:
                 unfilled.append(0)
                 continue
-            if n < 0 or r.num_draft_tokens or not r.sample or len(r.token_ids) != 1:
+            if n < 0 or not _fillable(r):
                 raise InvalidArgument(
                     f"request {r.request_id!r}: num_held_drafts {n} needs one token, no drafts and sample"
                 )
@@ -93,3 +89,8 @@ class HeldDrafts:
 
     def clear(self) -> None:
         self._held.clear()
+
+
+def _fillable(r: verifier_pb2.ScheduledRequest) -> bool:
+    """Where held drafts may go: a sampling request's one token, with no drafts of its own."""
+    return not r.num_draft_tokens and r.sample and len(r.token_ids) == 1

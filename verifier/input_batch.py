@@ -146,7 +146,7 @@ def plan_input_batch(
             raise InvalidArgument(f"request {rid!r}: {nc} + {n} tokens exceed max_model_len {max_model_len}")
         bad = [t for t in tokens if not 0 <= t < vocab_size]
         if bad or (not r.sample and not 0 <= r.next_token_id < vocab_size):
-            raise InvalidArgument(f"request {rid!r}: token id outside the vocabulary [0, {vocab_size})")
+            raise _outside_vocabulary(rid, vocab_size)
         if r.num_spec_tokens < 0:
             raise InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} is negative")
         cached = num_cached_tokens(rid)
@@ -204,7 +204,7 @@ def with_held_drafts(planned: PlannedBatch, msg: verifier_pb2.VerifyRequest, voc
             return None
         real = list(r.token_ids)[1:]
         if not all(0 <= t < vocab_size for t in real):
-            raise InvalidArgument(f"request {r.request_id!r}: token id outside the vocabulary [0, {vocab_size})")
+            raise _outside_vocabulary(r.request_id, vocab_size)
         planned.token_ids[i][1:] = real
         at = planned.query_start[i] + 1
         planned.flat_ids[at : at + n] = real
@@ -274,3 +274,7 @@ def upload_input_batch(
         any_filter=any(k > 0 for k in p.top_ks) or any(tp < 1 for tp in p.top_ps),
         max_num_draft=max(p.num_drafts, default=0),
     )
+
+
+def _outside_vocabulary(rid: str, vocab_size: int) -> InvalidArgument:
+    return InvalidArgument(f"request {rid!r}: token id outside the vocabulary [0, {vocab_size})")

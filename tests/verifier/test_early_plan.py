@@ -3,13 +3,17 @@ placeholders where the drafts go, then `with_held_drafts` puts the real ones in.
 batch planned from the filled request, refuse what planning refuses, and give up (None) when fewer
 drafts came than planned."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from protos import common_pb2, verifier_pb2
-from specsplit.errors import InvalidArgument
+from specsplit.errors import FailedPrecondition, InvalidArgument
 from verifier.held_drafts import HeldDrafts
 from verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
+from verifier.runner import Prepared
+from verifier.servicer import VerifierServicer
 
 VOCAB = 50
 
@@ -98,8 +102,6 @@ class _Runner:
         self.calls.append(("free", list(ids)))
 
     def prepare(self, req_ids, num_computed, num_new):
-        from verifier.runner import Prepared
-
         self.calls.append(("prepare", list(num_new)))
         return Prepared(list(req_ids), list(num_computed), list(num_new), plan=None, use_kernel=False)
 
@@ -109,10 +111,6 @@ class _Runner:
 
 
 def _servicer():
-    from types import SimpleNamespace
-
-    from verifier.servicer import VerifierServicer
-
     servicer = VerifierServicer(drafter=None, device="cpu")
     servicer.ready(_Runner(), common_pb2.ModelInfo(vocab_size=VOCAB, max_model_len=64))
     servicer.runner.kv_cache = SimpleNamespace(num_tokens=lambda rid: 64)
@@ -131,8 +129,6 @@ def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
 
 
 def test_an_early_error_is_raised_by_the_step_and_order_is_checked_once():
-    from specsplit.errors import FailedPrecondition
-
     servicer = _servicer()
     servicer._prepare_and_step(_request({"a": 2}))  # iteration 2 of micro-batch 0 has run
     stale = _request({"a": 2})  # iteration 2 again

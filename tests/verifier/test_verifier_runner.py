@@ -11,7 +11,7 @@ from models.tiny import write_tiny_checkpoint
 from protos import common_pb2, verifier_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from verifier.input_batch import build_input_batch
-from verifier.runner import VerifierRunner
+from verifier.runner import VerifierRunner, step_output
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -191,8 +191,6 @@ def test_hidden_rows_are_those_of_the_accepted_positions_request_after_request(w
     """`step_output` sends the drafter the hidden rows of each request's kept positions, in request
     order: one run of rows when every draft is kept (a slice), separate runs when a request loses its
     tail (an index); both must pick exactly the rows of the positions the tokens follow."""
-    from verifier.runner import step_output
-
     msg = verifier_pb2.VerifyRequest(iteration=1)
     # a: 1 token + 2 drafts; b: 1 token + 1 draft. Query rows: a 0..2, b 3..4.
     for rid, tokens in (("a", [5, 6, 7]), ("b", [8, 9])):
