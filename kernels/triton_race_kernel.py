@@ -15,19 +15,14 @@ from kernels.triton_rejection_common import (
     first_argmax,
     lane_argmax,
     last_of_request,
+    p_race_score,
     publish,
     reduce_chunks,
     row_threshold,
     scaled_logits,
+    vocab_id,
 )
 from kernels.triton_rng import log2, row_key, vocab_clocks
-
-
-@triton.jit
-def vocab_id(token, vocab_size):
-    """An int64 token id as int32 (compared with int32 offsets: no int64 per element); -1 where it is
-    no vocabulary id, so it still matches none."""
-    return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=UNALIGNED_INPUTS)
@@ -120,10 +115,7 @@ def race_kernel(
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
                 offs = start + lane
                 x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                clock = vocab_clocks(key, offs, FAST_LOG2)
-                score = x * LOG2E - log2(clock, FAST_LOG2)
-                score = tl.where(offs == excluded, float("-inf"), score)
-                best, token = lane_argmax(score, offs, best, token)
+                best, token = lane_argmax(p_race_score(x, key, offs, excluded, FAST_LOG2), offs, best, token)
             top, top_token = first_argmax(best, token)
         publish(race_best_ptr + out, top)
         publish(race_token_ptr + out, top_token)

@@ -18,7 +18,11 @@ chunk size (``kernels/triton_rejection_launch.py``); two launches
    caller says every request is greedy.
 
 So the logits are read once, plus one row per random request, and the per-token noise (a hash and a
-log per vocabulary id) is computed for that one row only. Ties go to the lowest id everywhere, as in
+log per vocabulary id) is computed for that one row only. Small one-hot calls
+(``Launch.one_hot_race_in_stats``) launch the stats kernel alone instead: the race from p needs neither
+the row's max nor its sum, so every chunk of every random row runs its race in the same pass, and the
+request's last program takes the stop row's winner. The noise is then computed for every row, which pays
+only while the logits are few (``kernels/triton_rejection_launch.py``). Ties go to the lowest id everywhere, as in
 ``torch.argmax``. Each call allocates its outputs and two scratch buffers (the int one zeroed: it holds
 the per-request counters), so calls share no state.
 
@@ -32,7 +36,6 @@ exp/log/sum between libraries (about 1e-7 per row).
 import torch
 import triton
 
-from kernels import triton_rejection_launch as launch_table
 from kernels.filtering import row_thresholds
 from kernels.triton_race_kernel import race_kernel
 from kernels.triton_rejection_kernels import stats_accept_kernel
@@ -54,17 +57,25 @@ def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.de
 
 
 def _scratch(
-    num_logits: int, num_reqs: int, num_stats_blocks: int, num_race_blocks: int, device: torch.device
+    num_logits: int,
+    num_reqs: int,
+    num_stats_blocks: int,
+    num_race_blocks: int,
+    race_in_stats: bool,
+    device: torch.device,
 ) -> tuple[torch.Tensor, ...]:
     """The kernels' scratch for one call: one float and one int allocation; the ints (counters among
     them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs. ``block_*``
-    hold one entry per (logits row, stats chunk), ``race_*`` / ``fallback_*`` per (request, race chunk)."""
-    rows, reqs = num_logits * num_stats_blocks, num_reqs * num_race_blocks
+    hold one entry per (logits row, stats chunk), ``race_*`` / ``fallback_*`` per (request, race chunk)
+    (with the race in the stats pass: ``race_*`` per (logits row, stats chunk), no ``fallback_*``)."""
+    rows = num_logits * num_stats_blocks
+    reqs = 0 if race_in_stats else num_reqs * num_race_blocks
+    races = rows if race_in_stats else reqs
     block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = _segments(
-        [rows, rows, reqs, reqs, num_reqs, num_reqs], torch.float32, False, device
+        [rows, rows, races, reqs, num_reqs, num_reqs], torch.float32, False, device
     )
     block_token, race_token, fallback_token, race_mode, stats_counter, race_counter = _segments(
-        [rows, reqs, reqs, num_reqs, num_reqs, num_reqs], torch.int32, True, device
+        [rows, races, reqs, num_reqs, num_reqs, num_reqs], torch.int32, True, device
     )
     return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
             race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
@@ -129,22 +140,23 @@ def rejection_sample_triton(
         mode = "greedy" if all_greedy else ("one_hot", "dense", "sparse")[q_mode]
         launch = default_launch(num_reqs, num_logits, vocab_size, mode) if on_gpu else INTERPRETER_LAUNCH
     launch = launch.fit(vocab_size)
+    race_in_stats = q_mode == ONE_HOT and launch.one_hot_race_in_stats and not all_greedy
     num_stats_blocks = triton.cdiv(vocab_size, launch.stats_chunk)
     num_race_blocks = triton.cdiv(vocab_size, launch.race_chunk)
     (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
      race_best, race_token, fallback_best, fallback_token, race_counter) = _scratch(
-        num_logits, num_reqs, num_stats_blocks, num_race_blocks, device)  # fmt: skip
+        num_logits, num_reqs, num_stats_blocks, num_race_blocks, race_in_stats, device)  # fmt: skip
 
     stats_accept_kernel[(num_reqs, num_cols, num_stats_blocks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, stats_counter,
-        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size, num_stats_blocks, num_cols,
-        Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk, BLOCK_V=launch.stats_block_v,
-        NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_blocks), BLOCK_K=triton.next_power_of_2(num_q_ids),
-        BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)), num_warps=launch.stats_warps,
-        enable_fp_fusion=False,
+        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, race_best, race_token, vocab_size,
+        num_stats_blocks, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
+        BLOCK_V=launch.stats_block_v, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_blocks),
+        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)),
+        RACE_IN_STATS=race_in_stats, FAST_LOG2=on_gpu, num_warps=launch.stats_warps, enable_fp_fusion=False,
     )  # fmt: skip
-    if not all_greedy:
+    if not (all_greedy or race_in_stats):
         race_kernel[(num_reqs, num_race_blocks)](
             target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
             threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, race_mode,
@@ -156,14 +168,20 @@ def rejection_sample_triton(
     return RejectionOutput(sampled, num_sampled, num_rejected)
 
 
-def warm_up_plan(num_drafts: int = 3) -> list[tuple[str, int]]:
-    """(mode, num_reqs) calls that make `default_launch` pick each launch shape of its table once, for
-    greedy, one-hot and sparse batches of `num_drafts` drafts per request."""
+WARM_UP_MAX_REQS = 1024  # past the last bucket of LAUNCH_TABLE and of the race-in-stats rule
+
+
+def warm_up_plan(vocab_size: int, num_drafts: int = 3) -> list[tuple[str, int]]:
+    """(mode, num_reqs) calls that make `default_launch` pick each launch shape it can pick for `num_drafts`
+    drafts per request once, for greedy, one-hot and sparse batches: the smallest batch of each."""
     plan = []
-    for mode_class, rows in launch_table.LAUNCH_TABLE.items():
-        sizes = [max_reqs for max_reqs, _ in rows[:-1]] + [rows[-2][0] + 1]  # the last row: just past the one before
-        for mode in ("greedy",) if mode_class == "greedy" else ("one_hot", "sparse"):
-            plan += [(mode, num_reqs) for num_reqs in sizes]
+    for mode in ("greedy", "one_hot", "sparse"):
+        seen = set()
+        for num_reqs in range(1, WARM_UP_MAX_REQS + 1):
+            launch = default_launch(num_reqs, num_reqs * (num_drafts + 1), vocab_size, mode).fit(vocab_size)
+            if launch not in seen:
+                seen.add(launch)
+                plan.append((mode, num_reqs))
     return plan
 
 
@@ -172,7 +190,7 @@ def warm_up(vocab_size: int, device: torch.device, num_drafts: int = 3, num_q_id
     top-p make the sampler launch, so that no request waits ~0.5 s for a compile mid-run: every launch
     shape `default_launch` can pick, greedy, one-hot and sparse (`num_q_ids` ids per draft, the
     drafter's `--draft-top-k`). Returns the number of calls made."""
-    plan = warm_up_plan(num_drafts)
+    plan = warm_up_plan(vocab_size, num_drafts)
     for mode, num_reqs in plan:
         num_logits = num_reqs * (num_drafts + 1)
         draft_total = num_reqs * num_drafts

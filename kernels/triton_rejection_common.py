@@ -11,6 +11,8 @@ every call: no state survives a call.
 import triton
 import triton.language as tl
 
+from kernels.triton_rng import log2, vocab_clocks
+
 # Per-request inputs arrive as views into one uploaded buffer (`models/step_upload.py`), at offsets that change
 # with the batch. Triton would compile a variant per 16-byte alignment of each pointer, mid-run (0.4-0.9 s on
 # the H200 machine); these are read a scalar at a time anyway, so neither kernel specialises on their alignment.
@@ -44,6 +46,22 @@ def scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THR
     if HAS_THRESHOLD:
         x = tl.where(logits >= threshold, x, float("-inf"))
     return x
+
+
+@triton.jit
+def vocab_id(token, vocab_size):
+    """An int64 token id as int32 (compared with int32 offsets: no int64 per element); -1 where it is
+    no vocabulary id, so it still matches none."""
+    return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
+
+
+@triton.jit
+def p_race_score(x, key, offs, excluded, FAST_LOG2: tl.constexpr):
+    """The race from p, Gumbel-max in base 2: ``x log2(e) - log2 C`` per vocabulary id ``offs`` of the
+    row with ``key``; -inf at ``excluded`` (a rejected one-hot draft; -1 excludes nothing)."""
+    clock = vocab_clocks(key, offs, FAST_LOG2)
+    score = x * LOG2E - log2(clock, FAST_LOG2)
+    return tl.where(offs == excluded, float("-inf"), score)
 
 
 @triton.jit

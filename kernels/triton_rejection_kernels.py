@@ -20,9 +20,12 @@ from kernels.triton_rejection_common import (
     first_argmax,
     lane_argmax,
     last_of_request,
+    p_race_score,
     publish,
+    reduce_chunks,
     row_threshold,
     scaled_logits,
+    vocab_id,
 )
 from kernels.triton_rng import accept_uniform, row_key
 
@@ -70,6 +73,8 @@ def stats_accept_kernel(
     stop_max_ptr,  # [num_reqs] float32 out: softmax max of the stop row
     stop_sum_ptr,  # [num_reqs] float32 out: softmax sum of the stop row
     race_mode_ptr,  # [num_reqs] int32 out: what race_kernel does for the request
+    block_race_ptr,  # RACE_IN_STATS: [num_logits, num_blocks] float32: best race score of the chunk
+    block_race_token_ptr,  # RACE_IN_STATS: [num_logits, num_blocks] int32
     vocab_size,
     num_blocks,
     num_cols,  # max_num_draft + 1
@@ -80,6 +85,8 @@ def stats_accept_kernel(
     NUM_BLOCKS_PAD: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    RACE_IN_STATS: tl.constexpr,  # one-hot q only: every random row's race from p in this pass; no race_kernel
+    FAST_LOG2: tl.constexpr,  # GPU: approximate logs for the race (kernels/triton_rng.py)
 ):
     """Grid (num_reqs, max_num_draft + 1, num_blocks): the one full pass over the logits, one chunk
     of one row per program; the request's last program then walks its rows to the first rejection."""
@@ -111,13 +118,27 @@ def stats_accept_kernel(
             # A finite start (below any logit) keeps exp's argument finite without a guard per element.
             lane_max = tl.full([BLOCK_V], NO_MAX, tl.float32)
             lane_sum = tl.zeros([BLOCK_V], tl.float32)
+            if RACE_IN_STATS:  # the token if the request stops here: the race from p without this row's draft
+                key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + row)
+                own_draft = tl.load(draft_ids_ptr + draft_start + row, mask=row < num_draft, other=-1)
+                excluded = vocab_id(own_draft, vocab_size)
+                race_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                race_token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                x = scaled_logits(row_ptr, start + lane, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
+                offs = start + lane
+                x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
                 # exp(smaller - larger) either rescales the running sum or is the new term.
                 new_max = tl.maximum(lane_max, x)
                 ratio = tl.exp(tl.minimum(lane_max, x) - new_max)
                 lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
                 lane_max = new_max
+                if RACE_IN_STATS:
+                    score = p_race_score(x, key, offs, excluded, FAST_LOG2)
+                    race_best, race_token = lane_argmax(score, offs, race_best, race_token)
+            if RACE_IN_STATS:
+                race_top, race_top_token = first_argmax(race_best, race_token)
+                publish(block_race_ptr + out, race_top)
+                publish(block_race_token_ptr + out, race_top_token)
             chunk_max = tl.max(lane_max, axis=0)
             chunk_max = tl.where(chunk_max == NO_MAX, float("-inf"), chunk_max)  # nothing but -inf here
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
@@ -128,8 +149,8 @@ def stats_accept_kernel(
                 req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
                 positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
                 block_sum_ptr, block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
-                stop_sum_ptr, race_mode_ptr, vocab_size, num_blocks, num_cols,
-                Q_MODE, HAS_THRESHOLD, NUM_BLOCKS_PAD, BLOCK_K, BLOCK_COLS,
+                stop_sum_ptr, race_mode_ptr, block_race_ptr, block_race_token_ptr, vocab_size, num_blocks, num_cols,
+                Q_MODE, HAS_THRESHOLD, NUM_BLOCKS_PAD, BLOCK_K, BLOCK_COLS, RACE_IN_STATS,
             )  # fmt: skip
 
 
@@ -138,12 +159,13 @@ def _accept_request(
     req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr, positions_ptr,
     threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, block_token_ptr,
     sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
-    vocab_size, num_blocks, num_cols,
+    block_race_ptr, block_race_token_ptr, vocab_size, num_blocks, num_cols,
     Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, RACE_IN_STATS: tl.constexpr,
 ):  # fmt: skip
     """One request's rows in order until the first rejection; writes its output but the stop token
-    of a random row, which ``race_kernel`` samples (``race_mode`` says from what)."""
+    of a random row, which ``race_kernel`` samples (``race_mode`` says from what), or, with
+    ``RACE_IN_STATS``, the winner of the stop row's chunk races."""
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature <= 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -202,6 +224,11 @@ def _accept_request(
                 stop_sum = row_sum
                 race_mode = mode
 
+    if RACE_IN_STATS:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if race_mode != NO_RACE:
+            stop_chunks = (draft_start + req + num_accepted) * num_blocks + blocks
+            _, stop_token = reduce_chunks(block_race_ptr, block_race_token_ptr, stop_chunks, in_blocks)
+            race_mode = tl.full([], NO_RACE, tl.int32)
     col = tl.arange(0, BLOCK_COLS)
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)
     sampled = tl.where(col == num_accepted, stop_token.to(tl.int64), drafts)

@@ -12,7 +12,7 @@ times the candidates and prints a table in this format.
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MODES = ("greedy", "one_hot", "dense", "sparse")
 
@@ -25,6 +25,9 @@ class Launch:
     race_chunk: int  # the same for the race kernel
     race_block_v: int
     race_warps: int
+    # One-hot q: the stats kernel also runs every random row's race from p (one launch, no second read of
+    # the stop row, a hash and two logs per id of every row); the race_* shape is then unused.
+    one_hot_race_in_stats: bool = False
 
     def __post_init__(self) -> None:
         for kernel in ("stats", "race"):
@@ -40,9 +43,9 @@ class Launch:
         if self.stats_chunk <= width and self.race_chunk <= width:
             return self
         stats_chunk, race_chunk = min(self.stats_chunk, width), min(self.race_chunk, width)
-        return Launch(
-            stats_chunk, min(self.stats_block_v, stats_chunk), self.stats_warps,
-            race_chunk, min(self.race_block_v, race_chunk), self.race_warps,
+        return replace(
+            self, stats_chunk=stats_chunk, stats_block_v=min(self.stats_block_v, stats_chunk),
+            race_chunk=race_chunk, race_block_v=min(self.race_block_v, race_chunk),
         )  # fmt: skip
 
 
@@ -72,10 +75,34 @@ LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
 }
 
 
+# Small one-hot calls run their races in the stats pass: one launch instead of two. The race's hash and logs on
+# every row make that pass compute-bound, so it pays only while the logits are few.
+# `cd benchmarks && python3 race_in_stats.py --out race_in_stats.json` on one H200 (2026-11-30): 1.09-1.34x
+# faster up to 16 x 151,936 and 32 x 32,000 logits (batch 1, k 3, vocab 151,936: 9.2 -> 7.7 µs), even at
+# 48 x 32,000 (10.8 / 11.0 µs), slower from 32 x 151,936 (batch 64, k 3: 69.5 -> 98.6 µs at best).
+RACE_IN_STATS_MAX_LOGITS = 2_500_000  # num_logits * vocab_size
+RACE_IN_STATS_MAX_PROGRAMS = 640  # the chunk doubles from 1,024 ids until the programs fit
+
+
+def race_in_stats_launch(num_logits: int, vocab_size: int) -> Launch:
+    """The launch of a small one-hot call: chunks as small as keep the programs within ~5 per SM."""
+    chunk = 1024
+    while num_logits * -(-vocab_size // chunk) > RACE_IN_STATS_MAX_PROGRAMS and chunk < 8192:
+        chunk *= 2
+    return Launch(chunk, 512, 4, chunk, 512, 4, one_hot_race_in_stats=True)
+
+
 def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -> Launch:
     """The GPU launch shape for a call; ``mode`` is one of ``MODES`` ("greedy": every request is)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "one_hot" and num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS:
+        return race_in_stats_launch(num_logits, vocab_size)
+    return table_launch(num_reqs, mode)
+
+
+def table_launch(num_reqs: int, mode: str) -> Launch:
+    """The two-launch shape `LAUNCH_TABLE` holds for a batch of ``num_reqs``."""
     for max_reqs, launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]:
         if num_reqs <= max_reqs:
             return launch

@@ -34,12 +34,18 @@ class Batch:
         return {"one_hot": None, "dense": self.dense_q, "sparse": self.sparse_q}[mode]
 
     def sample(
-        self, mode: str = "one_hot", backend: str = "reference", chunk: int | None = None, launch: Launch | None = None
+        self,
+        mode: str = "one_hot",
+        backend: str = "reference",
+        chunk: int | None = None,
+        launch: Launch | None = None,
+        race_in_stats: bool = False,
     ) -> RejectionOutput:
         """Triton with a launch shape: ``launch``, or ``chunk`` vocabulary ids (a power of 2) per
-        program and per tile in both kernels, to split rows across programs."""
+        program and per tile in both kernels, to split rows across programs (``race_in_stats``: one-hot
+        batches race in the stats pass)."""
         if chunk is not None:
-            launch = Launch(chunk, chunk, 4, chunk, chunk, 4)
+            launch = Launch(chunk, chunk, 4, chunk, chunk, 4, race_in_stats)
         if launch is not None:
             return rejection_sample_triton(
                 self.logits, self.drafts, self.cu_num_draft, self.temperature, self.top_k, self.top_p,

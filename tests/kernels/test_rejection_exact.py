@@ -118,10 +118,10 @@ def test_kernel_equals_reference_large_odd_vocab(batch_factory, same_output, mod
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_kernel_equals_reference_when_rows_span_many_programs(batch_factory, same_output, mode, chunk):
+@pytest.mark.parametrize(("chunk", "race_in_stats"), [(16, False), (32, False), (16, True)])
+def test_kernel_equals_reference_when_rows_span_many_programs(batch_factory, same_output, mode, chunk, race_in_stats):
     batch = batch_factory(11, [3, 0, 2, 1, 4], vocab_size=100, top_k=[0, 0, 7, 0, 0], hit_rate=0.8)
-    same_output(batch.sample(mode, chunk=chunk), batch.sample(mode, "reference"))
+    same_output(batch.sample(mode, chunk=chunk, race_in_stats=race_in_stats), batch.sample(mode, "reference"))
 
 
 @given(
@@ -130,13 +130,16 @@ def test_kernel_equals_reference_when_rows_span_many_programs(batch_factory, sam
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(MODES),
     chunk=st.sampled_from([None, 16]),
+    race_in_stats=st.booleans(),
 )
 @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_kernel_equals_reference_on_random_ragged_batches(
-    batch_factory, same_output, num_draft, vocab_size, seed, mode, chunk
+    batch_factory, same_output, num_draft, vocab_size, seed, mode, chunk, race_in_stats
 ):
     batch = batch_factory(seed, num_draft, vocab_size, top_k=[seed % 3] * len(num_draft))
-    triton_out = batch.sample(mode, "triton") if chunk is None else batch.sample(mode, chunk=chunk)
+    triton_out = (
+        batch.sample(mode, "triton") if chunk is None else batch.sample(mode, chunk=chunk, race_in_stats=race_in_stats)
+    )
     same_output(triton_out, batch.sample(mode, "reference"))
 
 

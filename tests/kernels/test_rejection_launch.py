@@ -2,13 +2,27 @@
 
 import pytest
 
-from kernels.triton_rejection_launch import GPU_LAUNCH, LAUNCH_TABLE, MODES, Launch, default_launch
+from kernels.triton_rejection_launch import (
+    GPU_LAUNCH,
+    LAUNCH_TABLE,
+    MODES,
+    RACE_IN_STATS_MAX_LOGITS,
+    RACE_IN_STATS_MAX_PROGRAMS,
+    Launch,
+    default_launch,
+    table_launch,
+)
 
 # Per vocabulary: several chunks per row in each kernel (a partial last one), the race's chunk smaller
 # and larger than the stats', tiles narrower than chunks. (The interpreter runs programs one by one.)
+# With one_hot_race_in_stats, one-hot batches run their races in the stats kernel's chunks instead.
 LAUNCHES = {
-    1000: [Launch(256, 128, 4, 128, 64, 2), Launch(128, 64, 4, 512, 128, 4)],
-    4099: [Launch(1024, 256, 8, 512, 256, 2), Launch(512, 512, 4, 1024, 256, 1)],
+    1000: [Launch(256, 128, 4, 128, 64, 2), Launch(128, 64, 4, 512, 128, 4), Launch(256, 64, 4, 128, 64, 2, True)],
+    4099: [
+        Launch(1024, 256, 8, 512, 256, 2),
+        Launch(512, 512, 4, 1024, 256, 1),
+        Launch(512, 256, 4, 512, 256, 2, True),
+    ],
 }
 # (q mode, which requests are greedy): all greedy, all random per q mode, and a mixed batch.
 CASES = {
@@ -17,6 +31,7 @@ CASES = {
     "dense": ("dense", [False] * 3),
     "sparse": ("sparse", [False] * 3),
     "mixed": ("dense", [True, False, False]),
+    "mixed_one_hot": ("one_hot", [False, True, False]),
 }
 
 
@@ -51,3 +66,22 @@ def test_default_launch_covers_every_batch_size_and_mode():
             assert isinstance(default_launch(num_reqs, num_reqs * 4, 151_936, mode), Launch)
     with pytest.raises(ValueError):
         default_launch(1, 4, 151_936, "top_k")
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 151_936])
+def test_small_one_hot_calls_race_in_the_stats_pass(vocab_size):
+    for num_reqs in (1, 2, 4, 8, 16, 64, 256):
+        for k in (1, 3, 5):
+            num_logits = num_reqs * (k + 1)
+            launch = default_launch(num_reqs, num_logits, vocab_size, "one_hot")
+            small = num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS
+            assert launch.one_hot_race_in_stats == small, (num_reqs, k)
+            if small:
+                assert num_logits * -(-vocab_size // launch.stats_chunk) <= RACE_IN_STATS_MAX_PROGRAMS
+                assert launch.stats_chunk == 1024 or num_logits * -(-vocab_size // (launch.stats_chunk // 2)) > (
+                    RACE_IN_STATS_MAX_PROGRAMS
+                ), "the smallest chunk that fits"
+            else:
+                assert launch == table_launch(num_reqs, "one_hot")
+            for mode in ("greedy", "dense", "sparse"):
+                assert not default_launch(num_reqs, num_logits, vocab_size, mode).one_hot_race_in_stats

@@ -1,22 +1,28 @@
-"""The rejection sampler's warm-up: it makes `default_launch` pick every launch shape of its table for
-greedy, one-hot and sparse batches (so a serving GPU compiles them all at start-up), and its calls run."""
+"""The rejection sampler's warm-up: it makes `default_launch` pick every launch shape it can pick for greedy,
+one-hot and sparse batches (so a serving GPU compiles them all at start-up), and its calls run."""
 
+import pytest
 import torch
 
 from kernels.triton_rejection import warm_up, warm_up_plan
 from kernels.triton_rejection_launch import LAUNCH_TABLE, default_launch
 
 
-def test_the_plan_reaches_every_launch_shape_of_each_mode():
-    plan = warm_up_plan()
+@pytest.mark.parametrize("vocab_size", [32000, 151936])
+def test_the_plan_reaches_every_launch_shape_of_each_mode(vocab_size):
+    plan = warm_up_plan(vocab_size)
     for mode in ("greedy", "one_hot", "sparse"):
-        table = LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]
-        picked = {default_launch(n, 4 * n, 151936, m) for m, n in plan if m == mode}
-        assert picked == {launch for _, launch in table}, mode
+        picked = {default_launch(n, 4 * n, vocab_size, m).fit(vocab_size) for m, n in plan if m == mode}
+        assert len(picked) == sum(m == mode for m, _ in plan), "one call per launch shape"
+        for num_reqs in (*range(1, 300), 511, 512, 513, 4096, 100_000):
+            assert default_launch(num_reqs, 4 * num_reqs, vocab_size, mode).fit(vocab_size) in picked, (mode, num_reqs)
+        if mode != "one_hot":  # (one-hot batches too small for a row's launch race in the stats pass instead)
+            table = {launch.fit(vocab_size) for _, launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]}
+            assert table <= picked
+        # Small one-hot batches run their races in the stats pass; the other modes never do.
+        assert any(launch.one_hot_race_in_stats for launch in picked) == (mode == "one_hot")
 
 
-def test_the_warm_up_calls_run(monkeypatch):
+def test_the_warm_up_calls_run():
     # Small batches on the interpreter: the same calls as on the GPU, shapes aside.
-    monkeypatch.setitem(LAUNCH_TABLE, "greedy", LAUNCH_TABLE["greedy"][:1] + ((3, LAUNCH_TABLE["greedy"][-1][1]),))
-    monkeypatch.setitem(LAUNCH_TABLE, "random", LAUNCH_TABLE["random"][:1] + ((2, LAUNCH_TABLE["random"][-1][1]),))
-    assert warm_up(100, torch.device("cpu"), num_drafts=2, num_q_ids=4) == len(warm_up_plan()) == 2 + 2 * 2
+    assert warm_up(100, torch.device("cpu"), num_drafts=2, num_q_ids=4) == len(warm_up_plan(100, 2)) >= 3
