@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import SparseDraftProbs, rejection_sample  # noqa: E402
 from kernels.filtering import logit_thresholds  # noqa: E402
 from kernels.reference import LOG2E, densify  # noqa: E402
-from kernels.rng import row_key, vocab_clocks  # noqa: E402
+from kernels.rng import GROUP_SIZE, group_clocks, row_key, vocab_clocks  # noqa: E402
 from kernels.triton_race_kernel import race_kernel  # noqa: E402
 from kernels.triton_rejection import rejection_sample_triton, warm_up  # noqa: E402
 from kernels.triton_rejection_kernels import stats_accept_kernel  # noqa: E402
@@ -89,7 +89,8 @@ def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
 
 def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> float:
     """Relative gap between two tokens' race scores at request r's stop column, as the reference
-    computes them (from p, or from max(p - q, 0) when a dense / sparse draft was rejected)."""
+    computes them: their groups' scores when they lie in different groups, else the ids' own (from p, or
+    from max(p - q, 0) when a dense / sparse draft was rejected)."""
     if float(inputs["temperature"][r]) <= 0:  # greedy: an argmax, not a race, may not differ
         return 1.0
     cu = inputs["cu_num_draft"].tolist()
@@ -98,12 +99,24 @@ def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> floa
     t = inputs["temperature"][r : r + 1]
     threshold = logit_thresholds(logits, t, inputs["top_k"][r : r + 1], inputs["top_p"][r : r + 1])
     x = (logits / t[:, None]).masked_fill(logits < threshold[:, None], float("-inf"))[0]
-    clocks = vocab_clocks(row_key(inputs["seeds"][r : r + 1], inputs["positions"][r : r + 1] + col), x.numel())[0]
-    has_draft = col < cu[r + 1] - cu[r]
+    key = row_key(inputs["seeds"][r : r + 1], inputs["positions"][r : r + 1] + col)
+    clocks = vocab_clocks(key, x.numel())[0]
+    draft = int(inputs["draft_token_ids"][cu[r] + col]) if col < cu[r + 1] - cu[r] else -1
     q = inputs["draft_probs"]
-    if q is not None and has_draft:
+    p = x.softmax(-1)
+    weights = p.clone()
+    if draft >= 0 and q is None:
+        weights[draft] = 0.0
+    elif draft >= 0:
         q = densify(q, x.numel()) if isinstance(q, SparseDraftProbs) else q
-        score = (x.softmax(-1) - q[cu[r] + col]).clamp(min=0) / clocks
+        weights = (p - q[cu[r] + col]).clamp(min=0)
+    if token_a // GROUP_SIZE != token_b // GROUP_SIZE:  # the tokens' groups: the race over the groups' masses
+        num_groups = -(-x.numel() // GROUP_SIZE)
+        masses = torch.nn.functional.pad(weights, (0, num_groups * GROUP_SIZE - x.numel()))
+        score = masses.view(num_groups, GROUP_SIZE).sum(-1) / group_clocks(key, num_groups)[0]
+        token_a, token_b = token_a // GROUP_SIZE, token_b // GROUP_SIZE
+    elif q is not None and draft >= 0:
+        score = weights / clocks
     else:
         score = x * LOG2E - clocks.log2()
     a, b = float(score[token_a]), float(score[token_b])

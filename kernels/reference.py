@@ -29,6 +29,14 @@ one GPU instruction). The reference runs the race in the form the kernels use:
 - dense or sparse q: ``argmax_i max(p_i - q_i, 0) / C_i``; if the residual is all zero (p == q up to
   rounding) the token comes from p.
 
+The race runs in two levels over fixed groups of ``GROUP_SIZE`` (2,048) consecutive ids. First the group:
+``argmax_g W_g / C_g``, where ``W_g`` is the group's sum of the weights above (p without the draft,
+``max(p - q, 0)``, or p; the groups' p where no weight is left) and ``C_g`` the group's own clock. Then the
+id, by the race above restricted to that group. Since ``P(g) = W_g / sum(W)`` and ``P(i | g) = w_i / W_g``,
+the token is distributed as ``w / sum(w)``, as for one race over every id. The kernels read the group
+masses from the softmax statistics they already compute, so the per-id noise of a stop row is computed for
+one group of 2,048 ids instead of the whole vocabulary.
+
 The clocks and uniforms come from ``kernels/rng.py``: a function of (seed, position + row, index),
 so a request's output does not depend on the rest of the batch. Ties go to the lowest id.
 """
@@ -36,7 +44,7 @@ so a request's output does not depend on the rest of the batch. Ties go to the l
 import torch
 
 from kernels.filtering import logit_thresholds
-from kernels.rng import accept_uniform, row_key, vocab_clocks
+from kernels.rng import GROUP_SIZE, accept_uniform, group_clocks, row_key, vocab_clocks
 from kernels.types import RejectionOutput, SparseDraftProbs
 
 LOG2E = 1.4426950408889634
@@ -111,16 +119,26 @@ def rejection_sample_reference(
     accepted_random = (q_d > 0) & (u * q_d < p_d)
     accepted = has_draft & torch.where(greedy, draft == target_argmax, accepted_random)
 
-    # The token a request emits if it stops at this row: recovered (rejected row) or bonus.
+    # The token a request emits if it stops at this row: recovered (rejected row) or bonus. Its weights:
+    # p without the rejected one-hot draft, max(p - q, 0) at a rejected dense / sparse draft, else p.
     race = x * LOG2E - clocks.log2()
     if draft_probs is None:
         own_draft = torch.zeros_like(race, dtype=torch.bool).scatter_(1, d, has_draft[:, None])
-        random_token = race.masked_fill(own_draft, float("-inf")).argmax(dim=-1)
+        race = race.masked_fill(own_draft, float("-inf"))
+        weights = p.masked_fill(own_draft, 0.0)
     else:
-        residual_race = (p - q).clamp(min=0) / clocks
+        residual = (p - q).clamp(min=0)
+        weights = torch.where(has_draft[:, None], residual, p)
+    # First the group of GROUP_SIZE ids, by a race over the groups' masses (their p if no weight is left),
+    group = _race_groups(weights, p, group_clocks(key, _num_groups(vocab_size)))
+    in_group = (torch.arange(vocab_size, device=device) // GROUP_SIZE)[None, :] == group[:, None]
+    # then the id within that group, by the race over its ids.
+    random_token = _group_argmax(race.masked_fill(~in_group, float("-inf")), group)
+    if draft_probs is not None:
+        residual_race = (residual / clocks).masked_fill(~in_group, -1.0)
         residual_token = residual_race.argmax(dim=-1)
         has_residual = residual_race.gather(1, residual_token[:, None]).squeeze(1) > 0
-        random_token = torch.where(has_draft & has_residual, residual_token, race.argmax(dim=-1))
+        random_token = torch.where(has_draft & has_residual, residual_token, random_token)
     stop_token = torch.where(greedy, target_argmax, random_token)
 
     # Per request: accept the leading run of accepted drafts, then emit the stop token.
@@ -138,3 +156,26 @@ def rejection_sample_reference(
         num_sampled=(num_accepted + 1).to(torch.int32),
         num_rejected=(num_draft - num_accepted).to(torch.int32),
     )
+
+
+def _num_groups(vocab_size: int) -> int:
+    return -(-vocab_size // GROUP_SIZE)
+
+
+def _group_sums(w: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, V] -> [n, num_groups]
+    padded = torch.nn.functional.pad(w, (0, num_groups * GROUP_SIZE - w.shape[1]))
+    return padded.view(w.shape[0], num_groups, GROUP_SIZE).sum(dim=-1)
+
+
+def _race_groups(weights: torch.Tensor, p: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:  # [n] int64
+    """The exponential race over the groups: argmax mass / clock, with the masses of ``weights``, or of p
+    where the weights have no mass at all (rounding aside, only where no draft was rejected)."""
+    weight_race = _group_sums(weights, clocks.shape[1]) / clocks
+    p_race = _group_sums(p, clocks.shape[1]) / clocks
+    return torch.where(weight_race.max(dim=-1).values > 0, weight_race.argmax(dim=-1), p_race.argmax(dim=-1))
+
+
+def _group_argmax(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """argmax of rows holding -inf outside their group; the group's first id where nothing in it is finite."""
+    token = scores.argmax(dim=-1)
+    return torch.where(scores.max(dim=-1).values == float("-inf"), group * GROUP_SIZE, token)

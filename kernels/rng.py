@@ -6,7 +6,8 @@ Every random number the rejection sampler uses is a pure function of
 - ``seed``    the request's int64 seed,
 - ``counter`` ``position + row``: the sequence position of the request's first logits row plus the
   row's index within the request (taken mod 2**32),
-- ``index``   a vocabulary id for the per-token noise, or ``ACCEPT_INDEX`` for the row's acceptance
+- ``index``   a vocabulary id for the per-token noise, ``GROUP_INDEX + g`` for the noise of the group
+  of ``GROUP_SIZE`` ids starting at ``g * GROUP_SIZE``, or ``ACCEPT_INDEX`` for the row's acceptance
   uniform.
 
 So a request's randomness never depends on what else is in the batch, and the torch code below and
@@ -33,6 +34,10 @@ GOLDEN = 0x9E3779B9
 FMIX_C1 = 0x85EBCA6B
 FMIX_C2 = 0xC2B2AE35
 ACCEPT_INDEX = 0xFFFFFFFF  # never a vocabulary id
+# The recovered / bonus token's race runs over fixed groups of ids (kernels/reference.py); a group's own
+# noise index is GROUP_INDEX + its number: above every vocabulary id and below ACCEPT_INDEX.
+GROUP_SIZE = 2048
+GROUP_INDEX = 0x80000000
 UNIFORM_SCALE = 2.0**-24
 
 
@@ -87,4 +92,11 @@ def vocab_clocks(key: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [n, V] 
     divided by ln 2. A scale common to all clocks never changes a race's winner, and base 2 is what
     the GPU computes fastest (one ``lg2`` instruction)."""
     index = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
+    return -torch.log2(uniform_from_bits(random_bits(key, index)))
+
+
+def group_clocks(key: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, num_groups] float32
+    """The race clock of every (row, group of ``GROUP_SIZE`` ids): as ``vocab_clocks``, from the
+    group's own index ``GROUP_INDEX + g``."""
+    index = GROUP_INDEX + torch.arange(num_groups, dtype=torch.int64, device=key.device)
     return -torch.log2(uniform_from_bits(random_bits(key, index)))

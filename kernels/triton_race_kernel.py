@@ -1,28 +1,29 @@
-"""The rejection sampler's second kernel: the exponential race on each random request's stop row
-(recovered or bonus token); ``kernels/triton_rejection.py`` launches it after
-``kernels/triton_rejection_kernels.py``. Tensors named ``race_*`` hold one entry per (request, chunk).
+"""The rejection sampler's second kernel: the two-level race on each random request's stop row
+(recovered or bonus token; ``kernels/triton_group_race.py``); ``kernels/triton_rejection.py`` launches it
+after ``kernels/triton_rejection_kernels.py``.
+
+One program per request races the groups, from masses the first pass already holds (p's pieces; a rejected
+one-hot or sparse draft's ``min(p, q)`` taken out), then the ids of the winning group: 2,048 ids of noise
+instead of a whole row. A rejected dense draft's residual ``max(p - q, 0)`` has group masses that no
+statistic of the first pass holds: for those the grid has ``cdiv(V, CHUNK)`` programs per request that
+read the stop row's p and q once and sum the residual per piece (``race_res``: one entry per (request,
+piece)), and the request's last program races.
 """
 
 import triton
 import triton.language as tl
 
+from kernels.triton_group_race import GROUP_SIZE, piece_masses, piece_sums, race_stop_row
 from kernels.triton_rejection_common import (
-    LOG2E,
     NO_RACE,
-    RACE_P_EXCLUDE_DRAFT,
     RACE_RESIDUAL,
     UNALIGNED_INPUTS,
-    first_argmax,
-    lane_argmax,
     last_of_request,
-    p_race_score,
     publish,
-    reduce_chunks,
     row_threshold,
     scaled_logits,
-    vocab_id,
 )
-from kernels.triton_rng import log2, row_key, vocab_clocks
+from kernels.triton_rng import row_key
 
 
 @triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=UNALIGNED_INPUTS)
@@ -35,7 +36,7 @@ def race_kernel(
     seeds_ptr,  # [num_reqs] int64
     positions_ptr,  # [num_reqs] int64
     threshold_ptr,  # [num_logits] float32
-    q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]
+    q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]; one-hot: unused
     q_stride,
     q_ids_ptr,  # sparse: ids [num_draft_total, K] int64
     q_ids_stride,
@@ -44,24 +45,28 @@ def race_kernel(
     stop_max_ptr,  # [num_reqs] float32
     stop_sum_ptr,  # [num_reqs] float32
     race_mode_ptr,  # [num_reqs] int32
-    race_best_ptr,  # [num_reqs, num_blocks] float32: best race score of the chunk
-    race_token_ptr,  # [num_reqs, num_blocks] int32
-    fallback_best_ptr,  # [num_reqs, num_blocks] float32: residual rows: the race from p
-    fallback_token_ptr,  # [num_reqs, num_blocks] int32
+    block_max_ptr,  # [num_logits, num_stats_pieces] float32: the first pass's piece statistics
+    block_sum_ptr,
+    race_res_ptr,  # [num_reqs, num_pieces] float32: residual mass of each piece of the stop row
     counter_ptr,  # [num_reqs] int32, 0 between calls
     sampled_ptr,  # [num_reqs, num_cols] int64 in/out
     vocab_size,
-    num_blocks,
+    num_pieces,  # cdiv(V, PIECE)
+    num_stats_pieces,  # cdiv(V, STATS_PIECE)
+    num_groups,
     num_cols,
     Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
     HAS_THRESHOLD: tl.constexpr,
     CHUNK: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr,
+    PIECE: tl.constexpr,  # min(CHUNK, GROUP_SIZE)
+    STATS_PIECE: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # the residual pass's tile
+    RACE_TILE: tl.constexpr,  # the race's tile over the winning group
+    NUM_GROUPS_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     FAST_LOG2: tl.constexpr,  # GPU: approximate logs for the clocks and the Gumbel score (kernels/triton_rng.py)
 ):
-    """Grid (num_reqs, num_blocks): the exponential race on each random request's stop row, one
-    chunk per program; the request's last program writes the winner into the stop column."""
+    """Grid (num_reqs, cdiv(V, CHUNK) for dense q, else 1)."""
     req = tl.program_id(0)
     blk = tl.program_id(1)
     race_mode = tl.load(race_mode_ptr + req)
@@ -71,59 +76,39 @@ def race_kernel(
         row = draft_start + req + j
         row_ptr = logits_ptr + row * logits_stride
         draft_index = draft_start + j
+        row_q_ptr = q_ptr + draft_index * q_stride
+        row_q_ids_ptr = q_ids_ptr + draft_index * q_ids_stride
         inv_temperature = 1.0 / tl.load(temperature_ptr + req)
         threshold = row_threshold(threshold_ptr, row, HAS_THRESHOLD)
-        key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
-        chunk_start = blk * CHUNK
-        lane = tl.arange(0, BLOCK_V)
-        out = req * num_blocks + blk
-        if race_mode == RACE_RESIDUAL:  # argmax max(p - q, 0) / C, and the race from p if that is all 0
-            row_max = tl.load(stop_max_ptr + req)
-            row_sum = tl.load(stop_sum_ptr + req)
-            best = tl.full([BLOCK_V], -1.0, tl.float32)
-            token = chunk_start + lane
-            p_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            p_token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                p = tl.exp(x - row_max) / row_sum
-                if Q_MODE == 1:
-                    q = tl.load(q_ptr + draft_index * q_stride + offs, mask=offs < vocab_size, other=0.0)
-                    q = q.to(tl.float32)
-                else:
-                    q = tl.zeros([BLOCK_V], tl.float32)
-                    for k in range(num_q_ids):
-                        q_id = vocab_id(tl.load(q_ids_ptr + draft_index * q_ids_stride + k), vocab_size)
-                        if (q_id >= start) & (q_id < start + BLOCK_V):  # most tiles hold none of the K ids
-                            q_prob = tl.load(q_ptr + draft_index * q_stride + k).to(tl.float32)
-                            q += tl.where(offs == q_id, q_prob, 0.0)
-                clock = vocab_clocks(key, offs, FAST_LOG2)
-                race = tl.maximum(p - q, 0.0) / clock
-                best, token = lane_argmax(tl.where(offs < vocab_size, race, -1.0), offs, best, token)
-                p_best, p_token = lane_argmax(x * LOG2E - log2(clock, FAST_LOG2), offs, p_best, p_token)
-            top, top_token = first_argmax(best, token)
-            p_top, p_top_token = first_argmax(p_best, p_token)
-            publish(fallback_best_ptr + out, p_top)
-            publish(fallback_token_ptr + out, p_top_token)
-        else:  # the race from p: argmax x log2(e) - log2 C (Gumbel-max), maybe without the rejected draft
-            excluded = tl.full([], -1, tl.int32)
-            if race_mode == RACE_P_EXCLUDE_DRAFT:
-                excluded = vocab_id(tl.load(draft_ids_ptr + draft_index), vocab_size)
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                best, token = lane_argmax(p_race_score(x, key, offs, excluded, FAST_LOG2), offs, best, token)
-            top, top_token = first_argmax(best, token)
-        publish(race_best_ptr + out, top)
-        publish(race_token_ptr + out, top_token)
-        if last_of_request(counter_ptr, req, num_blocks):
-            blocks = tl.arange(0, NUM_BLOCKS_PAD)
-            in_blocks = blocks < num_blocks
-            chunks = req * num_blocks + blocks
-            top, winner = reduce_chunks(race_best_ptr, race_token_ptr, chunks, in_blocks)
-            if (race_mode == RACE_RESIDUAL) & (top <= 0):  # no residual mass (p == q up to rounding)
-                _, winner = reduce_chunks(fallback_best_ptr, fallback_token_ptr, chunks, in_blocks)
+        row_max = tl.load(stop_max_ptr + req)
+        row_sum = tl.load(stop_sum_ptr + req)
+        race_here = blk == 0
+        if Q_MODE == 1:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if race_mode == RACE_RESIDUAL:  # every program sums the residual of its pieces; the last one races
+                lane = tl.arange(0, BLOCK_V)
+                for piece in range(CHUNK // PIECE):
+                    piece_index = blk * (CHUNK // PIECE) + piece
+                    mass = tl.zeros([BLOCK_V], tl.float32)
+                    for start in range(piece_index * PIECE, (piece_index + 1) * PIECE, BLOCK_V):
+                        offs = start + lane
+                        x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
+                        q = tl.load(row_q_ptr + offs, mask=offs < vocab_size, other=0.0).to(tl.float32)
+                        mass += tl.maximum(tl.exp(x - row_max) / row_sum - q, 0.0)
+                    if piece_index < num_pieces:
+                        publish(race_res_ptr + req * num_pieces + piece_index, tl.sum(mass, axis=0))
+                race_here = last_of_request(counter_ptr, req, tl.num_programs(1))
+        if race_here:
+            p_masses = piece_masses(block_max_ptr, block_sum_ptr, row * num_stats_pieces, num_stats_pieces,
+                                    row_max, row_sum, NUM_GROUPS_PAD, GROUP_SIZE // STATS_PIECE)  # fmt: skip
+            masses = p_masses
+            if Q_MODE == 1:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if race_mode == RACE_RESIDUAL:
+                    masses = piece_sums(race_res_ptr, req * num_pieces, num_pieces, NUM_GROUPS_PAD,
+                                        GROUP_SIZE // PIECE)  # fmt: skip
+            key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
+            winner = race_stop_row(
+                row_ptr, masses, p_masses, key, race_mode, draft_ids_ptr + draft_index, row_q_ptr, row_q_ids_ptr,
+                num_q_ids, vocab_size, threshold, inv_temperature, row_max, row_sum, num_groups,
+                Q_MODE, HAS_THRESHOLD, NUM_GROUPS_PAD, BLOCK_K, RACE_TILE, FAST_LOG2,
+            )  # fmt: skip
             tl.store(sampled_ptr + req * num_cols + j, winner.to(tl.int64))

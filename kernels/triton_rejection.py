@@ -1,30 +1,25 @@
 """Triton rejection sampler: the same function as ``kernels/reference.py``, on the GPU.
 
-Terms (accepted / recovered / bonus, x, p, q, the exponential race) are defined in the reference's
-docstring. Every logits row is cut into chunks of vocabulary ids, one per program, each kernel with its own
-chunk size (``kernels/triton_rejection_launch.py``); two launches
-(``kernels/triton_rejection_kernels.py``, ``kernels/triton_race_kernel.py``):
+Terms (accepted / recovered / bonus, x, p, q, the two-level exponential race) are defined in the
+reference's docstring. Every logits row is cut into chunks of vocabulary ids, one per program, each kernel
+with its own chunk size (``kernels/triton_rejection_launch.py``), and chunks into pieces of at most
+``GROUP_SIZE`` ids, whose statistics make up the race's groups.
 
 1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_stats_chunks)``: the only full pass
-   over the logits. Per (row, chunk): online softmax statistics (max, sum of exp); greedy rows: the
-   argmax. The request's last program then walks its rows until the first rejection: combine the
-   chunk statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff ``u * q(d) < p(d)``
-   (greedy: ``d == argmax``), write ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy
-   requests are done here.
-2. ``race_kernel``, grid ``(num_reqs, num_race_chunks)``: for random requests only, the exponential race
-   on the one stop row: from p (bonus row, padded draft), from p without the rejected draft (one-hot
-   q), or from ``max(p - q, 0)`` (dense q, or sparse q matched against the row's K ids in registers;
-   no dense q is built). The last program writes the winner into the stop column. Skipped when the
-   caller says every request is greedy.
+   over the logits. Per (row, piece): online softmax statistics (max, sum of exp); greedy rows: the argmax
+   per chunk. The request's last program then walks its rows until the first rejection: combine the
+   statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff ``u * q(d) < p(d)`` (greedy:
+   ``d == argmax``), write ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy requests are done here.
+2. ``race_kernel``, grid ``(num_reqs, 1)`` (dense q: ``(num_reqs, num_race_chunks)``): the two-level race on
+   each random request's stop row (``kernels/triton_group_race.py``). The groups' masses come from the
+   pieces' statistics (a rejected one-hot or sparse draft's ``min(p, q)`` taken out; a rejected dense draft's
+   residual summed by one read of the stop row's p and q), and the per-id noise is computed for the winning
+   group's 2,048 ids only. Skipped when the caller says every request is greedy. Small one-hot and sparse
+   calls (``Launch.race_in_stats``) run this race in the stats kernel's last program instead: one launch.
 
-So the logits are read once, plus one row per random request, and the per-token noise (a hash and a
-log per vocabulary id) is computed for that one row only. Small one-hot calls
-(``Launch.one_hot_race_in_stats``) launch the stats kernel alone instead: the race from p needs neither
-the row's max nor its sum, so every chunk of every random row runs its race in the same pass, and the
-request's last program takes the stop row's winner. The noise is then computed for every row, which pays
-only while the logits are few (``kernels/triton_rejection_launch.py``). Ties go to the lowest id everywhere, as in
-``torch.argmax``. Each call allocates its outputs and two scratch buffers (the int one zeroed: it holds
-the per-request counters), so calls share no state.
+So the logits are read once (a rejected dense draft: plus its stop row and q row). Ties go to the lowest id
+everywhere, as in ``torch.argmax``. Each call allocates its outputs and two scratch buffers (the int one
+zeroed: it holds the per-request counters), so calls share no state.
 
 Top-k / top-p rows take a slower path: a per-row logit threshold from ``kernels/filtering.py`` (a
 sort, in torch, of those rows only) before the kernels run; the kernels mask ``logits < threshold``.
@@ -37,6 +32,7 @@ import torch
 import triton
 
 from kernels.filtering import row_thresholds
+from kernels.rng import GROUP_SIZE
 from kernels.triton_race_kernel import race_kernel
 from kernels.triton_rejection_kernels import stats_accept_kernel
 from kernels.triton_rejection_launch import INTERPRETER_LAUNCH, Launch, default_launch
@@ -47,6 +43,7 @@ SEGMENT_ALIGN = 32  # elements: every scratch buffer starts 128-byte aligned
 # The output columns' tile is at least this wide: batches with 0..3 drafts per request (prefill chunks,
 # unfilled held drafts) share one compiled kernel with k = 3 batches instead of compiling their own.
 MIN_BLOCK_COLS = 4
+RACE_TILE = 512  # ids per tile of the race over one group (at most the launch's race tile)
 
 
 def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -57,28 +54,21 @@ def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.de
 
 
 def _scratch(
-    num_logits: int,
-    num_reqs: int,
-    num_stats_blocks: int,
-    num_race_blocks: int,
-    race_in_stats: bool,
-    device: torch.device,
+    num_logits: int, num_reqs: int, num_stats_pieces: int, num_race_pieces: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """The kernels' scratch for one call: one float and one int allocation; the ints (counters among
     them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs. ``block_*``
-    hold one entry per (logits row, stats chunk), ``race_*`` / ``fallback_*`` per (request, race chunk)
-    (with the race in the stats pass: ``race_*`` per (logits row, stats chunk), no ``fallback_*``)."""
-    rows = num_logits * num_stats_blocks
-    reqs = 0 if race_in_stats else num_reqs * num_race_blocks
-    races = rows if race_in_stats else reqs
-    block_max, block_sum, race_best, fallback_best, stop_max, stop_sum = _segments(
-        [rows, rows, races, reqs, num_reqs, num_reqs], torch.float32, False, device
+    hold one entry per (logits row, stats piece), ``race_res`` per (request, race piece): dense q only,
+    else 0."""
+    rows, reqs = num_logits * num_stats_pieces, num_reqs * num_race_pieces
+    block_max, block_sum, race_res, stop_max, stop_sum = _segments(
+        [rows, rows, reqs, num_reqs, num_reqs], torch.float32, False, device
     )
-    block_token, race_token, fallback_token, race_mode, stats_counter, race_counter = _segments(
-        [rows, races, reqs, num_reqs, num_reqs, num_reqs], torch.int32, True, device
+    block_token, race_mode, stats_counter, race_counter = _segments(
+        [rows, num_reqs, num_reqs, num_reqs], torch.int32, True, device
     )
-    return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
-            race_best, race_token, fallback_best, fallback_token, race_counter)  # fmt: skip
+    return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode, race_res,
+            race_counter)  # fmt: skip
 
 
 def rejection_sample_triton(
@@ -140,30 +130,40 @@ def rejection_sample_triton(
         mode = "greedy" if all_greedy else ("one_hot", "dense", "sparse")[q_mode]
         launch = default_launch(num_reqs, num_logits, vocab_size, mode) if on_gpu else INTERPRETER_LAUNCH
     launch = launch.fit(vocab_size)
-    race_in_stats = q_mode == ONE_HOT and launch.one_hot_race_in_stats and not all_greedy
-    num_stats_blocks = triton.cdiv(vocab_size, launch.stats_chunk)
-    num_race_blocks = triton.cdiv(vocab_size, launch.race_chunk)
-    (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode,
-     race_best, race_token, fallback_best, fallback_token, race_counter) = _scratch(
-        num_logits, num_reqs, num_stats_blocks, num_race_blocks, race_in_stats, device)  # fmt: skip
+    # Pieces: the statistics the race's groups are made of (a power of 2 dividing GROUP_SIZE), no tile wider.
+    stats_piece, race_piece = min(launch.stats_chunk, GROUP_SIZE), min(launch.race_chunk, GROUP_SIZE)
+    num_stats_pieces = triton.cdiv(vocab_size, stats_piece)
+    num_race_pieces = triton.cdiv(vocab_size, race_piece) if q_mode == DENSE else 0
+    num_groups = triton.cdiv(vocab_size, GROUP_SIZE)
+    race_in_stats = launch.race_in_stats and q_mode != DENSE and not all_greedy
+    (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode, race_res,
+     race_counter) = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)  # fmt: skip
+    num_stats_chunks = triton.cdiv(vocab_size, launch.stats_chunk)
 
-    stats_accept_kernel[(num_reqs, num_cols, num_stats_blocks)](
+    stats_accept_kernel[(num_reqs, num_cols, num_stats_chunks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
-        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, stats_counter,
-        sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, race_best, race_token, vocab_size,
-        num_stats_blocks, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
-        BLOCK_V=launch.stats_block_v, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_blocks),
-        BLOCK_K=triton.next_power_of_2(num_q_ids), BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)),
-        RACE_IN_STATS=race_in_stats, FAST_LOG2=on_gpu, num_warps=launch.stats_warps, enable_fp_fusion=False,
+        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token,
+        stats_counter, sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size,
+        num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
+        PIECE=stats_piece, BLOCK_V=min(launch.stats_block_v, stats_piece),
+        NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
+        NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),
+        BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)), num_warps=launch.stats_warps,
+        enable_fp_fusion=False, num_groups=num_groups, RACE_IN_STATS=race_in_stats,
+        NUM_GROUPS_PAD=triton.next_power_of_2(num_groups), RACE_TILE=min(RACE_TILE, launch.stats_block_v),
+        FAST_LOG2=on_gpu,
     )  # fmt: skip
     if not (all_greedy or race_in_stats):
-        race_kernel[(num_reqs, num_race_blocks)](
+        race_programs = triton.cdiv(vocab_size, launch.race_chunk) if q_mode == DENSE else 1
+        race_kernel[(num_reqs, race_programs)](
             target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
             threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, race_mode,
-            race_best, race_token, fallback_best, fallback_token, race_counter, sampled, vocab_size, num_race_blocks,
-            num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.race_chunk,
-            BLOCK_V=launch.race_block_v, NUM_BLOCKS_PAD=triton.next_power_of_2(num_race_blocks),
-            FAST_LOG2=on_gpu, num_warps=launch.race_warps, enable_fp_fusion=False,
+            block_max, block_sum, race_res, race_counter, sampled, vocab_size, num_race_pieces, num_stats_pieces,
+            num_groups, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.race_chunk,
+            PIECE=race_piece, STATS_PIECE=stats_piece, BLOCK_V=min(launch.race_block_v, race_piece),
+            RACE_TILE=min(RACE_TILE, launch.race_block_v), NUM_GROUPS_PAD=triton.next_power_of_2(num_groups),
+            BLOCK_K=triton.next_power_of_2(num_q_ids), FAST_LOG2=on_gpu, num_warps=launch.race_warps,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return RejectionOutput(sampled, num_sampled, num_rejected)
 

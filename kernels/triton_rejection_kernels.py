@@ -1,14 +1,16 @@
 """The rejection sampler's first kernel: softmax statistics (or the argmax) of every logits row,
 then, per request, the walk to the first rejection; ``kernels/triton_rejection.py`` launches it.
 
-Vocabulary rows are cut into chunks of ``CHUNK`` ids, so even a batch of one request fills the GPU.
-Terms and the algorithm: ``kernels/reference.py``. Tensors named ``block_*`` hold one entry per
-(logits row, chunk). The race on the stop row is ``kernels/triton_race_kernel.py``.
+Vocabulary rows are cut into chunks of ``CHUNK`` ids, so even a batch of one request fills the GPU, and
+chunks into pieces of ``PIECE`` ids (``min(CHUNK, GROUP_SIZE)``), whose statistics are what the race's groups
+are made of. Terms and the algorithm: ``kernels/reference.py``. Tensors named ``block_*`` hold one entry per
+(logits row, piece). The race on the stop row is ``kernels/triton_race_kernel.py``.
 """
 
 import triton
 import triton.language as tl
 
+from kernels.triton_group_race import GROUP_SIZE, piece_masses, race_stop_row
 from kernels.triton_rejection_common import (
     BIG_TOKEN,
     NO_MAX,
@@ -20,12 +22,9 @@ from kernels.triton_rejection_common import (
     first_argmax,
     lane_argmax,
     last_of_request,
-    p_race_score,
     publish,
-    reduce_chunks,
     row_threshold,
     scaled_logits,
-    vocab_id,
 )
 from kernels.triton_rng import accept_uniform, row_key
 
@@ -63,9 +62,9 @@ def stats_accept_kernel(
     q_ids_ptr,  # sparse: ids [num_draft_total, K] int64; otherwise unused
     q_ids_stride,
     num_q_ids,  # K
-    block_max_ptr,  # [num_logits, num_blocks] float32: max of x (greedy rows: max logit)
-    block_sum_ptr,  # [num_logits, num_blocks] float32: sum of exp(x - block max) (random rows)
-    block_token_ptr,  # [num_logits, num_blocks] int32: argmax (greedy rows)
+    block_max_ptr,  # [num_logits, num_pieces] float32: max of x (greedy rows: max logit)
+    block_sum_ptr,  # [num_logits, num_pieces] float32: sum of exp(x - piece max) (random rows)
+    block_token_ptr,  # [num_logits, num_pieces] int32: argmax (greedy rows: of the chunk, at its first piece)
     counter_ptr,  # [num_reqs] int32, 0 between calls
     sampled_ptr,  # [num_reqs, num_cols] int64 out (the stop column is patched by race_kernel)
     num_sampled_ptr,  # [num_reqs] int32 out
@@ -73,22 +72,25 @@ def stats_accept_kernel(
     stop_max_ptr,  # [num_reqs] float32 out: softmax max of the stop row
     stop_sum_ptr,  # [num_reqs] float32 out: softmax sum of the stop row
     race_mode_ptr,  # [num_reqs] int32 out: what race_kernel does for the request
-    block_race_ptr,  # RACE_IN_STATS: [num_logits, num_blocks] float32: best race score of the chunk
-    block_race_token_ptr,  # RACE_IN_STATS: [num_logits, num_blocks] int32
     vocab_size,
-    num_blocks,
+    num_pieces,  # per row: cdiv(V, PIECE)
     num_cols,  # max_num_draft + 1
     Q_MODE: tl.constexpr,  # 0 one-hot, 1 dense, 2 sparse
     HAS_THRESHOLD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PIECE: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr,  # next_power_of_2(cdiv(V, CHUNK))
+    NUM_PIECES_PAD: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    RACE_IN_STATS: tl.constexpr,  # one-hot q only: every random row's race from p in this pass; no race_kernel
-    FAST_LOG2: tl.constexpr,  # GPU: approximate logs for the race (kernels/triton_rng.py)
+    num_groups=0,  # RACE_IN_STATS: cdiv(V, GROUP_SIZE)
+    RACE_IN_STATS: tl.constexpr = False,  # one-hot / sparse q: race the stop row here, no race_kernel
+    NUM_GROUPS_PAD: tl.constexpr = 1,
+    RACE_TILE: tl.constexpr = 1,
+    FAST_LOG2: tl.constexpr = False,
 ):
-    """Grid (num_reqs, max_num_draft + 1, num_blocks): the one full pass over the logits, one chunk
+    """Grid (num_reqs, max_num_draft + 1, cdiv(V, CHUNK)): the one full pass over the logits, one chunk
     of one row per program; the request's last program then walks its rows to the first rejection."""
     req = tl.program_id(0)
     row = tl.program_id(1)
@@ -98,11 +100,10 @@ def stats_accept_kernel(
     if row <= num_draft:
         logits_row = draft_start + req + row
         row_ptr = logits_ptr + logits_row * logits_stride
-        out = logits_row * num_blocks + blk
-        chunk_start = blk * CHUNK
-        lane = tl.arange(0, BLOCK_V)
         temperature = tl.load(temperature_ptr + req)
-        if temperature <= 0:  # greedy: the argmax of the raw logits
+        chunk_start = blk * CHUNK
+        if temperature <= 0:  # greedy: the argmax of the raw logits, one entry per chunk (at its first piece)
+            lane = tl.arange(0, BLOCK_V)
             best = tl.full([BLOCK_V], float("-inf"), tl.float32)
             token = chunk_start + lane
             for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
@@ -110,69 +111,84 @@ def stats_accept_kernel(
                 logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
                 best, token = lane_argmax(logits, offs, best, token)
             top, top_token = first_argmax(best, token)
+            out = logits_row * num_pieces + blk * (CHUNK // PIECE)
             publish(block_max_ptr + out, top)
             publish(block_token_ptr + out, top_token)
-        else:  # online softmax per lane, one exp per element
-            inv_temperature = 1.0 / temperature
-            threshold = row_threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
-            # A finite start (below any logit) keeps exp's argument finite without a guard per element.
-            lane_max = tl.full([BLOCK_V], NO_MAX, tl.float32)
-            lane_sum = tl.zeros([BLOCK_V], tl.float32)
-            if RACE_IN_STATS:  # the token if the request stops here: the race from p without this row's draft
-                key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + row)
-                own_draft = tl.load(draft_ids_ptr + draft_start + row, mask=row < num_draft, other=-1)
-                excluded = vocab_id(own_draft, vocab_size)
-                race_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                race_token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                x = scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
-                # exp(smaller - larger) either rescales the running sum or is the new term.
-                new_max = tl.maximum(lane_max, x)
-                ratio = tl.exp(tl.minimum(lane_max, x) - new_max)
-                lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
-                lane_max = new_max
-                if RACE_IN_STATS:
-                    score = p_race_score(x, key, offs, excluded, FAST_LOG2)
-                    race_best, race_token = lane_argmax(score, offs, race_best, race_token)
-            if RACE_IN_STATS:
-                race_top, race_top_token = first_argmax(race_best, race_token)
-                publish(block_race_ptr + out, race_top)
-                publish(block_race_token_ptr + out, race_top_token)
-            chunk_max = tl.max(lane_max, axis=0)
-            chunk_max = tl.where(chunk_max == NO_MAX, float("-inf"), chunk_max)  # nothing but -inf here
-            safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-            publish(block_max_ptr + out, chunk_max)
-            publish(block_sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
-        if last_of_request(counter_ptr, req, (num_draft + 1) * num_blocks):
+        else:
+            _piece_stats(
+                row_ptr, logits_row, chunk_start, num_pieces, threshold_ptr, 1.0 / temperature, vocab_size,
+                block_max_ptr, block_sum_ptr, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V,
+            )  # fmt: skip
+        if last_of_request(counter_ptr, req, (num_draft + 1) * tl.num_programs(2)):
             _accept_request(
                 req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
                 positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
                 block_sum_ptr, block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
-                stop_sum_ptr, race_mode_ptr, block_race_ptr, block_race_token_ptr, vocab_size, num_blocks, num_cols,
-                Q_MODE, HAS_THRESHOLD, NUM_BLOCKS_PAD, BLOCK_K, BLOCK_COLS, RACE_IN_STATS,
+                stop_sum_ptr, race_mode_ptr, vocab_size, tl.num_programs(2), num_pieces, num_cols,
+                Q_MODE, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V, NUM_BLOCKS_PAD, NUM_PIECES_PAD, BLOCK_K, BLOCK_COLS,
+                num_groups, RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
             )  # fmt: skip
+
+
+@triton.jit
+def _piece_stats(
+    row_ptr, logits_row, chunk_start, num_pieces, threshold_ptr, inv_temperature, vocab_size, block_max_ptr,
+    block_sum_ptr, HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """A random row's chunk: online softmax per lane, one exp per element, as a [pieces, ids] tile so that
+    every lane stays in one piece and the pieces are reduced once, at the end."""
+    NUM: tl.constexpr = CHUNK // PIECE
+    WIDTH: tl.constexpr = BLOCK_V // NUM
+    threshold = row_threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
+    piece = tl.arange(0, NUM)
+    base = chunk_start + piece[:, None] * PIECE + tl.arange(0, WIDTH)[None, :]
+    # A finite start (below any logit) keeps exp's argument finite without a guard per element.
+    lane_max = tl.full([NUM, WIDTH], NO_MAX, tl.float32)
+    lane_sum = tl.zeros([NUM, WIDTH], tl.float32)
+    for start in range(0, PIECE, WIDTH):
+        x = scaled_logits(row_ptr, base + start, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
+        # exp(smaller - larger) either rescales the running sum or is the new term.
+        new_max = tl.maximum(lane_max, x)
+        ratio = tl.exp(tl.minimum(lane_max, x) - new_max)
+        lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
+        lane_max = new_max
+    piece_max = tl.max(lane_max, axis=1)
+    piece_max = tl.where(piece_max == NO_MAX, float("-inf"), piece_max)  # nothing but -inf here
+    safe_max = tl.where(piece_max == float("-inf"), 0.0, piece_max)
+    piece_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max[:, None]), axis=1)
+    piece_index = chunk_start // PIECE + piece
+    out = logits_row * num_pieces + piece_index
+    present = piece_index < num_pieces
+    bits = tl.pointer_type(tl.int32)
+    tl.atomic_xchg(block_max_ptr.to(bits, bitcast=True) + out, piece_max.to(tl.int32, bitcast=True), mask=present,
+                   sem="relaxed")  # fmt: skip
+    tl.atomic_xchg(block_sum_ptr.to(bits, bitcast=True) + out, piece_sum.to(tl.int32, bitcast=True), mask=present,
+                   sem="relaxed")  # fmt: skip
 
 
 @triton.jit
 def _accept_request(
     req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr, positions_ptr,
-    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, block_token_ptr,
-    sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
-    block_race_ptr, block_race_token_ptr, vocab_size, num_blocks, num_cols,
-    Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_COLS: tl.constexpr, RACE_IN_STATS: tl.constexpr,
+    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr,
+    block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
+    vocab_size, num_blocks, num_pieces, num_cols,
+    Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr,
+    BLOCK_V: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups, RACE_IN_STATS: tl.constexpr,
+    NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
     """One request's rows in order until the first rejection; writes its output but the stop token
-    of a random row, which ``race_kernel`` samples (``race_mode`` says from what), or, with
-    ``RACE_IN_STATS``, the winner of the stop row's chunk races."""
+    of a random row, which ``race_kernel`` samples (``race_mode`` says from what), or with
+    ``RACE_IN_STATS`` this program (one launch for the call; its registers cost the pass at large batches)."""
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature <= 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
     seed = tl.load(seeds_ptr + req)
     position = tl.load(positions_ptr + req)
-    blocks = tl.arange(0, NUM_BLOCKS_PAD)
-    in_blocks = blocks < num_blocks
+    pieces = tl.arange(0, NUM_PIECES_PAD)
+    in_pieces = pieces < num_pieces
+    chunk_pieces = tl.arange(0, NUM_BLOCKS_PAD) * (CHUNK // PIECE)  # a greedy row's entry per chunk
+    in_chunks = tl.arange(0, NUM_BLOCKS_PAD) < num_blocks
 
     searching = tl.full([], 1, tl.int32)
     num_accepted = num_draft
@@ -187,12 +203,13 @@ def _accept_request(
     for j in range(0, num_draft + 1):
         if searching != 0:
             row = draft_start + req + j
-            chunks = row * num_blocks + blocks
-            chunk_max = tl.load(block_max_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
+            row_pieces = row * num_pieces + pieces
             draft = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_draft, other=-1)
             has_draft = draft >= 0
             if greedy:
-                tokens = tl.load(block_token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
+                chunks = row * num_pieces + chunk_pieces
+                chunk_max = tl.load(block_max_ptr + chunks, mask=in_chunks, other=float("-inf"), cache_modifier=".cg")
+                tokens = tl.load(block_token_ptr + chunks, mask=in_chunks, other=BIG_TOKEN, cache_modifier=".cg")
                 _, token = first_argmax(chunk_max, tokens)
                 accepted = (has_draft & (draft == token)).to(tl.int32)
                 row_max = tl.zeros([], tl.float32)
@@ -200,10 +217,13 @@ def _accept_request(
                 mode = tl.full([], NO_RACE, tl.int32)
             else:
                 token = tl.full([], -1, tl.int32)
-                chunk_sum = tl.load(block_sum_ptr + chunks, mask=in_blocks, other=0.0, cache_modifier=".cg")
-                row_max = tl.max(chunk_max, axis=0)
+                piece_max = tl.load(
+                    block_max_ptr + row_pieces, mask=in_pieces, other=float("-inf"), cache_modifier=".cg"
+                )
+                piece_sum = tl.load(block_sum_ptr + row_pieces, mask=in_pieces, other=0.0, cache_modifier=".cg")
+                row_max = tl.max(piece_max, axis=0)
                 row_sum = tl.sum(
-                    tl.where(chunk_max == float("-inf"), 0.0, chunk_sum * tl.exp(chunk_max - row_max)), axis=0
+                    tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - row_max)), axis=0
                 )
                 safe_draft = tl.maximum(draft, 0)
                 x_d = scaled_logits(
@@ -226,8 +246,17 @@ def _accept_request(
 
     if RACE_IN_STATS:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if race_mode != NO_RACE:
-            stop_chunks = (draft_start + req + num_accepted) * num_blocks + blocks
-            _, stop_token = reduce_chunks(block_race_ptr, block_race_token_ptr, stop_chunks, in_blocks)
+            stop_row = draft_start + req + num_accepted
+            draft_index = draft_start + num_accepted
+            threshold = row_threshold(threshold_ptr, stop_row, HAS_THRESHOLD)
+            p_masses = piece_masses(block_max_ptr, block_sum_ptr, stop_row * num_pieces, num_pieces, stop_max,
+                                    stop_sum, NUM_GROUPS_PAD, GROUP_SIZE // PIECE)  # fmt: skip
+            stop_token = race_stop_row(
+                logits_ptr + stop_row * logits_stride, p_masses, p_masses, row_key(seed, position + num_accepted),
+                race_mode, draft_ids_ptr + draft_index, q_ptr + draft_index * q_stride,
+                q_ids_ptr + draft_index * q_ids_stride, num_q_ids, vocab_size, threshold, inv_temperature, stop_max,
+                stop_sum, num_groups, Q_MODE, HAS_THRESHOLD, NUM_GROUPS_PAD, BLOCK_K, RACE_TILE, FAST_LOG2,
+            )  # fmt: skip
             race_mode = tl.full([], NO_RACE, tl.int32)
     col = tl.arange(0, BLOCK_COLS)
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)

@@ -25,9 +25,9 @@ class Launch:
     race_chunk: int  # the same for the race kernel
     race_block_v: int
     race_warps: int
-    # One-hot q: the stats kernel also runs every random row's race from p (one launch, no second read of
-    # the stop row, a hash and two logs per id of every row); the race_* shape is then unused.
-    one_hot_race_in_stats: bool = False
+    # One-hot / sparse q: the stats kernel's last program per request also races the stop row: one launch, but
+    # the race's registers slow the stats pass, which pays only while the logits are few (`default_launch`).
+    race_in_stats: bool = False
 
     def __post_init__(self) -> None:
         for kernel in ("stats", "race"):
@@ -75,35 +75,22 @@ LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
 }
 
 
-# Small one-hot calls run their races in the stats pass: one launch instead of two. The race's hash and logs on
-# every row make that pass compute-bound, so it pays only while the logits are few.
-# `cd benchmarks && python3 race_in_stats.py --out race_in_stats.json` on one H200 (2026-11-30): 1.09-1.34x
-# faster up to 16 x 151,936 and 32 x 32,000 logits (batch 1, k 3, vocab 151,936: 9.2 -> 7.7 µs), even at
-# 48 x 32,000 (10.8 / 11.0 µs), slower from 32 x 151,936 (batch 64, k 3: 69.5 -> 98.6 µs at best).
-RACE_IN_STATS_MAX_LOGITS = 2_500_000  # num_logits * vocab_size
-RACE_IN_STATS_MAX_PROGRAMS = 640  # the chunk doubles from 1,024 ids until the programs fit
-
-
-def race_in_stats_launch(num_logits: int, vocab_size: int) -> Launch:
-    """The launch of a small one-hot call: chunks as small as keep the programs within ~5 per SM."""
-    chunk = 1024
-    while num_logits * -(-vocab_size // chunk) > RACE_IN_STATS_MAX_PROGRAMS and chunk < 8192:
-        chunk *= 2
-    return Launch(chunk, 512, 4, chunk, 512, 4, one_hot_race_in_stats=True)
+# One-hot and sparse calls of at most this many logits (num_logits * vocab) race in the stats kernel. One H200
+# (2026-11-30, `benchmarks/rejection_sampler.py`, vocab 151,936, k 3): at batch 1 one-hot, 9.5 µs in two launches
+# against 7.6 in one; at batch 256 the race's registers in the stats pass cost more than a launch (one-hot 176.7
+# against 209.1 µs, sparse 184.8 against 282.8).
+RACE_IN_STATS_MAX_LOGITS = 2_500_000
 
 
 def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -> Launch:
     """The GPU launch shape for a call; ``mode`` is one of ``MODES`` ("greedy": every request is)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "one_hot" and num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS:
-        return race_in_stats_launch(num_logits, vocab_size)
-    return table_launch(num_reqs, mode)
-
-
-def table_launch(num_reqs: int, mode: str) -> Launch:
-    """The two-launch shape `LAUNCH_TABLE` holds for a batch of ``num_reqs``."""
-    for max_reqs, launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]:
+    launch = GPU_LAUNCH
+    for max_reqs, row_launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]:
         if num_reqs <= max_reqs:
-            return launch
-    return GPU_LAUNCH
+            launch = row_launch
+            break
+    if mode in ("one_hot", "sparse") and num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS:
+        launch = replace(launch, race_in_stats=True)
+    return launch

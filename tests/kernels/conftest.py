@@ -43,7 +43,7 @@ class Batch:
     ) -> RejectionOutput:
         """Triton with a launch shape: ``launch``, or ``chunk`` vocabulary ids (a power of 2) per
         program and per tile in both kernels, to split rows across programs (``race_in_stats``: one-hot
-        batches race in the stats pass)."""
+        and sparse batches race in the stats kernel)."""
         if chunk is not None:
             launch = Launch(chunk, chunk, 4, chunk, chunk, 4, race_in_stats)
         if launch is not None:

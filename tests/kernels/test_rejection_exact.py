@@ -1,11 +1,14 @@
 """Exact behaviour: hand-written cases, kernel == reference, seeded determinism."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import SparseDraftProbs, rejection_sample
+from kernels import SparseDraftProbs, rejection_sample, triton_rejection
+from kernels.rng import GROUP_SIZE
 
 BACKENDS = ["reference", "triton"]
 MODES = ["one_hot", "dense", "sparse"]
@@ -130,16 +133,13 @@ def test_kernel_equals_reference_when_rows_span_many_programs(batch_factory, sam
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(MODES),
     chunk=st.sampled_from([None, 16]),
-    race_in_stats=st.booleans(),
 )
 @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_kernel_equals_reference_on_random_ragged_batches(
-    batch_factory, same_output, num_draft, vocab_size, seed, mode, chunk, race_in_stats
+    batch_factory, same_output, num_draft, vocab_size, seed, mode, chunk
 ):
     batch = batch_factory(seed, num_draft, vocab_size, top_k=[seed % 3] * len(num_draft))
-    triton_out = (
-        batch.sample(mode, "triton") if chunk is None else batch.sample(mode, chunk=chunk, race_in_stats=race_in_stats)
-    )
+    triton_out = batch.sample(mode, "triton") if chunk is None else batch.sample(mode, chunk=chunk)
     same_output(triton_out, batch.sample(mode, "reference"))
 
 
@@ -211,3 +211,28 @@ def test_calls_of_different_shapes_in_a_row_stay_exact(batch_factory, same_outpu
     large = batch_factory(19, [3, 0, 2, 4, 1, 3, 2], vocab_size=300, hit_rate=0.8)
     for batch in (small, large, small, small):
         same_output(batch.sample(mode, chunk=32), batch.sample(mode, "reference"))
+
+
+@pytest.mark.parametrize("race_in_stats", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rejected_draft_takes_its_mass_out_of_its_group(monkeypatch, mode, race_in_stats):
+    """The two-level race: a draft holding most of its group's mass is rejected now and then; its group's
+    mass must then be the residual's, not p's (the kernels subtract min(p, q) from the statistics)."""
+    launch = dataclasses.replace(triton_rejection.INTERPRETER_LAUNCH, race_in_stats=race_in_stats)
+    monkeypatch.setattr(triton_rejection, "INTERPRETER_LAUNCH", launch)
+    num_reqs, vocab_size, draft = 96, 2 * GROUP_SIZE + 3, 5
+    logits = torch.randn(2 * num_reqs, vocab_size, generator=torch.Generator().manual_seed(3))
+    logits[:, draft] = 9.5  # p(draft) ~ 0.66: the rest of the mass is spread over three groups
+    q = torch.zeros(num_reqs, vocab_size)
+    q[:, draft], q[:, GROUP_SIZE + 1] = 0.9, 0.1
+    draft_probs = {"one_hot": None, "dense": q, "sparse": SparseDraftProbs(*q.topk(2, dim=-1)[::-1])}[mode]
+    args = (logits, [draft] * num_reqs, [1] * num_reqs, [1.0] * num_reqs)
+    reference = run(*args, "reference", draft_probs=draft_probs)
+    triton_out = run(*args, "triton", draft_probs=draft_probs)
+    assert torch.equal(triton_out.sampled, reference.sampled) and torch.equal(
+        triton_out.num_sampled, reference.num_sampled
+    )
+    rejected = reference.num_sampled == 1
+    assert 10 <= int(rejected.sum()) < num_reqs  # rejections happened, and their tokens left the draft's group
+    assert (reference.sampled[rejected, 0] != draft).all()
+    assert (reference.sampled[rejected, 0] >= GROUP_SIZE).float().mean() > 0.25  # ~0.5 (p's masses: ~0.17)

@@ -7,21 +7,19 @@ from kernels.triton_rejection_launch import (
     LAUNCH_TABLE,
     MODES,
     RACE_IN_STATS_MAX_LOGITS,
-    RACE_IN_STATS_MAX_PROGRAMS,
     Launch,
     default_launch,
-    table_launch,
 )
 
 # Per vocabulary: several chunks per row in each kernel (a partial last one), the race's chunk smaller
 # and larger than the stats', tiles narrower than chunks. (The interpreter runs programs one by one.)
-# With one_hot_race_in_stats, one-hot batches run their races in the stats kernel's chunks instead.
+# race_in_stats: one-hot and sparse batches race their stop rows in the stats kernel instead.
 LAUNCHES = {
     1000: [Launch(256, 128, 4, 128, 64, 2), Launch(128, 64, 4, 512, 128, 4), Launch(256, 64, 4, 128, 64, 2, True)],
     4099: [
         Launch(1024, 256, 8, 512, 256, 2),
         Launch(512, 512, 4, 1024, 256, 1),
-        Launch(512, 256, 4, 512, 256, 2, True),
+        Launch(4096, 512, 4, 512, 256, 2, True),
     ],
 }
 # (q mode, which requests are greedy): all greedy, all random per q mode, and a mixed batch.
@@ -31,7 +29,7 @@ CASES = {
     "dense": ("dense", [False] * 3),
     "sparse": ("sparse", [False] * 3),
     "mixed": ("dense", [True, False, False]),
-    "mixed_one_hot": ("one_hot", [False, True, False]),
+    "mixed_sparse": ("sparse", [False, True, False]),
 }
 
 
@@ -68,20 +66,9 @@ def test_default_launch_covers_every_batch_size_and_mode():
         default_launch(1, 4, 151_936, "top_k")
 
 
-@pytest.mark.parametrize("vocab_size", [32000, 151_936])
-def test_small_one_hot_calls_race_in_the_stats_pass(vocab_size):
-    for num_reqs in (1, 2, 4, 8, 16, 64, 256):
-        for k in (1, 3, 5):
-            num_logits = num_reqs * (k + 1)
-            launch = default_launch(num_reqs, num_logits, vocab_size, "one_hot")
-            small = num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS
-            assert launch.one_hot_race_in_stats == small, (num_reqs, k)
-            if small:
-                assert num_logits * -(-vocab_size // launch.stats_chunk) <= RACE_IN_STATS_MAX_PROGRAMS
-                assert launch.stats_chunk == 1024 or num_logits * -(-vocab_size // (launch.stats_chunk // 2)) > (
-                    RACE_IN_STATS_MAX_PROGRAMS
-                ), "the smallest chunk that fits"
-            else:
-                assert launch == table_launch(num_reqs, "one_hot")
-            for mode in ("greedy", "dense", "sparse"):
-                assert not default_launch(num_reqs, num_logits, vocab_size, mode).one_hot_race_in_stats
+def test_small_one_hot_and_sparse_calls_race_in_the_stats_kernel():
+    for mode in MODES:
+        for num_reqs, vocab_size in ((1, 151_936), (4, 151_936), (16, 32_000), (64, 151_936), (256, 32_000)):
+            small = num_reqs * 4 * vocab_size <= RACE_IN_STATS_MAX_LOGITS
+            launch = default_launch(num_reqs, num_reqs * 4, vocab_size, mode)
+            assert launch.race_in_stats == (small and mode in ("one_hot", "sparse")), (mode, num_reqs)

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import binomtest, chisquare
 
 from kernels import SparseDraftProbs, rejection_sample
+from kernels.rng import GROUP_SIZE
 
 P_VALUE = 1e-4
 
@@ -139,3 +140,25 @@ def test_kernel_follows_target():
     p = target_logits.double().softmax(-1)
     assert_follows(out.sampled[:, 0], p[0])
     assert_follows(out.sampled[out.num_sampled == 2, 1], p[1])
+
+
+@pytest.mark.parametrize("mode", ["one_hot_sampled", "dense", "sparse"])
+def test_tokens_follow_target_across_race_groups(mode):
+    """The recovered / bonus token's race runs over groups of GROUP_SIZE ids, then within one: mass spread
+    over three groups (the last one partial), the rest filtered out by top-k."""
+    n, k = 6000, 1
+    vocab_size = 2 * GROUP_SIZE + 50
+    support = torch.tensor([3, 700, GROUP_SIZE - 1, GROUP_SIZE, GROUP_SIZE + 5, 2 * GROUP_SIZE - 2, 2 * GROUP_SIZE])
+    support = torch.cat([support, torch.tensor([vocab_size - 1])])
+    gen = torch.Generator().manual_seed(7)
+    target_logits = torch.full((k + 1, vocab_size), -20.0)
+    target_logits[:, support] = torch.randn(k + 1, support.numel(), generator=gen) * 1.5
+    q = torch.zeros(k, vocab_size)
+    q[:, support] = (torch.randn(k, support.numel(), generator=gen) * 1.5).softmax(-1)
+    draft_probs = {"dense": q, "sparse": truncate(q, 5)}.get(mode)
+    if mode == "sparse":
+        q = torch.zeros_like(q).scatter_(1, draft_probs.ids, draft_probs.probs)
+    out = verify_copies(target_logits, sample_drafts(q, n, seed=8), draft_probs, top_k=support.numel())
+    assert_follows(out.sampled[:, 0], filtered_probs(target_logits[0], 1.0, support.numel()))
+    assert_follows(out.sampled[out.num_sampled == 2, 1], filtered_probs(target_logits[1], 1.0, support.numel()))
+    assert 300 < int((out.num_sampled == 2).sum()) < n - 300  # both rows raced many times
