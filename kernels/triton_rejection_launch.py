@@ -78,7 +78,8 @@ LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
 # One-hot and sparse calls of at most this many logits (num_logits * vocab) race in the stats kernel. One H200
 # (2026-11-30, `benchmarks/rejection_sampler.py`, vocab 151,936, k 3): at batch 1 one-hot, 9.5 µs in two launches
 # against 7.6 in one; at batch 256 the race's registers in the stats pass cost more than a launch (one-hot 176.7
-# against 209.1 µs, sparse 184.8 against 282.8).
+# against 209.1 µs, sparse 184.8 against 282.8). The bound itself is the earlier probe's (racing every row in the
+# stats pass paid up to 16 x 151,936 and 32 x 32,000 logits), not re-tuned for the two-level race.
 RACE_IN_STATS_MAX_LOGITS = 2_500_000
 
 
