@@ -139,14 +139,15 @@ def rejection_sample_triton(
     (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode, race_res,
      race_counter) = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)  # fmt: skip
     num_stats_chunks = triton.cdiv(vocab_size, launch.stats_chunk)
+    # A random row's tile spans every piece of its chunk: at least one id of each.
+    stats_tile = max(min(launch.stats_block_v, stats_piece), launch.stats_chunk // stats_piece)
 
     stats_accept_kernel[(num_reqs, num_cols, num_stats_chunks)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token,
         stats_counter, sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size,
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
-        PIECE=stats_piece, BLOCK_V=min(launch.stats_block_v, stats_piece),
-        NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
+        PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),
         BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)), num_warps=launch.stats_warps,
         enable_fp_fusion=False, num_groups=num_groups, RACE_IN_STATS=race_in_stats,
