@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import SparseDraftProbs, rejection_sample  # noqa: E402
 from kernels.filtering import logit_thresholds  # noqa: E402
-from kernels.reference import LOG2E, densify  # noqa: E402
+from kernels.reference import LOG2E, densify, group_sums  # noqa: E402
 from kernels.rng import GROUP_SIZE, group_clocks, row_key, vocab_clocks  # noqa: E402
 from kernels.triton_race_kernel import race_kernel  # noqa: E402
 from kernels.triton_rejection import rejection_sample_triton, warm_up  # noqa: E402
@@ -112,8 +112,7 @@ def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> floa
         weights = (p - q[cu[r] + col]).clamp(min=0)
     if token_a // GROUP_SIZE != token_b // GROUP_SIZE:  # the tokens' groups: the race over the groups' masses
         num_groups = -(-x.numel() // GROUP_SIZE)
-        masses = torch.nn.functional.pad(weights, (0, num_groups * GROUP_SIZE - x.numel()))
-        score = masses.view(num_groups, GROUP_SIZE).sum(-1) / group_clocks(key, num_groups)[0]
+        score = group_sums(weights[None], num_groups)[0] / group_clocks(key, num_groups)[0]
         token_a, token_b = token_a // GROUP_SIZE, token_b // GROUP_SIZE
     elif q is not None and draft >= 0:
         score = weights / clocks

@@ -162,7 +162,7 @@ def _num_groups(vocab_size: int) -> int:
     return -(-vocab_size // GROUP_SIZE)
 
 
-def _group_sums(w: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, V] -> [n, num_groups]
+def group_sums(w: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, V] -> [n, num_groups]
     padded = torch.nn.functional.pad(w, (0, num_groups * GROUP_SIZE - w.shape[1]))
     return padded.view(w.shape[0], num_groups, GROUP_SIZE).sum(dim=-1)
 
@@ -170,8 +170,8 @@ def _group_sums(w: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, V] -> 
 def _race_groups(weights: torch.Tensor, p: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:  # [n] int64
     """The exponential race over the groups: argmax mass / clock, with the masses of ``weights``, or of p
     where the weights have no mass at all (rounding aside, only where no draft was rejected)."""
-    weight_race = _group_sums(weights, clocks.shape[1]) / clocks
-    p_race = _group_sums(p, clocks.shape[1]) / clocks
+    weight_race = group_sums(weights, clocks.shape[1]) / clocks
+    p_race = group_sums(p, clocks.shape[1]) / clocks
     return torch.where(weight_race.max(dim=-1).values > 0, weight_race.argmax(dim=-1), p_race.argmax(dim=-1))
 
 

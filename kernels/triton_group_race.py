@@ -11,6 +11,7 @@ Masses come from per-piece statistics: a piece is ``PIECE`` consecutive ids (a p
 import triton
 import triton.language as tl
 
+from kernels import rng
 from kernels.triton_rejection_common import (
     LOG2E,
     RACE_P,
@@ -18,14 +19,28 @@ from kernels.triton_rejection_common import (
     RACE_RESIDUAL,
     first_argmax,
     lane_argmax,
-    p_race_score,
     scaled_logits,
-    vocab_id,
 )
 from kernels.triton_rng import log2, vocab_clocks
 
-GROUP_SIZE = tl.constexpr(2048)  # kernels/rng.py GROUP_SIZE
-GROUP_INDEX = tl.constexpr(0x80000000)  # kernels/rng.py GROUP_INDEX
+GROUP_SIZE = tl.constexpr(rng.GROUP_SIZE)
+GROUP_INDEX = tl.constexpr(rng.GROUP_INDEX)
+
+
+@triton.jit
+def vocab_id(token, vocab_size):
+    """An int64 token id as int32 (compared with int32 offsets: no int64 per element); -1 where it is
+    no vocabulary id, so it still matches none."""
+    return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
+
+
+@triton.jit
+def p_race_score(x, key, offs, excluded, FAST_LOG2: tl.constexpr):
+    """The race from p, Gumbel-max in base 2: ``x log2(e) - log2 C`` per vocabulary id ``offs`` of the
+    row with ``key``; -inf at ``excluded`` (a rejected one-hot draft; -1 excludes nothing)."""
+    clock = vocab_clocks(key, offs, FAST_LOG2)
+    score = x * LOG2E - log2(clock, FAST_LOG2)
+    return tl.where(offs == excluded, float("-inf"), score)
 
 
 @triton.jit

@@ -11,8 +11,6 @@ every call: no state survives a call.
 import triton
 import triton.language as tl
 
-from kernels.triton_rng import log2, vocab_clocks
-
 # Per-request inputs arrive as views into one uploaded buffer (`models/step_upload.py`), at offsets that change
 # with the batch. Triton would compile a variant per 16-byte alignment of each pointer, mid-run (0.4-0.9 s on
 # the H200 machine); these are read a scalar at a time anyway, so neither kernel specialises on their alignment.
@@ -49,22 +47,6 @@ def scaled_logits(row_ptr, offs, vocab_size, threshold, inv_temperature, HAS_THR
 
 
 @triton.jit
-def vocab_id(token, vocab_size):
-    """An int64 token id as int32 (compared with int32 offsets: no int64 per element); -1 where it is
-    no vocabulary id, so it still matches none."""
-    return tl.where((token >= 0) & (token < vocab_size), token, -1).to(tl.int32)
-
-
-@triton.jit
-def p_race_score(x, key, offs, excluded, FAST_LOG2: tl.constexpr):
-    """The race from p, Gumbel-max in base 2: ``x log2(e) - log2 C`` per vocabulary id ``offs`` of the
-    row with ``key``; -inf at ``excluded`` (a rejected one-hot draft; -1 excludes nothing)."""
-    clock = vocab_clocks(key, offs, FAST_LOG2)
-    score = x * LOG2E - log2(clock, FAST_LOG2)
-    return tl.where(offs == excluded, float("-inf"), score)
-
-
-@triton.jit
 def lane_argmax(values, offs, best, token):
     """Per-lane running argmax; a later tile replaces a lane's entry only if strictly larger."""
     take = values > best
@@ -79,11 +61,12 @@ def first_argmax(best, token):
 
 
 @triton.jit
-def publish(ptr, value):
+def publish(ptr, value, mask=None):
     """A result another program of the request reduces: written at L2 (an atomic exchange), so the
     release of the counter below orders it for the reader, whatever thread stored it. 32-bit values
     travel as int32 bits (the interpreter exchanges integers only)."""
-    tl.atomic_xchg(ptr.to(tl.pointer_type(tl.int32), bitcast=True), value.to(tl.int32, bitcast=True), sem="relaxed")
+    bits = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    tl.atomic_xchg(bits, value.to(tl.int32, bitcast=True), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -94,11 +77,3 @@ def last_of_request(counter_ptr, req, total):
     last = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel") == total - 1
     tl.debug_barrier()  # and the reader's loads after the acquire
     return last
-
-
-@triton.jit
-def reduce_chunks(best_ptr, token_ptr, chunks, in_blocks):
-    """The winner over a row's chunks, read past L1 (other programs wrote them)."""
-    bests = tl.load(best_ptr + chunks, mask=in_blocks, other=float("-inf"), cache_modifier=".cg")
-    tokens = tl.load(token_ptr + chunks, mask=in_blocks, other=BIG_TOKEN, cache_modifier=".cg")
-    return first_argmax(bests, tokens)

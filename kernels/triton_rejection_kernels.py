@@ -125,7 +125,7 @@ def stats_accept_kernel(
                 positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
                 block_sum_ptr, block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
                 stop_sum_ptr, race_mode_ptr, vocab_size, tl.num_programs(2), num_pieces, num_cols,
-                Q_MODE, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V, NUM_BLOCKS_PAD, NUM_PIECES_PAD, BLOCK_K, BLOCK_COLS,
+                Q_MODE, HAS_THRESHOLD, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD, BLOCK_K, BLOCK_COLS,
                 num_groups, RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
             )  # fmt: skip
 
@@ -159,11 +159,8 @@ def _piece_stats(
     piece_index = chunk_start // PIECE + piece
     out = logits_row * num_pieces + piece_index
     present = piece_index < num_pieces
-    bits = tl.pointer_type(tl.int32)
-    tl.atomic_xchg(block_max_ptr.to(bits, bitcast=True) + out, piece_max.to(tl.int32, bitcast=True), mask=present,
-                   sem="relaxed")  # fmt: skip
-    tl.atomic_xchg(block_sum_ptr.to(bits, bitcast=True) + out, piece_sum.to(tl.int32, bitcast=True), mask=present,
-                   sem="relaxed")  # fmt: skip
+    publish(block_max_ptr + out, piece_max, present)
+    publish(block_sum_ptr + out, piece_sum, present)
 
 
 @triton.jit
@@ -173,7 +170,7 @@ def _accept_request(
     block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
     vocab_size, num_blocks, num_pieces, num_cols,
     Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr,
-    BLOCK_V: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups, RACE_IN_STATS: tl.constexpr,
     NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
