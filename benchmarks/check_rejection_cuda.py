@@ -8,7 +8,12 @@ candidates' race scores agree to ~1e-6 (relative) the two may pick different win
 (same accepted drafts, only the recovered / bonus token differs, both tokens' reference scores
 within 1e-5) is reported as a near-tie, not a failure.
 
-    python benchmarks/check_rejection_cuda.py [--cases 200]
+Then ``--large-cases`` batches of 64 to 256 requests (vocab 32,000 or 151,936, k 3 or 5, drafts accepted about
+60 % of the time, so requests stop at every row): grids of several waves, where the stats kernel's early exit
+skips rows while other rows of the same request run. Each is sampled three times, since a race between
+programs would show as tokens that change from call to call.
+
+    python benchmarks/check_rejection_cuda.py [--cases 200] [--large-cases 40]
 """
 
 import argparse
@@ -53,6 +58,23 @@ def clock_error() -> float:
     return ((out.double() - truth).abs() / truth).max().item()
 
 
+def on_device(gen: torch.Generator, dev: str, logits, drafts, cu, temperature, top_k, top_p, q, **extra) -> dict:
+    """A batch's sampler inputs on ``dev``, its seeds and positions drawn from ``gen`` last."""
+    batch = cu.numel() - 1
+    return dict(
+        target_logits=logits.to(dev),
+        draft_token_ids=drafts.to(dev),
+        cu_num_draft=cu.to(dev),
+        temperature=temperature.float().to(dev),
+        top_k=None if top_k is None else top_k.to(dev),
+        top_p=None if top_p is None else top_p.to(dev),
+        seeds=torch.randint(0, 2**62, (batch,), generator=gen).to(dev),
+        positions=torch.randint(0, 4096, (batch,), generator=gen).to(dev),
+        draft_probs=q,
+        **extra,
+    )
+
+
 def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     vocab = [100, 1000, 32000, 151936][i % 4]
     batch = int(torch.randint(1, 9, (1,), generator=gen))
@@ -74,17 +96,31 @@ def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
         ids[:, 0] = drafts
         probs = torch.rand(n_draft, 16, generator=gen)
         q = SparseDraftProbs(ids.to(dev), (probs / probs.sum(-1, keepdim=True)).to(dev))
-    return dict(
-        target_logits=logits.to(dev),
-        draft_token_ids=drafts.to(dev),
-        cu_num_draft=cu.to(dev),
-        temperature=temperature.float().to(dev),
-        top_k=top_k.int().to(dev),
-        top_p=top_p.float().to(dev),
-        seeds=torch.randint(0, 2**62, (batch,), generator=gen).to(dev),
-        positions=torch.randint(0, 4096, (batch,), generator=gen).to(dev),
-        draft_probs=q,
-    )
+    return on_device(gen, dev, logits, drafts, cu, temperature, top_k.int(), top_p.float(), q)
+
+
+def large_case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
+    """A batch of 64-256 requests whose drafts are accepted about 60 % of the time, without top-k / top-p."""
+    vocab = (32000, 151936)[i % 2]
+    batch = (64, 256)[(i // 2) % 2]
+    k = (3, 5)[(i // 4) % 2]
+    mode = ["one_hot", "dense", "sparse"][i % 3]
+    cu = torch.arange(batch + 1, dtype=torch.int32) * k
+    logits = torch.randn(batch * (k + 1), vocab, generator=gen) * 3
+    draft_rows = torch.arange(batch * (k + 1)).view(batch, k + 1)[:, :k].reshape(-1)
+    drafts = torch.randint(0, vocab, (batch * k,), generator=gen)
+    boost = torch.rand(batch * k, generator=gen) < 0.6  # p(draft) close to 1 on these rows
+    logits[draft_rows[boost], drafts[boost]] = 40.0
+    temperature = torch.where(torch.rand(batch, generator=gen) < 0.2, 0.0, 0.7 + torch.rand(batch, generator=gen))
+    q = None
+    if mode == "dense":
+        q = (torch.randn(batch * k, vocab, generator=gen) * 3).softmax(-1).to(dev)
+    elif mode == "sparse":
+        ids = torch.randint(0, vocab, (batch * k, 16), generator=gen)
+        ids[:, 0] = drafts
+        probs = torch.rand(batch * k, 16, generator=gen)
+        q = SparseDraftProbs(ids.to(dev), (probs / probs.sum(-1, keepdim=True)).to(dev))
+    return on_device(gen, dev, logits, drafts, cu, temperature, None, None, q, max_num_draft=k)
 
 
 def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> float:
@@ -97,7 +133,10 @@ def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> floa
     row = cu[r] + r + col
     logits = inputs["target_logits"][row : row + 1].float()
     t = inputs["temperature"][r : r + 1]
-    threshold = logit_thresholds(logits, t, inputs["top_k"][r : r + 1], inputs["top_p"][r : r + 1])
+    if inputs["top_k"] is None and inputs["top_p"] is None:
+        threshold = torch.full((1,), float("-inf"), device=logits.device)
+    else:
+        threshold = logit_thresholds(logits, t, inputs["top_k"][r : r + 1], inputs["top_p"][r : r + 1])
     x = (logits / t[:, None]).masked_fill(logits < threshold[:, None], float("-inf"))[0]
     key = row_key(inputs["seeds"][r : r + 1], inputs["positions"][r : r + 1] + col)
     clocks = vocab_clocks(key, x.numel())[0]
@@ -167,30 +206,34 @@ def compiles_for_unaligned_inputs(vocab: int = 151936, k: int = 3) -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", type=int, default=200)
+    p.add_argument("--large-cases", type=int, default=40)
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
     new_compiles = compiles_for_unaligned_inputs()
     print(f"kernel variants compiled for unaligned per-request inputs after the warm-up: {new_compiles}")
     bad_reqs = near_ties = total_reqs = 0
-    for i in range(args.cases):
-        inputs = case(gen, i)
-        a = rejection_sample(**inputs, backend="triton")
+    batches = [(f"case {i}", case(gen, i), 1) for i in range(args.cases)]
+    batches += [(f"large case {i}", large_case(gen, i), 3) for i in range(args.large_cases)]
+    for name, inputs, calls in batches:
         b = rejection_sample(**inputs, backend="reference")
-        diff = (a.sampled != b.sampled).any(-1) | (a.num_sampled != b.num_sampled)
-        total_reqs += diff.numel()
-        for r in diff.nonzero().flatten().tolist():
-            col = int(b.num_sampled[r]) - 1
-            same_prefix = int(a.num_sampled[r]) == col + 1 and torch.equal(a.sampled[r, :col], b.sampled[r, :col])
-            gap = race_gap(inputs, r, col, int(a.sampled[r, col]), int(b.sampled[r, col])) if same_prefix else 1.0
-            near_ties += gap < NEAR_TIE
-            bad_reqs += gap >= NEAR_TIE
-            ours, ref = a.sampled[r].tolist(), b.sampled[r].tolist()
-            print(f"case {i} request {r}: triton {ours} reference {ref}, race-score gap {gap:.1e}")
+        total_reqs += b.num_sampled.numel()
+        for _ in range(calls):
+            a = rejection_sample(**inputs, backend="triton")
+            diff = (a.sampled != b.sampled).any(-1) | (a.num_sampled != b.num_sampled)
+            for r in diff.nonzero().flatten().tolist():
+                col = int(b.num_sampled[r]) - 1
+                same_prefix = int(a.num_sampled[r]) == col + 1 and torch.equal(a.sampled[r, :col], b.sampled[r, :col])
+                gap = race_gap(inputs, r, col, int(a.sampled[r, col]), int(b.sampled[r, col])) if same_prefix else 1.0
+                near_ties += gap < NEAR_TIE
+                bad_reqs += gap >= NEAR_TIE
+                ours, ref = a.sampled[r].tolist(), b.sampled[r].tolist()
+                print(f"{name} request {r}: triton {ours} reference {ref}, race-score gap {gap:.1e}")
     clock = clock_error()
     print(f"race clock on the GPU: max relative error {clock:.2e} over all 2^23 uniforms (limit {CLOCK_TOLERANCE:g})")
     print(
-        f"triton vs reference on {torch.cuda.get_device_name()}: {args.cases} batches, {total_reqs} requests, "
-        f"{bad_reqs} differ, {near_ties} near-ties (< {NEAR_TIE:g} relative race-score gap)"
+        f"triton vs reference on {torch.cuda.get_device_name()}: {len(batches)} batches ({args.large_cases} of "
+        f"64-256 requests, sampled 3 times), {total_reqs} requests, {bad_reqs} differ, {near_ties} near-ties "
+        f"(< {NEAR_TIE:g} relative race-score gap)"
     )
     sys.exit(1 if bad_reqs or clock > CLOCK_TOLERANCE or new_compiles else 0)
 

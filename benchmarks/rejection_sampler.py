@@ -12,10 +12,14 @@ mode in {greedy, one_hot, dense, sparse} it times one verification step two ways
   on the H200 host (~8-25 µs per launch) dominates every small batch and moves run to run.
 
 A sampler that cannot be captured (a host sync inside) is timed eagerly in both columns, marked *.
-Bandwidth: the bytes one read of the logits takes (plus q's rows for dense / sparse: the kernels
-read q only at the draft and, when it is rejected, on the stop row), against 4.8 TB/s.
+Bandwidth: the bytes the step must read, against 4.8 TB/s: each request's logits rows up to its stop row
+(no output depends on a later row, and our kernels skip such rows once the rejection is known; the
+JSON's ``bytes_all_rows`` is one read of every row), plus sparse q (dense q is read only at the draft
+and, when it is rejected, on the stop row).
 
-Drafts are the target's argmax: greedy rows accept all, random rows accept with p(argmax). top-k /
+Drafts are the target's argmax: greedy rows accept all, random rows accept with p(argmax), which for
+one-hot q is small (most requests stop at their first row; ``--alpha A``: also one-hot rows where p(draft)
+is raised to A, so each draft is accepted with probability A, as in serving). top-k /
 top-p are off and passed as None and ``max_num_draft`` is given, so our Triton path makes no host
 sync (as inside a CUDA graph). Sparse q keeps the top 16 ids (the last one swapped for the draft
 when missing).
@@ -45,16 +49,30 @@ MODES = ("greedy", "one_hot", "dense", "sparse")
 SPARSE_K = 16
 
 
-def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str) -> dict:
+TEMPERATURE = 0.8  # random modes
+
+
+def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str, alpha: float | None = None) -> dict:
+    """``alpha`` (one-hot only): the draft's p raised to ``alpha`` on every draft row, so that each draft is
+    accepted with probability ``alpha`` (without it, p(draft) is small and most drafts are rejected)."""
     gen = torch.Generator(device=device).manual_seed(vocab_size + batch * 10 + k)
     num_logits = batch * (k + 1)
     logits = torch.randn(num_logits, vocab_size, device=device, generator=gen) * 3
     draft_rows = torch.arange(num_logits, device=device).view(batch, k + 1)[:, :k].reshape(-1)
+    drafts = logits[draft_rows].argmax(-1)
+    if alpha is not None:
+        if mode != "one_hot":
+            raise ValueError("alpha applies to one-hot drafts only")
+        x = logits[draft_rows] / TEMPERATURE
+        x[torch.arange(drafts.numel(), device=device), drafts] = float("-inf")
+        # softmax(x)[d] = alpha  <=>  x_d = log(alpha / (1 - alpha)) + logsumexp(x without d)
+        x_d = torch.logsumexp(x, -1) + torch.log(torch.tensor(alpha / (1 - alpha), device=device))
+        logits[draft_rows, drafts] = TEMPERATURE * x_d
     inputs = dict(
         target_logits=logits,
-        draft_token_ids=logits[draft_rows].argmax(-1),
+        draft_token_ids=drafts,
         cu_num_draft=torch.arange(batch + 1, device=device, dtype=torch.int32) * k,
-        temperature=torch.full((batch,), 0.0 if mode == "greedy" else 0.8, device=device),
+        temperature=torch.full((batch,), 0.0 if mode == "greedy" else TEMPERATURE, device=device),
         top_k=None,
         top_p=None,
         seeds=torch.arange(batch, device=device, dtype=torch.int64),
@@ -76,9 +94,11 @@ def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str) -> 
     return inputs
 
 
-def input_bytes(inputs: dict) -> int:
-    """One read of the logits, plus q at the drafts' rows (the bytes the step must touch)."""
-    n = inputs["target_logits"].numel() * inputs["target_logits"].element_size()
+def input_bytes(inputs: dict, num_sampled: torch.Tensor | None = None) -> int:
+    """The logits rows up to each request's stop row (every row without ``num_sampled``), plus sparse q."""
+    logits = inputs["target_logits"]
+    rows = logits.shape[0] if num_sampled is None else int(num_sampled.sum())
+    n = rows * logits.shape[1] * logits.element_size()
     q = inputs.get("draft_probs")
     if isinstance(q, SparseDraftProbs):
         n += q.ids.numel() * q.ids.element_size() + q.probs.numel() * q.probs.element_size()
@@ -98,16 +118,19 @@ def graph_us(fn) -> tuple[float, bool]:
         return eager_us(fn), False
 
 
-def measure(vocab_size: int, batch: int, k: int, mode: str, vllm_samplers: dict) -> dict:
-    inputs = make_inputs(vocab_size, batch, k, mode, "cuda")
-    row = dict(vocab=vocab_size, batch=batch, k=k, mode=mode, bytes=input_bytes(inputs))
+def measure(vocab_size: int, batch: int, k: int, mode: str, vllm_samplers: dict, alpha: float | None = None) -> dict:
+    inputs = make_inputs(vocab_size, batch, k, mode, "cuda", alpha)
+    label = mode if alpha is None else f"{mode} alpha {alpha}"
     ours = lambda: rejection_sample(**inputs, backend="triton")  # noqa: E731
+    num_sampled = ours().num_sampled
+    row = dict(vocab=vocab_size, batch=batch, k=k, mode=label, alpha=alpha, bytes=input_bytes(inputs, num_sampled))
+    row["bytes_all_rows"] = input_bytes(inputs)
     row["triton_us"], _ = graph_us(ours)
     row["triton_eager_us"] = eager_us(ours)
     row["reference_us"] = eager_us(lambda: rejection_sample(**inputs, backend="reference"))
     row["effective_gbps"] = row["bytes"] / (row["triton_us"] * 1e-6) / 1e9
     row["fraction_of_peak"] = row["effective_gbps"] * 1e9 / PEAK_BYTES_PER_S
-    row["mean_num_sampled"] = ours().num_sampled.float().mean().item()
+    row["mean_num_sampled"] = num_sampled.float().mean().item()
     for name, builder in vllm_samplers.items():
         row[f"vllm_{name}_us"] = None
         if callable(builder):
@@ -123,7 +146,7 @@ def measure(vocab_size: int, batch: int, k: int, mode: str, vllm_samplers: dict)
 def markdown(rows: list[dict], vllm_names: list[str]) -> list[str]:
     columns = ["vocab", "batch", "k", "mode", "ours graph µs", "ours eager µs", "reference eager µs"]
     columns += [f"vLLM {n} graph µs" for n in vllm_names] + [f"vLLM {n} eager µs" for n in vllm_names]
-    columns += [f"vs vLLM {n} (graph)" for n in vllm_names] + ["GB/s", "% of 4.8 TB/s"]
+    columns += [f"vs vLLM {n} (graph)" for n in vllm_names] + ["GB/s", "% of 4.8 TB/s", "mean num_sampled"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
         cells = [r["vocab"], r["batch"], r["k"], r["mode"], f"{r['triton_us']:.1f}", f"{r['triton_eager_us']:.1f}"]
@@ -133,7 +156,7 @@ def markdown(rows: list[dict], vllm_names: list[str]) -> list[str]:
         cells += [f"{t:.1f}{m}" if t else "-" for t, m in zip(vllm, marks)]
         cells += [f"{r[f'vllm_{n}_eager_us']:.1f}" if r.get(f"vllm_{n}_eager_us") else "-" for n in vllm_names]
         cells += [f"{t / r['triton_us']:.2f}x" if t else "-" for t in vllm]
-        cells += [f"{r['effective_gbps']:.0f}", f"{100 * r['fraction_of_peak']:.1f}%"]
+        cells += [f"{r['effective_gbps']:.0f}", f"{100 * r['fraction_of_peak']:.1f}%", f"{r['mean_num_sampled']:.2f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
@@ -143,6 +166,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--vllm-src", type=Path, help="unpacked vllm source tree to compare against")
     parser.add_argument("--quick", action="store_true", help="vocab 151936, batch {1, 64, 256}, k 3 only")
+    parser.add_argument(
+        "--alpha", type=float, nargs="*", default=[],
+        help="also one-hot shapes with batch >= 64 whose drafts are accepted with these probabilities",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -166,6 +193,9 @@ def main() -> None:
                     rows.append(measure(vocab_size, batch, k, mode, vllm_samplers))
                     print(markdown(rows[-1:], vllm_names)[-1], flush=True)
                     torch.cuda.empty_cache()
+                for alpha in args.alpha if batch >= 64 else ():
+                    rows.append(measure(vocab_size, batch, k, "one_hot", vllm_samplers, alpha))
+                    print(markdown(rows[-1:], vllm_names)[-1], flush=True)
 
     summary = dict(
         gpu=torch.cuda.get_device_name(),

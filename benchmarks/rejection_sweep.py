@@ -67,7 +67,9 @@ FULL = Grid(
     batches=(1, 8, 64, 256),
     ks=(1, 3, 5),
     modes=MODES,
-    stats=tuple((c, b, w) for c in (2048, 4096, 8192, 16384) for b in (512, 1024, 2048) for w in (4, 8) if b <= c),
+    stats=tuple(
+        (c, b, w) for c in (2048, 4096, 8192, 16384) for b in (512, 1024, 2048, 4096) for w in (4, 8) if b <= c
+    ),
     race=tuple((c, b, w) for c in (1024, 2048, 4096, 8192) for b in (256, 512, 1024) for w in (2, 4, 8)),
 )
 # Smaller chunks for small batches (more programs), larger tiles with more warps for large ones.

@@ -48,7 +48,7 @@ def race_kernel(
     block_max_ptr,  # [num_logits, num_stats_pieces] float32: the first pass's piece statistics
     block_sum_ptr,
     race_res_ptr,  # [num_reqs, num_pieces] float32: residual mass of each piece of the stop row
-    counter_ptr,  # [num_reqs] int32, 0 between calls
+    counter_ptr,  # [num_reqs] int32, 0 between calls (the last program sets it back)
     sampled_ptr,  # [num_reqs, num_cols] int64 in/out
     vocab_size,
     num_pieces,  # cdiv(V, PIECE)
@@ -97,6 +97,8 @@ def race_kernel(
                     if piece_index < num_pieces:
                         publish(race_res_ptr + req * num_pieces + piece_index, tl.sum(mass, axis=0))
                 race_here = last_of_request(counter_ptr, req, tl.num_programs(1))
+                if race_here:
+                    tl.store(counter_ptr + req, 0)  # 0 again for the next call
         if race_here:
             p_masses = piece_masses(block_max_ptr, block_sum_ptr, row * num_stats_pieces, num_stats_pieces,
                                     row_max, row_sum, NUM_GROUPS_PAD, GROUP_SIZE // STATS_PIECE)  # fmt: skip

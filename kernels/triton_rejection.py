@@ -5,11 +5,15 @@ reference's docstring. Every logits row is cut into chunks of vocabulary ids, on
 with its own chunk size (``kernels/triton_rejection_launch.py``), and chunks into pieces of at most
 ``GROUP_SIZE`` ids, whose statistics make up the race's groups.
 
-1. ``stats_accept_kernel``, grid ``(num_reqs, max_num_draft + 1, num_stats_chunks)``: the only full pass
-   over the logits. Per (row, piece): online softmax statistics (max, sum of exp); greedy rows: the argmax
-   per chunk. The request's last program then walks its rows until the first rejection: combine the
-   statistics, ``p(d) = exp(x_d - max) / sum`` from one load, accept iff ``u * q(d) < p(d)`` (greedy:
-   ``d == argmax``), write ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy requests are done here.
+1. ``stats_accept_kernel``, grid ``(num_stats_chunks, num_reqs, max_num_draft + 1)``: the only full pass
+   over the logits, rows in order. Per (row, piece): online softmax statistics (max, sum of exp); greedy
+   rows: the argmax per chunk. A row's last program combines the statistics, computes
+   ``p(d) = exp(x_d - max) / sum`` from one load and accepts iff ``u * q(d) < p(d)`` (greedy:
+   ``d == argmax``). **Early exit:** a rejection is flagged to the request's later rows, and their programs
+   that start after it read nothing, since no output depends on a row past the first rejection (at large
+   batches, where programs run in several waves, rows after an early rejection cost almost nothing). The
+   request's last row to finish writes ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy requests
+   are done here.
 2. ``race_kernel``, grid ``(num_reqs, 1)`` (dense q: ``(num_reqs, num_race_chunks)``): the two-level race on
    each random request's stop row (``kernels/triton_group_race.py``). The groups' masses come from the
    pieces' statistics (a rejected one-hot or sparse draft's ``min(p, q)`` taken out; a rejected dense draft's
@@ -17,9 +21,9 @@ with its own chunk size (``kernels/triton_rejection_launch.py``), and chunks int
    group's 2,048 ids only. Skipped when the caller says every request is greedy. Small one-hot and sparse
    calls (``Launch.race_in_stats``) run this race in the stats kernel's last program instead: one launch.
 
-So the logits are read once (a rejected dense draft: plus its stop row and q row). Ties go to the lowest id
-everywhere, as in ``torch.argmax``. Each call allocates its outputs and two scratch buffers (the int one
-zeroed: it holds the per-request counters), so calls share no state.
+So the logits are read at most once (a rejected dense draft: plus its stop row and q row). Ties go to the
+lowest id everywhere, as in ``torch.argmax``. Each call allocates its outputs and scratch; the counters
+live in a per-device workspace that every call leaves at zero (``_counters``), so no memset runs per call.
 
 Top-k / top-p rows take a slower path: a per-row logit threshold from ``kernels/filtering.py`` (a
 sort, in torch, of those rows only) before the kernels run; the kernels mask ``logits < threshold``.
@@ -56,19 +60,37 @@ def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.de
 def _scratch(
     num_logits: int, num_reqs: int, num_stats_pieces: int, num_race_pieces: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
-    """The kernels' scratch for one call: one float and one int allocation; the ints (counters among
-    them) are zeroed, so a call never depends on an earlier one, also inside CUDA graphs. ``block_*``
-    hold one entry per (logits row, stats piece), ``race_res`` per (request, race piece): dense q only,
-    else 0."""
+    """The kernels' scratch for one call: one float and one int allocation, uninitialised (every entry is
+    written before it is read). ``block_*`` hold one entry per (logits row, stats piece), ``row_*`` one per
+    logits row, ``race_res`` per (request, race piece): dense q only, else 0."""
     rows, reqs = num_logits * num_stats_pieces, num_reqs * num_race_pieces
-    block_max, block_sum, race_res, stop_max, stop_sum = _segments(
-        [rows, rows, reqs, num_reqs, num_reqs], torch.float32, False, device
-    )
-    block_token, race_mode, stats_counter, race_counter = _segments(
-        [rows, num_reqs, num_reqs, num_reqs], torch.int32, True, device
-    )
-    return (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode, race_res,
-            race_counter)  # fmt: skip
+    floats = _segments([rows, rows, num_logits, num_logits, reqs, num_reqs, num_reqs], torch.float32, False, device)
+    return floats + _segments([rows, num_logits, num_reqs], torch.int32, False, device)
+
+
+# Per device, the counters' workspaces, newest last; older ones stay allocated, since a captured CUDA graph may
+# still use one.
+_WORKSPACES: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+
+
+def _counters(num_logits: int, num_reqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The kernels' counters and flags (row counters, row acceptances, request counters, first rejections,
+    race counters): int32 zeros that each call leaves at zero (the program that completes a count sets it
+    back), held per device so that no memset runs per call. Calls on one device must therefore run in
+    stream order (one stream, as in the verifier). Inside a CUDA graph capture that finds the workspace
+    too small, a zeroed buffer of the graph's own."""
+    sizes = [
+        triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in (num_logits, num_logits, num_reqs, num_reqs, num_reqs)
+    ]
+    held = _WORKSPACES.setdefault((device.type, device.index), [])
+    if held and held[-1].numel() >= sum(sizes):
+        buf = held[-1]
+    elif device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        buf = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+    else:
+        buf = torch.zeros(max(sum(sizes), 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=device)
+        held.append(buf)
+    return buf[: sum(sizes)].split(sizes)
 
 
 def rejection_sample_triton(
@@ -136,16 +158,18 @@ def rejection_sample_triton(
     num_race_pieces = triton.cdiv(vocab_size, race_piece) if q_mode == DENSE else 0
     num_groups = triton.cdiv(vocab_size, GROUP_SIZE)
     race_in_stats = launch.race_in_stats and q_mode != DENSE and not all_greedy
-    (block_max, block_sum, block_token, stats_counter, stop_max, stop_sum, race_mode, race_res,
-     race_counter) = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)  # fmt: skip
+    (block_max, block_sum, row_max, row_sum, race_res, stop_max, stop_sum, block_token, row_token,
+     race_mode) = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)  # fmt: skip
+    row_counter, row_accepted, stats_counter, first_rejected, race_counter = _counters(num_logits, num_reqs, device)
     num_stats_chunks = triton.cdiv(vocab_size, launch.stats_chunk)
     # A random row's tile spans every piece of its chunk: at least one id of each.
     stats_tile = max(min(launch.stats_block_v, stats_piece), launch.stats_chunk // stats_piece)
 
-    stats_accept_kernel[(num_reqs, num_cols, num_stats_chunks)](
+    stats_accept_kernel[(num_stats_chunks, num_reqs, num_cols)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
-        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token,
-        stats_counter, sampled, num_sampled, num_rejected, stop_max, stop_sum, race_mode, vocab_size,
+        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, row_counter,
+        row_max, row_sum, row_token, row_accepted, first_rejected, stats_counter, sampled, num_sampled, num_rejected,
+        stop_max, stop_sum, race_mode, vocab_size,
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
         PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),

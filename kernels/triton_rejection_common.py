@@ -4,8 +4,9 @@ helpers with torch.argmax's tie rule, and the "last program of the request" prot
 Each kernel ends with a "last program of the request" step instead of a third launch: every program
 of a request publishes its chunk's result (an atomic exchange, so it lands in L2), then bumps the
 request's counter (release); the program that sees the count complete (acquire) reduces the chunks,
-reading past L1 (``.cg``), and writes the request's output. Counters are zeroed by the launcher for
-every call: no state survives a call.
+reading past L1 (``.cg``), and writes the request's output. The stats kernel does the same per row
+first. Counters live in a workspace that is zero between calls: the program that completes a count sets
+it back to 0 (``kernels/triton_rejection.py``), so no memset runs per call and no state survives a call.
 """
 
 import triton
@@ -25,6 +26,8 @@ NO_RACE = tl.constexpr(0)
 RACE_P = tl.constexpr(1)
 RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
 RACE_RESIDUAL = tl.constexpr(3)
+# A request's first rejected row j is kept as NO_REJECTION - j in a counter zeroed before the call (atomic max).
+NO_REJECTION = tl.constexpr(1 << 30)
 
 
 @triton.jit

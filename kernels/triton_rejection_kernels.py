@@ -15,6 +15,7 @@ from kernels.triton_rejection_common import (
     BIG_TOKEN,
     NO_MAX,
     NO_RACE,
+    NO_REJECTION,
     RACE_P,
     RACE_P_EXCLUDE_DRAFT,
     RACE_RESIDUAL,
@@ -65,7 +66,13 @@ def stats_accept_kernel(
     block_max_ptr,  # [num_logits, num_pieces] float32: max of x (greedy rows: max logit)
     block_sum_ptr,  # [num_logits, num_pieces] float32: sum of exp(x - piece max) (random rows)
     block_token_ptr,  # [num_logits, num_pieces] int32: argmax (greedy rows: of the chunk, at its first piece)
-    counter_ptr,  # [num_reqs] int32, 0 between calls
+    row_counter_ptr,  # [num_logits] int32, 0 between calls: the row's chunks done (or skipped)
+    row_max_ptr,  # [num_logits] float32: the row's softmax max (written by the row's last program)
+    row_sum_ptr,  # [num_logits] float32: and sum
+    row_token_ptr,  # [num_logits] int32: a greedy row's argmax
+    row_accepted_ptr,  # [num_logits] int32, 0 between calls: 1 where the row's draft is accepted
+    first_rejected_ptr,  # [num_reqs] int32, 0 between calls: NO_REJECTION - the request's first rejected row
+    counter_ptr,  # [num_reqs] int32, 0 between calls: the request's rows done
     sampled_ptr,  # [num_reqs, num_cols] int64 out (the stop column is patched by race_kernel)
     num_sampled_ptr,  # [num_reqs] int32 out
     num_rejected_ptr,  # [num_reqs] int32 out
@@ -90,56 +97,91 @@ def stats_accept_kernel(
     RACE_TILE: tl.constexpr = 1,
     FAST_LOG2: tl.constexpr = False,
 ):
-    """Grid (num_reqs, max_num_draft + 1, cdiv(V, CHUNK)): the one full pass over the logits, one chunk
-    of one row per program; the request's last program then walks its rows to the first rejection."""
-    req = tl.program_id(0)
-    row = tl.program_id(1)
-    blk = tl.program_id(2)
+    """Grid (cdiv(V, CHUNK), num_reqs, max_num_draft + 1): the one full pass over the logits, one chunk of
+    one row per program, rows in order (the GPU starts programs roughly in grid order). A row's last
+    program decides its acceptance; a rejection tells the request's later rows, whose programs that
+    start after it read nothing (no token depends on a row after the first rejection). The last row of
+    the request to finish writes the request's output. Every counter is back at 0 when the call ends."""
+    blk = tl.program_id(0)
+    req = tl.program_id(1)
+    row = tl.program_id(2)
     draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
     num_draft = tl.load(cu_num_draft_ptr + req + 1).to(tl.int64) - draft_start
+    temperature = tl.load(temperature_ptr + req)
     if row <= num_draft:
         logits_row = draft_start + req + row
         row_ptr = logits_ptr + logits_row * logits_stride
-        temperature = tl.load(temperature_ptr + req)
-        chunk_start = blk * CHUNK
-        if temperature <= 0:  # greedy: the argmax of the raw logits, one entry per chunk (at its first piece)
-            lane = tl.arange(0, BLOCK_V)
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            token = chunk_start + lane
-            for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
-                offs = start + lane
-                logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-                best, token = lane_argmax(logits, offs, best, token)
-            top, top_token = first_argmax(best, token)
-            out = logits_row * num_pieces + blk * (CHUNK // PIECE)
-            publish(block_max_ptr + out, top)
-            publish(block_token_ptr + out, top_token)
-        else:
-            _piece_stats(
-                row_ptr, logits_row, chunk_start, num_pieces, threshold_ptr, 1.0 / temperature, vocab_size,
-                block_max_ptr, block_sum_ptr, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V,
-            )  # fmt: skip
-        if last_of_request(counter_ptr, req, (num_draft + 1) * tl.num_programs(2)):
-            _accept_request(
-                req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr,
-                positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
-                block_sum_ptr, block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
-                stop_sum_ptr, race_mode_ptr, vocab_size, tl.num_programs(2), num_pieces, num_cols,
-                Q_MODE, HAS_THRESHOLD, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD, BLOCK_K, BLOCK_COLS,
-                num_groups, RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
-            )  # fmt: skip
+        # What the row's last program needs to accept or reject: the draft and, for random rows, its x and
+        # q(d), loaded by every program while its chunk streams in, off the request's critical path.
+        draft = tl.load(draft_ids_ptr + draft_start + row, mask=row < num_draft, other=-1)
+        safe_draft = tl.maximum(draft, 0)
+        inv_temperature = 1.0 / tl.where(temperature > 0, temperature, 1.0)
+        threshold = row_threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
+        x_d = scaled_logits(row_ptr, safe_draft, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
+        q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + row, safe_draft,
+                          draft >= 0, Q_MODE, BLOCK_K)  # fmt: skip
+        if _needed(first_rejected_ptr, req, row):
+            chunk_start = blk * CHUNK
+            if temperature <= 0:  # greedy: the argmax of the raw logits, one entry per chunk (at its first piece)
+                lane = tl.arange(0, BLOCK_V)
+                best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                token = chunk_start + lane
+                for start in range(chunk_start, chunk_start + CHUNK, BLOCK_V):
+                    offs = start + lane
+                    logits = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+                    best, token = lane_argmax(logits, offs, best, token)
+                top, top_token = first_argmax(best, token)
+                out = logits_row * num_pieces + blk * (CHUNK // PIECE)
+                publish(block_max_ptr + out, top)
+                publish(block_token_ptr + out, top_token)
+            else:
+                _piece_stats(
+                    row_ptr, logits_row, chunk_start, num_pieces, threshold, inv_temperature, vocab_size,
+                    block_max_ptr, block_sum_ptr, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V,
+                )  # fmt: skip
+        if last_of_request(row_counter_ptr, logits_row, tl.num_programs(0)):
+            tl.store(row_counter_ptr + logits_row, 0)
+            # A chunk skips only after an earlier rejection, which this read then sees too (release/acquire
+            # through the row's counter): a row cut short is not needed, and its acceptance is not worked out.
+            if _needed(first_rejected_ptr, req, row):
+                _accept_row(
+                    req, row, logits_row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr,
+                    block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr,
+                    first_rejected_ptr, tl.num_programs(0), num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD,
+                )  # fmt: skip
+            if last_of_request(counter_ptr, req, num_draft + 1):
+                tl.store(counter_ptr + req, 0)
+                tl.store(first_rejected_ptr + req, 0)
+                _finish_request(
+                    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr,
+                    positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids,
+                    block_max_ptr, block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr,
+                    sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
+                    vocab_size, num_pieces, num_cols, Q_MODE, HAS_THRESHOLD, PIECE, BLOCK_K, BLOCK_COLS, num_groups,
+                    RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
+                )  # fmt: skip
+
+
+@triton.jit
+def _needed(first_rejected_ptr, req, row):
+    """False once an earlier row of the request is known to be rejected. The flag changes while programs run,
+    so it is read by an atomic, whose one value the whole program shares: a plain load would be issued by
+    every thread, and threads reading different values would split the program's branches (and barriers)."""
+    needed = row >= 0
+    if row > 0:  # row 0 is always needed
+        needed = NO_REJECTION - tl.atomic_add(first_rejected_ptr + req, 0, sem="relaxed") >= row
+    return needed
 
 
 @triton.jit
 def _piece_stats(
-    row_ptr, logits_row, chunk_start, num_pieces, threshold_ptr, inv_temperature, vocab_size, block_max_ptr,
+    row_ptr, logits_row, chunk_start, num_pieces, threshold, inv_temperature, vocab_size, block_max_ptr,
     block_sum_ptr, HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """A random row's chunk: online softmax per lane, one exp per element, as a [pieces, ids] tile so that
     every lane stays in one piece and the pieces are reduced once, at the end."""
     NUM: tl.constexpr = CHUNK // PIECE
     WIDTH: tl.constexpr = BLOCK_V // NUM
-    threshold = row_threshold(threshold_ptr, logits_row, HAS_THRESHOLD)
     piece = tl.arange(0, NUM)
     base = chunk_start + piece[:, None] * PIECE + tl.arange(0, WIDTH)[None, :]
     # A finite start (below any logit) keeps exp's argument finite without a guard per element.
@@ -164,100 +206,96 @@ def _piece_stats(
 
 
 @triton.jit
-def _accept_request(
-    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, seeds_ptr, positions_ptr,
-    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr,
-    block_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
-    vocab_size, num_blocks, num_pieces, num_cols,
-    Q_MODE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups, RACE_IN_STATS: tl.constexpr,
-    NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
+def _accept_row(
+    req, j, row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr, block_sum_ptr, block_token_ptr,
+    row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr, first_rejected_ptr, num_blocks, num_pieces,
+    CHUNK: tl.constexpr, PIECE: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
 ):  # fmt: skip
-    """One request's rows in order until the first rejection; writes its output but the stop token
-    of a random row, which ``race_kernel`` samples (``race_mode`` says from what), or with
-    ``RACE_IN_STATS`` this program (one launch for the call; its registers cost the pass at large batches)."""
-    temperature = tl.load(temperature_ptr + req)
-    greedy = temperature <= 0
-    inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seeds_ptr + req)
-    position = tl.load(positions_ptr + req)
-    pieces = tl.arange(0, NUM_PIECES_PAD)
-    in_pieces = pieces < num_pieces
-    chunk_pieces = tl.arange(0, NUM_BLOCKS_PAD) * (CHUNK // PIECE)  # a greedy row's entry per chunk
-    in_chunks = tl.arange(0, NUM_BLOCKS_PAD) < num_blocks
-
-    searching = tl.full([], 1, tl.int32)
-    num_accepted = num_draft
-    stop_token = tl.full([], -1, tl.int32)
-    stop_max = tl.zeros([], tl.float32)
-    stop_sum = tl.full([], 1.0, tl.float32)
-    race_mode = tl.zeros([], tl.int32)
-    if Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
-        draft_race = tl.full([], RACE_P_EXCLUDE_DRAFT, tl.int32)
+    """Row j of the request (logits row ``row``), once all its chunks are in: combine the statistics, accept or
+    reject the draft (the bonus row has none: never accepted) and publish the row's result; a rejection
+    also goes to ``first_rejected``, which the request's later rows check before reading their logits."""
+    has_draft = draft >= 0
+    if temperature <= 0:
+        chunks = row * num_pieces + tl.arange(0, NUM_BLOCKS_PAD) * (CHUNK // PIECE)  # one entry per chunk
+        in_chunks = tl.arange(0, NUM_BLOCKS_PAD) < num_blocks
+        chunk_max = tl.load(block_max_ptr + chunks, mask=in_chunks, other=float("-inf"), cache_modifier=".cg")
+        tokens = tl.load(block_token_ptr + chunks, mask=in_chunks, other=BIG_TOKEN, cache_modifier=".cg")
+        _, token = first_argmax(chunk_max, tokens)
+        accepted = (has_draft & (draft == token)).to(tl.int32)
+        publish(row_token_ptr + row, token)
     else:
-        draft_race = tl.full([], RACE_RESIDUAL, tl.int32)
-    for j in range(0, num_draft + 1):
-        if searching != 0:
-            row = draft_start + req + j
-            row_pieces = row * num_pieces + pieces
-            draft = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_draft, other=-1)
-            has_draft = draft >= 0
-            if greedy:
-                chunks = row * num_pieces + chunk_pieces
-                chunk_max = tl.load(block_max_ptr + chunks, mask=in_chunks, other=float("-inf"), cache_modifier=".cg")
-                tokens = tl.load(block_token_ptr + chunks, mask=in_chunks, other=BIG_TOKEN, cache_modifier=".cg")
-                _, token = first_argmax(chunk_max, tokens)
-                accepted = (has_draft & (draft == token)).to(tl.int32)
-                row_max = tl.zeros([], tl.float32)
-                row_sum = tl.full([], 1.0, tl.float32)
-                mode = tl.full([], NO_RACE, tl.int32)
-            else:
-                token = tl.full([], -1, tl.int32)
-                piece_max = tl.load(
-                    block_max_ptr + row_pieces, mask=in_pieces, other=float("-inf"), cache_modifier=".cg"
-                )
-                piece_sum = tl.load(block_sum_ptr + row_pieces, mask=in_pieces, other=0.0, cache_modifier=".cg")
-                row_max = tl.max(piece_max, axis=0)
-                row_sum = tl.sum(
-                    tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - row_max)), axis=0
-                )
-                safe_draft = tl.maximum(draft, 0)
-                x_d = scaled_logits(
-                    logits_ptr + row * logits_stride, safe_draft, vocab_size,
-                    row_threshold(threshold_ptr, row, HAS_THRESHOLD), inv_temperature, HAS_THRESHOLD,
-                )  # fmt: skip
-                p_d = tl.exp(x_d - row_max) / row_sum
-                q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + j,
-                                  safe_draft, has_draft, Q_MODE, BLOCK_K)  # fmt: skip
-                u = accept_uniform(row_key(seed, position + j))
-                accepted = (has_draft & (q_d > 0) & (u * q_d < p_d)).to(tl.int32)
-                mode = tl.where(has_draft, draft_race, RACE_P).to(tl.int32)
-            if accepted == 0:
-                searching = tl.zeros([], tl.int32)
-                num_accepted = j
-                stop_token = token
-                stop_max = row_max
-                stop_sum = row_sum
-                race_mode = mode
+        pieces = tl.arange(0, NUM_PIECES_PAD)
+        in_pieces = pieces < num_pieces
+        row_pieces = row * num_pieces + pieces
+        piece_max = tl.load(block_max_ptr + row_pieces, mask=in_pieces, other=float("-inf"), cache_modifier=".cg")
+        piece_sum = tl.load(block_sum_ptr + row_pieces, mask=in_pieces, other=0.0, cache_modifier=".cg")
+        row_max = tl.max(piece_max, axis=0)
+        row_sum = tl.sum(tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - row_max)), axis=0)
+        p_d = tl.exp(x_d - row_max) / row_sum
+        u = accept_uniform(row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j))
+        accepted = (has_draft & (q_d > 0) & (u * q_d < p_d)).to(tl.int32)
+        publish(row_max_ptr + row, row_max)
+        publish(row_sum_ptr + row, row_sum)
+    publish(row_accepted_ptr + row, accepted)
+    if accepted == 0:
+        tl.atomic_max(first_rejected_ptr + req, tl.full([], NO_REJECTION, tl.int32) - j.to(tl.int32), sem="relaxed")
+
+
+@triton.jit
+def _finish_request(
+    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr, positions_ptr,
+    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, row_max_ptr,
+    row_sum_ptr, row_token_ptr, row_accepted_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
+    stop_sum_ptr, race_mode_ptr, vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups,
+    RACE_IN_STATS: tl.constexpr, NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
+):  # fmt: skip
+    """The request's output, from its rows' results: the accepted drafts up to the first rejection, and
+    the stop token of a greedy row; a random stop row's token is left to ``race_kernel`` (``race_mode``
+    says from what), or with ``RACE_IN_STATS`` raced by this program (one launch for the call; its
+    registers cost the pass at large batches). Rows past the first rejection may have no result (never
+    read, or ``row_accepted`` still 0): only the first 0 counts."""
+    # One round of loads: every row's result, the stop row's picked out once the first 0 is known.
+    first_row = draft_start + req
+    col = tl.arange(0, BLOCK_COLS)
+    in_rows = col <= num_draft
+    accepted = tl.load(row_accepted_ptr + first_row + col, mask=in_rows, other=0, cache_modifier=".cg")
+    drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_draft, other=-1)
+    tokens = tl.load(row_token_ptr + first_row + col, mask=in_rows, other=-1, cache_modifier=".cg")
+    maxes = tl.load(row_max_ptr + first_row + col, mask=in_rows, other=0.0, cache_modifier=".cg")
+    sums = tl.load(row_sum_ptr + first_row + col, mask=in_rows, other=1.0, cache_modifier=".cg")
+    tl.store(row_accepted_ptr + first_row + col, 0, mask=in_rows)  # 0 again for the next call
+    num_accepted = tl.min(tl.where(accepted == 0, col, BLOCK_COLS), axis=0).to(tl.int64)
+    at_stop = col == num_accepted
+    stop_row = first_row + num_accepted
+    draft_index = draft_start + num_accepted
+    stop_draft = tl.max(tl.where(at_stop, drafts, -1), axis=0)
+    # A greedy row published its token, a random row its max and sum: the other entries hold anything.
+    greedy = temperature <= 0
+    stop_token = tl.where(greedy, tl.max(tl.where(at_stop, tokens, -1), axis=0), -1)
+    stop_max = tl.where(greedy, 0.0, tl.sum(tl.where(at_stop, maxes, 0.0), axis=0))
+    stop_sum = tl.where(greedy, 1.0, tl.sum(tl.where(at_stop, sums, 0.0), axis=0))
+    if greedy:
+        race_mode = tl.full([], NO_RACE, tl.int32)
+    elif Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
+        race_mode = tl.where(stop_draft >= 0, RACE_P_EXCLUDE_DRAFT, RACE_P).to(tl.int32)
+    else:
+        race_mode = tl.where(stop_draft >= 0, RACE_RESIDUAL, RACE_P).to(tl.int32)
 
     if RACE_IN_STATS:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if race_mode != NO_RACE:
-            stop_row = draft_start + req + num_accepted
-            draft_index = draft_start + num_accepted
             threshold = row_threshold(threshold_ptr, stop_row, HAS_THRESHOLD)
             p_masses = piece_masses(block_max_ptr, block_sum_ptr, stop_row * num_pieces, num_pieces, stop_max,
                                     stop_sum, NUM_GROUPS_PAD, GROUP_SIZE // PIECE)  # fmt: skip
+            key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + num_accepted)
             stop_token = race_stop_row(
-                logits_ptr + stop_row * logits_stride, p_masses, p_masses, row_key(seed, position + num_accepted),
-                race_mode, draft_ids_ptr + draft_index, q_ptr + draft_index * q_stride,
-                q_ids_ptr + draft_index * q_ids_stride, num_q_ids, vocab_size, threshold, inv_temperature, stop_max,
-                stop_sum, num_groups, Q_MODE, HAS_THRESHOLD, NUM_GROUPS_PAD, BLOCK_K, RACE_TILE, FAST_LOG2,
+                logits_ptr + stop_row * logits_stride, p_masses, p_masses, key, race_mode,
+                draft_ids_ptr + draft_index, q_ptr + draft_index * q_stride, q_ids_ptr + draft_index * q_ids_stride,
+                num_q_ids, vocab_size, threshold, 1.0 / temperature, stop_max, stop_sum, num_groups, Q_MODE,
+                HAS_THRESHOLD, NUM_GROUPS_PAD, BLOCK_K, RACE_TILE, FAST_LOG2,
             )  # fmt: skip
             race_mode = tl.full([], NO_RACE, tl.int32)
-    col = tl.arange(0, BLOCK_COLS)
-    drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)
-    sampled = tl.where(col == num_accepted, stop_token.to(tl.int64), drafts)
+    sampled = tl.where(at_stop, stop_token.to(tl.int64), tl.where(col < num_accepted, drafts, -1))
     tl.store(sampled_ptr + req * num_cols + col, sampled, mask=col < num_cols)
     tl.store(num_sampled_ptr + req, (num_accepted + 1).to(tl.int32))
     tl.store(num_rejected_ptr + req, (num_draft - num_accepted).to(tl.int32))

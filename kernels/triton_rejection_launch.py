@@ -57,30 +57,34 @@ def _power_of_2(n: int) -> bool:
 INTERPRETER_LAUNCH = Launch(32768, 16384, 4, 32768, 16384, 4)
 GPU_LAUNCH = Launch(8192, 1024, 4, 8192, 1024, 4)
 # Mode class ("greedy" or "random") -> ((largest num_reqs, launch), ...) in increasing num_reqs.
-# `cd benchmarks && python3 rejection_sweep.py --quick [--batch 8 --vocab 32000 151936]` on one H200
-# (2026-11-29, k 3): smaller programs at batch 1 (7.3 -> 6.3 µs greedy, 13.9 -> 11.1 µs random) and at batch
-# 8 (random 1.2x on average), within 2 % of the default at batch 64 and 256.
+# Batches of 1 and 8: `cd benchmarks && python3 rejection_sweep.py --quick [--batch 8 --vocab 32000 151936]` on one
+# H200 (2026-11-29, k 3): smaller programs at batch 1 (7.3 -> 6.3 µs greedy, 13.9 -> 11.1 µs random) and at batch
+# 8 (random 1.2x on average). Batches of 64 and 256: `rejection_sweep.py --vocab 32000 151936 --batch 64 256`
+# (2026-11-30, rows in order with the early exit; benchmarks/results/rejection_sampler_h200.md, tenth session).
 LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
     "greedy": (
         (1, Launch(2048, 512, 4, 8192, 1024, 4)),
-        (64, Launch(8192, 1024, 8, 8192, 1024, 4)),
+        (8, Launch(8192, 1024, 8, 8192, 1024, 4)),
         (sys.maxsize, Launch(16384, 1024, 4, 8192, 1024, 4)),
     ),
     "random": (
         (1, Launch(2048, 1024, 8, 2048, 1024, 4)),
         (8, Launch(2048, 512, 4, 1024, 256, 2)),
-        (64, Launch(16384, 1024, 4, 4096, 512, 4)),
-        (sys.maxsize, Launch(8192, 1024, 4, 8192, 1024, 4)),
+        (64, Launch(16384, 2048, 4, 4096, 512, 4)),
+        (sys.maxsize, Launch(8192, 512, 4, 8192, 1024, 4)),
     ),
 }
 
 
-# One-hot and sparse calls of at most this many logits (num_logits * vocab) race in the stats kernel. One H200
-# (2026-11-30, `benchmarks/rejection_sampler.py`, vocab 151,936, k 3): at batch 1 one-hot, 9.5 µs in two launches
-# against 7.6 in one; at batch 256 the race's registers in the stats pass cost more than a launch (one-hot 176.7
-# against 209.1 µs, sparse 184.8 against 282.8). The bound itself is the earlier probe's (racing every row in the
-# stats pass paid up to 16 x 151,936 and 32 x 32,000 logits), not re-tuned for the two-level race.
+# One-hot and sparse calls race in the stats kernel when they have at most this many logits (num_logits * vocab),
+# or rows of at most RACE_IN_STATS_MAX_VOCAB ids and at most RACE_IN_STATS_MAX_ROWS of them. One H200: at batch 1
+# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one; at batch 256 the race's registers
+# in the stats pass cost more than a launch (one-hot 176.7 against 209.1 µs, sparse 184.8 against 282.8;
+# 2026-11-30); at vocab 32,000, batch 64, k 1-5 (128-384 rows) one launch saved 1.1-2.2 µs (tenth session's
+# probe). The bounds are those measurements', not a sweep.
 RACE_IN_STATS_MAX_LOGITS = 2_500_000
+RACE_IN_STATS_MAX_VOCAB = 65_536
+RACE_IN_STATS_MAX_ROWS = 384
 
 
 def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -> Launch:
@@ -92,6 +96,8 @@ def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -
         if num_reqs <= max_reqs:
             launch = row_launch
             break
-    if mode in ("one_hot", "sparse") and num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS:
+    few_logits = num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS
+    few_short_rows = vocab_size <= RACE_IN_STATS_MAX_VOCAB and num_logits <= RACE_IN_STATS_MAX_ROWS
+    if mode in ("one_hot", "sparse") and (few_logits or few_short_rows):
         launch = replace(launch, race_in_stats=True)
     return launch

@@ -67,8 +67,11 @@ def test_default_launch_covers_every_batch_size_and_mode():
 
 
 def test_small_one_hot_and_sparse_calls_race_in_the_stats_kernel():
+    # (num_reqs, vocab, one launch?) at 4 rows per request: few logits, or at most 384 rows of a short vocabulary.
+    cases = ((1, 151_936, True), (4, 151_936, True), (5, 151_936, False), (64, 151_936, False), (16, 32_000, True),
+             (64, 32_000, True), (96, 32_000, True), (97, 32_000, False), (256, 32_000, False))  # fmt: skip
+    assert 4 * 4 * 151_936 <= RACE_IN_STATS_MAX_LOGITS < 5 * 4 * 151_936
     for mode in MODES:
-        for num_reqs, vocab_size in ((1, 151_936), (4, 151_936), (16, 32_000), (64, 151_936), (256, 32_000)):
-            small = num_reqs * 4 * vocab_size <= RACE_IN_STATS_MAX_LOGITS
+        for num_reqs, vocab_size, one_launch in cases:
             launch = default_launch(num_reqs, num_reqs * 4, vocab_size, mode)
-            assert launch.race_in_stats == (small and mode in ("one_hot", "sparse")), (mode, num_reqs)
+            assert launch.race_in_stats == (one_launch and mode in ("one_hot", "sparse")), (mode, num_reqs, vocab_size)
