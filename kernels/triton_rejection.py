@@ -60,9 +60,9 @@ def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.de
 def _scratch(
     num_logits: int, num_reqs: int, num_stats_pieces: int, num_race_pieces: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
-    """The kernels' scratch for one call: one float and one int allocation, uninitialised (every entry is
-    written before it is read). ``block_*`` hold one entry per (logits row, stats piece), ``row_*`` one per
-    logits row, ``race_res`` per (request, race piece): dense q only, else 0."""
+    """The kernels' scratch for one call: one float and one int allocation, uninitialised (an entry is used
+    only once a program of this call has written it). ``block_*`` hold one entry per (logits row, stats
+    piece), ``row_*`` one per logits row, ``race_res`` per (request, race piece): dense q only, else 0."""
     rows, reqs = num_logits * num_stats_pieces, num_reqs * num_race_pieces
     floats = _segments([rows, rows, num_logits, num_logits, reqs, num_reqs, num_reqs], torch.float32, False, device)
     return floats + _segments([rows, num_logits, num_reqs], torch.int32, False, device)
