@@ -87,16 +87,15 @@ def accept_uniform(key: torch.Tensor) -> torch.Tensor:  # [n] float32
     return uniform_from_bits(random_bits(key, ACCEPT_INDEX))
 
 
-def vocab_clocks(key: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [n, V] float32
+def vocab_clocks(key: torch.Tensor, vocab_size: int, first_index: int = 0) -> torch.Tensor:  # [n, V] float32
     """The exponential race's clock for every (row, vocabulary id): ``-log2(u)``, an Exp(1) variable
     divided by ln 2. A scale common to all clocks never changes a race's winner, and base 2 is what
-    the GPU computes fastest (one ``lg2`` instruction)."""
-    index = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
+    the GPU computes fastest (one ``lg2`` instruction). The noise indices start at ``first_index``."""
+    index = first_index + torch.arange(vocab_size, dtype=torch.int64, device=key.device)
     return -torch.log2(uniform_from_bits(random_bits(key, index)))
 
 
 def group_clocks(key: torch.Tensor, num_groups: int) -> torch.Tensor:  # [n, num_groups] float32
     """The race clock of every (row, group of ``GROUP_SIZE`` ids): as ``vocab_clocks``, from the
     group's own index ``GROUP_INDEX + g``."""
-    index = GROUP_INDEX + torch.arange(num_groups, dtype=torch.int64, device=key.device)
-    return -torch.log2(uniform_from_bits(random_bits(key, index)))
+    return vocab_clocks(key, num_groups, GROUP_INDEX)

@@ -42,9 +42,9 @@ def race_kernel(
     q_ids_stride,
     num_q_ids,
     num_sampled_ptr,  # [num_reqs] int32: the stop row is num_sampled - 1
-    stop_max_ptr,  # [num_reqs] float32
-    stop_sum_ptr,  # [num_reqs] float32
     race_mode_ptr,  # [num_reqs] int32
+    row_max_ptr,  # [num_logits] float32: each row's softmax max and sum, from the first pass
+    row_sum_ptr,
     block_max_ptr,  # [num_logits, num_stats_pieces] float32: the first pass's piece statistics
     block_sum_ptr,
     race_res_ptr,  # [num_reqs, num_pieces] float32: residual mass of each piece of the stop row
@@ -80,8 +80,8 @@ def race_kernel(
         row_q_ids_ptr = q_ids_ptr + draft_index * q_ids_stride
         inv_temperature = 1.0 / tl.load(temperature_ptr + req)
         threshold = row_threshold(threshold_ptr, row, HAS_THRESHOLD)
-        row_max = tl.load(stop_max_ptr + req)
-        row_sum = tl.load(stop_sum_ptr + req)
+        row_max = tl.load(row_max_ptr + row)
+        row_sum = tl.load(row_sum_ptr + row)
         race_here = blk == 0
         if Q_MODE == 1:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if race_mode == RACE_RESIDUAL:  # every program sums the residual of its pieces; the last one races

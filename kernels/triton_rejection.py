@@ -50,11 +50,16 @@ MIN_BLOCK_COLS = 4
 RACE_TILE = 512  # ids per tile of the race over one group (at most the launch's race tile)
 
 
-def _segments(sizes: list[int], dtype: torch.dtype, zero: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _aligned(sizes: list[int]) -> list[int]:
+    """Each size rounded up to SEGMENT_ALIGN elements, so that every segment starts 128-byte aligned."""
+    return [triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in sizes]
+
+
+def _segments(sizes: list[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Buffers of at least ``sizes`` elements carved from one allocation. Aligned starts keep Triton's
     pointer specialisation, and so the compiled kernel, the same for every batch size."""
-    padded = [triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in sizes]
-    return (torch.zeros if zero else torch.empty)(sum(padded), dtype=dtype, device=device).split(padded)
+    padded = _aligned(sizes)
+    return torch.empty(sum(padded), dtype=dtype, device=device).split(padded)
 
 
 def _scratch(
@@ -64,8 +69,8 @@ def _scratch(
     only once a program of this call has written it). ``block_*`` hold one entry per (logits row, stats
     piece), ``row_*`` one per logits row, ``race_res`` per (request, race piece): dense q only, else 0."""
     rows, reqs = num_logits * num_stats_pieces, num_reqs * num_race_pieces
-    floats = _segments([rows, rows, num_logits, num_logits, reqs, num_reqs, num_reqs], torch.float32, False, device)
-    return floats + _segments([rows, num_logits, num_reqs], torch.int32, False, device)
+    floats = _segments([rows, rows, num_logits, num_logits, reqs], torch.float32, device)
+    return floats + _segments([rows, num_logits, num_reqs], torch.int32, device)
 
 
 # Per device, the counters' workspaces, newest last; older ones stay allocated, since a captured CUDA graph may
@@ -79,9 +84,7 @@ def _counters(num_logits: int, num_reqs: int, device: torch.device) -> tuple[tor
     back), held per device so that no memset runs per call. Calls on one device must therefore run in
     stream order (one stream, as in the verifier). Inside a CUDA graph capture that finds the workspace
     too small, a zeroed buffer of the graph's own."""
-    sizes = [
-        triton.cdiv(n, SEGMENT_ALIGN) * SEGMENT_ALIGN for n in (num_logits, num_logits, num_reqs, num_reqs, num_reqs)
-    ]
+    sizes = _aligned([num_logits, num_logits, num_reqs, num_reqs, num_reqs])
     held = _WORKSPACES.setdefault((device.type, device.index), [])
     if held and held[-1].numel() >= sum(sizes):
         buf = held[-1]
@@ -129,7 +132,7 @@ def rejection_sample_triton(
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
-    num_sampled, num_rejected = (out[:num_reqs] for out in _segments([num_reqs] * 2, torch.int32, False, device))
+    num_sampled, num_rejected = (out[:num_reqs] for out in _segments([num_reqs] * 2, torch.int32, device))
     if num_reqs == 0:
         return RejectionOutput(sampled, num_sampled, num_rejected)
 
@@ -158,8 +161,8 @@ def rejection_sample_triton(
     num_race_pieces = triton.cdiv(vocab_size, race_piece) if q_mode == DENSE else 0
     num_groups = triton.cdiv(vocab_size, GROUP_SIZE)
     race_in_stats = launch.race_in_stats and q_mode != DENSE and not all_greedy
-    (block_max, block_sum, row_max, row_sum, race_res, stop_max, stop_sum, block_token, row_token,
-     race_mode) = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)  # fmt: skip
+    scratch = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)
+    block_max, block_sum, row_max, row_sum, race_res, block_token, row_token, race_mode = scratch
     row_counter, row_accepted, stats_counter, first_rejected, race_counter = _counters(num_logits, num_reqs, device)
     num_stats_chunks = triton.cdiv(vocab_size, launch.stats_chunk)
     # A random row's tile spans every piece of its chunk: at least one id of each.
@@ -169,7 +172,7 @@ def rejection_sample_triton(
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, row_counter,
         row_max, row_sum, row_token, row_accepted, first_rejected, stats_counter, sampled, num_sampled, num_rejected,
-        stop_max, stop_sum, race_mode, vocab_size,
+        race_mode, vocab_size,
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
         PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),
@@ -182,7 +185,7 @@ def rejection_sample_triton(
         race_programs = triton.cdiv(vocab_size, launch.race_chunk) if q_mode == DENSE else 1
         race_kernel[(num_reqs, race_programs)](
             target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
-            threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, stop_max, stop_sum, race_mode,
+            threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, num_sampled, race_mode, row_max, row_sum,
             block_max, block_sum, race_res, race_counter, sampled, vocab_size, num_race_pieces, num_stats_pieces,
             num_groups, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.race_chunk,
             PIECE=race_piece, STATS_PIECE=stats_piece, BLOCK_V=min(launch.race_block_v, race_piece),

@@ -26,7 +26,7 @@ NO_RACE = tl.constexpr(0)
 RACE_P = tl.constexpr(1)
 RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
 RACE_RESIDUAL = tl.constexpr(3)
-# A request's first rejected row j is kept as NO_REJECTION - j in a counter zeroed before the call (atomic max).
+# A request's first rejected row j is kept as NO_REJECTION - j (an atomic max on a flag that is 0 between calls).
 NO_REJECTION = tl.constexpr(1 << 30)
 
 

@@ -76,8 +76,6 @@ def stats_accept_kernel(
     sampled_ptr,  # [num_reqs, num_cols] int64 out (the stop column is patched by race_kernel)
     num_sampled_ptr,  # [num_reqs] int32 out
     num_rejected_ptr,  # [num_reqs] int32 out
-    stop_max_ptr,  # [num_reqs] float32 out: softmax max of the stop row
-    stop_sum_ptr,  # [num_reqs] float32 out: softmax sum of the stop row
     race_mode_ptr,  # [num_reqs] int32 out: what race_kernel does for the request
     vocab_size,
     num_pieces,  # per row: cdiv(V, PIECE)
@@ -156,7 +154,7 @@ def stats_accept_kernel(
                     req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr,
                     positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids,
                     block_max_ptr, block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr,
-                    sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr, stop_sum_ptr, race_mode_ptr,
+                    sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
                     vocab_size, num_pieces, num_cols, Q_MODE, HAS_THRESHOLD, PIECE, BLOCK_K, BLOCK_COLS, num_groups,
                     RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
                 )  # fmt: skip
@@ -245,8 +243,8 @@ def _accept_row(
 def _finish_request(
     req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr, positions_ptr,
     threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, row_max_ptr,
-    row_sum_ptr, row_token_ptr, row_accepted_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, stop_max_ptr,
-    stop_sum_ptr, race_mode_ptr, vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
+    row_sum_ptr, row_token_ptr, row_accepted_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
+    vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups,
     RACE_IN_STATS: tl.constexpr, NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
@@ -262,19 +260,15 @@ def _finish_request(
     accepted = tl.load(row_accepted_ptr + first_row + col, mask=in_rows, other=0, cache_modifier=".cg")
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_draft, other=-1)
     tokens = tl.load(row_token_ptr + first_row + col, mask=in_rows, other=-1, cache_modifier=".cg")
-    maxes = tl.load(row_max_ptr + first_row + col, mask=in_rows, other=0.0, cache_modifier=".cg")
-    sums = tl.load(row_sum_ptr + first_row + col, mask=in_rows, other=1.0, cache_modifier=".cg")
     tl.store(row_accepted_ptr + first_row + col, 0, mask=in_rows)  # 0 again for the next call
     num_accepted = tl.min(tl.where(accepted == 0, col, BLOCK_COLS), axis=0).to(tl.int64)
     at_stop = col == num_accepted
     stop_row = first_row + num_accepted
     draft_index = draft_start + num_accepted
     stop_draft = tl.max(tl.where(at_stop, drafts, -1), axis=0)
-    # A greedy row published its token, a random row its max and sum: the other entries hold anything.
+    # A greedy row published its token; a random row's entry holds anything.
     greedy = temperature <= 0
     stop_token = tl.where(greedy, tl.max(tl.where(at_stop, tokens, -1), axis=0), -1)
-    stop_max = tl.where(greedy, 0.0, tl.sum(tl.where(at_stop, maxes, 0.0), axis=0))
-    stop_sum = tl.where(greedy, 1.0, tl.sum(tl.where(at_stop, sums, 0.0), axis=0))
     if greedy:
         race_mode = tl.full([], NO_RACE, tl.int32)
     elif Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
@@ -285,6 +279,8 @@ def _finish_request(
     if RACE_IN_STATS:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if race_mode != NO_RACE:
             threshold = row_threshold(threshold_ptr, stop_row, HAS_THRESHOLD)
+            stop_max = tl.load(row_max_ptr + stop_row, cache_modifier=".cg")
+            stop_sum = tl.load(row_sum_ptr + stop_row, cache_modifier=".cg")
             p_masses = piece_masses(block_max_ptr, block_sum_ptr, stop_row * num_pieces, num_pieces, stop_max,
                                     stop_sum, NUM_GROUPS_PAD, GROUP_SIZE // PIECE)  # fmt: skip
             key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + num_accepted)
@@ -299,6 +295,4 @@ def _finish_request(
     tl.store(sampled_ptr + req * num_cols + col, sampled, mask=col < num_cols)
     tl.store(num_sampled_ptr + req, (num_accepted + 1).to(tl.int32))
     tl.store(num_rejected_ptr + req, (num_draft - num_accepted).to(tl.int32))
-    tl.store(stop_max_ptr + req, stop_max)
-    tl.store(stop_sum_ptr + req, stop_sum)
     tl.store(race_mode_ptr + req, race_mode)
