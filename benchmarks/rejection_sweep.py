@@ -20,7 +20,9 @@ input, filling Triton's on-disk cache, and the timing loop only loads binaries.
 
 Suggested table: per mode class (greedy, random) and batch, the stats launch, then the race launch,
 with the least mean time relative to each shape's best; then that launch and the default are timed
-again on every shape. A bucket covers the batch sizes up to the one measured.
+again on every shape. A bucket covers the batch sizes up to the one measured. Random batches of more
+than ``SMALL_BATCH`` requests get no suggestion: ``LARGE_BATCH_TABLE`` is keyed per mode by logits
+(rows x vocab), which a batch size alone does not pin down; the per-shape best launches set it.
 
 Duration on an H200 (estimated, not yet measured): ``--quick`` (12 shapes, 12 + 12 candidates, 75
 compilations, 288 timings) about 1 minute: ~20 s compiling, ~30 s timing (up to 2.5 minutes if the
@@ -47,7 +49,7 @@ import triton.testing
 from rejection_sampler import MODES, make_inputs  # benchmarks/ is on sys.path when run as a script
 
 from kernels.triton_rejection import rejection_sample_triton
-from kernels.triton_rejection_launch import Launch, default_launch
+from kernels.triton_rejection_launch import SMALL_BATCH, Launch, default_launch
 
 KernelShape = tuple[int, int, int]  # one kernel's (chunk, block_v, warps)
 
@@ -197,7 +199,7 @@ def suggest(records: list[dict]) -> dict[str, dict[int, Launch]]:
     """Per mode class and batch: the launch from the stats and race candidates best across shapes."""
     table: dict[str, dict[int, Launch]] = {}
     for cls in ("greedy", "random"):
-        for batch in sorted({r["batch"] for r in records}):
+        for batch in sorted({r["batch"] for r in records if cls == "greedy" or r["batch"] <= SMALL_BATCH}):
             group = [r for r in records if mode_class(r["mode"]) == cls and r["batch"] == batch]
             if group:
                 launch = group[0]["default"]
@@ -211,6 +213,8 @@ def suggest(records: list[dict]) -> dict[str, dict[int, Launch]]:
 def validate(records: list[dict], table: dict[str, dict[int, Launch]], device: str, time_us) -> None:
     """Times the default and the suggested launch again, back to back, on every shape."""
     for r in records:
+        if r["batch"] not in table.get(mode_class(r["mode"]), {}):
+            continue  # a large random batch: LARGE_BATCH_TABLE
         inputs = make_inputs(r["vocab"], r["batch"], r["k"], r["mode"], device)
         suggested = table[mode_class(r["mode"])][r["batch"]].fit(r["vocab"])
         expected = rejection_sample_triton(**inputs, launch=r["default"])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The verifier's limit on drafts per request (kernels.rejection.MAX_DRAFTS_PER_REQUEST; this package has no torch).
+MAX_SPECULATIVE_TOKENS = 31
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -29,8 +32,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
         if self.num_micro_batches < 1:
             raise ValueError("num_micro_batches must be >= 1")
         if self.max_num_seqs < 1:

@@ -9,11 +9,12 @@ with its own chunk size (``kernels/triton_rejection_launch.py``), and chunks int
    over the logits, rows in order. Per (row, piece): online softmax statistics (max, sum of exp); greedy
    rows: the argmax per chunk. A row's last program combines the statistics, computes
    ``p(d) = exp(x_d - max) / sum`` from one load and accepts iff ``u * q(d) < p(d)`` (greedy:
-   ``d == argmax``). **Early exit:** a rejection is flagged to the request's later rows, and their programs
-   that start after it read nothing, since no output depends on a row past the first rejection (at large
-   batches, where programs run in several waves, rows after an early rejection cost almost nothing). The
-   request's last row to finish writes ``sampled`` / ``num_sampled`` / ``num_rejected``; greedy requests
-   are done here.
+   ``d == argmax``), then marks the row done (and rejected) in the request's state word with one atomic OR.
+   **Early exit:** the request's later rows' programs that start after a rejection read nothing, since no
+   output depends on a row past the first rejection (at large batches, where programs run in several
+   waves, rows after an early rejection cost almost nothing). **Early finish:** the program whose mark
+   completes the rows up to the first rejection writes ``sampled`` / ``num_sampled`` / ``num_rejected``
+   at once, whatever the rows past it still do; greedy requests are done here.
 2. ``race_kernel``, grid ``(num_reqs, 1)`` (dense q: ``(num_reqs, num_race_chunks)``): the two-level race on
    each random request's stop row (``kernels/triton_group_race.py``). The groups' masses come from the
    pieces' statistics (a rejected one-hot or sparse draft's ``min(p, q)`` taken out; a rejected dense draft's
@@ -24,6 +25,7 @@ with its own chunk size (``kernels/triton_rejection_launch.py``), and chunks int
 So the logits are read at most once (a rejected dense draft: plus its stop row and q row). Ties go to the
 lowest id everywhere, as in ``torch.argmax``. Each call allocates its outputs and scratch; the counters
 live in a per-device workspace that every call leaves at zero (``_counters``), so no memset runs per call.
+A request has at most ``MAX_DRAFTS_PER_REQUEST`` drafts (its rows are bits of one state word).
 
 Top-k / top-p rows take a slower path: a per-row logit threshold from ``kernels/filtering.py`` (a
 sort, in torch, of those rows only) before the kernels run; the kernels mask ``logits < threshold``.
@@ -36,6 +38,7 @@ import torch
 import triton
 
 from kernels.filtering import row_thresholds
+from kernels.rejection import MAX_DRAFTS_PER_REQUEST
 from kernels.rng import GROUP_SIZE
 from kernels.triton_race_kernel import race_kernel
 from kernels.triton_rejection_kernels import stats_accept_kernel
@@ -79,12 +82,13 @@ _WORKSPACES: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 
 
 def _counters(num_logits: int, num_reqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The kernels' counters and flags (row counters, row acceptances, request counters, first rejections,
-    race counters): int32 zeros that each call leaves at zero (the program that completes a count sets it
-    back), held per device so that no memset runs per call. Calls on one device must therefore run in
-    stream order (one stream, as in the verifier). Inside a CUDA graph capture that finds the workspace
-    too small, a zeroed buffer of the graph's own."""
-    sizes = _aligned([num_logits, num_logits, num_reqs, num_reqs, num_reqs])
+    """The kernels' counters and states: per logits row, the stats kernel's chunks done (int32); per request,
+    the stats kernel's state (int64: rows done and rejected) and the race kernel's programs done (int32).
+    Zeros that each call leaves at zero (the program that completes a count sets it back), held per device
+    so that no memset runs per call. Calls on one device must therefore run in stream order (one stream, as
+    in the verifier). Inside a CUDA graph capture that finds the workspace too small, a zeroed buffer of the
+    graph's own."""
+    sizes = _aligned([num_logits, 2 * num_reqs, num_reqs])  # int32 elements; aligned, so the int64 view fits
     held = _WORKSPACES.setdefault((device.type, device.index), [])
     if held and held[-1].numel() >= sum(sizes):
         buf = held[-1]
@@ -93,7 +97,8 @@ def _counters(num_logits: int, num_reqs: int, device: torch.device) -> tuple[tor
     else:
         buf = torch.zeros(max(sum(sizes), 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=device)
         held.append(buf)
-    return buf[: sum(sizes)].split(sizes)
+    row_counter, state, race_counter = buf[: sum(sizes)].split(sizes)
+    return row_counter, state.view(torch.int64), race_counter
 
 
 def rejection_sample_triton(
@@ -129,6 +134,8 @@ def rejection_sample_triton(
         seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
     if max_num_draft is None:
         max_num_draft = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if num_reqs else 0
+    if max_num_draft > MAX_DRAFTS_PER_REQUEST:
+        raise ValueError(f"at most {MAX_DRAFTS_PER_REQUEST} drafts per request, got {max_num_draft}")
     num_cols = max_num_draft + 1
 
     sampled = torch.empty(num_reqs, num_cols, dtype=torch.int64, device=device)
@@ -163,7 +170,7 @@ def rejection_sample_triton(
     race_in_stats = launch.race_in_stats and q_mode != DENSE and not all_greedy
     scratch = _scratch(num_logits, num_reqs, num_stats_pieces, num_race_pieces, device)
     block_max, block_sum, row_max, row_sum, race_res, block_token, row_token, race_mode = scratch
-    row_counter, row_accepted, stats_counter, first_rejected, race_counter = _counters(num_logits, num_reqs, device)
+    row_counter, state, race_counter = _counters(num_logits, num_reqs, device)
     num_stats_chunks = triton.cdiv(vocab_size, launch.stats_chunk)
     # A random row's tile spans every piece of its chunk: at least one id of each.
     stats_tile = max(min(launch.stats_block_v, stats_piece), launch.stats_chunk // stats_piece)
@@ -171,8 +178,7 @@ def rejection_sample_triton(
     stats_accept_kernel[(num_stats_chunks, num_reqs, num_cols)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, row_counter,
-        row_max, row_sum, row_token, row_accepted, first_rejected, stats_counter, sampled, num_sampled, num_rejected,
-        race_mode, vocab_size,
+        row_max, row_sum, row_token, state, sampled, num_sampled, num_rejected, race_mode, vocab_size,
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
         PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),

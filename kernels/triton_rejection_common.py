@@ -5,8 +5,9 @@ Each kernel ends with a "last program of the request" step instead of a third la
 of a request publishes its chunk's result (an atomic exchange, so it lands in L2), then bumps the
 request's counter (release); the program that sees the count complete (acquire) reduces the chunks,
 reading past L1 (``.cg``), and writes the request's output. The stats kernel does the same per row
-first. Counters live in a workspace that is zero between calls: the program that completes a count sets
-it back to 0 (``kernels/triton_rejection.py``), so no memset runs per call and no state survives a call.
+first, then marks the row in the request's state word (``ROW_BITS``). Counters live in a workspace that
+is zero between calls: the program that completes a count sets it back to 0
+(``kernels/triton_rejection.py``), so no memset runs per call and no state survives a call.
 """
 
 import triton
@@ -26,8 +27,9 @@ NO_RACE = tl.constexpr(0)
 RACE_P = tl.constexpr(1)
 RACE_P_EXCLUDE_DRAFT = tl.constexpr(2)
 RACE_RESIDUAL = tl.constexpr(3)
-# A request's first rejected row j is kept as NO_REJECTION - j (an atomic max on a flag that is 0 between calls).
-NO_REJECTION = tl.constexpr(1 << 30)
+# A request's state is one int64: bit j once its row j is done, bit ROW_BITS + j if that row was rejected. So a
+# request has at most ROW_BITS rows (ROW_BITS - 1 drafts).
+ROW_BITS = tl.constexpr(32)
 
 
 @triton.jit

@@ -15,10 +15,10 @@ from kernels.triton_rejection_common import (
     BIG_TOKEN,
     NO_MAX,
     NO_RACE,
-    NO_REJECTION,
     RACE_P,
     RACE_P_EXCLUDE_DRAFT,
     RACE_RESIDUAL,
+    ROW_BITS,
     UNALIGNED_INPUTS,
     first_argmax,
     lane_argmax,
@@ -70,9 +70,7 @@ def stats_accept_kernel(
     row_max_ptr,  # [num_logits] float32: the row's softmax max (written by the row's last program)
     row_sum_ptr,  # [num_logits] float32: and sum
     row_token_ptr,  # [num_logits] int32: a greedy row's argmax
-    row_accepted_ptr,  # [num_logits] int32, 0 between calls: 1 where the row's draft is accepted
-    first_rejected_ptr,  # [num_reqs] int32, 0 between calls: NO_REJECTION - the request's first rejected row
-    counter_ptr,  # [num_reqs] int32, 0 between calls: the request's rows done
+    state_ptr,  # [num_reqs] int64, 0 between calls: bit j once row j is done, bit ROW_BITS + j if it was rejected
     sampled_ptr,  # [num_reqs, num_cols] int64 out (the stop column is patched by race_kernel)
     num_sampled_ptr,  # [num_reqs] int32 out
     num_rejected_ptr,  # [num_reqs] int32 out
@@ -97,9 +95,12 @@ def stats_accept_kernel(
 ):
     """Grid (cdiv(V, CHUNK), num_reqs, max_num_draft + 1): the one full pass over the logits, one chunk of
     one row per program, rows in order (the GPU starts programs roughly in grid order). A row's last
-    program decides its acceptance; a rejection tells the request's later rows, whose programs that
-    start after it read nothing (no token depends on a row after the first rejection). The last row of
-    the request to finish writes the request's output. Every counter is back at 0 when the call ends."""
+    program decides its acceptance and marks the row done (and rejected) in the request's state; a
+    rejection tells the request's later rows, whose programs that start after it read nothing (no token
+    depends on a row after the first rejection). The program whose mark completes the rows up to the
+    first rejection writes the request's output at once, not after the rows past it: with the race in
+    this kernel, the race runs while other requests still stream. Every counter is back at 0 when the
+    call ends."""
     blk = tl.program_id(0)
     req = tl.program_id(1)
     row = tl.program_id(2)
@@ -118,7 +119,7 @@ def stats_accept_kernel(
         x_d = scaled_logits(row_ptr, safe_draft, vocab_size, threshold, inv_temperature, HAS_THRESHOLD)
         q_d = _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_start + row, safe_draft,
                           draft >= 0, Q_MODE, BLOCK_K)  # fmt: skip
-        if _needed(first_rejected_ptr, req, row):
+        if _needed(state_ptr, req, row):
             chunk_start = blk * CHUNK
             if temperature <= 0:  # greedy: the argmax of the raw logits, one entry per chunk (at its first piece)
                 lane = tl.arange(0, BLOCK_V)
@@ -139,36 +140,67 @@ def stats_accept_kernel(
                 )  # fmt: skip
         if last_of_request(row_counter_ptr, logits_row, tl.num_programs(0)):
             tl.store(row_counter_ptr + logits_row, 0)
+            mark = tl.full([], 1, tl.int64) << row.to(tl.int64)
             # A chunk skips only after an earlier rejection, which this read then sees too (release/acquire
             # through the row's counter): a row cut short is not needed, and its acceptance is not worked out.
-            if _needed(first_rejected_ptr, req, row):
-                _accept_row(
+            if _needed(state_ptr, req, row):
+                accepted = _accept_row(
                     req, row, logits_row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr,
-                    block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr,
-                    first_rejected_ptr, tl.num_programs(0), num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD,
+                    block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, tl.num_programs(0),
+                    num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD,
                 )  # fmt: skip
-            if last_of_request(counter_ptr, req, num_draft + 1):
-                tl.store(counter_ptr + req, 0)
-                tl.store(first_rejected_ptr + req, 0)
+                mark = tl.where(accepted, mark, mark | (mark << ROW_BITS))
+            stop, finish, last = _mark_row(state_ptr, req, mark, num_draft)
+            if last:  # every row is done: no program of the request reads its state any more
+                tl.store(state_ptr + req, 0)
+            if finish:
                 _finish_request(
-                    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr,
-                    positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids,
-                    block_max_ptr, block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr,
-                    sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
-                    vocab_size, num_pieces, num_cols, Q_MODE, HAS_THRESHOLD, PIECE, BLOCK_K, BLOCK_COLS, num_groups,
-                    RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
+                    req, draft_start, num_draft, stop, logits_ptr, logits_stride, draft_ids_ptr, temperature,
+                    seeds_ptr, positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids,
+                    block_max_ptr, block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, sampled_ptr, num_sampled_ptr,
+                    num_rejected_ptr, race_mode_ptr, vocab_size, num_pieces, num_cols, Q_MODE, HAS_THRESHOLD, PIECE,
+                    BLOCK_K, BLOCK_COLS, num_groups, RACE_IN_STATS, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2,
                 )  # fmt: skip
 
 
 @triton.jit
-def _needed(first_rejected_ptr, req, row):
-    """False once an earlier row of the request is known to be rejected. The flag changes while programs run,
+def _needed(state_ptr, req, row):
+    """False once an earlier row of the request is known to be rejected. The state changes while programs run,
     so it is read by an atomic, whose one value the whole program shares: a plain load would be issued by
     every thread, and threads reading different values would split the program's branches (and barriers)."""
     needed = row >= 0
     if row > 0:  # row 0 is always needed
-        needed = NO_REJECTION - tl.atomic_add(first_rejected_ptr + req, 0, sem="relaxed") >= row
+        state = tl.atomic_add(state_ptr + req, 0, sem="relaxed")
+        rows_before = (tl.full([], 1, tl.int64) << row.to(tl.int64)) - 1
+        needed = (state >> ROW_BITS) & rows_before == 0
     return needed
+
+
+@triton.jit
+def _stop_row(state):
+    """(the first rejected row, whether every row up to it is done) in a request's state; the first part is
+    ROW_BITS while no row is known rejected. Once true, the second part stays true and the row stays the
+    stop row: rows before it are done and accepted."""
+    col = tl.arange(0, ROW_BITS)
+    stop = tl.min(tl.where(((state >> ROW_BITS) >> col) & 1 == 1, col, ROW_BITS), axis=0)
+    rows_to_stop = (tl.full([], 2, tl.int64) << stop.to(tl.int64)) - 1
+    return stop, (stop < ROW_BITS) & (state & rows_to_stop == rows_to_stop)
+
+
+@triton.jit
+def _mark_row(state_ptr, req, mark, num_draft):
+    """Marks a row done (and rejected) with one atomic OR. Returns the stop row as the state now stands,
+    whether this mark completed the rows up to it (true for exactly one program of the request, which
+    then writes the output), and whether it completed all the request's rows (which zeroes the state)."""
+    tl.debug_barrier()  # the row's results, whatever thread published them, before the release
+    old = tl.atomic_or(state_ptr + req, mark, sem="acq_rel")
+    tl.debug_barrier()  # and the finishing program's loads after the acquire
+    new = old | mark
+    stop, complete = _stop_row(new)
+    _, was_complete = _stop_row(old)
+    all_rows = (tl.full([], 2, tl.int64) << num_draft) - 1
+    last = (new & all_rows == all_rows) & (old & all_rows != all_rows)
+    return stop, complete & ~was_complete, last
 
 
 @triton.jit
@@ -206,12 +238,12 @@ def _piece_stats(
 @triton.jit
 def _accept_row(
     req, j, row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr, block_sum_ptr, block_token_ptr,
-    row_max_ptr, row_sum_ptr, row_token_ptr, row_accepted_ptr, first_rejected_ptr, num_blocks, num_pieces,
-    CHUNK: tl.constexpr, PIECE: tl.constexpr, NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
+    row_max_ptr, row_sum_ptr, row_token_ptr, num_blocks, num_pieces, CHUNK: tl.constexpr, PIECE: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
 ):  # fmt: skip
     """Row j of the request (logits row ``row``), once all its chunks are in: combine the statistics, accept or
-    reject the draft (the bonus row has none: never accepted) and publish the row's result; a rejection
-    also goes to ``first_rejected``, which the request's later rows check before reading their logits."""
+    reject the draft (the bonus row has none: never accepted), publish what the request's output needs from
+    the row and return whether it is accepted."""
     has_draft = draft >= 0
     if temperature <= 0:
         chunks = row * num_pieces + tl.arange(0, NUM_BLOCKS_PAD) * (CHUNK // PIECE)  # one entry per chunk
@@ -234,34 +266,27 @@ def _accept_row(
         accepted = (has_draft & (q_d > 0) & (u * q_d < p_d)).to(tl.int32)
         publish(row_max_ptr + row, row_max)
         publish(row_sum_ptr + row, row_sum)
-    publish(row_accepted_ptr + row, accepted)
-    if accepted == 0:
-        tl.atomic_max(first_rejected_ptr + req, tl.full([], NO_REJECTION, tl.int32) - j.to(tl.int32), sem="relaxed")
+    return accepted != 0
 
 
 @triton.jit
 def _finish_request(
-    req, draft_start, num_draft, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr, positions_ptr,
-    threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr, row_max_ptr,
-    row_sum_ptr, row_token_ptr, row_accepted_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
+    req, draft_start, num_draft, num_accepted, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr,
+    positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr,
+    row_max_ptr, row_sum_ptr, row_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
     vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups,
     RACE_IN_STATS: tl.constexpr, NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
-    """The request's output, from its rows' results: the accepted drafts up to the first rejection, and
-    the stop token of a greedy row; a random stop row's token is left to ``race_kernel`` (``race_mode``
-    says from what), or with ``RACE_IN_STATS`` raced by this program (one launch for the call; its
-    registers cost the pass at large batches). Rows past the first rejection may have no result (never
-    read, or ``row_accepted`` still 0): only the first 0 counts."""
-    # One round of loads: every row's result, the stop row's picked out once the first 0 is known.
+    """The request's output once its rows up to the first rejection (row ``num_accepted``) are decided: the
+    accepted drafts, and the stop token of a greedy row; a random stop row's token is left to
+    ``race_kernel`` (``race_mode`` says from what), or with ``RACE_IN_STATS`` raced by this program (one
+    launch for the call; its registers cost the pass at large batches)."""
     first_row = draft_start + req
     col = tl.arange(0, BLOCK_COLS)
-    in_rows = col <= num_draft
-    accepted = tl.load(row_accepted_ptr + first_row + col, mask=in_rows, other=0, cache_modifier=".cg")
+    num_accepted = num_accepted.to(tl.int64)
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_draft, other=-1)
-    tokens = tl.load(row_token_ptr + first_row + col, mask=in_rows, other=-1, cache_modifier=".cg")
-    tl.store(row_accepted_ptr + first_row + col, 0, mask=in_rows)  # 0 again for the next call
-    num_accepted = tl.min(tl.where(accepted == 0, col, BLOCK_COLS), axis=0).to(tl.int64)
+    tokens = tl.load(row_token_ptr + first_row + col, mask=col == num_accepted, other=-1, cache_modifier=".cg")
     at_stop = col == num_accepted
     stop_row = first_row + num_accepted
     draft_index = draft_start + num_accepted

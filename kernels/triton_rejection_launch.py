@@ -56,11 +56,12 @@ def _power_of_2(n: int) -> bool:
 # The interpreter (TRITON_INTERPRET, CPU tensors) runs few, large programs fastest.
 INTERPRETER_LAUNCH = Launch(32768, 16384, 4, 32768, 16384, 4)
 GPU_LAUNCH = Launch(8192, 1024, 4, 8192, 1024, 4)
-# Mode class ("greedy" or "random") -> ((largest num_reqs, launch), ...) in increasing num_reqs.
+# Mode class ("greedy" or "random") -> ((largest num_reqs, launch), ...) in increasing num_reqs; random batches of
+# more than SMALL_BATCH requests take LARGE_BATCH_TABLE instead.
 # Batches of 1 and 8: `cd benchmarks && python3 rejection_sweep.py --quick [--batch 8 --vocab 32000 151936]` on one
 # H200 (2026-11-29, k 3): smaller programs at batch 1 (7.3 -> 6.3 µs greedy, 13.9 -> 11.1 µs random) and at batch
-# 8 (random 1.2x on average). Batches of 64 and 256: `rejection_sweep.py --vocab 32000 151936 --batch 64 256`
-# (2026-11-30, rows in order with the early exit; benchmarks/results/rejection_sampler_h200.md, tenth session).
+# 8 (random 1.2x on average). Greedy batches of 64 and 256: `rejection_sweep.py --vocab 32000 151936 --batch 64 256`
+# (2026-11-30; benchmarks/results/rejection_sampler_h200.md, tenth session).
 LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
     "greedy": (
         (1, Launch(2048, 512, 4, 8192, 1024, 4)),
@@ -70,32 +71,53 @@ LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
     "random": (
         (1, Launch(2048, 1024, 8, 2048, 1024, 4)),
         (8, Launch(2048, 512, 4, 1024, 256, 2)),
-        (64, Launch(16384, 2048, 4, 4096, 512, 4)),
-        (sys.maxsize, Launch(8192, 512, 4, 8192, 1024, 4)),
+    ),
+}
+SMALL_BATCH = 8
+# Random batches of more than SMALL_BATCH requests: mode -> ((largest num_logits * vocab, launch), ...). The grid has
+# (rows x chunks per row) stats programs. One-hot rows are mostly rejected early, and the early exit pays only
+# for programs that start after a rejection: small chunks (several waves) up to 64M logits, where the programs
+# grow too many. Dense and sparse rows are read whole: 16,384-id chunks, halved while that leaves fewer than 512
+# programs (8M logits). `cd benchmarks && python3 rejection_launch_grid.py` on one H200 (eleventh session; vocab
+# 32,000 and 151,936, batch 64 and 256, k 1-5; benchmarks/results/rejection_sampler_h200.md): the best candidate
+# or within 5 % of it on every shape but two, both one-hot at vocab 32,000, batch 64, where 16,384 / 2,048 is
+# faster: k 1 (11.7 against 10.4 µs) and k 3 with drafts accepted at p 0.8 (15.5 against 13.1).
+LARGE_BATCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
+    "one_hot": (
+        (64_000_000, Launch(4096, 1024, 4, 4096, 512, 4, race_in_stats=True)),
+        (sys.maxsize, Launch(16384, 1024, 4, 8192, 1024, 4, race_in_stats=True)),
+    ),
+    "dense": (
+        (8_000_000, Launch(8192, 1024, 4, 4096, 512, 4)),
+        (sys.maxsize, Launch(16384, 1024, 4, 8192, 1024, 4)),
+    ),
+    "sparse": (
+        (8_000_000, Launch(8192, 1024, 4, 4096, 512, 4)),
+        (sys.maxsize, Launch(16384, 1024, 4, 8192, 1024, 4)),
     ),
 }
 
 
-# One-hot and sparse calls race in the stats kernel when they have at most this many logits (num_logits * vocab),
-# or rows of at most RACE_IN_STATS_MAX_VOCAB ids and at most RACE_IN_STATS_MAX_ROWS of them. One H200: at batch 1
-# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one; at batch 256 the race's registers
-# in the stats pass cost more than a launch (one-hot 176.7 against 209.1 µs, sparse 184.8 against 282.8;
-# 2026-11-30); at vocab 32,000, batch 64, k 1-5 (128-384 rows) one launch saved 1.1-2.2 µs (tenth session's
-# probe). The bounds are those measurements', not a sweep.
+# Sparse calls (and one-hot ones of at most SMALL_BATCH requests) race in the stats kernel when they have at most
+# this many logits (num_logits * vocab), or rows of at most RACE_IN_STATS_MAX_VOCAB ids and at most
+# RACE_IN_STATS_MAX_ROWS of them; larger one-hot batches always do (LARGE_BATCH_TABLE). One H200: at batch 1
+# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one (2026-11-30). Eleventh session,
+# batches of 64 and 256: sparse at vocab 32,000 gained up to 1,024 rows (32000 x 1,024: 44.9 against 48.7 µs)
+# and lost at 1,536 (63.0 against 60.5); at vocab 151,936 it lost from 128 rows on (35.4 against 30.3).
 RACE_IN_STATS_MAX_LOGITS = 2_500_000
 RACE_IN_STATS_MAX_VOCAB = 65_536
-RACE_IN_STATS_MAX_ROWS = 384
+RACE_IN_STATS_MAX_ROWS = 1024
 
 
 def default_launch(num_reqs: int, num_logits: int, vocab_size: int, mode: str) -> Launch:
     """The GPU launch shape for a call; ``mode`` is one of ``MODES`` ("greedy": every request is)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    launch = GPU_LAUNCH
-    for max_reqs, row_launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]:
-        if num_reqs <= max_reqs:
-            launch = row_launch
-            break
+    if mode != "greedy" and num_reqs > SMALL_BATCH:
+        table, size = LARGE_BATCH_TABLE[mode], num_logits * vocab_size
+    else:
+        table, size = LAUNCH_TABLE["greedy" if mode == "greedy" else "random"], num_reqs
+    launch = next((row_launch for limit, row_launch in table if size <= limit), GPU_LAUNCH)
     few_logits = num_logits * vocab_size <= RACE_IN_STATS_MAX_LOGITS
     few_short_rows = vocab_size <= RACE_IN_STATS_MAX_VOCAB and num_logits <= RACE_IN_STATS_MAX_ROWS
     if mode in ("one_hot", "sparse") and (few_logits or few_short_rows):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.rejection import MAX_DRAFTS_PER_REQUEST
 from kernels.types import SparseDraftProbs
 from models.step_upload import StepUpload
 from protos import verifier_pb2
@@ -140,6 +141,8 @@ def plan_input_batch(
             raise InvalidArgument(f"request {rid!r}: num_computed_tokens {nc} is negative")
         if not 0 <= d <= n - 1:
             raise InvalidArgument(f"request {rid!r}: num_draft_tokens {d} not in [0, {n - 1}]")
+        if d > MAX_DRAFTS_PER_REQUEST:
+            raise InvalidArgument(f"request {rid!r}: {d} drafts; at most {MAX_DRAFTS_PER_REQUEST} per request")
         if d and not r.sample:
             raise InvalidArgument(f"request {rid!r}: drafts in a prefill chunk that does not sample")
         if nc + n > max_model_len:

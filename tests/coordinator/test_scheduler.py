@@ -269,3 +269,15 @@ def test_a_preempted_request_returns_to_its_own_micro_batch():
     out1 = s.schedule(1)
     assert ids(out1) == ["b"] and out1.finished_request_ids == ["b"]
     assert out1.scheduled[0].token_ids == [1, 2, 3, 9]
+
+
+def test_config_refuses_more_drafts_than_the_verifier_takes():
+    from coordinator.config import MAX_SPECULATIVE_TOKENS
+    from kernels.rejection import MAX_DRAFTS_PER_REQUEST  # the coordinator states the limit without torch
+
+    assert MAX_SPECULATIVE_TOKENS == MAX_DRAFTS_PER_REQUEST
+    make(k=MAX_SPECULATIVE_TOKENS, budget=64)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        make(k=MAX_SPECULATIVE_TOKENS + 1, budget=64)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        make(k=-1)

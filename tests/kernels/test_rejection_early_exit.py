@@ -100,3 +100,22 @@ def test_every_call_leaves_the_counters_at_zero(batch_factory, same_output):
                 if (launch, mode) in first:
                     same_output(out, first[launch, mode])
                 first[launch, mode] = out
+
+
+@pytest.mark.parametrize("launch", [None, Launch(64, 64, 4, 64, 64, 4, race_in_stats=True)])
+def test_requests_of_up_to_31_drafts(batch_factory, same_output, launch):
+    """A request's rows are bits of one state word: 32 rows, all reached (greedy drafts that are the argmax
+    reach the bonus row), beside shorter requests; one more draft is refused."""
+    batch = batch_factory(59, [31, 30, 3, 2], 100, greedy=[True, True, False, False], hit_rate=0.5)
+    drafts, cu = batch.drafts.clone(), batch.cu_num_draft.tolist()
+    for req, rows in enumerate(logits_rows(batch)[:2]):
+        drafts[cu[req] : cu[req + 1]] = batch.logits[rows[:-1]].argmax(-1)
+    batch = dataclasses.replace(batch, drafts=drafts)
+    for mode in MODES:
+        out = batch.sample(mode, "triton", launch=launch)
+        same_output(out, batch.sample(mode, "reference"))
+        assert out.num_sampled[:2].tolist() == [32, 31]
+        assert all(int(w.count_nonzero()) == 0 for w in triton_rejection._WORKSPACES[("cpu", None)])
+    too_long = batch_factory(61, [2, 32], 100)
+    with pytest.raises(ValueError, match="at most 31 drafts"):
+        too_long.sample("one_hot", "triton")

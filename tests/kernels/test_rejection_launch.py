@@ -4,9 +4,11 @@ import pytest
 
 from kernels.triton_rejection_launch import (
     GPU_LAUNCH,
+    LARGE_BATCH_TABLE,
     LAUNCH_TABLE,
     MODES,
     RACE_IN_STATS_MAX_LOGITS,
+    SMALL_BATCH,
     Launch,
     default_launch,
 )
@@ -59,6 +61,7 @@ def test_launch_fits_small_vocabularies():
 
 def test_default_launch_covers_every_batch_size_and_mode():
     assert set(LAUNCH_TABLE) == {"greedy", "random"}
+    assert set(LARGE_BATCH_TABLE) == {"one_hot", "dense", "sparse"}
     for mode in MODES:
         for num_reqs in (1, 8, 64, 256, 4096):
             assert isinstance(default_launch(num_reqs, num_reqs * 4, 151_936, mode), Launch)
@@ -66,12 +69,25 @@ def test_default_launch_covers_every_batch_size_and_mode():
         default_launch(1, 4, 151_936, "top_k")
 
 
-def test_small_one_hot_and_sparse_calls_race_in_the_stats_kernel():
-    # (num_reqs, vocab, one launch?) at 4 rows per request: few logits, or at most 384 rows of a short vocabulary.
+def test_small_sparse_calls_and_large_one_hot_batches_race_in_the_stats_kernel():
+    # (num_reqs, vocab, one launch?) at 4 rows per request: few logits, or at most 1,024 rows of a short vocabulary;
+    # one-hot batches of more than SMALL_BATCH requests always.
     cases = ((1, 151_936, True), (4, 151_936, True), (5, 151_936, False), (64, 151_936, False), (16, 32_000, True),
-             (64, 32_000, True), (96, 32_000, True), (97, 32_000, False), (256, 32_000, False))  # fmt: skip
+             (64, 32_000, True), (256, 32_000, True), (257, 32_000, False))  # fmt: skip
     assert 4 * 4 * 151_936 <= RACE_IN_STATS_MAX_LOGITS < 5 * 4 * 151_936
     for mode in MODES:
         for num_reqs, vocab_size, one_launch in cases:
             launch = default_launch(num_reqs, num_reqs * 4, vocab_size, mode)
-            assert launch.race_in_stats == (one_launch and mode in ("one_hot", "sparse")), (mode, num_reqs, vocab_size)
+            expected = mode == "sparse" and one_launch or mode == "one_hot" and (one_launch or num_reqs > SMALL_BATCH)
+            assert launch.race_in_stats == expected, (mode, num_reqs, vocab_size)
+
+
+def test_large_random_batches_pick_by_logits():
+    """Above SMALL_BATCH requests a random batch's launch depends on its logits (rows x vocab), not on how many
+    requests carry them: one-hot takes small chunks up to 64M logits, dense and sparse halve theirs below 8M."""
+    assert default_launch(64, 256, 32_000, "one_hot").stats_chunk == 4096  # 8.2M logits
+    assert default_launch(256, 1024, 151_936, "one_hot").stats_chunk == 16384  # 156M
+    assert default_launch(64, 128, 32_000, "dense").stats_chunk == 8192  # 4.1M
+    assert default_launch(64, 256, 32_000, "dense").stats_chunk == 16384  # 8.2M
+    assert default_launch(16, 256, 32_000, "sparse") == default_launch(64, 256, 32_000, "sparse")
+    assert default_launch(8, 256, 32_000, "dense") == LAUNCH_TABLE["random"][-1][1]  # a small batch of long rows

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.triton_rejection import warm_up, warm_up_plan
-from kernels.triton_rejection_launch import LAUNCH_TABLE, default_launch
+from kernels.triton_rejection_launch import LARGE_BATCH_TABLE, LAUNCH_TABLE, default_launch
 
 
 @pytest.mark.parametrize("vocab_size", [32000, 151936])
@@ -18,9 +18,10 @@ def test_the_plan_reaches_every_launch_shape_of_each_mode(vocab_size):
         assert len(picked) == sum(m == mode for m, _ in plan), "one call per launch shape"
         for num_reqs in (*range(1, 300), 511, 512, 513, 4096, 100_000):
             assert default_launch(num_reqs, 4 * num_reqs, vocab_size, mode).fit(vocab_size) in picked, (mode, num_reqs)
-        table = {launch.fit(vocab_size) for _, launch in LAUNCH_TABLE["greedy" if mode == "greedy" else "random"]}
+        rows = LAUNCH_TABLE["greedy" if mode == "greedy" else "random"] + LARGE_BATCH_TABLE.get(mode, ())
+        table = {dataclasses.replace(launch, race_in_stats=False).fit(vocab_size) for _, launch in rows}
         assert {dataclasses.replace(launch, race_in_stats=False) for launch in picked} == table
-        # Small one-hot and sparse batches race in the stats kernel: their own compiled variants.
+        # One-hot and small sparse batches race in the stats kernel: their own compiled variants.
         assert any(launch.race_in_stats for launch in picked) == (mode != "greedy")
 
 

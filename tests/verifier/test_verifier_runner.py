@@ -118,6 +118,7 @@ def test_unknown_request_with_computed_tokens_is_failed_precondition(runner):
         (("a", -1, [1], 0, True), "negative"),
         (("a", 0, [1, 2], 2, True), "num_draft_tokens 2 not in"),
         (("a", 0, [1, 2], 1, False), "drafts in a prefill chunk"),
+        (("a", 0, [1] * 33, 32, True), "32 drafts; at most 31 per request"),
         (("a", 0, [10**6], 0, True), "outside the vocabulary"),
     ],
 )
