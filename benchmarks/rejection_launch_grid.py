@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.testing
 from rejection_sampler import make_inputs  # benchmarks/ is on sys.path when run as a script
+from rejection_sweep import require_device
 
 from kernels import rejection_sample
 from kernels.triton_rejection import rejection_sample_triton
@@ -81,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=15, help="ms of CUDA graph replays per candidate")
     parser.add_argument("--jobs", type=int, help="compiling processes (0: compile on first use); default 14 on cuda")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("this benchmark needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    require_device(args.device)
     shapes, stats = (TINY_SHAPES, TINY_STATS) if args.tiny else (SHAPES, STATS)
     jobs = args.jobs if args.jobs is not None else (min(14, os.cpu_count() or 1) if args.device == "cuda" else 0)
     started = time.perf_counter()

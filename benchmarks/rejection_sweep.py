@@ -322,6 +322,14 @@ def to_json(value):
     return value
 
 
+def require_device(device: str) -> None:
+    """Exits unless the kernels can run on ``device``: a CUDA GPU, or the CPU under Triton's interpreter."""
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
@@ -333,10 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=10, help="ms of CUDA graph replays per candidate")
     parser.add_argument("--jobs", type=int, help="compiling processes (0: compile on first use); default 12 on cuda")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("this benchmark needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    require_device(args.device)
     grid = TINY if args.tiny else QUICK if args.quick else FULL
     grid = replace(grid, vocabs=tuple(args.vocab or grid.vocabs), batches=tuple(args.batch or grid.batches))
     jobs = args.jobs if args.jobs is not None else (min(12, os.cpu_count() or 1) if args.device == "cuda" else 0)

@@ -101,9 +101,10 @@ LARGE_BATCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
 # Sparse calls (and one-hot ones of at most SMALL_BATCH requests) race in the stats kernel when they have at most
 # this many logits (num_logits * vocab), or rows of at most RACE_IN_STATS_MAX_VOCAB ids and at most
 # RACE_IN_STATS_MAX_ROWS of them; larger one-hot batches always do (LARGE_BATCH_TABLE). One H200: at batch 1
-# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one (2026-11-30). Eleventh session,
-# batches of 64 and 256: sparse at vocab 32,000 gained up to 1,024 rows (32000 x 1,024: 44.9 against 48.7 µs)
-# and lost at 1,536 (63.0 against 60.5); at vocab 151,936 it lost from 128 rows on (35.4 against 30.3).
+# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one (2026-11-30). Eleventh session
+# (`rejection_launch_grid.py`, batches of 64 and 256): sparse at vocab 32,000 gained up to 1,024 rows (44.6
+# against 48.4 µs there) and lost at 1,536 (63.3 against 60.6); at vocab 151,936 it lost from 128 rows on (35.3
+# against 30.2).
 RACE_IN_STATS_MAX_LOGITS = 2_500_000
 RACE_IN_STATS_MAX_VOCAB = 65_536
 RACE_IN_STATS_MAX_ROWS = 1024

@@ -1,5 +1,6 @@
-"""benchmarks/rejection_sweep.py runs on a GPU only for real; its CPU smoke run (Triton's interpreter)
-goes through every step: compiling in a worker process, checking, timing, the suggested table."""
+"""benchmarks/rejection_sweep.py and rejection_launch_grid.py run on a GPU only for real; their CPU smoke runs
+(Triton's interpreter) go through every step: compiling in a worker process, checking every candidate's
+tokens, timing, the sweep's suggested table."""
 
 import json
 import os
@@ -12,21 +13,25 @@ from kernels.triton_rejection_launch import Launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_sweep_checks_times_and_suggests_a_table(tmp_path):
-    out = tmp_path / "sweep.json"
+def run_tiny(script: str, out: Path, *args: str) -> dict:
+    """The script's CPU smoke run (``--device cpu --tiny``) in the interpreter: it must exit 0, report no
+    mismatch (!!!), and write its JSON to ``out``."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "rejection_sweep.py"), "--device", "cpu", "--tiny"]
-        + ["--jobs", "1", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--tiny", "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
+        cwd=ROOT / "benchmarks",
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "!!!" not in proc.stdout, proc.stdout
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_tiny_sweep_checks_times_and_suggests_a_table(tmp_path):
+    result = run_tiny("rejection_sweep.py", tmp_path / "sweep.json", "--jobs", "1")
     assert [r["mode"] for r in result["results"]] == ["greedy", "dense"]
     assert result["summary"]["failures"] == 0
     for r in result["results"]:
@@ -46,3 +51,12 @@ def test_table_literal_merges_batch_buckets_with_the_same_launch(monkeypatch):
     table: dict = {}
     exec(literal, {"sys": sys, "Launch": Launch}, table)
     assert table["LAUNCH_TABLE"] == {"random": ((8, a), (sys.maxsize, b)), "greedy": ((sys.maxsize, b),)}
+
+
+def test_tiny_launch_grid_checks_every_candidate_and_flips_the_race_in_stats(tmp_path):
+    result = run_tiny("rejection_launch_grid.py", tmp_path / "grid.json")
+    assert result["summary"]["failures"] == 0
+    one_hot, dense = result["results"]
+    assert (one_hot["mode"], dense["mode"]) == ("one_hot", "dense")
+    assert {t["launch"]["race_in_stats"] for t in one_hot["times"]} == {False, True}  # flipped for one-hot
+    assert {t["launch"]["race_in_stats"] for t in dense["times"]} == {False}  # never for dense
