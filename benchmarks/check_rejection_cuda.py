@@ -75,6 +75,21 @@ def on_device(gen: torch.Generator, dev: str, logits, drafts, cu, temperature, t
     )
 
 
+def draft_q(gen: torch.Generator, mode: str, drafts: torch.Tensor, vocab: int, dev: str):
+    """The drafts' q: None (one-hot), a random dense softmax, or 16 unique ids per draft, the draft first."""
+    n = drafts.numel()
+    if mode == "dense" and n:
+        return (torch.randn(n, vocab, generator=gen) * 3).softmax(-1).to(dev)
+    if mode != "sparse" or not n:
+        return None
+    rows = []
+    for d in drafts.tolist():
+        others = torch.randperm(vocab, generator=gen)[:16]
+        rows.append(torch.cat([torch.tensor([d]), others[others != d][:15]]))
+    probs = torch.rand(n, 16, generator=gen)
+    return SparseDraftProbs(torch.stack(rows).to(dev), (probs / probs.sum(-1, keepdim=True)).to(dev))
+
+
 def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     vocab = [100, 1000, 32000, 151936][i % 4]
     batch = int(torch.randint(1, 9, (1,), generator=gen))
@@ -88,14 +103,7 @@ def case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     temperature = torch.where(torch.rand(batch, generator=gen) < 0.3, 0.0, 0.7 + torch.rand(batch, generator=gen))
     top_k = torch.where(torch.rand(batch, generator=gen) < 0.3, torch.randint(1, 50, (batch,), generator=gen), 0)
     top_p = torch.where(torch.rand(batch, generator=gen) < 0.3, 0.5 + 0.5 * torch.rand(batch, generator=gen), 1.0)
-    q = None
-    if mode == "dense" and n_draft:
-        q = (torch.randn(n_draft, vocab, generator=gen) * 3).softmax(-1).to(dev)
-    elif mode == "sparse" and n_draft:
-        ids = torch.stack([torch.randperm(vocab, generator=gen)[:16] for _ in range(n_draft)])
-        ids[:, 0] = drafts
-        probs = torch.rand(n_draft, 16, generator=gen)
-        q = SparseDraftProbs(ids.to(dev), (probs / probs.sum(-1, keepdim=True)).to(dev))
+    q = draft_q(gen, mode, drafts, vocab, dev)
     return on_device(gen, dev, logits, drafts, cu, temperature, top_k.int(), top_p.float(), q)
 
 
@@ -112,14 +120,7 @@ def large_case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     boost = torch.rand(batch * k, generator=gen) < 0.6  # p(draft) close to 1 on these rows
     logits[draft_rows[boost], drafts[boost]] = 40.0
     temperature = torch.where(torch.rand(batch, generator=gen) < 0.2, 0.0, 0.7 + torch.rand(batch, generator=gen))
-    q = None
-    if mode == "dense":
-        q = (torch.randn(batch * k, vocab, generator=gen) * 3).softmax(-1).to(dev)
-    elif mode == "sparse":
-        ids = torch.randint(0, vocab, (batch * k, 16), generator=gen)
-        ids[:, 0] = drafts
-        probs = torch.rand(batch * k, 16, generator=gen)
-        q = SparseDraftProbs(ids.to(dev), (probs / probs.sum(-1, keepdim=True)).to(dev))
+    q = draft_q(gen, mode, drafts, vocab, dev)
     return on_device(gen, dev, logits, drafts, cu, temperature, None, None, q, max_num_draft=k)
 
 

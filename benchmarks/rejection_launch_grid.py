@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.testing
 from rejection_sampler import make_inputs  # benchmarks/ is on sys.path when run as a script
-from rejection_sweep import require_device
+from rejection_sweep import compile_once, difference, require_device
 
 from kernels import rejection_sample
 from kernels.triton_rejection import rejection_sample_triton
@@ -58,18 +58,6 @@ def candidates(shape: tuple, stats: tuple) -> list[Launch]:
     return list(dict.fromkeys(out))
 
 
-def _compile(task: tuple) -> str:
-    """Runs one launch once on a batch-1 input (in a worker process): its kernels land in Triton's cache."""
-    vocab, k, mode, launch, device = task
-    try:
-        rejection_sample_triton(**make_inputs(vocab, 1, k, mode, device), launch=launch)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    except Exception as err:
-        return repr(err)[:300]
-    return ""
-
-
 def label(launch: Launch) -> str:
     return f"{launch.stats_chunk}/{launch.stats_block_v}/{launch.stats_warps}{' R' if launch.race_in_stats else ''}"
 
@@ -87,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs if args.jobs is not None else (min(14, os.cpu_count() or 1) if args.device == "cuda" else 0)
     started = time.perf_counter()
     if jobs > 0:
-        tasks = sorted({(s[0], s[2], s[3], lc, args.device) for s in shapes for lc in candidates(s, stats)}, key=repr)
+        tasks = sorted({(s[0], s[2], s[3], args.device, lc) for s in shapes for lc in candidates(s, stats)}, key=repr)
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for task, err in zip(tasks, pool.map(_compile, tasks)):
+            for task, err in zip(tasks, pool.map(compile_once, tasks)):
                 if err:
                     print("!!! compiling", task, err, flush=True)
         print(f"compiled {len(tasks)} launches in {time.perf_counter() - started:.0f} s", flush=True)
@@ -102,11 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = rejection_sample(**plain, backend="reference")
         times = []
         for launch in candidates(shape, stats):
-            out = rejection_sample_triton(**inputs, launch=launch)
-            bad = int(((out.sampled != expected.sampled).any(1) | (out.num_sampled != expected.num_sampled)).sum())
-            if bad:
+            problem = difference(rejection_sample_triton(**inputs, launch=launch), expected, "the reference's")
+            if problem:
                 failures += 1
-                print(f"!!! {shape} {launch}: {bad} requests differ from the reference", flush=True)
+                print(f"!!! {shape} {launch}: {problem}", flush=True)
                 continue
             if args.device == "cuda":
                 fn = lambda launch=launch, inputs=inputs: rejection_sample_triton(**inputs, launch=launch)  # noqa: E731

@@ -114,12 +114,12 @@ def shape_default(vocab: int, batch: int, k: int, mode: str) -> Launch:
     return default_launch(batch, batch * (k + 1), vocab, mode).fit(vocab)
 
 
-def difference(out, expected) -> str:
+def difference(out, expected, against: str = "the default launch's") -> str:
     """'' when the outputs are equal, else which requests differ."""
     rows = (out.sampled != expected.sampled).any(1) | (out.num_sampled != expected.num_sampled)
     rows |= out.num_rejected != expected.num_rejected
     bad = rows.nonzero().flatten().tolist()
-    return f"tokens differ from the default launch's in requests {bad[:8]} ({len(bad)} in all)" if bad else ""
+    return f"tokens differ from {against} in requests {bad[:8]} ({len(bad)} in all)" if bad else ""
 
 
 def timer(device: str, rep: int):
@@ -246,7 +246,7 @@ def _compile_inputs(vocab: int, k: int, mode: str, device: str) -> dict:
     return make_inputs(vocab, 1, k, mode, device)
 
 
-def _compile(task: tuple[int, int, str, str, Launch]) -> str:
+def compile_once(task: tuple[int, int, str, str, Launch]) -> str:
     """Runs one launch once (in a worker process): its kernels land in Triton's on-disk cache."""
     vocab, k, mode, device, launch = task
     try:
@@ -275,7 +275,7 @@ def precompile(shapes: list[tuple[int, int, int, str]], grid: Grid, device: str,
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for tasks in waves:
-                for task, err in zip(tasks, pool.map(_compile, tasks)):
+                for task, err in zip(tasks, pool.map(compile_once, tasks)):
                     if err:
                         print(f"!!! compiling {task}: {err}", flush=True)
     except Exception as err:  # no worker processes: the kernels compile when first timed

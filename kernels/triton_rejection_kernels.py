@@ -251,7 +251,7 @@ def _accept_row(
         chunk_max = tl.load(block_max_ptr + chunks, mask=in_chunks, other=float("-inf"), cache_modifier=".cg")
         tokens = tl.load(block_token_ptr + chunks, mask=in_chunks, other=BIG_TOKEN, cache_modifier=".cg")
         _, token = first_argmax(chunk_max, tokens)
-        accepted = (has_draft & (draft == token)).to(tl.int32)
+        accepted = has_draft & (draft == token)
         publish(row_token_ptr + row, token)
     else:
         pieces = tl.arange(0, NUM_PIECES_PAD)
@@ -263,10 +263,10 @@ def _accept_row(
         row_sum = tl.sum(tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - row_max)), axis=0)
         p_d = tl.exp(x_d - row_max) / row_sum
         u = accept_uniform(row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j))
-        accepted = (has_draft & (q_d > 0) & (u * q_d < p_d)).to(tl.int32)
+        accepted = has_draft & (q_d > 0) & (u * q_d < p_d)
         publish(row_max_ptr + row, row_max)
         publish(row_sum_ptr + row, row_sum)
-    return accepted != 0
+    return accepted
 
 
 @triton.jit
@@ -286,14 +286,13 @@ def _finish_request(
     col = tl.arange(0, BLOCK_COLS)
     num_accepted = num_accepted.to(tl.int64)
     drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_draft, other=-1)
-    tokens = tl.load(row_token_ptr + first_row + col, mask=col == num_accepted, other=-1, cache_modifier=".cg")
     at_stop = col == num_accepted
     stop_row = first_row + num_accepted
     draft_index = draft_start + num_accepted
     stop_draft = tl.max(tl.where(at_stop, drafts, -1), axis=0)
     # A greedy row published its token; a random row's entry holds anything.
     greedy = temperature <= 0
-    stop_token = tl.where(greedy, tl.max(tl.where(at_stop, tokens, -1), axis=0), -1)
+    stop_token = tl.where(greedy, tl.load(row_token_ptr + stop_row, cache_modifier=".cg"), -1)
     if greedy:
         race_mode = tl.full([], NO_RACE, tl.int32)
     elif Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
