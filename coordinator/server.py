@@ -15,7 +15,14 @@ from coordinator.engine import Engine
 from coordinator.scheduler import Scheduler
 from coordinator.servicer import CoordinatorServicer
 from protos import common_pb2, coordinator_pb2, verifier_pb2_grpc
-from specsplit.grpc_server import ServiceServer, add_service, announce, peer_channel, run_until_signal
+from specsplit.grpc_server import (
+    ServiceServer,
+    add_service,
+    announce,
+    freeze_start_up_heap,
+    peer_channel,
+    run_until_signal,
+)
 from specsplit.local_stream import VERIFIER_RPCS
 from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 
@@ -139,6 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = Engine(Scheduler(config, eos), stub, tokenizer, verifier_rpc=args.verifier_rpc)
     engine.start()
     servicer.ready(engine, model_info)
+    freeze_start_up_heap()
     await server.mark_serving()
     announce("coordinator", server.address)
 

@@ -16,7 +16,7 @@ from models.serve_options import (
 )
 from models.transport import TRANSPORTS
 from protos import common_pb2, drafter_pb2
-from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
+from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
 from specsplit.local_stream import serve_or_exit
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -123,6 +123,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
         info,
         make_receiver(args.hidden_transport, args.device, config.hidden_size),
     )
+    freeze_start_up_heap()
     await server.mark_serving()
     announce("drafter", server.address)
     log.info(
