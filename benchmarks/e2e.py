@@ -135,6 +135,13 @@ def parse_args() -> argparse.Namespace:
         choices=LOCAL_HIDDEN_TRANSPORTS,
         help="verifier → drafter hidden states (auto: cuda_ipc on CUDA, else grpc)",
     )
+    p.add_argument(
+        "--no-device-hand-off",
+        dest="device_hand_off",
+        action="store_false",
+        help="(b) and (c) without device hand-offs: the verifier's sampled tokens reach the host before the "
+        "drafter starts (`verifier --no-device-hand-off`)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
@@ -148,6 +155,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model
     engine = InProcessEngine(str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks)
+    engine.device_hand_off = args.device_hand_off
     max_k, max_batch = max(args.ks), max(args.batches)
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
@@ -181,7 +189,8 @@ def main() -> None:
                         *["--micro-batches", str(mb)],
                         "--no-async-scheduling" if sync else "--async-scheduling",
                     ],
-                    verifier_args=["--num-blocks", str(args.num_blocks)],
+                    verifier_args=["--num-blocks", str(args.num_blocks)]
+                    + ([] if args.device_hand_off else ["--no-device-hand-off"]),
                     drafter_args=["--num-blocks", str(args.num_blocks)],
                     verifier_rpc=rpc[0],
                     drafter_rpc=rpc[1],

@@ -38,9 +38,11 @@ from coordinator.iteration import VerifyResult
 from coordinator.request import Request, SamplingParams
 from coordinator.scheduler import Scheduler
 from coordinator.wire import verify_request
+from drafter.device_propose import can_propose_on_device
 from drafter.runner import DrafterRunner, ProposeItem
 from models.loader import load_mtp, load_target
 from models.step_upload import StepUpload
+from models.transport.base import DeviceTokens
 from protos import coordinator_pb2, coordinator_pb2_grpc
 from specsplit import Client
 from specsplit.results import SpecStats
@@ -93,6 +95,7 @@ class InProcessEngine:
         self.mtp = load_mtp(model, dtype=dtype, device=device, load_format=load_format)
         self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
         self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
+        self.device_hand_off = True  # as the services: the drafter's steps queued before the verifier's finish
         # Built once (CUDA graphs are captured here, like at a server's start); every run frees all it used.
         max_model_len = min(self.target.config.max_position_embeddings, 8192)
         self.verifier = VerifierRunner(
@@ -100,6 +103,20 @@ class InProcessEngine:
         )
         self.drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
         self.upload = StepUpload(device)
+
+    def _device_items(self, batch, k: int) -> list[ProposeItem] | None:
+        """The drafter's items of a device hand-off (`drafter/device_propose.py`) where the services
+        would make one (`DrafterClient.device_plan`: greedy decode steps that want drafts), else None."""
+        if not self.device_hand_off or k == 0 or batch.num_reqs == 0 or min(batch.num_spec_tokens) == 0:
+            return None
+        rows = [d + 1 for d in batch.num_draft_tokens]
+        if batch.num_new_tokens != rows or not all(batch.sample):
+            return None
+        items = [
+            ProposeItem(rid, batch.num_computed_tokens[i], [], batch.num_spec_tokens[i], num_rows=rows[i])
+            for i, rid in enumerate(batch.req_ids)
+        ]
+        return items if can_propose_on_device(self.drafter, items) else None
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -140,11 +157,22 @@ class InProcessEngine:
             )
             verifier.free(out.finished_request_ids)
             drafter.free(out.finished_request_ids)
-            step = verifier.step(batch)
-            t2 = time.time_ns()
             drafts = [[] for _ in batch.req_ids]
             step0 = later = 0
-            if k > 0:
+            items = self._device_items(batch, k)
+            if items is not None:  # the drafter's steps queued behind the verifier's, as the services do
+                launched = verifier.launch(batch)
+                t2 = time.time_ns()
+                dev = DeviceTokens(launched.sampled, launched.num_sampled)
+                proposal = drafter.propose(items, launched.hidden[: batch.query_start[-1]], dev)
+                step = verifier.finish(launched)  # done by now: the drafter waited for its tokens
+                drafts, step0, later = proposal.drafts, proposal.step0_ns, proposal.later_steps_ns
+                sample_ns = 0  # the verifier's device time lands in the drafter's step 0, which waits for it
+            else:
+                step = verifier.step(batch)
+                t2 = time.time_ns()
+                sample_ns = step.sample_ns
+            if k > 0 and items is None:
                 items = [
                     ProposeItem(rid, step.start_positions[i], step.next_token_ids[i], batch.num_spec_tokens[i])
                     for i, rid in enumerate(batch.req_ids)
@@ -158,14 +186,14 @@ class InProcessEngine:
             ]
             sched.update_from_output(out, results)
             t4 = time.time_ns()
-            verify = step.prepare_ns + step.forward_ns + step.sample_ns
+            verify = step.prepare_ns + step.forward_ns + sample_ns
             breakdown.append(
                 dict.fromkeys(BREAKDOWN, 0.0)
                 | {
                     "coordinator": _ms(t1 - t0 + t4 - t3),
                     "prepare": _ms(step.prepare_ns),
                     "forward": _ms(step.forward_ns),
-                    "sample": _ms(step.sample_ns),
+                    "sample": _ms(sample_ns),
                     "verifier_other": _ms(t2 - t1 - verify),
                     "step0": _ms(step0),
                     "later_steps": _ms(later),

@@ -84,8 +84,11 @@ class ForcedAcceptanceRunner:
         for rid in request_ids:
             self._tracks.pop(rid, None)
 
-    def propose(self, items, hidden_states):
-        out = self.runner.propose(items, hidden_states)
+    def propose(self, items, hidden_states, device_tokens=None):
+        if device_tokens is None:
+            out = self.runner.propose(items, hidden_states)
+        else:  # a device hand-off: propose() fills the items' tokens from the device
+            out = self.runner.propose(items, hidden_states, device_tokens)
         for item, drafts in zip(items, out.drafts):
             track = self._tracks.setdefault(item.request_id, _Track())
             self._observe(track, item.start_position, item.next_token_ids)

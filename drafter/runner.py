@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.device_propose import can_propose_on_device, propose_on_device, valid_rows_on_host
 from drafter.sampling import pick_drafts
 from drafter.step_timer import StepTimer
 from models.attention import use_kernel_for, use_precompiled_sdpa
@@ -28,6 +29,7 @@ from models.cuda_graphs import resolve_step_path
 from models.kv_cache import AttentionMetadata, PagedKVCache
 from models.mtp import MTPModule
 from models.step_upload import StepUpload
+from models.transport.base import DeviceTokens
 from models.warm_up import warm_up_eager
 
 # A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.
@@ -48,6 +50,10 @@ class ProposeItem:
     num_spec_tokens: int
     temperature: float = 0.0  # > 0: sampled drafts with their sparse q
     seed: int = 0
+    # A device hand-off (`drafter/device_propose.py`): the request's rows (its last token and every draft
+    # verified), next_token_ids empty until propose() fills them from the device; 0 on the host path.
+    num_rows: int = 0
+    num_rejected: int = 0  # filled with next_token_ids on a device hand-off
 
 
 @dataclass
@@ -128,12 +134,19 @@ class DrafterRunner:
         return self.mtp(input_ids, previous_hidden, positions, self.kv_cache, attn), None
 
     @torch.inference_mode()
-    def propose(self, items: list[ProposeItem], hidden_states: torch.Tensor) -> ProposeOutput:
-        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order.
+    def propose(
+        self, items: list[ProposeItem], hidden_states: torch.Tensor, device_tokens: DeviceTokens | None = None
+    ) -> ProposeOutput:
+        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order; with
+        `device_tokens` (a device hand-off, `can_propose_on_device`) [sum(item.num_rows), hidden_size].
 
         Which requests take part in each step is known before any draft is, so the host plans every
         step (KV slots, positions, row selections) without waiting for the device: the steps are
         launched back to back and the drafts come to the host in one device→host copy at the end."""
+        if device_tokens is not None:
+            if can_propose_on_device(self, items):
+                return propose_on_device(self, items, hidden_states, device_tokens)
+            hidden_states = valid_rows_on_host(items, hidden_states, device_tokens)  # then the host path
         t0 = time.time_ns()
         drafts: list[list[int]] = [[] for _ in items]
         if not items:  # an iteration that only frees finished requests
@@ -211,6 +224,15 @@ class DrafterRunner:
         """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
 
         A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
+        later = self._plan_later_host(items, active, last_pos)
+        if later is None:
+            return [], []
+        host64, host32, host_f, layout, actives = later
+        return self._later_steps(layout, *self._upload(host64, host32, host_f)), actives
+
+    def _plan_later_host(self, items: list[ProposeItem], active: list[int], last_pos: list[int]):
+        """The host half of `_plan_later_steps`: the steps' arrays (int64, int32, float32), their layout
+        and the requests of each step; None when no later step runs."""
         num_steps = max(items[i].num_spec_tokens for i in active)
         rows, actives, layout = active, [], []
         host64: list[list[int]] = []
@@ -233,9 +255,11 @@ class DrafterRunner:
             layout.append((plan, len(int32), not full, bool(sampling32)))
             actives.append(kept)
             rows = kept
-        if not layout:
-            return [], []
-        int64, int32, float32 = map(iter, self._upload(host64, host32, host_f))
+        return (host64, host32, host_f, layout, actives) if layout else None
+
+    def _later_steps(self, layout, int64: list[torch.Tensor], int32: list[torch.Tensor], float32: list[torch.Tensor]):
+        """The device half of `_plan_later_steps`: each step from the device copies of its arrays."""
+        int64, int32, float32 = iter(int64), iter(int32), iter(float32)
         steps = []
         for plan, num_int32, has_keep, has_sampling in layout:
             attn = plan.metadata(
@@ -245,7 +269,7 @@ class DrafterRunner:
             keep = next(int64) if has_keep else None
             sampling = _sampling([next(int64), next(int64)], [next(float32)]) if has_sampling else None
             steps.append((keep, attn, positions, sampling))
-        return steps, actives
+        return steps
 
     def _to_host(self, picks: list[_Pick]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
         """Every step's drafts (concatenated) and sampled q rows, in one device→host copy."""

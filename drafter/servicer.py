@@ -9,6 +9,7 @@ request's bytes and the model. One lock keeps the model to one thread at a time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -27,8 +28,12 @@ from specsplit.errors import InvalidArgument, SpecsplitError
 from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.drafter")
 meter = metrics.get_meter("specsplit.drafter")
+device_hand_offs = meter.create_counter(
+    "specsplit.drafter.device_hand_offs", description="Proposes sent before the verifier's step finished"
+)
 propose_latency = meter.create_histogram(
     "specsplit.drafter.propose_latency", unit="s", description="Propose handling time, queueing included"
 )
@@ -38,11 +43,18 @@ MAX_DRAFTS = 64  # bound on num_spec_tokens and num_rejected
 SEED_MASK = 2**63 - 1
 
 
+def on_device(msg: drafter_pb2.ProposeRequest) -> bool:
+    """Whether `msg` is a device hand-off: its sampled tokens are on the device (`drafter/device_propose.py`)."""
+    return msg.WhichOneof("hidden") == "hidden_states_handle" and msg.hidden_states_handle.tokens_on_device
+
+
 def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
     """The request's items, validated; raises InvalidArgument naming the first bad field.
 
     Every field is read once and checked in one expression (token ids by their min and max); the
     message saying what is wrong is worked out only for a bad item."""
+    if on_device(msg):
+        return _parse_device_items(msg)
     items, seen = [], set()
     for r in msg.requests:
         rid, start, tokens, spec = r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens
@@ -58,10 +70,47 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
             and 0 <= r.num_rejected <= MAX_DRAFTS
             and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
+            and r.num_rows == 0
         ):
             raise _invalid_item(r, seen, vocab_size)
         seen.add(rid)
         items.append(ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK))
+    return items
+
+
+def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
+    """A device hand-off's items: num_rows rows each (1..MAX_DRAFTS + 1, at most the handle's
+    token_width), no next_token_ids and no num_rejected (the device has them)."""
+    items, seen, width = [], set(), msg.hidden_states_handle.token_width
+    for r in msg.requests:
+        rid = r.request_id
+        if not rid or rid in seen:
+            raise InvalidArgument(f"empty or repeated request_id {rid!r}")
+        if r.start_position < 0 or r.next_token_ids or r.num_rejected:
+            raise InvalidArgument(
+                f"request {rid!r}: a device hand-off's item has a start_position >= 0, no next_token_ids "
+                "and no num_rejected"
+            )
+        if not 1 <= r.num_rows <= min(width, MAX_DRAFTS + 1) or not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
+            raise InvalidArgument(
+                f"request {rid!r}: num_rows {r.num_rows} not in [1, token_width {width}] or num_spec_tokens "
+                f"{r.num_spec_tokens} not in [0, {MAX_DRAFTS}]"
+            )
+        if not 0 <= r.sampling.temperature <= 1e4:
+            raise InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+        seen.add(rid)
+        sampling = r.sampling
+        items.append(
+            ProposeItem(
+                rid,
+                r.start_position,
+                [],
+                r.num_spec_tokens,
+                sampling.temperature,
+                sampling.seed & SEED_MASK,
+                r.num_rows,
+            )
+        )
     return items
 
 
@@ -80,7 +129,9 @@ def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -
         return InvalidArgument(f"request {rid!r}: num_rejected {r.num_rejected} not in [0, {MAX_DRAFTS}]")
     if not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
         return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_DRAFTS}]")
-    return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    if not 0 <= r.sampling.temperature <= 1e4:
+        return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    return InvalidArgument(f"request {rid!r}: num_rows {r.num_rows} without a device hand-off (tokens_on_device)")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -97,6 +148,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._model_lock = threading.Lock()  # runner and receiver: one thread at a time
         self._queued_lock = threading.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
+        self._hand_offs = 0  # device hand-offs served
         self.draining = asyncio.Event()
 
         def queue_depth(_options):
@@ -133,13 +185,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
         try:
             items = parse_items(request, self._vocab_size)
-            rows = sum(len(item.next_token_ids) for item in items)
+            device_tokens = None
+            if on_device(request):
+                device_tokens = self.receiver.device_tokens(request)
+                if not self._hand_offs:
+                    log.info("device hand-offs: the first one arrived (the verifier's step still running)")
+                self._hand_offs += 1
+                device_hand_offs.add(1)
+            rows = sum(item.num_rows or len(item.next_token_ids) for item in items)
             if hidden.shape[0] != rows:
-                raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids")
+                raise InvalidArgument(f"hidden_states: {hidden.shape[0]} rows for {rows} next_token_ids / num_rows")
             device, dtype = self._hidden_layout
             if hidden.dtype != dtype or hidden.device != device:
                 hidden = hidden.to(device=device, dtype=dtype)
-            return items, self.runner.propose(items, hidden)
+            if device_tokens is None:
+                return items, self.runner.propose(items, hidden)
+            return items, self.runner.propose(items, hidden, device_tokens)
         finally:
             self.receiver.release()  # before any reply: the sender reuses the rows' memory once it has one
 
@@ -186,7 +247,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ) -> drafter_pb2.ProposeResponse:
         """One Propose that came by `rpc` (unary, stream or local) at `t_arrival`, on a model thread;
         raises SpecsplitError with the status the caller should get."""
-        self._device_claim.claim()
+        if not on_device(request):  # a device hand-off queues nothing before its wait for the verifier
+            self._device_claim.claim()
         span = tracer.start_span("Propose", parent, SpanKind.SERVER)
         recording = span.is_recording()  # nothing to count or time for a span that goes nowhere
         if recording:
@@ -222,7 +284,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await self._steps.run(self._locked, self.receiver.open, request)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
-        return drafter_pb2.OpenHiddenTransportResponse(device=str(self.receiver.device))
+        return drafter_pb2.OpenHiddenTransportResponse(
+            device=str(self.receiver.device), device_hand_off=self.receiver.device_hand_off
+        )
 
     def _locked(self, fn, *args):
         with self._model_lock:

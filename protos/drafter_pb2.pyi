@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling")
+    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling", "num_rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_rejected: int
     num_spec_tokens: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    num_rows: int
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_rows: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("iteration", "requests", "hidden_states", "hidden_states_handle", "finished_request_ids", "trace_context")
@@ -83,7 +85,7 @@ class DrafterFreeResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class HiddenStatesHandle(_message.Message):
-    __slots__ = ("generation", "sequence", "dtype", "num_rows", "hidden_size", "slot", "offset")
+    __slots__ = ("generation", "sequence", "dtype", "num_rows", "hidden_size", "slot", "offset", "tokens_on_device", "token_width")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,8 @@ class HiddenStatesHandle(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_WIDTH_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sequence: int
     dtype: _common_pb2.DType
@@ -98,7 +102,9 @@ class HiddenStatesHandle(_message.Message):
     hidden_size: int
     slot: int
     offset: int
-    def __init__(self, generation: _Optional[int] = ..., sequence: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., slot: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    tokens_on_device: bool
+    token_width: int
+    def __init__(self, generation: _Optional[int] = ..., sequence: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., slot: _Optional[int] = ..., offset: _Optional[int] = ..., tokens_on_device: _Optional[bool] = ..., token_width: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
     __slots__ = ("handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -119,7 +125,7 @@ class CudaIpcBuffer(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class OpenHiddenTransportRequest(_message.Message):
-    __slots__ = ("transport", "generation", "dtype", "hidden_size", "buffers", "slot_rows", "device_uuid", "rendezvous", "backend", "timeout_s")
+    __slots__ = ("transport", "generation", "dtype", "hidden_size", "buffers", "slot_rows", "device_uuid", "rendezvous", "backend", "timeout_s", "token_buffers", "event_handles", "slot_tokens")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +136,9 @@ class OpenHiddenTransportRequest(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     generation: int
     dtype: _common_pb2.DType
@@ -140,10 +149,15 @@ class OpenHiddenTransportRequest(_message.Message):
     rendezvous: str
     backend: str
     timeout_s: float
-    def __init__(self, transport: _Optional[str] = ..., generation: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., slot_rows: _Optional[int] = ..., device_uuid: _Optional[str] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    token_buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    slot_tokens: int
+    def __init__(self, transport: _Optional[str] = ..., generation: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., slot_rows: _Optional[int] = ..., device_uuid: _Optional[str] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., token_buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenHiddenTransportResponse(_message.Message):
-    __slots__ = ("device",)
+    __slots__ = ("device", "device_hand_off")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     device: str
-    def __init__(self, device: _Optional[str] = ...) -> None: ...
+    device_hand_off: bool
+    def __init__(self, device: _Optional[str] = ..., device_hand_off: _Optional[bool] = ...) -> None: ...

@@ -128,7 +128,10 @@ class DirectProposer:
                 except BaseException:
                     future.cancel()  # an open still running must not change the transport later
                     raise
-            pending.transfer = transport.send(rows, msg)
+            if plan.sampled is not None:  # a device hand-off: nothing waits for the verifier's step here
+                pending.transfer = transport.send_on_device(rows, plan.sampled, plan.num_sampled, msg)
+            else:
+                pending.transfer = transport.send(rows, msg)
             with trace.use_span(span):
                 inject_trace_context(msg.trace_context)
             if self._sock is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import time
@@ -72,6 +73,9 @@ class ProposeBatch:
     items: list[drafter_pb2.ProposeItem]  # per request, batch order
     row_offsets: list[int]  # [num_reqs + 1]: request i's hidden-state rows are [off[i], off[i+1])
     hidden_states: torch.Tensor  # [num_rows, hidden_size]
+    # A device hand-off (`device_plan`): the step's sampled tokens still on the device, items with num_rows.
+    sampled: torch.Tensor | None = None  # [num_reqs, width]
+    num_sampled: torch.Tensor | None = None  # [num_reqs]
 
     @property
     def hidden_state_bytes(self) -> int:
@@ -181,6 +185,37 @@ class DrafterClient:
             items.append(item)
             offsets.append(offsets[-1] + len(step.next_token_ids[i]))
         return ProposeBatch(iteration, items, offsets, step.hidden_states)
+
+    def device_plan(self, iteration: int, launched, sampling: list[common_pb2.SamplingParams]) -> ProposeBatch | None:
+        """The Propose of a launched step (`VerifierRunner.launch`) as a device hand-off, sent before the
+        step finishes; None where the step does not qualify. It does when the transport takes hand-offs
+        (cuda_ipc, open, to a drafter on the same GPU) and every request is a greedy decode step that
+        wants drafts: its rows are then its last token and all the drafts it verifies."""
+        batch = launched.batch
+        transport = self.transport
+        n = batch.num_reqs
+        if not transport.device_hand_off or n == 0 or len(batch.sampling_indices) != n:
+            return None
+        if any(s.temperature != 0 for s in sampling) or min(batch.num_spec_tokens) == 0:
+            return None
+        rows = [d + 1 for d in batch.num_draft_tokens]
+        if batch.num_new_tokens != rows or not all(batch.sample):
+            return None
+        hidden = launched.hidden[: batch.query_start[-1]]
+        if transport.needs_open(hidden):
+            return None
+        items = []
+        for i, rid in enumerate(batch.req_ids):
+            item = drafter_pb2.ProposeItem(
+                request_id=rid,
+                start_position=batch.num_computed_tokens[i],
+                num_spec_tokens=batch.num_spec_tokens[i],
+                num_rows=rows[i],
+            )
+            item.sampling.CopyFrom(sampling[i])
+            items.append(item)
+        offsets = [0, *itertools.accumulate(rows)]
+        return ProposeBatch(iteration, items, offsets, hidden, launched.sampled, launched.num_sampled)
 
     async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged: Callable[[], None] | None = None) -> Proposal:
         """Drafts for the plan's requests. `on_staged()` is called once every replica's transport holds

@@ -147,10 +147,17 @@ class VerifierRunner:
     def step(self, batch: InputBatch, prepared: Prepared | None = None) -> StepOutput:
         """One iteration; `prepared`: this batch's `prepare()` made ahead of time (off the critical
         path: the step's stamps then show no prepare time), or None to prepare now."""
-        t0 = time.time_ns()
         if batch.num_reqs == 0:  # an iteration that only frees finished requests
-            hidden = torch.empty(0, self.model.config.hidden_size, device=self.kv_cache.device)
+            t0 = time.time_ns()
+            dtype = next(self.model.parameters()).dtype  # what the transport opened for: no reopening
+            hidden = torch.empty(0, self.model.config.hidden_size, dtype=dtype, device=self.kv_cache.device)
             return StepOutput([], [], [], [], hidden, stamps_ns=(t0, t0, t0, t0))
+        return self.finish(self.launch(batch, prepared))
+
+    def launch(self, batch: InputBatch, prepared: Prepared | None = None) -> LaunchedStep:
+        """The step of a batch with requests, queued on the device: forward and rejection sampling,
+        without waiting for them (`finish` does). A device hand-off sends the Propose in between."""
+        t0 = time.time_ns()
         if prepared is None or not prepared.matches(batch):
             prepared = self.prepare(batch.req_ids, batch.num_computed_tokens, batch.num_new_tokens)
         cache = self.kv_cache
@@ -177,9 +184,25 @@ class VerifierRunner:
             max_num_draft=batch.max_num_draft,
             all_greedy=batch.all_greedy,
         )
-        sampled, num_sampled = _to_host(out.sampled, out.num_sampled)
+        return LaunchedStep(batch, hidden, out.sampled, out.num_sampled, (t0, t1, t2))
+
+    @staticmethod
+    def finish(launched: LaunchedStep) -> StepOutput:
+        """Waits for a launched step's sampled tokens: its output on the host."""
+        sampled, num_sampled = _to_host(launched.sampled, launched.num_sampled)
         t3 = time.time_ns()
-        return step_output(batch, sampled, num_sampled, hidden, (t0, t1, t2, t3))
+        return step_output(launched.batch, sampled, num_sampled, launched.hidden, (*launched.stamps_ns, t3))
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (`VerifierRunner.launch`), before its host copy."""
+
+    batch: InputBatch
+    hidden: torch.Tensor  # [num_tokens, H] target hidden states of the step
+    sampled: torch.Tensor  # [num_sampling, max_num_draft + 1] on the device, padding past num_sampled
+    num_sampled: torch.Tensor  # [num_sampling] on the device
+    stamps_ns: tuple[int, int, int]  # start, prepared, forward queued
 
 
 def step_output(

@@ -15,7 +15,7 @@ from models.serve_options import (
 )
 from models.transport import TRANSPORTS
 from protos import common_pb2, verifier_pb2
-from specsplit.grpc_server import ServiceServer, add_service, announce, run_until_signal
+from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
 from specsplit.local_stream import DRAFTER_RPCS, serve_or_exit
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -74,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--transport-timeout", type=float, default=30.0, help="nccl: seconds any transfer may wait")
     t.add_argument("--transport-slots", type=int, default=4, help="cuda_ipc: buffers in the ring")
     t.add_argument(
+        "--device-hand-off",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cuda_ipc to a drafter on this GPU: greedy decode steps send their Propose as soon as the step is "
+        "queued, and the drafter's device waits for the sampled tokens (--no-device-hand-off: the verifier "
+        "waits for them on the host first)",
+    )
+    t.add_argument(
         "--transport-connect-timeout",
         type=float,
         default=300.0,
@@ -127,6 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
             backend=None if args.transport_backend == "auto" else args.transport_backend,
             timeout_s=args.transport_timeout,
             num_slots=args.transport_slots,
+            device_hand_off=args.device_hand_off,
         )
         drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc, transport=transport)
     except (TransportConfigError, ValueError) as err:
@@ -182,6 +191,7 @@ async def serve(args: argparse.Namespace) -> None:
         ),
     )
     servicer.ready(runner, model_info(args.model, config, args, max_model_len, local.path if local else ""))
+    freeze_start_up_heap()
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(

@@ -52,6 +52,22 @@ class EarlyStep:
     used: bool = False  # the step ran on this plan (False: it planned again, with the drafts that came)
 
 
+@dataclass
+class _HeldStep:
+    """A direct Propose's context: its step's batch, and the step once finished (a device hand-off sends
+    the Propose before; an answer that comes first, a failure of the send, waits here for the step)."""
+
+    batch: InputBatch
+    step: StepOutput | None = None
+    answered: PendingPropose | None = None
+
+    def finished(self, step: StepOutput, keep) -> StepOutput:
+        self.step = step
+        if self.answered is not None:
+            keep(self.answered)
+        return step
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
@@ -135,8 +151,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return EarlyStep()
         return EarlyStep(planned, prepared)
 
-    def _prepare_and_step(self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None):
-        """The step of `request` (its held drafts filled in); `early`: what `_plan_early` made of it."""
+    def _prepare_and_step(
+        self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None, launch_only: bool = False
+    ):
+        """The step of `request` (its held drafts filled in); `early`: what `_plan_early` made of it.
+        `launch_only`: the step only queued (a `LaunchedStep`, `VerifierRunner.finish` waits for it),
+        unless the batch has no request."""
         # The drafter is done with the GPU (its drafts are in) but its context may still hold it: the switch
         # starts now and overlaps what is left to do on the host. Not earlier: it would preempt the drafter.
         self._device_claim.claim()
@@ -155,8 +175,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 num_cached_tokens=self.kv_cache.num_tokens,
             )  # fmt: skip
         batch = upload_input_batch(planned, vocab_size=vocab, device=self.device, upload=self._upload)
+        prepared = early.prepared if early is not None else None
         with self.slow_steps.watch("step"):
-            return batch, self.runner.step(batch, early.prepared if early is not None else None)
+            if launch_only and batch.num_reqs:
+                return batch, self.runner.launch(batch, prepared)
+            return batch, self.runner.step(batch, prepared)
 
     async def Verify(self, request, context):
         await self._require_ready(context)
@@ -261,16 +284,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             direct.wait(earlier)
         w1 = time.time_ns()
         unfilled = self._held.fill(request)
-        batch, step = self._prepare_and_step(request, early)
-        plan = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
-        pending = direct.send(plan, (batch, step), self._keep_direct, parent)
+        batch, launched = self._prepare_and_step(request, early, launch_only=True)
+        sampling = sampling_of(request)
+        plan = self.drafter.device_plan(request.iteration, launched, sampling) if batch.num_reqs else None
+        if plan is not None:  # a device hand-off: the Propose goes before the step is done
+            held = _HeldStep(batch)
+            pending = direct.send(plan, held, self._keep_direct, parent)
+            step = held.finished(self.runner.finish(launched), self._keep_direct)
+        else:
+            step = self.runner.finish(launched) if batch.num_reqs else launched
+            plan = self.drafter.build_request(request.iteration, batch, step, sampling)
+            pending = direct.send(plan, _HeldStep(batch, step), self._keep_direct, parent)
         return batch, step, unfilled, (w0, w1, early), pending
 
     def _keep_direct(self, pending: PendingPropose) -> None:
-        """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step."""
-        batch, step = pending.context
+        """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step
+        (a device hand-off's once its step is finished)."""
+        held: _HeldStep = pending.context
+        if held.step is None:
+            held.answered = pending
+            return
         proposal = pending.proposal
-        self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+        self._held.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
 
     def _record_direct(self, direct: DirectProposer) -> None:
         """Event loop: the direct Proposes answered meanwhile, counted in the drafter pool."""

@@ -16,7 +16,8 @@ TRANSPORTS = ("grpc", "cuda_ipc", "nccl")
 
 
 def make_sender(name: str, **options):
-    """The verifier side. Options: nccl `rendezvous`, `backend`, `timeout_s`; cuda_ipc `num_slots`."""
+    """The verifier side. Options: nccl `rendezvous`, `backend`, `timeout_s`; cuda_ipc `num_slots`,
+    `device_hand_off` (offer the drafter device hand-offs, default True)."""
     if name == "grpc":
         from models.transport.grpc_bytes import GrpcSender
 
@@ -24,7 +25,7 @@ def make_sender(name: str, **options):
     if name == "cuda_ipc":
         from models.transport.cuda_ipc import CudaIpcSender
 
-        return CudaIpcSender(num_slots=options.get("num_slots", 4))
+        return CudaIpcSender(num_slots=options.get("num_slots", 4), offer_hand_off=options.get("device_hand_off", True))
     if name == "nccl":
         from models.transport.nccl import NcclSender
 

@@ -17,7 +17,7 @@ soon as the reply arrives.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,15 @@ from protos import drafter_pb2
 from specsplit.errors import FailedPrecondition
 
 OpenCall = Callable[[drafter_pb2.OpenHiddenTransportRequest], Awaitable[drafter_pb2.OpenHiddenTransportResponse]]
+
+
+@dataclass
+class DeviceTokens:
+    """A device hand-off's sampled tokens, still on the device (`drafter/device_propose.py`)."""
+
+    tokens: torch.Tensor  # [num_reqs, width] int64: request r's sampled tokens in columns < num_sampled[r]
+    num_sampled: torch.Tensor  # [num_reqs] int64: accepted drafts + 1 per request
+    wait: Callable[[], None] = field(default=lambda: None)  # queues the device's wait for the tokens and rows
 
 
 class TransportError(Exception):
@@ -62,6 +71,19 @@ class HiddenStatesSender:
         """hidden_states: [num_rows, hidden_size] on the verifier's device."""
         raise NotImplementedError
 
+    # A device hand-off (`drafter/device_propose.py`): the rows and the sampled tokens go as the
+    # verifier's step queued them, before it finished; only cuda_ipc to a drafter on the same GPU.
+    device_hand_off = False
+
+    def send_on_device(
+        self,
+        hidden_states: torch.Tensor,  # [num_rows, hidden_size]
+        sampled: torch.Tensor,  # [num_reqs, width] int
+        num_sampled: torch.Tensor,  # [num_reqs] int
+        msg: drafter_pb2.ProposeRequest,
+    ) -> Transfer:
+        raise NotImplementedError
+
     def finish(self, transfer: Transfer, ok: bool) -> None:
         """The call carrying `transfer` ended; not ok: the transport is reset."""
 
@@ -82,6 +104,12 @@ class HiddenStatesReceiver:
     def open(self, request: drafter_pb2.OpenHiddenTransportRequest) -> None:
         if request.transport != self.name:
             raise mismatch(self.name, request.transport or "an unnamed transport")
+
+    device_hand_off = False  # takes `tokens_on_device` handles (cuda_ipc on the verifier's GPU)
+
+    def device_tokens(self, msg: drafter_pb2.ProposeRequest) -> DeviceTokens:
+        """A device hand-off's sampled tokens (`drafter.device_propose.DeviceTokens`), after `receive`."""
+        raise FailedPrecondition(f"transport {self.name} takes no device hand-off")
 
     def receive(self, msg: drafter_pb2.ProposeRequest) -> torch.Tensor:
         """The rows of `msg`, [num_rows, hidden_size], on the drafter's device (cuda_ipc: in place on the

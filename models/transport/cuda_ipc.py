@@ -15,7 +15,14 @@ import logging
 
 import torch
 
-from models.transport.base import HiddenStatesReceiver, HiddenStatesSender, OpenCall, Transfer, TransportError
+from models.transport.base import (
+    DeviceTokens,
+    HiddenStatesReceiver,
+    HiddenStatesSender,
+    OpenCall,
+    Transfer,
+    TransportError,
+)
 from models.transport.handle import OpenState, check_handle
 from models.transport.ipc_ring import RingFull, SlotRing
 from models.wire import dtype_to_proto
@@ -24,6 +31,7 @@ from specsplit.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 MIN_SLOT_ROWS = 256
+MAX_TOKEN_WIDTH = 32  # device hand-off: tokens per request (1 + at most 31 drafts)
 
 
 def device_uuid(device: torch.device) -> str:
@@ -65,14 +73,17 @@ def open_shared(msg: drafter_pb2.CudaIpcBuffer, device_index: int, dtype: torch.
 class CudaIpcSender(HiddenStatesSender):
     name = "cuda_ipc"
 
-    def __init__(self, num_slots: int = 4):
+    def __init__(self, num_slots: int = 4, offer_hand_off: bool = True):
         self.num_slots = num_slots
+        self.offer_hand_off = offer_hand_off  # False: no token buffers or events, every Propose waits on the host
         self.slot_rows = 0
         self.generation = 0
         self._slots: list[torch.Tensor] = []  # per slot: [slot_rows * hidden_size]
         self._ring: SlotRing | None = None
         self._open_for: tuple | None = None
         self._sequence = 0
+        self._tokens: list[torch.Tensor] = []  # per slot: [slot_tokens] int64, the device hand-off's tokens
+        self._events: list[torch.cuda.Event] = []  # per slot: recorded once its rows and tokens are written
 
     def needs_open(self, hidden_states: torch.Tensor) -> bool:  # [num_rows, hidden_size]
         sig = (hidden_states.dtype, hidden_states.shape[1], hidden_states.device)
@@ -89,6 +100,13 @@ class CudaIpcSender(HiddenStatesSender):
             for _ in range(self.num_slots)
         ]
         self.generation += 1
+        # Device hand-off: tokens [num_reqs, width] and num_sampled [num_reqs] of at most slot_rows requests.
+        slot_tokens = self.slot_rows * (MAX_TOKEN_WIDTH + 1) if self.offer_hand_off else 0
+        self._tokens = [
+            torch.empty(slot_tokens, dtype=torch.int64, device=hidden_states.device)
+            for _ in range(self.num_slots if self.offer_hand_off else 0)
+        ]
+        self._events = [torch.cuda.Event(interprocess=True) for _ in self._tokens]
         request = drafter_pb2.OpenHiddenTransportRequest(
             transport=self.name,
             generation=self.generation,
@@ -97,8 +115,12 @@ class CudaIpcSender(HiddenStatesSender):
             buffers=[share(s) for s in self._slots],
             slot_rows=self.slot_rows,
             device_uuid=device_uuid(hidden_states.device),
+            token_buffers=[share(t) for t in self._tokens],
+            event_handles=[e.ipc_handle() for e in self._events],
+            slot_tokens=slot_tokens,
         )
-        await call(request)
+        response = await call(request)
+        self.device_hand_off = bool(response.device_hand_off)
         self._ring = SlotRing(self.num_slots)
         self._open_for = (hidden_states.dtype, hidden_size, hidden_states.device)
         self._sequence = 0
@@ -130,6 +152,37 @@ class CudaIpcSender(HiddenStatesSender):
         )
         return Transfer(self._sequence, slot=slot)
 
+    def send_on_device(
+        self,
+        hidden_states: torch.Tensor,  # [num_rows, hidden_size]
+        sampled: torch.Tensor,  # [num_reqs, width] int
+        num_sampled: torch.Tensor,  # [num_reqs] int
+        msg: drafter_pb2.ProposeRequest,
+    ) -> Transfer:
+        """Queues the copies of the rows and the tokens into a slot and its event after them; no wait:
+        the drafter's device waits on the event (`CudaIpcReceiver.device_tokens`)."""
+        if self._ring is None or not self.device_hand_off:
+            raise TransportError("cuda_ipc transport is not open for device hand-offs")
+        num_reqs, width = sampled.shape
+        if width > MAX_TOKEN_WIDTH or num_reqs > self.slot_rows:
+            raise TransportError(f"{num_reqs} requests of {width} tokens do not fit a slot's token buffer")
+        try:
+            slot = self._ring.acquire()
+        except RingFull as err:
+            raise TransportError(str(err)) from err
+        rows, hidden_size = hidden_states.shape
+        self._slots[slot][: rows * hidden_size].view(rows, hidden_size).copy_(hidden_states)
+        tokens = self._tokens[slot]
+        tokens[: num_reqs * width].view(num_reqs, width).copy_(sampled)
+        tokens[num_reqs * width : num_reqs * (width + 1)].copy_(num_sampled)
+        self._events[slot].record(torch.cuda.current_stream(hidden_states.device))
+        self._sequence += 1
+        h = msg.hidden_states_handle
+        h.generation, h.sequence, h.dtype = self.generation, self._sequence, dtype_to_proto(hidden_states.dtype)
+        h.num_rows, h.hidden_size, h.slot, h.offset = rows, hidden_size, slot, 0
+        h.tokens_on_device, h.token_width = True, width
+        return Transfer(self._sequence, slot=slot)
+
     def finish(self, transfer: Transfer, ok: bool) -> None:
         if self._ring is None or transfer.slot is None:
             return
@@ -144,6 +197,8 @@ class CudaIpcSender(HiddenStatesSender):
         self._ring = None
         self._slots = []
         self._open_for = None
+        self._tokens, self._events = [], []
+        self.device_hand_off = False
 
 
 class CudaIpcReceiver(HiddenStatesReceiver):
@@ -154,6 +209,8 @@ class CudaIpcReceiver(HiddenStatesReceiver):
         self._slots: list[torch.Tensor] = []  # per slot: [>= slot_rows * hidden_size], on the verifier's GPU
         self._state: OpenState | None = None
         self._reading: torch.device | None = None  # the slots' device while a receive's rows are in use
+        self._tokens: list[torch.Tensor] = []  # device hand-off: per slot, [slot_tokens] int64
+        self._events: list[torch.cuda.Event] = []  # device hand-off: per slot, the verifier's event
 
     def open(self, request: drafter_pb2.OpenHiddenTransportRequest) -> None:
         super().open(request)
@@ -184,7 +241,51 @@ class CudaIpcReceiver(HiddenStatesReceiver):
         if any(s.numel() < need for s in slots):
             raise InvalidArgument(f"OpenHiddenTransport: a buffer holds fewer than slot_rows x hidden_size = {need}")
         self._slots, self._state = slots, state
-        log.info("cuda_ipc transport open (generation %d, %d slots on cuda:%d)", state.generation, len(slots), index)
+        self._open_hand_off(request, index)
+        log.info(
+            "cuda_ipc transport open (generation %d, %d slots on cuda:%d, device hand-off %s)",
+            state.generation,
+            len(slots),
+            index,
+            "on" if self.device_hand_off else "off",
+        )
+
+    def _open_hand_off(self, request: drafter_pb2.OpenHiddenTransportRequest, index: int) -> None:
+        """Maps the token buffers and opens the events of a device hand-off, where the verifier offers
+        them for every slot and its GPU is this drafter's; otherwise the hand-offs stay off."""
+        self.device_hand_off = False
+        offered = len(request.token_buffers) == len(request.event_handles) == len(request.buffers)
+        if not offered or index != self.device.index or request.slot_tokens <= 0:
+            return
+        try:
+            tokens = [open_shared(b, index, torch.int64) for b in request.token_buffers]
+            events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in request.event_handles]
+        except RuntimeError as err:
+            log.warning("cuda_ipc: no device hand-off (cannot map the token buffers or events: %s)", err)
+            return
+        if any(t.numel() < request.slot_tokens for t in tokens):
+            raise InvalidArgument(f"OpenHiddenTransport: a token buffer holds fewer than {request.slot_tokens}")
+        self._tokens, self._events, self._slot_tokens = tokens, events, request.slot_tokens
+        self.device_hand_off = True
+
+    def device_tokens(self, msg: drafter_pb2.ProposeRequest) -> DeviceTokens:
+        """The sampled tokens of a device hand-off, in place in the slot's token buffer (after `receive`)."""
+        h = msg.hidden_states_handle
+        if not self.device_hand_off:
+            raise FailedPrecondition("cuda_ipc: a device hand-off, but the transport was opened without one")
+        num_reqs, width = len(msg.requests), h.token_width
+        if not 1 <= width <= MAX_TOKEN_WIDTH or num_reqs * (width + 1) > self._slot_tokens:
+            raise InvalidArgument(
+                f"hidden_states_handle: {num_reqs} requests x token_width {width} do not fit the token buffer "
+                f"(token_width 1..{MAX_TOKEN_WIDTH}, {self._slot_tokens} elements)"
+            )
+        buffer, event = self._tokens[h.slot], self._events[h.slot]
+        stream = torch.cuda.current_stream(self.device)
+        return DeviceTokens(
+            buffer[: num_reqs * width].view(num_reqs, width),
+            buffer[num_reqs * width : num_reqs * (width + 1)],
+            lambda: stream.wait_event(event),
+        )
 
     def receive(self, msg: drafter_pb2.ProposeRequest) -> torch.Tensor:
         """The rows in place in the verifier's slot, no copy: the MTP step reads them (its CUDA graph
@@ -209,3 +310,5 @@ class CudaIpcReceiver(HiddenStatesReceiver):
     def close(self) -> None:
         self._slots = []
         self._state = None
+        self._tokens, self._events = [], []
+        self.device_hand_off = False

@@ -45,3 +45,44 @@ def test_a_bad_item_is_refused_naming_its_first_bad_field(bad, message):
     msg = drafter_pb2.ProposeRequest(requests=[_item(), _item(**{"request_id": "x", **bad})])
     with pytest.raises(InvalidArgument, match=message):
         parse_items(msg, VOCAB)
+
+
+def _device_request(*items, width: int = 4) -> drafter_pb2.ProposeRequest:
+    msg = drafter_pb2.ProposeRequest(requests=list(items))
+    msg.hidden_states_handle.tokens_on_device = True
+    msg.hidden_states_handle.token_width = width
+    return msg
+
+
+def _device_item(**kw) -> drafter_pb2.ProposeItem:
+    base = dict(request_id="a", start_position=3, num_spec_tokens=3, num_rows=4)
+    return drafter_pb2.ProposeItem(**{**base, **kw})
+
+
+def test_device_hand_off_items_carry_rows_and_no_tokens():
+    items = parse_items(_device_request(_device_item(), _device_item(request_id="b", num_rows=2)), VOCAB)
+    assert items == [ProposeItem("a", 3, [], 3, num_rows=4), ProposeItem("b", 3, [], 3, num_rows=2)]
+
+
+def test_num_rows_without_a_device_hand_off_is_refused():
+    with pytest.raises(InvalidArgument, match="request 'a': num_rows 2 without a device hand-off"):
+        parse_items(drafter_pb2.ProposeRequest(requests=[_item(num_rows=2)]), VOCAB)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(next_token_ids=[1]), "a device hand-off's item has .* no next_token_ids"),
+        (dict(num_rejected=1), "no num_rejected"),
+        (dict(start_position=-2), "start_position >= 0"),
+        (dict(num_rows=0), "num_rows 0 not in \\[1, token_width 4\\]"),
+        (dict(num_rows=5), "num_rows 5 not in \\[1, token_width 4\\]"),
+        (dict(num_spec_tokens=65), "num_spec_tokens 65 not in \\[0, 64\\]"),
+        (dict(sampling=common_pb2.SamplingParams(temperature=-1.0)), "temperature -1.0 not in"),
+        (dict(request_id="a"), "empty or repeated request_id 'a'"),
+    ],
+)
+def test_a_bad_device_hand_off_item_is_refused(bad, message):
+    msg = _device_request(_device_item(), _device_item(**{"request_id": "x", **bad}))
+    with pytest.raises(InvalidArgument, match=message):
+        parse_items(msg, VOCAB)

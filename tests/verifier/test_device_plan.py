@@ -1,0 +1,118 @@
+"""DrafterClient.device_plan: a launched step's Propose as a device hand-off (sent before the step
+finishes). Only where the transport takes hand-offs and every request is a greedy decode step that
+wants drafts; its items carry their row counts and start positions, its tokens stay on the device."""
+
+import types
+
+import pytest
+import torch
+
+from models.loader import load_target
+from models.tiny import write_tiny_checkpoint
+from models.transport.base import HiddenStatesSender
+from protos import common_pb2, verifier_pb2
+from verifier.drafter_client import DrafterClient
+from verifier.input_batch import build_input_batch
+from verifier.runner import VerifierRunner
+from verifier.servicer import VerifierServicer, _HeldStep
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+class HandOffSender(HiddenStatesSender):
+    name = "cuda_ipc"
+    device_hand_off = True
+
+    def __init__(self, open_for_rows: int = 64):
+        self.open_for_rows = open_for_rows
+
+    def needs_open(self, hidden_states):
+        return hidden_states.shape[0] > self.open_for_rows
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    model = load_target(write_tiny_checkpoint(tmp_path_factory.mktemp("v") / "m", architecture="qwen3", seed=3))
+    runner = VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
+    for rid in "ab":  # both prompts prefilled: the next steps are decode steps
+        runner.step(batch(runner, [(rid, 0, PROMPT, 0, True, 2)]))
+    return runner
+
+
+def batch(runner, reqs, temperature: float = 0.0):
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    for rid, computed, tokens, drafts, sample, spec in reqs:
+        msg.requests.add(
+            request_id=rid,
+            num_computed_tokens=computed,
+            token_ids=tokens,
+            num_draft_tokens=drafts,
+            sample=sample,
+            next_token_id=0 if sample else tokens[-1],
+            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=1.0),
+            num_spec_tokens=spec,
+        )
+    return build_input_batch(
+        msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
+    )
+
+
+def plan_of(runner, reqs, sender=None, temperature: float = 0.0):
+    client = DrafterClient("127.0.0.1:1", transport=sender or HandOffSender())
+    launched = runner.launch(batch(runner, reqs, temperature))
+    sampling = [common_pb2.SamplingParams(temperature=temperature)] * len(reqs)
+    try:
+        return launched, client.device_plan(7, launched, sampling)
+    finally:
+        runner.finish(launched)
+        runner.free([r[0] for r in reqs])  # the module's requests start again from their prompts
+        for rid in "ab":
+            runner.step(batch(runner, [(rid, 0, PROMPT, 0, True, 2)]))
+
+
+def test_greedy_decode_steps_go_as_a_device_hand_off(runner):
+    n = len(PROMPT)
+    launched, plan = plan_of(runner, [("a", n, [1, 2, 3], 2, True, 2), ("b", n, [4, 5], 1, True, 3)])
+    assert plan is not None and plan.iteration == 7
+    assert [(i.request_id, i.start_position, i.num_rows, i.num_spec_tokens) for i in plan.items] == [
+        ("a", n, 3, 2),
+        ("b", n, 2, 3),
+    ]
+    assert all(not i.next_token_ids and i.num_rejected == 0 for i in plan.items)
+    assert plan.row_offsets == [0, 3, 5]
+    assert plan.sampled is launched.sampled and plan.num_sampled is launched.num_sampled
+    assert torch.equal(plan.hidden_states, launched.hidden[:5])
+
+
+@pytest.mark.parametrize(
+    "reqs, sender, temperature",
+    [
+        ([("a", 6, [1, 2, 3], 2, True, 2)], HandOffSender(), 0.8),  # sampled drafts
+        ([("a", 6, [1, 2, 3], 2, True, 0)], HandOffSender(), 0.0),  # no drafts wanted
+        ([("a", 6, [1, 2, 3], 2, True, 2), ("c", 0, PROMPT, 0, True, 2)], HandOffSender(), 0.0),  # a prefill
+        ([("a", 6, [1, 2, 3], 2, True, 2)], HandOffSender(open_for_rows=2), 0.0),  # the slots must grow first
+        ([("a", 6, [1, 2, 3], 2, True, 2)], type("Off", (HandOffSender,), {"device_hand_off": False})(), 0.0),
+    ],
+    ids=["sampled", "no-drafts-wanted", "with-a-prefill", "transport-must-reopen", "transport-without-hand-off"],
+)
+def test_other_steps_wait_for_their_tokens_on_the_host(runner, reqs, sender, temperature):
+    _, plan = plan_of(runner, reqs, sender, temperature)
+    assert plan is None
+
+
+def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
+    """The device hand-off's Propose goes before the step finishes: an answer (or a failed send) that
+    comes first is held back until the step's output exists, then kept exactly once."""
+    kept = []
+    servicer = VerifierServicer(DrafterClient("127.0.0.1:1", transport=HandOffSender()), "cpu")
+    servicer.runner = types.SimpleNamespace(kv_cache=types.SimpleNamespace(num_tokens=len))
+    servicer._held = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
+    held = _HeldStep("batch")
+    pending = types.SimpleNamespace(context=held, proposal=types.SimpleNamespace(drafts=[[4, 5]], draft_probs=None))
+    servicer._keep_direct(pending)
+    assert kept == [] and held.answered is pending
+    assert held.finished("step", servicer._keep_direct) == "step"
+    assert kept == [("batch", "step", [[4, 5]])]
+    later = _HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
+    servicer._keep_direct(types.SimpleNamespace(context=later, proposal=pending.proposal))
+    assert kept[-1] == ("batch 2", "step 2", [[4, 5]])
