@@ -22,6 +22,9 @@ of one host share):
 With async scheduling (the services' default) the Propose columns (hop_v2d … hop_d2v) describe the
 previous iteration's Propose, which overlapped the coordinator's work and hops; an iteration is then
 drafts_wait + the verifier's step + the hops and coordinator around it.
+
+With a device hand-off (greedy decode steps with `cuda_ipc`, and (c) alike) the drafter's steps wait for the
+verifier's on the GPU: its step0 then includes the verifier's device time, and (c)'s sample column is 0.
 """
 
 from __future__ import annotations
