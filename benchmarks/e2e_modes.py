@@ -168,7 +168,7 @@ class InProcessEngine:
                 t2 = time.time_ns()
                 dev = DeviceTokens(launched.sampled, launched.num_sampled)
                 proposal = drafter.propose(items, launched.hidden[: batch.query_start[-1]], dev)
-                step = verifier.finish(launched)  # done by now: the drafter waited for its tokens
+                step = verifier.finish(launched, with_rows=False)  # done by now: the drafter waited for it
                 drafts, step0, later = proposal.drafts, proposal.step0_ns, proposal.later_steps_ns
                 sample_ns = 0  # the verifier's device time lands in the drafter's step 0, which waits for it
             else:

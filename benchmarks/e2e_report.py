@@ -49,7 +49,8 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
         # Per repeat (the repeats go round the cells, so repeat r of every cell ran side by side).
         "tokens_per_s_runs": [batch * new_tokens / r.seconds for r in runs],
         "iteration_ms_runs": [statistics.median(b["iteration"] for b in r.breakdown) for r in runs],
-        "iteration_ms_all": [[round(b["iteration"], 3) for b in r.breakdown] for r in runs],
+        # Every iteration's breakdown, run by run (the JSON only): where one run's iterations differ.
+        "breakdown_runs": [[{k: round(v, 3) for k, v in b.items() if v} for b in r.breakdown] for r in runs],
     }
 
 

@@ -187,11 +187,14 @@ class VerifierRunner:
         return LaunchedStep(batch, hidden, out.sampled, out.num_sampled, (t0, t1, t2))
 
     @staticmethod
-    def finish(launched: LaunchedStep) -> StepOutput:
-        """Waits for a launched step's sampled tokens: its output on the host."""
+    def finish(launched: LaunchedStep, with_rows: bool = True) -> StepOutput:
+        """Waits for a launched step's sampled tokens: its output on the host. `with_rows=False`: without
+        the drafter's hidden-state rows (a device hand-off sent them already). Picking them queues device
+        work, which would wait for the drafter's turn on the GPU."""
         sampled, num_sampled = _to_host(launched.sampled, launched.num_sampled)
         t3 = time.time_ns()
-        return step_output(launched.batch, sampled, num_sampled, launched.hidden, (*launched.stamps_ns, t3))
+        stamps = (*launched.stamps_ns, t3)
+        return step_output(launched.batch, sampled, num_sampled, launched.hidden, stamps, with_rows)
 
 
 @dataclass
@@ -211,9 +214,10 @@ def step_output(
     num_sampled: list[int],  # [num_sampling]
     hidden: torch.Tensor,  # [num_tokens, H] target hidden states of the step
     stamps_ns: tuple[int, int, int, int],
+    with_rows: bool = True,
 ) -> StepOutput:
     """Per request: the sampled tokens, num_rejected, and the hidden-state rows (with the token
-    following each) that the drafter needs."""
+    following each) that the drafter needs (none, `hidden[:0]`, without `with_rows`)."""
     sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
     num_rejected = [0] * batch.num_reqs
     for j, i in enumerate(batch.sampling_indices):
@@ -230,7 +234,9 @@ def step_output(
         rows.extend(range(qs, qs + len(follow)))
         start_positions.append(batch.num_computed_tokens[i])
         next_ids.append(follow)
-    if rows and rows[-1] - rows[0] == len(rows) - 1:  # one run of rows (always at batch 1): a copy, no index upload
+    if not with_rows:
+        hidden_rows = hidden[:0]  # a view: no device work
+    elif rows and rows[-1] - rows[0] == len(rows) - 1:  # one run of rows (always at batch 1): a copy, no index upload
         hidden_rows = hidden[rows[0] : rows[-1] + 1].clone()  # [rows, H]
     else:
         hidden_rows = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))

@@ -290,9 +290,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if plan is not None:  # a device hand-off: the Propose goes before the step is done
             held = _HeldStep(batch)
             pending = direct.send(plan, held, self._keep_direct, parent)
-            step = held.finished(self.runner.finish(launched), self._keep_direct)
+            with self.slow_steps.watch("step"):
+                step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_direct)
         else:
-            step = self.runner.finish(launched) if batch.num_reqs else launched
+            with self.slow_steps.watch("step"):
+                step = self.runner.finish(launched) if batch.num_reqs else launched
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
             pending = direct.send(plan, _HeldStep(batch, step), self._keep_direct, parent)
         return batch, step, unfilled, (w0, w1, early), pending

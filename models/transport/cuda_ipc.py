@@ -130,26 +130,27 @@ class CudaIpcSender(HiddenStatesSender):
         """hidden_states: [num_rows, hidden_size] on the verifier's GPU."""
         if self._ring is None:
             raise TransportError("cuda_ipc transport is not open")
+        slot = self._copy_rows(hidden_states)
+        # The drafter reads the slot as soon as it has the handle: the rows must be there first.
+        torch.cuda.current_stream(hidden_states.device).synchronize()
+        return self._handle(msg, slot, hidden_states)
+
+    def _copy_rows(self, hidden_states: torch.Tensor) -> int:  # [num_rows, hidden_size]
+        """A free slot, with the copy of the rows into it queued."""
         try:
             slot = self._ring.acquire()
         except RingFull as err:
             raise TransportError(str(err)) from err
         rows, hidden_size = hidden_states.shape
         self._slots[slot][: rows * hidden_size].view(rows, hidden_size).copy_(hidden_states)
-        # The drafter reads the slot as soon as it has the handle: the rows must be there first.
-        torch.cuda.current_stream(hidden_states.device).synchronize()
+        return slot
+
+    def _handle(self, msg: drafter_pb2.ProposeRequest, slot: int, hidden_states: torch.Tensor) -> Transfer:
+        """`msg`'s handle to the rows in `slot`: the next transfer of this generation."""
         self._sequence += 1
-        msg.hidden_states_handle.CopyFrom(
-            drafter_pb2.HiddenStatesHandle(
-                generation=self.generation,
-                sequence=self._sequence,
-                dtype=dtype_to_proto(hidden_states.dtype),
-                num_rows=rows,
-                hidden_size=hidden_size,
-                slot=slot,
-                offset=0,
-            )
-        )
+        h = msg.hidden_states_handle
+        h.generation, h.sequence, h.dtype = self.generation, self._sequence, dtype_to_proto(hidden_states.dtype)
+        h.num_rows, h.hidden_size, h.slot, h.offset = *hidden_states.shape, slot, 0
         return Transfer(self._sequence, slot=slot)
 
     def send_on_device(
@@ -166,22 +167,14 @@ class CudaIpcSender(HiddenStatesSender):
         num_reqs, width = sampled.shape
         if width > MAX_TOKEN_WIDTH or num_reqs > self.slot_rows:
             raise TransportError(f"{num_reqs} requests of {width} tokens do not fit a slot's token buffer")
-        try:
-            slot = self._ring.acquire()
-        except RingFull as err:
-            raise TransportError(str(err)) from err
-        rows, hidden_size = hidden_states.shape
-        self._slots[slot][: rows * hidden_size].view(rows, hidden_size).copy_(hidden_states)
+        slot = self._copy_rows(hidden_states)
         tokens = self._tokens[slot]
         tokens[: num_reqs * width].view(num_reqs, width).copy_(sampled)
         tokens[num_reqs * width : num_reqs * (width + 1)].copy_(num_sampled)
         self._events[slot].record(torch.cuda.current_stream(hidden_states.device))
-        self._sequence += 1
-        h = msg.hidden_states_handle
-        h.generation, h.sequence, h.dtype = self.generation, self._sequence, dtype_to_proto(hidden_states.dtype)
-        h.num_rows, h.hidden_size, h.slot, h.offset = rows, hidden_size, slot, 0
-        h.tokens_on_device, h.token_width = True, width
-        return Transfer(self._sequence, slot=slot)
+        transfer = self._handle(msg, slot, hidden_states)
+        msg.hidden_states_handle.tokens_on_device, msg.hidden_states_handle.token_width = True, width
+        return transfer
 
     def finish(self, transfer: Transfer, ok: bool) -> None:
         if self._ring is None or transfer.slot is None:

@@ -116,3 +116,21 @@ def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
     later = _HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
     servicer._keep_direct(types.SimpleNamespace(context=later, proposal=pending.proposal))
     assert kept[-1] == ("batch 2", "step 2", [[4, 5]])
+
+
+def test_finishing_without_rows_gives_the_same_tokens_and_queues_no_row_copy(runner):
+    """A device hand-off finishes its step without the drafter's rows (it sent them already): the same
+    sampled tokens and counts as the whole step, and an empty view of the step's hidden states."""
+    n = len(PROMPT)
+    reqs = [("a", n, [1, 2, 3], 2, True, 2), ("b", n, [4, 5], 1, True, 3)]
+    launched = runner.launch(batch(runner, reqs))
+    lean = runner.finish(launched, with_rows=False)
+    whole = runner.finish(launched)
+    assert lean.sampled_token_ids == whole.sampled_token_ids and lean.num_rejected == whole.num_rejected
+    assert lean.next_token_ids == whole.next_token_ids and lean.start_positions == whole.start_positions
+    assert lean.hidden_states.shape == (0, launched.hidden.shape[1])
+    assert lean.hidden_states.untyped_storage().data_ptr() == launched.hidden.untyped_storage().data_ptr()
+    assert whole.hidden_states.shape[0] == sum(len(t) for t in whole.next_token_ids)
+    runner.free(["a", "b"])
+    for rid in "ab":
+        runner.step(batch(runner, [(rid, 0, PROMPT, 0, True, 2)]))
