@@ -7,9 +7,11 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks.forced_acceptance import KEY_LEN, ForcedAcceptanceRunner, Oracle
 from drafter.runner import ProposeItem
+from models.transport.base import DeviceTokens
 
 VOCAB = 1000
 
@@ -84,3 +86,42 @@ def test_unknown_requests_keep_the_mtp_drafts_and_free_passes_through():
 def test_prompts_that_share_their_first_tokens_are_refused():
     with pytest.raises(ValueError, match="not unique"):
         Oracle([[1] * 40, [1] * 40], VOCAB)
+
+
+class FakeDeviceRunner(FakeRunner):
+    """FakeRunner that takes device hand-offs: the items' tokens come from the device tokens, as
+    `DrafterRunner.propose` fills them."""
+
+    def propose(self, items, hidden_states, device_tokens=None):
+        if device_tokens is not None:
+            rows, counts = device_tokens.tokens.tolist(), device_tokens.num_sampled.tolist()
+            for item, row, n in zip(items, rows, counts):
+                item.next_token_ids = row[:n]
+        return super().propose(items, hidden_states)
+
+
+def _decode_on_device(runner, seq: list[int], prompt_len: int, k: int, rid: str) -> list[int]:
+    """`_decode`, each iteration after the prompt as a device hand-off: every row of the request, the
+    sampled tokens padded with -1."""
+    accepted_counts = []
+    out = runner.propose([ProposeItem(rid, 0, seq[1 : prompt_len + 1], k)], None).drafts[0]
+    n = prompt_len + 1
+    while n + k + 1 < len(seq):
+        accepted = next((i for i, d in enumerate(out) if d != seq[n + i]), k)
+        accepted_counts.append(accepted)
+        start = n - 1
+        n += accepted + 1
+        tokens = seq[start + 1 : n] + [-1] * (k - accepted)
+        dev = DeviceTokens(torch.tensor([tokens]), torch.tensor([accepted + 1]))
+        out = runner.propose([ProposeItem(rid, start, [], k, num_rows=k + 1)], None, dev).drafts[0]
+    return accepted_counts
+
+
+def test_device_hand_offs_force_the_same_drafts_as_the_host_path():
+    oracle, k = _oracle(6), 3
+    host = ForcedAcceptanceRunner(FakeRunner(), oracle, 0.8, seed=3)
+    device = ForcedAcceptanceRunner(FakeDeviceRunner(), oracle, 0.8, seed=3)
+    for i, seq in enumerate(oracle.sequences):
+        want = _decode(host, seq, 64, k, f"r{i}")
+        assert _decode_on_device(device, seq, 64, k, f"r{i}") == want and sum(want) > 0
+    assert device.num_lost == 0 and device.num_kept == host.num_kept > 0
