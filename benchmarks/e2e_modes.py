@@ -110,10 +110,8 @@ class InProcessEngine:
     def _device_items(self, batch, k: int) -> list[ProposeItem] | None:
         """The drafter's items of a device hand-off (`drafter/device_propose.py`) where the services
         would make one (`DrafterClient.device_plan`: greedy decode steps that want drafts), else None."""
-        if not self.device_hand_off or k == 0 or batch.num_reqs == 0 or min(batch.num_spec_tokens) == 0:
-            return None
-        rows = [d + 1 for d in batch.num_draft_tokens]
-        if batch.num_new_tokens != rows or not all(batch.sample):
+        rows = batch.hand_off_rows() if self.device_hand_off and k > 0 else None
+        if rows is None:
             return None
         items = [
             ProposeItem(rid, batch.num_computed_tokens[i], [], batch.num_spec_tokens[i], num_rows=rows[i])

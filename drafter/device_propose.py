@@ -79,8 +79,7 @@ def propose_on_device(runner, items, hidden_states: torch.Tensor, dev: DeviceTok
     last_rows = [end - 1 for end in itertools.accumulate(counts)]
     positions = [item.start_position + 1 + j for item in items for j in range(item.num_rows)]
     last_pos = [item.start_position + item.num_rows for item in items]  # as if every draft was accepted
-    later = runner._plan_later_host(items, active, last_pos)
-    host64, host32, layout, actives = ([], [], [], []) if later is None else (*later[:2], *later[3:])
+    host64, host32, _, layout, actives = runner._plan_later_host(items, active, last_pos)  # greedy: no floats
     uniform = all(c == width for c in counts)
     gather = [] if uniform else [r * width + j for r, c in enumerate(counts) for j in range(c)]
     # Nothing of this Propose reaches the device before the wait: work queued ahead of it would take

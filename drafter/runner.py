@@ -224,15 +224,14 @@ class DrafterRunner:
         """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
 
         A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
-        later = self._plan_later_host(items, active, last_pos)
-        if later is None:
+        host64, host32, host_f, layout, actives = self._plan_later_host(items, active, last_pos)
+        if not layout:
             return [], []
-        host64, host32, host_f, layout, actives = later
         return self._later_steps(layout, *self._upload(host64, host32, host_f)), actives
 
     def _plan_later_host(self, items: list[ProposeItem], active: list[int], last_pos: list[int]):
         """The host half of `_plan_later_steps`: the steps' arrays (int64, int32, float32), their layout
-        and the requests of each step; None when no later step runs."""
+        and the requests of each step (no layout when no later step runs)."""
         num_steps = max(items[i].num_spec_tokens for i in active)
         rows, actives, layout = active, [], []
         host64: list[list[int]] = []
@@ -255,7 +254,7 @@ class DrafterRunner:
             layout.append((plan, len(int32), not full, bool(sampling32)))
             actives.append(kept)
             rows = kept
-        return (host64, host32, host_f, layout, actives) if layout else None
+        return host64, host32, host_f, layout, actives
 
     def _later_steps(self, layout, int64: list[torch.Tensor], int32: list[torch.Tensor], float32: list[torch.Tensor]):
         """The device half of `_plan_later_steps`: each step from the device copies of its arrays."""

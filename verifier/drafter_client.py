@@ -191,15 +191,9 @@ class DrafterClient:
         step finishes; None where the step does not qualify. It does when the transport takes hand-offs
         (cuda_ipc, open, to a drafter on the same GPU) and every request is a greedy decode step that
         wants drafts: its rows are then its last token and all the drafts it verifies."""
-        batch = launched.batch
-        transport = self.transport
-        n = batch.num_reqs
-        if not transport.device_hand_off or n == 0 or len(batch.sampling_indices) != n:
-            return None
-        if any(s.temperature != 0 for s in sampling) or min(batch.num_spec_tokens) == 0:
-            return None
-        rows = [d + 1 for d in batch.num_draft_tokens]
-        if batch.num_new_tokens != rows or not all(batch.sample):
+        batch, transport = launched.batch, self.transport
+        rows = batch.hand_off_rows() if transport.device_hand_off else None
+        if rows is None:
             return None
         hidden = launched.hidden[: batch.query_start[-1]]
         if transport.needs_open(hidden):

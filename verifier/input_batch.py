@@ -55,6 +55,17 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    def hand_off_rows(self) -> list[int] | None:
+        """Per request, its rows (its last token and every draft it verifies) when the step can go to the
+        drafter as a device hand-off (`drafter/device_propose.py`): every request a greedy decode step
+        that wants drafts. None otherwise."""
+        if self.num_reqs == 0 or len(self.sampling_indices) != self.num_reqs or not self.all_greedy:
+            return None
+        rows = [d + 1 for d in self.num_draft_tokens]
+        if self.num_new_tokens != rows or not all(self.sample) or min(self.num_spec_tokens) == 0:
+            return None
+        return rows
+
 
 @dataclass
 class PlannedBatch:

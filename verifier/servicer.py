@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry import context as otel_context
@@ -29,43 +28,16 @@ from specsplit.telemetry import extract_trace_context, incoming_context
 from verifier.direct_propose import DirectProposer, PendingPropose
 from verifier.drafter_client import DrafterClient, Proposal, sampling_of
 from verifier.held_drafts import HeldDrafts
-from verifier.input_batch import InputBatch, PlannedBatch, plan_input_batch, upload_input_batch, with_held_drafts
+from verifier.input_batch import InputBatch, plan_input_batch, upload_input_batch, with_held_drafts
 from verifier.response import verify_response
-from verifier.runner import Prepared, StepOutput, VerifierRunner
+from verifier.runner import StepOutput, VerifierRunner
+from verifier.step_context import EarlyStep, HeldStep
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
 meter = metrics.get_meter("specsplit.verifier")
 verify_duration = meter.create_histogram("specsplit.verifier.verify_duration", unit="s")
 hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes", unit="By")
-
-
-@dataclass
-class EarlyStep:
-    """A step planned before its held drafts are in (`VerifierServicer._plan_early`): its batch with
-    placeholder drafts and its KV slots; or the error its beginning raised; or nothing (plan it then)."""
-
-    planned: PlannedBatch | None = None
-    prepared: Prepared | None = None
-    error: Exception | None = None
-    planned_ns: int = 0  # when the planning ended (the `plan_ahead` span)
-    used: bool = False  # the step ran on this plan (False: it planned again, with the drafts that came)
-
-
-@dataclass
-class _HeldStep:
-    """A direct Propose's context: its step's batch, and the step once finished (a device hand-off sends
-    the Propose before; an answer that comes first, a failure of the send, waits here for the step)."""
-
-    batch: InputBatch
-    step: StepOutput | None = None
-    answered: PendingPropose | None = None
-
-    def finished(self, step: StepOutput, keep) -> StepOutput:
-        self.step = step
-        if self.answered is not None:
-            keep(self.answered)
-        return step
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -288,7 +260,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sampling = sampling_of(request)
         plan = self.drafter.device_plan(request.iteration, launched, sampling) if batch.num_reqs else None
         if plan is not None:  # a device hand-off: the Propose goes before the step is done
-            held = _HeldStep(batch)
+            held = HeldStep(batch)
             pending = direct.send(plan, held, self._keep_direct, parent)
             with self.slow_steps.watch("step"):
                 step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_direct)
@@ -296,13 +268,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             with self.slow_steps.watch("step"):
                 step = self.runner.finish(launched) if batch.num_reqs else launched
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
-            pending = direct.send(plan, _HeldStep(batch, step), self._keep_direct, parent)
+            pending = direct.send(plan, HeldStep(batch, step), self._keep_direct, parent)
         return batch, step, unfilled, (w0, w1, early), pending
 
     def _keep_direct(self, pending: PendingPropose) -> None:
         """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step
         (a device hand-off's once its step is finished)."""
-        held: _HeldStep = pending.context
+        held: HeldStep = pending.context
         if held.step is None:
             held.answered = pending
             return

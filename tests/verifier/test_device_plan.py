@@ -14,7 +14,8 @@ from protos import common_pb2, verifier_pb2
 from verifier.drafter_client import DrafterClient
 from verifier.input_batch import build_input_batch
 from verifier.runner import VerifierRunner
-from verifier.servicer import VerifierServicer, _HeldStep
+from verifier.servicer import VerifierServicer
+from verifier.step_context import HeldStep
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -107,13 +108,13 @@ def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
     servicer = VerifierServicer(DrafterClient("127.0.0.1:1", transport=HandOffSender()), "cpu")
     servicer.runner = types.SimpleNamespace(kv_cache=types.SimpleNamespace(num_tokens=len))
     servicer._held = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
-    held = _HeldStep("batch")
+    held = HeldStep("batch")
     pending = types.SimpleNamespace(context=held, proposal=types.SimpleNamespace(drafts=[[4, 5]], draft_probs=None))
     servicer._keep_direct(pending)
     assert kept == [] and held.answered is pending
     assert held.finished("step", servicer._keep_direct) == "step"
     assert kept == [("batch", "step", [[4, 5]])]
-    later = _HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
+    later = HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
     servicer._keep_direct(types.SimpleNamespace(context=later, proposal=pending.proposal))
     assert kept[-1] == ("batch 2", "step 2", [[4, 5]])
 
