@@ -5,7 +5,7 @@
 
 Models: the Qwen2-7B shape (hidden 3584, 28 layers, 28 heads / 4 kv heads, head_dim 128,
 intermediate 18944, vocab 152064, untied) with random bf16 weights made on the device, and the demo
-checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`models.tiny`) instead.
+checkpoint (`checkpoints/demo`); `--tiny`: one tiny random checkpoint (`tests.fixtures.tiny`) instead.
 
 Paths (`--paths`): `eager` (SDPA attention in one call over the step padded to its longest request,
 what every CPU step and every GPU prefill step runs), `eager_loop` (the same with one SDPA call per
@@ -13,7 +13,7 @@ request, the path before), `kernel` (Triton paged attention, eager), `graphs` (T
 from CUDA graphs; on CPU the same static-buffer path runs eagerly).
 
     PYTHONPATH=. python benchmarks/decode_step.py --device cpu --tiny --batch-sizes 8,32 --paths eager,eager_loop
-Linears run the Triton GEMV (`kernels/gemv.py`) for the shapes its table measured faster than cuBLAS
+Linears run the Triton GEMV (`specsplit/kernels/gemv.py`) for the shapes its table measured faster than cuBLAS
 (the servers' default); `--gemv`: for every shape; `--no-gemv`: cuBLAS everywhere.
 A step is what the verifier does per decode iteration: metadata (`prepare_step`, one upload), input
 ids and positions to the device, forward, logits of every row, synchronize; the median over
@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.shapes import SHAPES  # noqa: E402
-from models.serve_options import add_kernel_arguments, apply_layer_kernels_option  # noqa: E402
+from specsplit.models.serve_options import add_kernel_arguments, apply_layer_kernels_option  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -47,9 +47,9 @@ HBM_BYTES_PER_S = 4.8e12
 def random_qwen2_7b(dtype, device):
     import torch
 
-    from models.config import ModelConfig
-    from models.layers import fuse_projections
-    from models.target import TargetModel
+    from specsplit.models.config import ModelConfig
+    from specsplit.models.layers import fuse_projections
+    from specsplit.models.target import TargetModel
 
     config = ModelConfig(
         architecture="Qwen2ForCausalLM",
@@ -100,7 +100,7 @@ def time_steps(
     seconds of the forward + logits alone (CUDA events around it, no host work) to `gpu_times`."""
     import torch
 
-    from models.attention import use_kernel_for
+    from specsplit.models.attention import use_kernel_for
 
     device = cache.device
     req_ids = [f"r{i}" for i in range(batch)]
@@ -176,8 +176,8 @@ def gpu_ops_of_one_step(model, cache, req_ids: list[str], context: int) -> int:
 def bench_model(name, model, args) -> list[dict]:
     import torch
 
-    from models import padded_batch as padded_batch_module
-    from models.cuda_graphs import CudaGraphRunner
+    from specsplit.models import padded_batch as padded_batch_module
+    from specsplit.models.cuda_graphs import CudaGraphRunner
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     block_size = 16
@@ -195,7 +195,7 @@ def bench_model(name, model, args) -> list[dict]:
         for path in args.paths.split(","):
             count_ops = gpu_ops if path == "kernel" else None
             gpu: list[float] = []
-            # eager_loop: no step is padded into one SDPA call (models.padded_batch.PADDED_BATCH_MAX_PAIRS).
+            # eager_loop: no step is padded into one SDPA call (specsplit.models.padded_batch.PADDED_BATCH_MAX_PAIRS).
             padded_max = padded_batch_module.PADDED_BATCH_MAX_PAIRS
             padded_batch_module.PADDED_BATCH_MAX_PAIRS = 0 if path == "eager_loop" else padded_max
             try:
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     args, dtype = parse_step_arguments(p, argv)
     import torch
 
-    from models.loader import load_target
-    from models.tiny import write_tiny_checkpoint
+    from specsplit.models.loader import load_target
+    from tests.fixtures.tiny import write_tiny_checkpoint
 
     if args.tiny:
         tmp = tempfile.mkdtemp()

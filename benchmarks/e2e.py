@@ -5,8 +5,6 @@ in one process, at several batch sizes and k, side by side in one run.
 (b) services     — coordinator, verifier and drafter as three processes on loopback gRPC; hidden
                    states by --hidden-transport (auto: cuda_ipc on a GPU, grpc on CPU)
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
-(b') services_mbN — (b) with the coordinator's `--micro-batches N` (--micro-batches 1 2: both, side by side)
-(b'') services_sync — (b) with `--no-async-scheduling` (--also-sync): the drafts come back with the tokens
 (b''') services_stream — (b) on gRPC's streams (--also-stream): `--verifier-rpc stream --drafter-rpc stream`,
                    the control paths over gRPC instead of the services' Unix sockets (`local`, the default here)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set; the
@@ -86,9 +84,8 @@ def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], 
                 failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
-def services_mode(micro_batches: int, sync: bool = False, stream: bool = False) -> str:
-    name = "services" if micro_batches == 1 else f"services_mb{micro_batches}"
-    return name + ("_sync" if sync else "") + ("_stream" if stream else "")
+def services_mode(stream: bool = False) -> str:
+    return "services_stream" if stream else "services"
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,16 +110,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--verifier-rpc", default="local", choices=VERIFIER_RPCS, help="coordinator → verifier control path of (b)"
-    )
-    p.add_argument(
-        "--micro-batches",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="services runs with these `--micro-batches` (one cluster each; mode services_mbN for N > 1)",
-    )
-    p.add_argument(
-        "--also-sync", action="store_true", help="also run (b) with --no-async-scheduling (mode services_sync)"
     )
     p.add_argument(
         "--also-stream",
@@ -154,9 +141,11 @@ def main() -> None:
     t_begin = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model
-    engine = InProcessEngine(str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks)
-    engine.device_hand_off = args.device_hand_off
     max_k, max_batch = max(args.ks), max(args.batches)
+    engine = InProcessEngine(
+        str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
+    )
+    engine.device_hand_off = args.device_hand_off
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
     role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -169,16 +158,15 @@ def main() -> None:
     rows, failures = [], []
     with contextlib.ExitStack() as stack:
         rpcs = (args.verifier_rpc, args.drafter_rpc)
-        specs = [(mb, False, rpcs) for mb in args.micro_batches]
-        specs += [(1, True, rpcs)] * args.also_sync + [(1, False, ("stream", "stream"))] * args.also_stream
+        specs = [rpcs] + [("stream", "stream")] * args.also_stream
         clusters = {
-            services_mode(mb, sync, rpc != rpcs): stack.enter_context(
+            services_mode(rpc != rpcs): stack.enter_context(
                 LocalCluster(
                     str(model),
                     num_speculative_tokens=max_k,
                     device=args.device,
                     dtype=args.dtype,
-                    log_dir=work / f"logs-{services_mode(mb, sync, rpc != rpcs)}",
+                    log_dir=work / f"logs-{services_mode(rpc != rpcs)}",
                     load_format=args.load_format,
                     role_commands=role_commands,
                     hidden_transport=args.hidden_transport,
@@ -186,8 +174,6 @@ def main() -> None:
                     coordinator_args=[
                         *["--max-num-seqs", str(max_batch)],
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
-                        *["--micro-batches", str(mb)],
-                        "--no-async-scheduling" if sync else "--async-scheduling",
                     ],
                     verifier_args=["--num-blocks", str(args.num_blocks)]
                     + ([] if args.device_hand_off else ["--no-device-hand-off"]),
@@ -196,7 +182,7 @@ def main() -> None:
                     drafter_rpc=rpc[1],
                 )
             )
-            for mb, sync, rpc in specs
+            for rpc in specs
         }
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
         hidden_transport = next(iter(clusters.values())).hidden_transport  # one resolution for all of them

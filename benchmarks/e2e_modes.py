@@ -6,7 +6,7 @@ Breakdown (milliseconds per iteration; hops are one-way, from wall-clock stamps 
 of one host share):
     coordinator      schedule() + post_step (+ the engine loop)
     hop_c2v          coordinator → verifier: VerifyRequest serialisation, transport, parsing
-    drafts_wait      async scheduling: the Verify waiting for its micro-batch's previous Propose
+    drafts_wait      async scheduling: the Verify waiting for the previous Propose
     prepare          verifier: KV rollback + attention metadata (`StepOutput.prepare_ns`)
     forward          target forward + logits
     sample           rejection sampling (including the host copy of its result)
@@ -36,21 +36,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from coordinator.config import SchedulerConfig
-from coordinator.iteration import VerifyResult
-from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import Scheduler
-from coordinator.wire import verify_request
-from drafter.device_propose import can_propose_on_device
-from drafter.runner import DrafterRunner, ProposeItem
-from models.loader import load_mtp, load_target
-from models.step_upload import StepUpload
-from models.transport.base import DeviceTokens
-from protos import coordinator_pb2, coordinator_pb2_grpc
 from specsplit import Client
+from specsplit.engine.llm import LLM
+from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
 from specsplit.results import SpecStats
-from verifier.input_batch import build_input_batch
-from verifier.runner import VerifierRunner
 
 BREAKDOWN = (
     "coordinator",
@@ -76,7 +65,7 @@ class RunResult:
     outputs: list[list[int]]  # per prompt, in order
     stats: SpecStats
     breakdown: list[dict[str, float]] = field(default_factory=list)  # per iteration, ms
-    # The run's wall time that no iteration covers, ms (negative only when micro-batches overlap theirs).
+    # The run's wall time that no iteration covers, ms.
     outside_iterations_ms: float = 0.0
 
     @property
@@ -89,129 +78,77 @@ def _ms(ns: int) -> float:
 
 
 class InProcessEngine:
-    """The services' objects wired directly: what disaggregation is measured against."""
+    """`specsplit.LLM`: the services' iteration (`EngineCore.step`) in one process, what disaggregation is
+    measured against; k = 0 runs without a drafter (target-only)."""
 
     def __init__(
-        self, model: str, device: str, dtype: torch.dtype, load_format: str, num_blocks: int, block_size: int = 16
+        self,
+        model: str,
+        device: str,
+        dtype: torch.dtype,
+        load_format: str,
+        num_blocks: int,
+        max_batch: int,
+        max_k: int,
+        block_size: int = 16,
     ):
-        self.target = load_target(model, dtype=dtype, device=device, load_format=load_format)
-        self.mtp = load_mtp(model, dtype=dtype, device=device, load_format=load_format)
-        self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
-        self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
-        self.device_hand_off = True  # as the services: the drafter's steps queued before the verifier's finish
         # Built once (CUDA graphs are captured here, like at a server's start); every run frees all it used.
-        max_model_len = min(self.target.config.max_position_embeddings, 8192)
-        self.verifier = VerifierRunner(
-            self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=max_model_len
+        self.llm = LLM(
+            model,
+            num_speculative_tokens=max_k,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(2048, max_batch * (max_k + 1)),
         )
-        self.drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
-        self.upload = StepUpload(device)
+        self.target, self.device = self.llm.target, device
+        self.drafter = self.llm.core.drafter
+        self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
 
-    def _device_items(self, batch, k: int) -> list[ProposeItem] | None:
-        """The drafter's items of a device hand-off (`drafter/device_propose.py`) where the services
-        would make one (`DrafterClient.device_plan`: greedy decode steps that want drafts), else None."""
-        rows = batch.hand_off_rows() if self.device_hand_off and k > 0 else None
-        if rows is None:
-            return None
-        items = [
-            ProposeItem(rid, batch.num_computed_tokens[i], [], batch.num_spec_tokens[i], num_rows=rows[i])
-            for i, rid in enumerate(batch.req_ids)
-        ]
-        return items if can_propose_on_device(self.drafter, items) else None
+    @property
+    def device_hand_off(self) -> bool:
+        return self.llm.core.device_hand_off
+
+    @device_hand_off.setter
+    def device_hand_off(self, on: bool) -> None:
+        self.llm.core.device_hand_off = on
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
     def run(self, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
-        cfg = self.target.config
-        verifier, drafter = self.verifier, self.wrap_drafter(self.drafter)
-        sched = Scheduler(
-            SchedulerConfig(
-                max_model_len=cfg.max_position_embeddings,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                num_speculative_tokens=k,
-                max_num_seqs=len(prompts),
-                max_num_batched_tokens=max(2048, len(prompts) * (k + 1)),
-            ),
-            eos_token_ids=[],
-        )
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        requests = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-        for request in requests:
-            sched.add_request(request)
-        breakdown = []
+        self.llm.core.drafter = self.wrap_drafter(self.drafter) if k > 0 else None
         self._sync()
         t_start = time.perf_counter()
-        while sched.running or sched.waiting:
-            t0 = time.time_ns()
-            out = sched.schedule()
-            t1 = time.time_ns()
-            batch = build_input_batch(
-                verify_request(out, "bench"),
-                vocab_size=cfg.vocab_size,
-                max_model_len=cfg.max_position_embeddings,
-                num_cached_tokens=verifier.kv_cache.num_tokens,
-                device=self.device,
-                upload=self.upload,
-            )
-            verifier.free(out.finished_request_ids)
-            drafter.free(out.finished_request_ids)
-            drafts = [[] for _ in batch.req_ids]
-            step0 = later = 0
-            items = self._device_items(batch, k)
-            if items is not None:  # the drafter's steps queued behind the verifier's, as the services do
-                launched = verifier.launch(batch)
-                t2 = time.time_ns()
-                dev = DeviceTokens(launched.sampled, launched.num_sampled)
-                proposal = drafter.propose(items, launched.hidden[: batch.query_start[-1]], dev)
-                step = verifier.finish(launched, with_rows=False)  # done by now: the drafter waited for it
-                drafts, step0, later = proposal.drafts, proposal.step0_ns, proposal.later_steps_ns
-                sample_ns = 0  # the verifier's device time lands in the drafter's step 0, which waits for it
-            else:
-                step = verifier.step(batch)
-                t2 = time.time_ns()
-                sample_ns = step.sample_ns
-            if k > 0 and items is None:
-                items = [
-                    ProposeItem(rid, step.start_positions[i], step.next_token_ids[i], batch.num_spec_tokens[i])
-                    for i, rid in enumerate(batch.req_ids)
-                ]
-                proposal = drafter.propose(items, step.hidden_states)
-                drafts, step0, later = proposal.drafts, proposal.step0_ns, proposal.later_steps_ns
-            t3 = time.time_ns()
-            results = [
-                VerifyResult(rid, step.sampled_token_ids[i], step.num_rejected[i], drafts[i])
-                for i, rid in enumerate(batch.req_ids)
-            ]
-            sched.update_from_output(out, results)
-            t4 = time.time_ns()
-            verify = step.prepare_ns + step.forward_ns + sample_ns
-            breakdown.append(
-                dict.fromkeys(BREAKDOWN, 0.0)
-                | {
-                    "coordinator": _ms(t1 - t0 + t4 - t3),
-                    "prepare": _ms(step.prepare_ns),
-                    "forward": _ms(step.forward_ns),
-                    "sample": _ms(sample_ns),
-                    "verifier_other": _ms(t2 - t1 - verify),
-                    "step0": _ms(step0),
-                    "later_steps": _ms(later),
-                    "drafter_other": _ms(t3 - t2 - step0 - later),
-                    "iteration": _ms(t4 - t0),
-                }
-            )
+        results = self.llm.generate(
+            prompts, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k, detokenize=False
+        )
         self._sync()
         seconds = time.perf_counter() - t_start
-        ids = [f"r{i}" for i in range(len(prompts))]  # the last finished requests were never freed by a schedule
-        verifier.free(ids)
-        drafter.free(ids)
+        breakdown = [
+            dict.fromkeys(BREAKDOWN, 0.0)
+            | {
+                "coordinator": _ms(t.schedule_ns + t.post_step_ns),
+                "prepare": _ms(t.prepare_ns),
+                "forward": _ms(t.forward_ns),
+                "sample": _ms(t.sample_ns),
+                "verifier_other": _ms(t.verify_ns - t.prepare_ns - t.forward_ns - t.sample_ns),
+                "step0": _ms(t.step0_ns),
+                "later_steps": _ms(t.later_steps_ns),
+                "drafter_other": _ms(t.propose_ns - t.step0_ns - t.later_steps_ns),
+                "iteration": _ms(t.iteration_ns),
+            }
+            for t in self.llm.iteration_timings
+        ]
         stats = SpecStats()
-        for request in requests:
-            stats.merge(request.stats)
+        for r in results:
+            stats.merge(r.stats)
         outside = 1e3 * seconds - sum(row["iteration"] for row in breakdown)
-        return RunResult(seconds, [r.output_token_ids for r in requests], stats, breakdown, outside)
+        return RunResult(seconds, [r.token_ids for r in results], stats, breakdown, outside)
 
 
 def services_breakdown(it: coordinator_pb2.IterationTiming) -> dict[str, float]:

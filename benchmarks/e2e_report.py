@@ -36,7 +36,7 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
         "accepted_per_iteration": stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
         "breakdown_ms": {key: statistics.median(row[key] for row in iterations) for key in BREAKDOWN},
         # Where a median hides time: the first iteration (the prompts' prefill) and the wall time no
-        # iteration covers (negative when micro-batches overlap their iterations).
+        # iteration covers.
         "first_iteration_ms": statistics.median(r.breakdown[0]["iteration"] for r in runs),
         "outside_iterations_ms": statistics.median(r.outside_iterations_ms for r in runs),
         # The slowest iteration after the first, median over the runs; and the slowest of all, whole.
@@ -66,11 +66,10 @@ def add_comparisons(rows: list[dict]) -> None:
         r["iteration_overhead_runs"] = []
         if r["mode"].startswith("services") and twin:
             r["overhead"] = r["seconds"] / twin["seconds"] - 1
-            if not r["mode"].startswith("services_mb"):  # a micro-batch's iteration is not the in-process one
-                r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
-                r["iteration_overhead_runs"] = [
-                    mine / theirs - 1 for mine, theirs in zip(r["iteration_ms_runs"], twin["iteration_ms_runs"])
-                ]
+            r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
+            r["iteration_overhead_runs"] = [
+                mine / theirs - 1 for mine, theirs in zip(r["iteration_ms_runs"], twin["iteration_ms_runs"])
+            ]
 
 
 def _pct(x: float | None) -> str:

@@ -65,7 +65,7 @@ class _Track:
 
 
 class ForcedAcceptanceRunner:
-    """Wraps a `drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
+    """Wraps a `specsplit.drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
 
     def __init__(self, runner, oracle: Oracle, alpha: float, seed: int = 0):
         if not 0.0 <= alpha <= 1.0:

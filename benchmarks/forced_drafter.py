@@ -12,9 +12,9 @@ import argparse
 import asyncio
 
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle
-from drafter.server import serve
 from specsplit import telemetry
-from specsplit.cli import build_parser
+from specsplit.cli import parse_args
+from specsplit.drafter.server import serve
 from specsplit.grpc_server import setup_logging
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--oracle", required=True, help="JSON written by Oracle.save")
     p.add_argument("--seed", type=int, default=0)
     ours, rest = p.parse_known_args(argv)
-    args = build_parser().parse_args(["serve", "drafter", *rest])
+    args = parse_args(["serve", "drafter", *rest])
     setup_logging("drafter", args.log_level)
     telemetry.setup("drafter", metrics_port=args.metrics_port)
     oracle = Oracle.load(ours.oracle)

@@ -1,4 +1,4 @@
-"""Small-M linear layers on one GPU: cuBLAS (`F.linear`) vs the Triton GEMV (`kernels/gemv.py`) over a
+"""Small-M linear layers on one GPU: cuBLAS (`F.linear`) vs the Triton GEMV (`specsplit/kernels/gemv.py`) over a
 small grid of launch configurations, for the linears of the Qwen2-7B decode step.
 
     PYTHONPATH=$PWD python3 benchmarks/gemv.py --out runs/gemv.json      # H200, about 2-3 minutes
@@ -12,7 +12,7 @@ Bandwidth: bytes of W, x, bias and y per call over the time. Each configuration'
 against F.linear in fp32 (max |diff| over max |y|, printed) and for being bitwise the same on a second
 call; one that fails is reported, not timed, and makes the exit status 1.
 
-Printed: a row per (shape, M), the `CONFIGS` entries to paste into `kernels/gemv_configs.py` (None
+Printed: a row per (shape, M), the `CONFIGS` entries to paste into `specsplit/kernels/gemv_configs.py` (None
 where cuBLAS is faster), and a whole-step proxy: 28 layers x (qkv + o_proj + gate_up + down) + lm_head
 at M = 1 and 4, for torch, the best Triton configuration, and the faster of the two per linear.
 """
@@ -59,7 +59,7 @@ TINY_NUM_SMS = 4  # so that the tiny shapes split K too
 
 
 def candidates(n: int, k: int, m: int, num_sms: int, tiny: bool) -> list:
-    from kernels.gemv_configs import MAX_FMA_M, GemvConfig, cdiv, m_bucket, split_for_programs
+    from specsplit.kernels.gemv_configs import MAX_FMA_M, GemvConfig, cdiv, m_bucket, split_for_programs
 
     tiles = []
     if m <= MAX_FMA_M:
@@ -77,7 +77,7 @@ def candidates(n: int, k: int, m: int, num_sms: int, tiny: bool) -> list:
 
 def variant(config, m: int, has_bias: bool) -> tuple:
     """What Triton compiles one GEMV variant for (the split-K sum aside)."""
-    from kernels.gemv_configs import block_m
+    from specsplit.kernels.gemv_configs import block_m
 
     c, split = config, config.split_k > 1
     return (c.dot, block_m(m, c.dot), c.block_n, c.block_k, c.num_warps, c.num_stages, split, has_bias and not split)
@@ -92,7 +92,7 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, args, num_sms: int, b
     import torch
     import torch.nn.functional as F
 
-    from kernels.gemv import gemv
+    from specsplit.kernels.gemv import gemv
 
     dev, dtype = torch.device(args.device), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -146,7 +146,7 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, args, num_sms: int, b
 
 
 def config_of(measured: dict):
-    from kernels.gemv_configs import GemvConfig
+    from specsplit.kernels.gemv_configs import GemvConfig
 
     return GemvConfig(**measured["config"])
 
@@ -157,7 +157,7 @@ def tb_per_s(num_bytes: int, us: float) -> float:
 
 def print_report(rows: list) -> list:
     """The markdown table, the CONFIGS entries and the whole-step proxy; returns the proxy rows."""
-    from kernels.gemv_configs import m_bucket
+    from specsplit.kernels.gemv_configs import m_bucket
 
     print("\n| shape | M | torch µs | torch TB/s | triton µs | triton TB/s | best config | rel err | speedup |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton.testing
 
-    from kernels.gemv import num_sms
+    from specsplit.kernels.gemv import num_sms
 
     cuda = args.device.startswith("cuda")
     bench = (lambda fn: triton.testing.do_bench_cudagraph(fn, rep=args.rep)) if cuda and not args.tiny else None

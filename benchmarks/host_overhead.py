@@ -28,18 +28,18 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
-from coordinator.config import SchedulerConfig
-from coordinator.engine import Engine
-from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import Scheduler
-from drafter.runner import ProposeOutput
-from drafter.servicer import parse_items, propose_response
-from models.wire import tensor_to_proto
-from protos import drafter_pb2, verifier_pb2
-from verifier.drafter_client import DrafterClient, Proposal, merge_replica_drafts, sampling_of
-from verifier.input_batch import build_input_batch
-from verifier.response import verify_response
-from verifier.runner import step_output
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.drafter.runner import ProposeOutput
+from specsplit.drafter.servicer import parse_items, propose_response
+from specsplit.proto import drafter_pb2, verifier_pb2
+from specsplit.transport.wire import tensor_to_proto
+from specsplit.verifier.drafter_client import DrafterClient, Proposal, merge_replica_drafts, sampling_of
+from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.response import verify_response
+from specsplit.verifier.runner import step_output
 
 VOCAB = 151_936
 HIDDEN = 64  # the rows' bytes are not timed; a small hidden size keeps the fake tensors cheap
@@ -47,32 +47,41 @@ PROMPT_LEN = 128
 TOP_K = 16
 
 
-def accept_all(request: verifier_pb2.VerifyRequest, k: int, sampled: bool) -> verifier_pb2.VerifyResponse:
-    """The fake verifier: every draft accepted, a bonus token, k new drafts (built outside the timing)."""
+def accept_all(request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+    """The fake verifier: every held draft there and accepted, a bonus token (built outside the timing)."""
     response = verifier_pb2.VerifyResponse(drafter_ok=True)
     for r in request.requests:
-        last, d = r.token_ids[-1], r.num_draft_tokens
-        res = response.results.add(
+        last, n = r.token_ids[-1], r.num_held_drafts
+        response.results.add(
             request_id=r.request_id,
-            sampled_token_ids=[*r.token_ids[len(r.token_ids) - d :], (last + 1) % VOCAB],
-            draft_token_ids=[(last + 2 + j) % VOCAB for j in range(k)],
+            sampled_token_ids=[(last + 1 + j) % VOCAB for j in range(n + 1)],
+            num_draft_tokens=n,
         )
-        if sampled:
-            res.draft_probs.token_ids.CopyFrom(tensor_to_proto(torch.zeros(k, TOP_K, dtype=torch.int32)))
-            res.draft_probs.probs.CopyFrom(tensor_to_proto(torch.full((k, TOP_K), 1 / TOP_K)))
     return response
 
 
+def fill_held_drafts(msg: verifier_pb2.VerifyRequest, sampled: bool) -> None:
+    """The verifier's held drafts put into their placeholders, as `HeldDrafts.fill` does (with q when sampled)."""
+    for r in msg.requests:
+        n = r.num_held_drafts
+        if n:
+            r.token_ids.extend((r.token_ids[-1] + 1 + j) % VOCAB for j in range(n))
+            r.num_draft_tokens, r.num_held_drafts = n, 0
+            if sampled:
+                r.draft_probs.token_ids.CopyFrom(tensor_to_proto(torch.zeros(n, TOP_K, dtype=torch.int32)))
+                r.draft_probs.probs.CopyFrom(tensor_to_proto(torch.full((n, TOP_K), 1 / TOP_K)))
+
+
 class FakeStream:
-    def __init__(self, k: int, sampled: bool):
-        self.k, self.sampled, self.requests = k, sampled, []
+    def __init__(self):
+        self.requests = []
 
     async def send(self, request):
         self.requests.append(request.SerializeToString())  # serialisation is the coordinator's cost
         self._last = request
 
     async def receive(self):
-        return accept_all(self._last, self.k, self.sampled)
+        return accept_all(self._last)
 
     def close(self):
         pass
@@ -94,8 +103,8 @@ def coordinator_times(batch: int, k: int, sampled: bool, iterations: int, tokeni
         engine = Engine(
             Scheduler(config, [tokenizer.eos_token_id or 0]), types.SimpleNamespace(VerifyStream=None), tokenizer
         )
-        stream = FakeStream(k, sampled)
-        engine._verify_streams = [stream]
+        stream = FakeStream()
+        engine._verify_stream = stream
         params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.7 if sampled else 0.0)
         for i in range(batch):
             engine.add_request(Request(f"r{i}", [(i * 7919 + j) % 30_000 for j in range(PROMPT_LEN)], params))
@@ -130,6 +139,7 @@ def verifier_times(requests: list[bytes], k: int, sampled: bool) -> list[float]:
     for iteration, data in enumerate(requests, start=1):
         t0 = time.perf_counter_ns()
         msg = verifier_pb2.VerifyRequest.FromString(data)
+        fill_held_drafts(msg, sampled)
         batch = build_input_batch(msg, vocab_size=VOCAB, max_model_len=4096, num_cached_tokens=lambda rid: 10**6)
         sampled_ids = [[(i + j) % VOCAB for j in range(k + 1)] for i in range(len(batch.sampling_indices))]
         num_sampled = [k + 1] * len(batch.sampling_indices)
@@ -170,6 +180,7 @@ def drafter_times(requests: list[bytes], k: int, sampled: bool) -> list[float]:
     messages = []
     for iteration, data in enumerate(requests, start=1):  # the verifier's ProposeRequests, built untimed
         msg = verifier_pb2.VerifyRequest.FromString(data)
+        fill_held_drafts(msg, sampled)
         batch = build_input_batch(msg, vocab_size=VOCAB, max_model_len=4096, num_cached_tokens=lambda rid: 10**6)
         sampled_ids = [[(i + j) % VOCAB for j in range(k + 1)] for i in range(len(batch.sampling_indices))]
         num_sampled = [k + 1] * len(batch.sampling_indices)

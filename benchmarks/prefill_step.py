@@ -7,7 +7,7 @@ A step is: metadata (`prepare_step`), input ids and positions to the device, for
 synchronize; the median over `--steps` steps is reported, the first (cold) step apart. `--context C`:
 the request already holds C tokens (a later chunk of a chunked prefill). Paths (`--paths`):
 - `eager`: SDPA attention, every op launched from Python, logits of the last row (the path prefill
-  steps took before `models.attention.KERNEL_MAX_PREFILL_PAIRS`);
+  steps took before `specsplit.models.attention.KERNEL_MAX_PREFILL_PAIRS`);
 - `graphs`: the Triton paged attention replayed from a CUDA graph of the step's token bucket, logits
   of every row (what the runners now do when `use_kernel_for` allows it); chunks over the graphs'
   largest bucket are skipped.
@@ -76,7 +76,7 @@ def profile_step(model, cache, prompt_len: int, context: int) -> None:
 def bench(name: str, model, args) -> list[dict]:
     import torch
 
-    from models.cuda_graphs import CudaGraphRunner
+    from specsplit.models.cuda_graphs import CudaGraphRunner
 
     prompts = [int(p) for p in args.prompts.split(",")]
     paths = args.paths.split(",")
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     args, dtype = parse_step_arguments(p, argv)
     import torch
 
-    from models.loader import load_target
-    from models.tiny import write_tiny_checkpoint
+    from specsplit.models.loader import load_target
+    from tests.fixtures.tiny import write_tiny_checkpoint
 
     if args.tiny:
         model = load_target(write_tiny_checkpoint(tempfile.mkdtemp()), dtype=dtype, device=args.device)

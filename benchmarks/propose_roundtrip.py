@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.fixtures
+
 
 def serve_drafter(argv: list[str]) -> None:
     """The drafter process: `specsplit serve drafter`, its step replaced (`--fake-step`) and its
@@ -49,19 +51,19 @@ def serve_drafter(argv: list[str]) -> None:
     p.add_argument("--profile-after", type=int, default=1)
     ours, rest = p.parse_known_args(argv)
 
-    import drafter.servicer
-    from drafter.runner import ProposeOutput
-    from drafter.server import serve
+    import specsplit.drafter.servicer
     from specsplit import telemetry
-    from specsplit.cli import build_parser
+    from specsplit.cli import parse_args
+    from specsplit.drafter.runner import ProposeOutput
+    from specsplit.drafter.server import serve
     from specsplit.grpc_server import setup_logging
 
-    args = build_parser().parse_args(["serve", "drafter", *rest])
+    args = parse_args(["serve", "drafter", *rest])
     setup_logging("drafter", "WARNING")
     telemetry.setup("drafter")
     profiler = cProfile.Profile() if ours.profile_out else None
     if profiler is not None:
-        drafter.servicer.StepThread = InlineSteps
+        specsplit.drafter.servicer.StepThread = InlineSteps
 
     class Runner:
         """The server's runner: its proposes counted (profiling starts after the warm-up) and, with
@@ -92,7 +94,7 @@ def serve_drafter(argv: list[str]) -> None:
 
 
 class InlineSteps:
-    """Stands in for `models.device.StepThread` when profiling: each step runs on the event loop."""
+    """Stands in for `specsplit.models.device.StepThread` when profiling: each step runs on the event loop."""
 
     def __init__(self, device, name: str):
         pass
@@ -126,9 +128,9 @@ async def round_trips(address: str, drafter_pid: int, args, rpc: str, profiler: 
     import torch
     from opentelemetry import trace
 
-    from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
     from specsplit.grpc_server import insecure_channel
-    from verifier.drafter_client import DrafterClient, ProposeBatch
+    from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+    from specsplit.verifier.drafter_client import DrafterClient, ProposeBatch
 
     async with insecure_channel(address) as channel:
         info = await drafter_pb2_grpc.DrafterStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
@@ -183,7 +185,7 @@ def main() -> None:
         serve_drafter(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rpc", nargs="+", choices=["stream", "local", "unary"], default=["stream", "local"])
+    p.add_argument("--rpc", nargs="+", choices=["stream", "local"], default=["stream", "local"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--iterations", type=int, default=2000)
@@ -194,8 +196,8 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint directory (default: a tiny one written to a temporary directory)")
     args = p.parse_args()
 
-    from models.tiny import write_tiny_checkpoint
     from specsplit import telemetry
+    from tests.fixtures.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in [n for n in os.environ if n.startswith("OTEL_")] + ["SPECSPLIT_TRACE_DIR"]:

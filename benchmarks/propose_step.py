@@ -30,7 +30,7 @@ from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 def bench(runner, batch: int, k: int, context: int, steps: int, warmup: int, profile: bool) -> dict:
     import torch
 
-    from drafter.runner import ProposeItem
+    from specsplit.drafter.runner import ProposeItem
 
     device = runner.device
     hidden_size = runner.mtp.config.hidden_size
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from drafter.runner import DrafterRunner
-    from models.loader import load_mtp
+    from specsplit.drafter.runner import DrafterRunner
+    from specsplit.models.loader import load_mtp
 
     model_dir = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     mtp = load_mtp(str(model_dir), dtype=getattr(torch, args.dtype), device=args.device, load_format="dummy")

@@ -42,7 +42,7 @@ import triton
 import triton.testing
 import vllm_rejection_samplers  # benchmarks/ is on sys.path when this file is run as a script
 
-from kernels import SparseDraftProbs, rejection_sample
+from specsplit.kernels import SparseDraftProbs, rejection_sample
 
 PEAK_BYTES_PER_S = 4.8e12
 MODES = ("greedy", "one_hot", "dense", "sparse")

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from models.transport import make_receiver  # noqa: E402
-from protos import drafter_pb2, drafter_pb2_grpc  # noqa: E402
 from specsplit.errors import SpecsplitError  # noqa: E402
 from specsplit.grpc_server import server_options  # noqa: E402
+from specsplit.proto import drafter_pb2, drafter_pb2_grpc  # noqa: E402
+from specsplit.transport import make_receiver  # noqa: E402
 
 
 class RowsOnly(drafter_pb2_grpc.DrafterServicer):
@@ -24,7 +24,11 @@ class RowsOnly(drafter_pb2_grpc.DrafterServicer):
         self.receiver = make_receiver(transport, device, hidden_size)
         self.device = torch.device(device)
 
-    def Propose(self, request, context):
+    def ProposeStream(self, request_iterator, context):
+        for request in request_iterator:
+            yield self._answer(request, context)
+
+    def _answer(self, request, context):
         if request.WhichOneof("hidden") is None:  # the control-only round trip the parent subtracts
             return drafter_pb2.ProposeResponse()
         try:
@@ -45,7 +49,7 @@ class RowsOnly(drafter_pb2_grpc.DrafterServicer):
 
 def main() -> None:
     transport, device, hidden_size, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    server = grpc.server(futures.ThreadPoolExecutor(1), options=server_options())
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=server_options())  # the stream + an open call
     drafter_pb2_grpc.add_DrafterServicer_to_server(RowsOnly(transport, device, hidden_size), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()

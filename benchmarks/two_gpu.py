@@ -54,11 +54,11 @@ from benchmarks.e2e_modes import RunResult, run_services  # noqa: E402
 from benchmarks.e2e_report import cell_row  # noqa: E402
 from benchmarks.forced_acceptance import Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
-from models.transport import make_sender  # noqa: E402
-from protos import drafter_pb2, drafter_pb2_grpc  # noqa: E402
 from specsplit import Client  # noqa: E402
 from specsplit.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from specsplit.launcher import LocalCluster, free_port  # noqa: E402
+from specsplit.proto import drafter_pb2, drafter_pb2_grpc  # noqa: E402
+from specsplit.transport import make_sender  # noqa: E402
 
 K = 3
 SEVEN_B_HIDDEN = 3584
@@ -93,10 +93,16 @@ async def _transfer_times(transport: str, args, hidden_size: int, batches: list[
             def open_call(request):
                 return stub.OpenHiddenTransport(request, timeout=120)
 
+            stream = stub.ProposeStream(timeout=3600)  # one message each way per iteration, as the verifier's
+
+            async def propose(msg: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+                await stream.write(msg)
+                return await stream.read()
+
             control = []
             for i in range(args.warmup + args.iters):
                 t0 = time.perf_counter()
-                await stub.Propose(drafter_pb2.ProposeRequest(iteration=i), timeout=60)
+                await propose(drafter_pb2.ProposeRequest(iteration=i))
                 control.append(time.perf_counter() - t0)
 
             for batch in batches:
@@ -110,11 +116,12 @@ async def _transfer_times(transport: str, args, hidden_size: int, batches: list[
                         t0 = time.perf_counter()  # opening happens once, not per iteration
                     msg = drafter_pb2.ProposeRequest(iteration=i)
                     transfer = sender.send(rows, msg)
-                    resp = await stub.Propose(msg, timeout=60)
+                    resp = await propose(msg)
                     sender.finish(transfer, ok=True)
                     times.append(time.perf_counter() - t0)
                     assert resp.step0_ns == rows.shape[0]
                 out[batch] = statistics.median(times[args.warmup :])
+            await stream.done_writing()
         sender.close()
         return statistics.median(control[args.warmup :]), out
     finally:
@@ -147,10 +154,7 @@ def _cluster(
         with_drafter=with_drafter,
         role_commands={"drafter": drafter_command} if drafter_command else None,
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},  # benchmarks.*
-        coordinator_args=[
-            *["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
-            *["--micro-batches", str(args.micro_batches)],
-        ],
+        coordinator_args=["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
         verifier_args=["--num-blocks", "4096"],
         drafter_args=["--num-blocks", "4096"],
     )
@@ -258,9 +262,6 @@ def main() -> None:
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-transfer", action="store_true", help="only the e2e runs")
-    p.add_argument(
-        "--micro-batches", type=int, default=1, help="the coordinator's --micro-batches in every e2e cluster"
-    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":

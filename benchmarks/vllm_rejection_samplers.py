@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.language.extra import libdevice
 
-from kernels import SparseDraftProbs
+from specsplit.kernels import SparseDraftProbs
 
 V1_FILE = "vllm.v1.sample.rejection_sampler"
 V2_FILE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"

@@ -17,9 +17,7 @@ RUN groupadd --system --gid 10001 specsplit \
 
 WORKDIR /opt/specsplit
 COPY pyproject.toml README.md src/
-COPY protos src/protos
 COPY specsplit src/specsplit
-COPY coordinator src/coordinator
 RUN pip install "./src[coordinator]" \
     && rm -rf src \
     && python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"

@@ -32,12 +32,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/specsplit
 COPY pyproject.toml README.md src/
-COPY protos src/protos
 COPY specsplit src/specsplit
-COPY models src/models
-COPY kernels src/kernels
-COPY verifier src/verifier
-COPY drafter src/drafter
 RUN pip install "./src[worker]" && rm -rf src
 
 # The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/gpu). Without

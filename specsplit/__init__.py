@@ -1,10 +1,20 @@
 """specsplit: MTP speculative decoding split into coordinator, verifier and drafter services.
 
-This package is torch-free: the client SDK, CLI, errors and shared server plumbing.
+Importing it stays torch-free (the client SDK, errors, results); `specsplit.LLM` and the model-side
+subpackages import torch when used.
 """
 
 from specsplit.client import AsyncClient, Client
 from specsplit.errors import SpecsplitError
 from specsplit.results import GenerationDelta, GenerationResult, SpecStats
 
-__all__ = ["AsyncClient", "Client", "GenerationDelta", "GenerationResult", "SpecStats", "SpecsplitError"]
+__all__ = ["LLM", "AsyncClient", "Client", "GenerationDelta", "GenerationResult", "SpecStats", "SpecsplitError"]
+
+
+def __getattr__(name: str):
+    """`specsplit.LLM` (offline generation in one process) imports torch, so only when asked for."""
+    if name == "LLM":
+        from specsplit.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'specsplit' has no attribute {name!r}")

@@ -22,11 +22,11 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(args.role, args.log_level)
     telemetry.setup(args.role, metrics_port=args.metrics_port)
     if args.role == "coordinator":
-        from coordinator.server import serve
+        from specsplit.coordinator.server import serve
     elif args.role == "verifier":
-        from verifier.server import serve
+        from specsplit.verifier.server import serve
     else:
-        from drafter.server import serve
+        from specsplit.drafter.server import serve
     try:
         asyncio.run(serve(args))
     finally:
@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def up_cluster(args: argparse.Namespace):
     """The LocalCluster `specsplit up` starts (not started yet)."""
-    from coordinator.server import scheduling_flags
+    from specsplit.coordinator.server import scheduling_flags
     from specsplit.launcher import LocalCluster
 
     return LocalCluster(
@@ -190,33 +190,47 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _train_demo(argv: list[str]) -> int:
-    from training.train_demo import main as train_main
+    from specsplit.training.train_demo import main as train_main
 
     return train_main(argv) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+ROLES = ("coordinator", "verifier", "drafter")
+
+
+def _role_arguments(role: str):
+    """The `serve ROLE` options, imported from that role alone."""
+    if role == "coordinator":
+        from specsplit.coordinator.server import add_arguments
+    elif role == "verifier":
+        from specsplit.verifier.server import add_arguments
+    else:
+        from specsplit.drafter.server import add_arguments
+    return add_arguments
+
+
+def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
+    """`serve_role`: the role whose options `serve` gets (the one on the command line)."""
     p = argparse.ArgumentParser(prog="specsplit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service")
     roles = serve.add_subparsers(dest="role", required=True)
-    from coordinator.server import add_arguments as coordinator_args
-    from coordinator.server import add_scheduling_arguments
-    from drafter.server import add_arguments as drafter_args
     from specsplit.grpc_server import add_common_arguments
-    from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
-    from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
-    from verifier.server import add_arguments as verifier_args
 
-    for role, add in (("coordinator", coordinator_args), ("verifier", verifier_args), ("drafter", drafter_args)):
+    for role in ROLES:
         r = roles.add_parser(role)
-        r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
-        add_common_arguments(r)
-        add(r)
+        if role == serve_role:  # only the role being started: an image carries one role's dependencies
+            r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
+            add_common_arguments(r)
+            _role_arguments(role)(r)
     serve.set_defaults(func=_serve)
 
     up = sub.add_parser("up", help="start the three services on this machine")
+    from specsplit.coordinator.server import add_scheduling_arguments
+    from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
+    from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
+
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.add_argument("--num-speculative-tokens", type=int, default=3)
     up.add_argument("--host", default="127.0.0.1")
@@ -239,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="local",
         choices=DRAFTER_RPCS,
         help="verifier → drafter control path (local: the drafter's Unix socket, without gRPC; stream: gRPC's "
-        "ProposeStream; unary: one Propose call per iteration)",
+        "ProposeStream)",
     )
     up.add_argument(
         "--verifier-rpc",
@@ -282,11 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line parsed; `serve ROLE` imports that role's options only."""
+    serve_role = argv[1] if argv[:1] == ["serve"] and len(argv) > 1 and argv[1] in ROLES else None
+    return build_parser(serve_role).parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-demo"]:
         return _train_demo(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "generate" and args.local and args.num_speculative_tokens is None:
         args.num_speculative_tokens = 3
     return args.func(args)

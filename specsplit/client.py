@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 
-from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.errors import from_rpc_error
 from specsplit.grpc_server import CHANNEL_OPTIONS
+from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.results import Collector, GenerationDelta, GenerationResult, SpecStats, delta_from_pb
 from specsplit.telemetry import outgoing_metadata
 

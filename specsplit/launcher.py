@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.transport import TRANSPORTS
 from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
+from specsplit.transport import TRANSPORTS
 
 log = logging.getLogger(__name__)
 LOCAL_HIDDEN_TRANSPORTS = ("auto", *TRANSPORTS)

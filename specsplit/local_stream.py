@@ -38,16 +38,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from protos import common_pb2
 from specsplit.bidi_stream import StreamError, until_draining, within
 from specsplit.errors import SpecsplitError
+from specsplit.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
-# The verifier's `--drafter-rpc` choices: the gRPC ProposeStream, one unary Propose per iteration, or the
+# The verifier's `--drafter-rpc` choices: the gRPC ProposeStream or the
 # same stream on the drafter's `--propose-socket` through this module; the coordinator's `--verifier-rpc`:
 # the gRPC VerifyStream or the same stream on the verifier's `--verify-socket`.
-DRAFTER_RPCS = ("stream", "unary", "local")
+DRAFTER_RPCS = ("stream", "local")
 VERIFIER_RPCS = ("stream", "local")
 HEADER = struct.Struct("<IB")
 ERROR_CODE = struct.Struct("<I")

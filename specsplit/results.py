@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos import common_pb2, coordinator_pb2
+from specsplit.proto import common_pb2, coordinator_pb2
 
 
 @dataclass

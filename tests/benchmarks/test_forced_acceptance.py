@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.forced_acceptance import KEY_LEN, ForcedAcceptanceRunner, Oracle
-from drafter.runner import ProposeItem
-from models.transport.base import DeviceTokens
+from specsplit.drafter.runner import ProposeItem
+from specsplit.transport.base import DeviceTokens
 
 VOCAB = 1000
 

@@ -2,7 +2,7 @@
 
 import logging
 
-from coordinator.acceptance import AcceptanceMonitor
+from specsplit.coordinator.acceptance import AcceptanceMonitor
 
 
 def test_warns_once_when_acceptance_collapses_and_rearms(caplog):

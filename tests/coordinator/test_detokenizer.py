@@ -1,6 +1,6 @@
 """Incremental detokenization: same text as a full decode, UTF-8 held back, stop strings cut."""
 
-from coordinator.detokenizer import IncrementalDetokenizer
+from specsplit.coordinator.detokenizer import IncrementalDetokenizer
 
 
 class ByteTokenizer:
@@ -45,7 +45,7 @@ def test_fast_decode_of_the_demo_tokenizer_equals_its_transformers_decode():
 
     from transformers import AutoTokenizer
 
-    from coordinator.detokenizer import fast_decode
+    from specsplit.coordinator.detokenizer import fast_decode
 
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "checkpoints" / "demo")
     ids = tokenizer.encode("def f(x):\n    return x  # héllo 你好 ,  .\n") + [tokenizer.eos_token_id, 5, 300, 1023]

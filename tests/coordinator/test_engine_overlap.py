@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import grpc
 
-from coordinator.config import SchedulerConfig
-from coordinator.engine import Engine
-from coordinator.request import Request, SamplingParams
-from coordinator.scheduler import Scheduler
-from protos import verifier_pb2
 from specsplit.bidi_stream import StreamError
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.proto import verifier_pb2
 
 PROMPT = list(b"hi: ")
 
@@ -63,7 +63,7 @@ async def generate(max_tokens: int, fail_sends=()):
     queued = []  # every output put on the client's queue, consumed or not
     put = queue.put_nowait
     queue.put_nowait = lambda out: (queued.append(out), put(out))[1]
-    engine._verify_streams = [stream := FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)]
+    engine._verify_stream = stream = FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)
     engine.start()
     tokens, reason = [], None
     try:

@@ -3,9 +3,9 @@
 import grpc
 import pytest
 
-from coordinator.validation import build_request
-from protos import common_pb2, coordinator_pb2
+from specsplit.coordinator.validation import build_request
 from specsplit.errors import InvalidArgument
+from specsplit.proto import common_pb2, coordinator_pb2
 
 
 class WordTokenizer:

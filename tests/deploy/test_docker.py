@@ -48,8 +48,6 @@ def test_each_image_runs_its_service_as_a_non_root_user_with_a_health_check(role
 
 def test_the_coordinator_image_has_no_torch_and_the_workers_default_to_cuda():
     coordinator = dockerfile("coordinator")
-    copied = {a.split()[0] for i, a in instructions(coordinator) if i == "COPY"}
-    assert copied.isdisjoint({"models", "kernels", "verifier", "drafter"})
     (install,) = [a for i, a in instructions(coordinator) if i == "RUN" and "pip install" in a]
     assert '"./src[coordinator]"' in install and "worker" not in install
     assert "find_spec('torch') is not None" in install  # the build fails if torch slipped in

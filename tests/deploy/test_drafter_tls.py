@@ -16,11 +16,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from protos import drafter_pb2, drafter_pb2_grpc
 from specsplit.grpc_server import ServiceServer
+from specsplit.proto import drafter_pb2, drafter_pb2_grpc
 from specsplit.security import TlsFiles
-from verifier.drafter_client import DrafterClient, ProposeBatch
-from verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool
+from specsplit.verifier.drafter_client import DrafterClient, ProposeBatch
+from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool
 
 
 def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, dns: str | None = None) -> x509.Certificate:
@@ -51,12 +51,12 @@ def tls_files(dns_name: str) -> TlsFiles:
 
 
 class EchoDrafter(drafter_pb2_grpc.DrafterServicer):
-    async def Propose(self, request, context):
+    async def answer(self, request):
         return drafter_pb2.ProposeResponse(drafts=[drafter_pb2.Drafts(token_ids=[9]) for _ in request.requests])
 
     async def ProposeStream(self, request_iterator, context):
         async for request in request_iterator:
-            yield await self.Propose(request, context)
+            yield await self.answer(request)
 
 
 def test_drafters_found_by_dns_are_checked_against_the_service_name():

@@ -1,5 +1,5 @@
 """The Kubernetes manifests: every overlay builds, validates offline against the Kubernetes schemas,
-and says what DESIGN.md §7 promises (probes, GPUs, headless drafters, autoscaler, policies)."""
+and says what docs/design.md §7 promises (probes, GPUs, headless drafters, autoscaler, policies)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import yaml
 from deploy_tools import K8S, OVERLAYS, by_kind, kustomize
 
-from specsplit.cli import build_parser
-from verifier.drafter_pool import parse_targets
+from specsplit.cli import parse_args
+from specsplit.verifier.drafter_pool import parse_targets
 
 TREES = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 # 1.27: the oldest release with native gRPC probes (GA); and the newest.
@@ -94,7 +94,7 @@ def test_container_args_are_ones_the_specsplit_cli_accepts(tree):
             n for n in by_kind(docs, "ConfigMap") if n.startswith("specsplit-config-")
         }
         args = [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], a) for a in c["args"]]
-        parsed = build_parser().parse_args(["serve", role, *args])  # exits (fails the test) on a bad flag
+        parsed = parse_args(["serve", role, *args])  # exits (fails the test) on a bad flag
         assert parsed.host == "0.0.0.0" and parsed.port == ROLES[role]
 
 

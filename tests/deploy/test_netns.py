@@ -19,9 +19,9 @@ import pytest
 import torch
 from netns_hosts import HostProcess, Hosts, netns_unavailable
 
-from models.tiny import write_tiny_checkpoint
 from specsplit import AsyncClient
-from verifier.drafter_pool import HashRing
+from specsplit.verifier.drafter_pool import HashRing
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 PORTS = {"coordinator": 50051, "verifier": 50052, "a": 50053, "b": 50053}
 DRAFTER_TIMEOUT_S = 1.0

@@ -1,20 +1,20 @@
-"""propose() on a device hand-off (`drafter/device_propose.py`): step 0 over every row of each request
+"""propose() on a device hand-off (`specsplit/drafter/device_propose.py`): step 0 over every row of each request
 (the rejected ones too), the later steps moved back on the device by num_sampled. The drafts equal the
 host path's, fed only the valid rows, iteration after iteration; the items get the host's tokens."""
 
 import pytest
 import torch
 
-from drafter.device_propose import can_propose_on_device, shifted
-from drafter.runner import DrafterRunner, ProposeItem
-from drafter.servicer import DrafterServicer
-from models.cuda_graphs import CudaGraphRunner
-from models.loader import load_mtp
-from models.tiny import write_tiny_checkpoint
-from models.transport.base import DeviceTokens
-from models.transport.grpc_bytes import GrpcReceiver
-from models.wire import fill_tensor_proto
-from protos import common_pb2, drafter_pb2
+from specsplit.drafter.device_propose import can_propose_on_device, shifted
+from specsplit.drafter.runner import DrafterRunner, ProposeItem
+from specsplit.drafter.servicer import DrafterServicer
+from specsplit.models.cuda_graphs import CudaGraphRunner
+from specsplit.models.loader import load_mtp
+from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.transport.base import DeviceTokens
+from specsplit.transport.grpc_bytes import GrpcReceiver
+from specsplit.transport.wire import fill_tensor_proto
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 PADDING = -1  # what the rejection sampler leaves past num_sampled
 

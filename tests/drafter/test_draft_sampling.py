@@ -2,8 +2,8 @@
 
 import torch
 
-from drafter.sampling import DRAFT_SALT, pick_drafts, race_clocks
-from kernels.rng import row_key, vocab_clocks
+from specsplit.drafter.sampling import DRAFT_SALT, pick_drafts, race_clocks
+from specsplit.kernels.rng import row_key, vocab_clocks
 
 
 def test_race_clocks_equal_the_full_vocabulary_clocks_at_those_ids():

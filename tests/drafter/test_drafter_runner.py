@@ -4,10 +4,10 @@ entries so a drafter fed iteration by iteration equals one fed everything at onc
 import pytest
 import torch
 
-from drafter.runner import DrafterRunner, ProposeItem, _collect
-from models.cuda_graphs import CudaGraphRunner
-from models.loader import load_mtp, load_target
-from models.tiny import write_tiny_checkpoint
+from specsplit.drafter.runner import DrafterRunner, ProposeItem, _collect
+from specsplit.models.cuda_graphs import CudaGraphRunner
+from specsplit.models.loader import load_mtp, load_target
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from drafter.runner import ProposeItem
-from drafter.servicer import parse_items
-from protos import common_pb2, drafter_pb2
+from specsplit.drafter.runner import ProposeItem
+from specsplit.drafter.servicer import parse_items
 from specsplit.errors import InvalidArgument
+from specsplit.proto import common_pb2, drafter_pb2
 
 VOCAB = 100
 

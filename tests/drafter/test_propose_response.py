@@ -3,9 +3,9 @@ drafts only, and the step times."""
 
 import torch
 
-from drafter.runner import ProposeItem, ProposeOutput
-from drafter.servicer import propose_response
-from models.wire import tensor_from_proto
+from specsplit.drafter.runner import ProposeItem, ProposeOutput
+from specsplit.drafter.servicer import propose_response
+from specsplit.transport.wire import tensor_from_proto
 
 
 def test_drafts_in_request_order_with_q_for_sampled_requests_only():

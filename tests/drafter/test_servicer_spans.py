@@ -1,4 +1,4 @@
-"""The drafter's server spans (DESIGN §6): `Propose`, a child of the caller's span, with the counts,
+"""The drafter's server spans (docs/design.md §6): `Propose`, a child of the caller's span, with the counts,
 and its children `mtp_step_0` and `mtp_steps_1_to_k` at the runner's stamps; a refused Propose
 leaves an error span."""
 
@@ -11,14 +11,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import drafter.servicer
-from drafter.runner import ProposeOutput
-from drafter.servicer import DrafterServicer
-from models.transport.grpc_bytes import GrpcReceiver
-from models.wire import fill_tensor_proto
-from protos import common_pb2, drafter_pb2
+import specsplit.drafter.servicer
+from specsplit.drafter.runner import ProposeOutput
+from specsplit.drafter.servicer import DrafterServicer
 from specsplit.errors import SpecsplitError
+from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.telemetry import inject_trace_context
+from specsplit.transport.grpc_bytes import GrpcReceiver
+from specsplit.transport.wire import fill_tensor_proto
 
 HIDDEN = 8
 
@@ -48,7 +48,7 @@ def spans(monkeypatch):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(drafter.servicer, "tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(specsplit.drafter.servicer, "tracer", provider.get_tracer("test"))
     return provider.get_tracer("caller"), exporter
 
 

@@ -5,8 +5,8 @@ import pathlib
 import pytest
 import torch
 
-from models.tiny import write_tiny_checkpoint
 from specsplit.launcher import LocalCluster
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ import asyncio
 import sys
 import time
 
-from drafter.server import serve
-from specsplit.cli import build_parser
+from specsplit.cli import parse_args
+from specsplit.drafter.server import serve
 from specsplit.grpc_server import setup_logging
 
 
@@ -34,7 +34,7 @@ class FirstProposeSleeps:
 
 def main() -> None:
     seconds = float(sys.argv[1])
-    args = build_parser().parse_args(["serve", "drafter", *sys.argv[2:]])
+    args = parse_args(["serve", "drafter", *sys.argv[2:]])
     setup_logging("drafter", args.log_level)
     asyncio.run(serve(args, wrap_runner=lambda runner: FirstProposeSleeps(runner, seconds)))
 

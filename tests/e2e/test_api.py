@@ -117,7 +117,7 @@ def test_concurrent_threads_share_one_client(cluster):
 
 
 def _free_blocks(cluster) -> tuple[int, int, int, int]:
-    from protos import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+    from specsplit.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
     with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
         v = verifier_pb2_grpc.VerifierStub(ch)

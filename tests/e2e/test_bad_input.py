@@ -3,8 +3,8 @@
 import grpc
 import pytest
 
-from protos import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit import Client, SpecsplitError
+from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
 def _call(address: str, msg: coordinator_pb2.GenerateRequest):
@@ -48,23 +48,26 @@ def test_sdk_raises_specsplit_error_with_the_status_code(cluster):
 
 
 @pytest.mark.parametrize(
-    "role, method, streaming",
+    "role, method",
     [
-        ("coordinator", "/specsplit.v1.Coordinator/Generate", True),
-        ("verifier", "/specsplit.v1.Verifier/Verify", False),
-        ("drafter", "/specsplit.v1.Drafter/Propose", False),
+        ("coordinator", "/specsplit.v1.Coordinator/Generate"),
+        ("verifier", "/specsplit.v1.Verifier/VerifyStream"),
+        ("drafter", "/specsplit.v1.Drafter/ProposeStream"),
     ],
 )
 @pytest.mark.parametrize("payload", [bytes([0x12, 3, 0xFF, 0xFE, 0x41, 0x20, 3]), b"\xff\xff\xff\xff"])
-def test_unparseable_bytes_and_invalid_utf8_are_invalid_argument(cluster, role, method, streaming, payload):
-    """Field 2 of GenerateRequest (prompt) / VerifyRequest / ProposeRequest with invalid UTF-8, or garbage."""
+def test_unparseable_bytes_and_invalid_utf8_are_invalid_argument(cluster, role, method, payload):
+    """Field 2 of GenerateRequest (prompt) / VerifyRequest / ProposeRequest with invalid UTF-8, or garbage;
+    the internal services' messages go on their streams."""
     with grpc.insecure_channel(cluster.services[role].address) as ch:
-        make = ch.unary_stream if streaming else ch.unary_unary
-        call = make(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        with pytest.raises(grpc.RpcError) as err:
+        if role == "coordinator":
+            call = ch.unary_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             result = call(payload, timeout=10)
-            if streaming:
-                list(result)
+        else:
+            call = ch.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            result = call(iter([payload]), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(result)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot parse specsplit.v1." in err.value.details()
     with Client(cluster.address, timeout=30) as client:

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from models.deepseek_v3.tiny import write_tiny_deepseek_checkpoint
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 MAX_TOKENS = 16
 # 70 takes two prefill chunks (budget 64), the first on the expanded MLA path; the rest is absorbed.

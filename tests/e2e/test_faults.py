@@ -22,14 +22,6 @@ def own_cluster(tiny_checkpoint, tmp_path):
         yield c
 
 
-@pytest.fixture
-def micro_batched_cluster(tiny_checkpoint, tmp_path):
-    with LocalCluster(
-        tiny_checkpoint, num_speculative_tokens=3, log_dir=tmp_path, coordinator_args=["--micro-batches", "2"]
-    ) as c:
-        yield c
-
-
 def _run_streams(address, prompts, on_progress):
     results, errors = {}, []
 
@@ -53,11 +45,6 @@ def _run_streams(address, prompts, on_progress):
 @pytest.mark.parametrize("role", ["verifier", "drafter"])
 def test_sigkill_under_concurrent_streams_loses_and_repeats_nothing(own_cluster, hf_greedy, role):
     _sigkill_under_concurrent_streams(own_cluster, hf_greedy, role)
-
-
-def test_sigkill_of_the_verifier_with_two_micro_batches_in_flight(micro_batched_cluster, hf_greedy):
-    """Both micro-batches' iterations fail or return stale; each re-prefills its own requests."""
-    _sigkill_under_concurrent_streams(micro_batched_cluster, hf_greedy, "verifier")
 
 
 def _sigkill_under_concurrent_streams(own_cluster, hf_greedy, role):

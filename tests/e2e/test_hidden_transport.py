@@ -7,9 +7,9 @@ import signal
 import grpc
 import pytest
 
-from protos import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from .helpers import generate_concurrently, greedy_ignoring_eos
 
@@ -54,10 +54,18 @@ def test_bad_handles_are_refused_and_the_transport_stays_in_step(nccl_cluster, h
             base = dict(generation=1, sequence=1, dtype=common_pb2.DTYPE_FLOAT32, num_rows=2, hidden_size=hidden)
             handle = drafter_pb2.HiddenStatesHandle(**{**base, **change})
             with pytest.raises(grpc.RpcError) as err:
-                stub.Propose(drafter_pb2.ProposeRequest(requests=[item], hidden_states_handle=handle), timeout=10)
+                next(
+                    stub.ProposeStream(
+                        iter([drafter_pb2.ProposeRequest(requests=[item], hidden_states_handle=handle)]), timeout=10
+                    )
+                )
             assert err.value.code() is code and words in err.value.details(), change
         with pytest.raises(grpc.RpcError) as err:  # bytes to an nccl drafter: the verifier runs grpc
-            stub.Propose(drafter_pb2.ProposeRequest(requests=[item], hidden_states=common_pb2.Tensor()), timeout=10)
+            next(
+                stub.ProposeStream(
+                    iter([drafter_pb2.ProposeRequest(requests=[item], hidden_states=common_pb2.Tensor())]), timeout=10
+                )
+            )
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "same --hidden-transport" in err.value.details()
     with Client(nccl_cluster.address, timeout=60) as client:

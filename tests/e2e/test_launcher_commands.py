@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from specsplit.cli import build_parser
+from specsplit.cli import parse_args
 from specsplit.launcher import LocalCluster, resolve_hidden_transport
 
 
@@ -96,26 +96,23 @@ def test_unknown_transport_is_refused_naming_the_choices():
 
 
 def test_up_defaults_to_auto_and_the_servers_to_grpc_without_auto():
-    parser = build_parser()
-    assert parser.parse_args(["up"]).hidden_transport == "auto"
-    assert parser.parse_args(["up", "--hidden-transport", "nccl"]).hidden_transport == "nccl"
+    assert parse_args(["up"]).hidden_transport == "auto"
+    assert parse_args(["up", "--hidden-transport", "nccl"]).hidden_transport == "nccl"
     for role in ("verifier", "drafter"):
-        assert parser.parse_args(["serve", role, "--model", "ckpt"]).hidden_transport == "grpc"
+        assert parse_args(["serve", role, "--model", "ckpt"]).hidden_transport == "grpc"
         with pytest.raises(SystemExit):  # a server only ever takes a concrete transport
-            parser.parse_args(["serve", role, "--model", "ckpt", "--hidden-transport", "auto"])
+            parse_args(["serve", role, "--model", "ckpt", "--hidden-transport", "auto"])
 
 
-def test_up_passes_micro_batches_and_max_num_seqs_to_the_coordinator():
+def test_up_passes_the_scheduling_flags_to_the_coordinator():
     from specsplit.cli import up_cluster
 
-    parser = build_parser()
-    cmd = up_cluster(parser.parse_args(["up", "--micro-batches", "2", "--max-num-seqs", "32"])).command(
+    cmd = up_cluster(parse_args(["up", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024"])).command(
         "coordinator", 1234, "127.0.0.1:1"
     )
-    assert cmd[cmd.index("--micro-batches") + 1] == "2" and cmd[cmd.index("--max-num-seqs") + 1] == "32"
-    assert parser.parse_args(["up"]).micro_batches == 1
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "32" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "1024"
     with pytest.raises(SystemExit):
-        parser.parse_args(["up", "--micro-batches", "0"])
+        parse_args(["up", "--micro-batches", "2"])  # removed: one iteration in flight
 
 
 @pytest.mark.parametrize("rpc", ["local", "stream"])
@@ -123,7 +120,7 @@ def test_up_gives_the_rpcs_to_the_callers_and_sockets_to_the_servers_only_for_lo
     from specsplit.cli import up_cluster
 
     args = ["up"] if rpc == "local" else ["up", "--drafter-rpc", rpc, "--verifier-rpc", rpc]  # local: the default
-    cluster = up_cluster(build_parser().parse_args(args))
+    cluster = up_cluster(parse_args(args))
     coordinator = cluster.command("coordinator", 1233, "127.0.0.1:1")
     verifier = cluster.command("verifier", 1234, "127.0.0.1:1")
     drafter = cluster.command("drafter", 1235)
@@ -139,6 +136,5 @@ def test_up_gives_the_rpcs_to_the_callers_and_sockets_to_the_servers_only_for_lo
     cluster.stop()
     assert not any(os.path.exists(os.path.dirname(path)) for path in sockets)  # stop() removes their directory
     # Services started by hand keep gRPC's streams: their peers may be on other hosts.
-    parser = build_parser()
-    assert parser.parse_args(["serve", "verifier", "--model", "ckpt"]).drafter_rpc == "stream"
-    assert parser.parse_args(["serve", "coordinator", "--model", "m", "--verifier", "v:1"]).verifier_rpc == "stream"
+    assert parse_args(["serve", "verifier", "--model", "ckpt"]).drafter_rpc == "stream"
+    assert parse_args(["serve", "coordinator", "--model", "m", "--verifier", "v:1"]).verifier_rpc == "stream"

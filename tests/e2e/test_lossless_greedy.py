@@ -19,27 +19,23 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def sync_cluster(tiny_checkpoint, tmp_path_factory):
-    """The drafts come back with the tokens (`--no-async-scheduling`), the coordinator's other mode; Verify
-    and Propose on gRPC's streams (`--verifier-rpc stream`, `--drafter-rpc stream`), not LocalCluster's
-    default Unix sockets."""
+def grpc_stream_cluster(tiny_checkpoint, tmp_path_factory):
+    """Verify and Propose on gRPC's streams (`--verifier-rpc stream`, `--drafter-rpc stream`), not
+    LocalCluster's default Unix sockets."""
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
-        log_dir=tmp_path_factory.mktemp("logs-sync"),
+        log_dir=tmp_path_factory.mktemp("logs-stream"),
         verifier_rpc="stream",
         drafter_rpc="stream",
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-async-scheduling"],
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
     ) as c:
         yield c
 
 
-@pytest.mark.parametrize(
-    ("k", "scheduling"),
-    [(1, "async"), (3, "async"), (3, "sync")],  # async scheduling is the default
-)
-def test_concurrent_greedy_with_joins_equals_transformers_generate(request, hf_greedy, k, scheduling):
-    cluster = request.getfixturevalue("cluster" if scheduling == "async" else "sync_cluster")
+@pytest.mark.parametrize(("k", "rpc"), [(1, "local"), (3, "local"), (3, "stream")])
+def test_concurrent_greedy_with_joins_equals_transformers_generate(request, hf_greedy, k, rpc):
+    cluster = request.getfixturevalue("cluster" if rpc == "local" else "grpc_stream_cluster")
     ps = prompts(8, seed=k)
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []

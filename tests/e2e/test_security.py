@@ -5,9 +5,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import common_pb2, verifier_pb2_grpc
 from specsplit import Client, SpecsplitError
 from specsplit.launcher import LocalCluster
+from specsplit.proto import common_pb2, verifier_pb2_grpc
 
 from .certs import make_ca, make_leaf, write_tls_dir
 
@@ -53,7 +53,7 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_cluster, pki, token):
     creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"])
     if token is not None:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-    from protos import coordinator_pb2, coordinator_pb2_grpc
+    from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.secure_channel(secure_cluster.address, creds) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)

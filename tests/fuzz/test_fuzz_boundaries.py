@@ -8,12 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.validation import build_request
-from drafter.servicer import parse_items
-from models.wire import tensor_from_proto, tensor_to_proto
-from protos import common_pb2, coordinator_pb2, drafter_pb2, verifier_pb2
+from specsplit.coordinator.validation import build_request
+from specsplit.drafter.servicer import parse_items
 from specsplit.errors import FailedPrecondition, InvalidArgument
-from verifier.input_batch import build_input_batch
+from specsplit.proto import common_pb2, coordinator_pb2, drafter_pb2, verifier_pb2
+from specsplit.transport.wire import tensor_from_proto, tensor_to_proto
+from specsplit.verifier.input_batch import build_input_batch
 
 FAST = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 4, 5: 8}

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kernels import RejectionOutput, SparseDraftProbs, rejection_sample
-from kernels.triton_rejection import rejection_sample_triton
-from kernels.triton_rejection_launch import Launch
+from specsplit.kernels import RejectionOutput, SparseDraftProbs, rejection_sample
+from specsplit.kernels.triton_rejection import rejection_sample_triton
+from specsplit.kernels.triton_rejection_launch import Launch
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemv_configs
-from kernels.gemv import gemv, linear, linear_config
-from kernels.gemv_configs import GemvConfig, cdiv, config_for, effective_split, m_bucket
+from specsplit.kernels import gemv_configs
+from specsplit.kernels.gemv import gemv, linear, linear_config
+from specsplit.kernels.gemv_configs import GemvConfig, cdiv, config_for, effective_split, m_bucket
 
 FMA = GemvConfig(dot=False, block_n=32, block_k=256, split_k=1)
 FMA_SPLIT = GemvConfig(dot=False, block_n=64, block_k=128, split_k=4)

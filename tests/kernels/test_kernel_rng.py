@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from scipy.stats import chisquare
 
-from kernels import rng, triton_rng
+from specsplit.kernels import rng, triton_rng
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def test_fast_clock_algebra_is_accurate_on_every_uniform():
     """The GPU's clock (kernels/triton_rng.fast_clock: log below 1/2, an atanh series above) with exact
     log2 and reciprocal in place of the hardware's approximations: within 3 ulp of -log2(u) in float64 on
     every value ``uniform`` can produce (odd multiples of 2^-24), the tiny clocks near u = 1 included.
-    (On the GPU, benchmarks/check_rejection_cuda.py measures it with the approximations.)"""
+    (On the GPU, tests/gpu/test_rejection_cuda.py measures it with the approximations.)"""
     u64 = (torch.arange(2**23, dtype=torch.float64) * 2 + 1) * 2.0**-24
     u = u64.float()
     assert torch.equal(u.double(), u64)  # every uniform is exact in float32

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import apply_rotary_qk_reference, apply_rotary_qk_triton
-from kernels.silu_mul import silu_mul_reference, silu_mul_triton
-from models.rotary import apply_rotary
+from specsplit.kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from specsplit.kernels.rotary import apply_rotary_qk_reference, apply_rotary_qk_triton
+from specsplit.kernels.silu_mul import silu_mul_reference, silu_mul_triton
+from specsplit.models.rotary import apply_rotary
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 # The Triton interpreter converts float32 to bfloat16 by truncation (the GPU rounds to nearest even, as

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from kernels.kv_write import write_kv_triton
-from kernels.paged_attention import paged_attention_triton
-from kernels.paged_attention_reference import paged_attention_reference
+from specsplit.kernels.kv_write import write_kv_triton
+from specsplit.kernels.paged_attention import paged_attention_triton
+from specsplit.kernels.paged_attention_reference import paged_attention_reference
 
 
 def _ragged_case(

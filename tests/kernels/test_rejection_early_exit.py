@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from kernels import triton_rejection
-from kernels.rng import GROUP_SIZE
-from kernels.triton_rejection_launch import Launch
+from specsplit.kernels import triton_rejection
+from specsplit.kernels.rng import GROUP_SIZE
+from specsplit.kernels.triton_rejection_launch import Launch
 
 MODES = ["one_hot", "dense", "sparse"]
 UNWRITTEN = 12345.0  # what the stats scratch holds before the kernel runs

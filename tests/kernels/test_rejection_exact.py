@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import SparseDraftProbs, rejection_sample, triton_rejection
-from kernels.rng import GROUP_SIZE
+from specsplit.kernels import SparseDraftProbs, rejection_sample, triton_rejection
+from specsplit.kernels.rng import GROUP_SIZE
 
 BACKENDS = ["reference", "triton"]
 MODES = ["one_hot", "dense", "sparse"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import SparseDraftProbs, rejection_sample
+from specsplit.kernels import SparseDraftProbs, rejection_sample
 
 
 def good_args(num_draft=(2, 0, 1), vocab_size=20):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels.triton_rejection_launch import (
+from specsplit.kernels.triton_rejection_launch import (
     GPU_LAUNCH,
     LARGE_BATCH_TABLE,
     LAUNCH_TABLE,

@@ -10,14 +10,14 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-from kernels import SparseDraftProbs, rejection_sample
-from kernels.rng import GROUP_SIZE
+from specsplit.kernels import SparseDraftProbs, rejection_sample
+from specsplit.kernels.rng import GROUP_SIZE
 
 P_VALUE = 1e-4
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """Target distribution after top-k then top-p, written independently of kernels/filtering.py."""
+    """Target distribution after top-k then top-p, written independently of specsplit/kernels/filtering.py."""
     probs = (logits.double() / temperature).softmax(-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
     if top_k:

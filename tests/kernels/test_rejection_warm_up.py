@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.triton_rejection import warm_up, warm_up_plan
-from kernels.triton_rejection_launch import LARGE_BATCH_TABLE, LAUNCH_TABLE, default_launch
+from specsplit.kernels.triton_rejection import warm_up, warm_up_plan
+from specsplit.kernels.triton_rejection_launch import LARGE_BATCH_TABLE, LAUNCH_TABLE, default_launch
 
 
 @pytest.mark.parametrize("vocab_size", [32000, 151936])

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import transformers
 
-from models.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mimo")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.cuda_graphs import CudaGraphRunner, token_buckets
-from models.loader import load_target
+from specsplit.models.cuda_graphs import CudaGraphRunner, token_buckets
+from specsplit.models.loader import load_target
 
 # Steps over two requests: a ragged prefill, then decode / verify steps of 1 .. 4 new tokens each.
 STEPS = [{"a": 7, "b": 5}, {"a": 1, "b": 4}, {"b": 1, "a": 3}, {"a": 1}, {"a": 2, "b": 1}]
@@ -95,7 +95,7 @@ def test_steps_outside_the_graphs_are_refused(checkpoint_dir):
 
 
 def test_steps_take_the_kernel_by_query_length_then_by_attention_pairs():
-    from models.attention import KERNEL_MAX_PREFILL_PAIRS, KERNEL_MAX_QUERY_LEN, use_kernel_for
+    from specsplit.models.attention import KERNEL_MAX_PREFILL_PAIRS, KERNEL_MAX_QUERY_LEN, use_kernel_for
 
     assert not use_kernel_for(False, [1], [10], 512)
     assert use_kernel_for(True, [KERNEL_MAX_QUERY_LEN, 1], [10**6, 10**6], 0)  # verify steps: always

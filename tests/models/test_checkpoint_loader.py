@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from models.loader import load_mtp, load_target, load_tokenizer
+from specsplit.models.loader import load_mtp, load_target, load_tokenizer
 
 
 def _edited_copy(src: pathlib.Path, dst: pathlib.Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> pathlib.Path:

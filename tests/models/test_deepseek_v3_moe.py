@@ -9,8 +9,8 @@ import torch
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from models.deepseek_v3.config import DeepseekV3Config
-from models.deepseek_v3.moe import MoE, Router
+from specsplit.models.deepseek_v3.config import DeepseekV3Config
+from specsplit.models.deepseek_v3.moe import MoE, Router
 
 ATOL = 1e-5
 

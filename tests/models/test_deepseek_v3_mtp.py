@@ -14,9 +14,9 @@ import safetensors.torch
 import torch
 import transformers
 
-from models.deepseek_v3.moe import MoE
-from models.deepseek_v3.tiny import write_tiny_deepseek_checkpoint
-from models.loader import load_mtp, load_target
+from specsplit.models.deepseek_v3.moe import MoE
+from specsplit.models.loader import load_mtp, load_target
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 ATOL = 1e-4
 BLOCK_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")

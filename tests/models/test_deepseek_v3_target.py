@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from models.deepseek_v3.config import DeepseekV3Config
-from models.deepseek_v3.mla import attend_absorbed, attend_expanded
-from models.deepseek_v3.tiny import write_tiny_deepseek_checkpoint
-from models.loader import load_config, load_target
+from specsplit.models.deepseek_v3.config import DeepseekV3Config
+from specsplit.models.deepseek_v3.mla import attend_absorbed, attend_expanded
+from specsplit.models.loader import load_config, load_target
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 ATOL = 1e-4
 

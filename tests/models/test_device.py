@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from models.device import StepThread, device_executor, use_device
+from specsplit.models.device import StepThread, device_executor, use_device
 
 
 def test_executor_threads_make_the_server_device_current(monkeypatch):

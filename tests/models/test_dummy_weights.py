@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from models.loader import load_mtp, load_target
+from specsplit.models.loader import load_mtp, load_target
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.gemv import gemv
-from models import layer_ops
-from models.layers import MLP, SelfAttention, fuse_projections
-from models.loader import load_config, load_mtp, load_target
-from models.target import TargetModel
+from specsplit.kernels.gemv import gemv
+from specsplit.models import layer_ops
+from specsplit.models.layers import MLP, SelfAttention, fuse_projections
+from specsplit.models.loader import load_config, load_mtp, load_target
+from specsplit.models.target import TargetModel
 
 # A ragged prefill over two requests, then decode / verify steps.
 STEPS = [{"a": 6, "b": 3}, {"a": 1, "b": 3}, {"b": 1, "a": 2}]
@@ -187,7 +187,7 @@ def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
 def test_servers_turn_the_layer_kernels_off_only_when_asked(monkeypatch):
     import argparse
 
-    from models.serve_options import add_model_arguments, apply_layer_kernels_option
+    from specsplit.models.serve_options import add_model_arguments, apply_layer_kernels_option
 
     p = argparse.ArgumentParser()
     add_model_arguments(p, "steps")

@@ -12,12 +12,12 @@ import grpc
 import pytest
 import torch
 
-from models.transport import make_receiver, make_sender
-from models.transport.base import Transfer
-from models.transport.handle import OpenState, check_handle
-from models.transport.ipc_ring import RingFull, SlotRing
-from protos import common_pb2, drafter_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.transport import make_receiver, make_sender
+from specsplit.transport.base import Transfer
+from specsplit.transport.handle import OpenState, check_handle
+from specsplit.transport.ipc_ring import RingFull, SlotRing
 
 HIDDEN = 24
 
@@ -209,7 +209,7 @@ def test_cuda_ipc_handles_are_checked_against_the_ring():
 
 
 def test_cuda_ipc_sender_refuses_a_cpu_verifier():
-    from models.transport.base import TransportError
+    from specsplit.transport.base import TransportError
 
     sender = make_sender("cuda_ipc")
     with pytest.raises(TransportError, match="CUDA"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.loader import load_target
+from specsplit.models.loader import load_target
 
 ATOL = 1e-4
 

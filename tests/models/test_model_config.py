@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from models.config import ModelConfig
+from specsplit.models.config import ModelConfig
 
 
 def _edited_config(src, dst, **changes):

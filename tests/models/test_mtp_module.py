@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from models.loader import load_mtp, load_target
+from specsplit.models.loader import load_mtp, load_target
 
 ATOL = 1e-4
 

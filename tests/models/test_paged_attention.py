@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from models import padded_batch as padded_batch_module
-from models.attention import paged_attention
-from models.kv_cache import PagedKVCache
-from models.padded_batch import worth_padding
+from specsplit.models import padded_batch as padded_batch_module
+from specsplit.models.attention import paged_attention
+from specsplit.models.kv_cache import PagedKVCache
+from specsplit.models.padded_batch import worth_padding
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

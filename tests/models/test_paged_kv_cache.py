@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.kv_cache import KVCacheFull, PagedKVCache
+from specsplit.models.kv_cache import KVCacheFull, PagedKVCache
 
 
 def _cache(num_blocks: int = 8, block_size: int = 4) -> PagedKVCache:

@@ -1,13 +1,13 @@
 """Both runners keep SDPA off PyTorch's cuDNN backend, which on the GPU machine builds (and compiles) an
-execution plan for every new prefill shape mid-run (`models.attention.use_precompiled_sdpa`)."""
+execution plan for every new prefill shape mid-run (`specsplit.models.attention.use_precompiled_sdpa`)."""
 
 import pytest
 import torch
 
-from drafter.runner import DrafterRunner
-from models.loader import load_mtp, load_target
-from models.tiny import write_tiny_checkpoint
-from verifier.runner import VerifierRunner
+from specsplit.drafter.runner import DrafterRunner
+from specsplit.models.loader import load_mtp, load_target
+from specsplit.verifier.runner import VerifierRunner
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture

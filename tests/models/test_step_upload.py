@@ -3,7 +3,7 @@
 
 import torch
 
-from models.step_upload import StepUpload
+from specsplit.models.step_upload import StepUpload
 
 
 def test_arrays_come_back_per_dtype_in_order_with_their_values():

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from models.layers import FUSED_PROJECTIONS
-from models.loader import load_config, load_target
-from models.target import TargetModel
+from specsplit.models.layers import FUSED_PROJECTIONS
+from specsplit.models.loader import load_config, load_target
+from specsplit.models.target import TargetModel
 
 ATOL = 1e-4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.wire import fill_tensor_proto, fill_tensor_protos, tensor_from_proto, tensor_to_proto
-from protos import common_pb2
+from specsplit.proto import common_pb2
+from specsplit.transport.wire import fill_tensor_proto, fill_tensor_protos, tensor_from_proto, tensor_to_proto
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 

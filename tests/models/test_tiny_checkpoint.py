@@ -8,8 +8,8 @@ import pytest
 import safetensors
 import torch
 
-from models.loader import load_target, load_tokenizer
-from models.tiny import main, write_tiny_checkpoint
+from specsplit.models.loader import load_target, load_tokenizer
+from tests.fixtures.tiny import main, write_tiny_checkpoint
 
 
 def _names(path) -> set[str]:

@@ -1,11 +1,11 @@
-"""models.warm_up: the runners' start-up eager steps run through the given step function with the
+"""specsplit.models.warm_up: the runners' start-up eager steps run through the given step function with the
 planned shapes and leave the KV cache as they found it; a step without room is skipped; nothing runs
 on a CPU cache unless asked."""
 
 import torch
 
-from models.loader import load_target
-from models.warm_up import warm_up_eager
+from specsplit.models.loader import load_target
+from specsplit.models.warm_up import warm_up_eager
 
 
 def test_eager_warm_up_steps_run_and_free_their_requests(checkpoint_dir):

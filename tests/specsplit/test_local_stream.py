@@ -13,10 +13,10 @@ import struct
 import grpc
 import pytest
 
-from protos import common_pb2
 from specsplit.bidi_stream import StreamError
 from specsplit.errors import FailedPrecondition
 from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, served_socket
+from specsplit.proto import common_pb2
 from specsplit.threaded_stream import ThreadedLocalStreamServer
 
 Req = common_pb2.SamplingParams  # any message: seed in, seed out

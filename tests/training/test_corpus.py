@@ -1,6 +1,6 @@
 """The stdlib corpus: which files count, and a split that is by file and fixed by the seed."""
 
-from training.corpus import list_source_files, split_files, stdlib_root
+from specsplit.training.corpus import list_source_files, split_files, stdlib_root
 
 
 def write(path, text, encoding="utf-8"):

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-from training.checkpoint import load_checkpoint
+from specsplit.training.checkpoint import load_checkpoint
 
 DEMO = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 pytestmark = pytest.mark.skipif(not (DEMO / "model.safetensors").exists(), reason="no demo checkpoint")

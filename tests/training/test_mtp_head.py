@@ -2,7 +2,7 @@
 
 import torch
 
-from training.joint_model import ModelShape, TargetWithMTP, demo_config
+from specsplit.training.joint_model import ModelShape, TargetWithMTP, demo_config
 
 SHAPE = ModelShape(
     hidden_size=32,

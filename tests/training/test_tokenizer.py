@@ -2,7 +2,7 @@
 
 from transformers import AutoTokenizer
 
-from training.tokenizer import EOS_ID, PAD_ID, save_tokenizer, train_tokenizer
+from specsplit.training.tokenizer import EOS_ID, PAD_ID, save_tokenizer, train_tokenizer
 
 CODE = [
     "def add(a, b):\n    return a + b\n",

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from training.checkpoint import load_checkpoint
-from training.train_demo import main
+from specsplit.training.checkpoint import load_checkpoint
+from specsplit.training.train_demo import main
 
 MTP_NAMES = {
     "enorm.weight",

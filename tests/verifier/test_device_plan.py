@@ -7,15 +7,15 @@ import types
 import pytest
 import torch
 
-from models.loader import load_target
-from models.tiny import write_tiny_checkpoint
-from models.transport.base import HiddenStatesSender
-from protos import common_pb2, verifier_pb2
-from verifier.drafter_client import DrafterClient
-from verifier.input_batch import build_input_batch
-from verifier.runner import VerifierRunner
-from verifier.servicer import VerifierServicer
-from verifier.step_context import HeldStep
+from specsplit.models.loader import load_target
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.transport.base import HiddenStatesSender
+from specsplit.verifier.drafter_client import DrafterClient
+from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.runner import VerifierRunner
+from specsplit.verifier.servicer import VerifierServicer
+from specsplit.verifier.step_context import HeldStep
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 

@@ -1,4 +1,4 @@
-"""verifier.direct_propose: the step thread's Proposes on the drafter's `--propose-socket`. Answers are
+"""specsplit.verifier.direct_propose: the step thread's Proposes on the drafter's `--propose-socket`. Answers are
 read in the order the Proposes went out, each handed to its `on_answer` (the held drafts) with the
 drafts merged back; a drafter error, a drafter gone, no answer in time or a malformed answer fail every
 Propose in flight with the status a call would have, and the next Propose reconnects."""
@@ -12,13 +12,13 @@ import grpc
 import pytest
 import torch
 
-from models.transport.grpc_bytes import GrpcSender
-from models.wire import tensor_from_proto
-from protos import common_pb2, drafter_pb2
 from specsplit.errors import FailedPrecondition
+from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.threaded_stream import ThreadedLocalStreamServer
-from verifier.direct_propose import DirectProposer
-from verifier.drafter_client import ProposeBatch
+from specsplit.transport.grpc_bytes import GrpcSender
+from specsplit.transport.wire import tensor_from_proto
+from specsplit.verifier.direct_propose import DirectProposer
+from specsplit.verifier.drafter_client import ProposeBatch
 
 ADDRESS = "127.0.0.1:1"
 

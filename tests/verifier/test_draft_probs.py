@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from models.wire import tensor_to_proto
-from protos import common_pb2, verifier_pb2
 from specsplit.errors import InvalidArgument
-from verifier.input_batch import build_input_batch
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.transport.wire import tensor_to_proto
+from specsplit.verifier.input_batch import build_input_batch
 
 VOCAB = 50
 

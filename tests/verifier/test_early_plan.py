@@ -8,18 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from protos import common_pb2, verifier_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument
-from verifier.held_drafts import HeldDrafts
-from verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
-from verifier.runner import Prepared
-from verifier.servicer import VerifierServicer
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.held_drafts import HeldDrafts
+from specsplit.verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
+from specsplit.verifier.runner import Prepared
+from specsplit.verifier.servicer import VerifierServicer
 
 VOCAB = 50
 
 
 def _request(held: dict[str, int]) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest(iteration=2, drafts_held=True)
+    msg = verifier_pb2.VerifyRequest(iteration=2)
     msg.requests.add(  # a prefill chunk: no held drafts
         request_id="chunk", num_computed_tokens=0, token_ids=[3, 4, 5], sample=False, next_token_id=6,
         sampling=common_pb2.SamplingParams(top_p=1.0),
@@ -130,7 +130,7 @@ def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
 
 def test_an_early_error_is_raised_by_the_step_and_order_is_checked_once():
     servicer = _servicer()
-    servicer._prepare_and_step(_request({"a": 2}))  # iteration 2 of micro-batch 0 has run
+    servicer._prepare_and_step(_request({"a": 2}))  # iteration 2 has run
     stale = _request({"a": 2})  # iteration 2 again
     early = servicer._plan_early(stale)
     assert isinstance(early.error, FailedPrecondition)

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from protos import common_pb2, verifier_pb2
 from specsplit.errors import InvalidArgument
-from verifier.held_drafts import HeldDrafts
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.held_drafts import HeldDrafts
 
 
 def batch_and_step():
@@ -25,7 +25,7 @@ def batch_and_step():
 
 
 def verify_request(*items) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest(drafts_held=True)
+    msg = verifier_pb2.VerifyRequest()
     for rid, nc, last, n in items:
         msg.requests.add(request_id=rid, num_computed_tokens=nc, token_ids=[last], sample=True, num_held_drafts=n)
     return msg
@@ -103,7 +103,7 @@ def test_requests_freed_while_their_propose_ran_are_not_held():
 def test_a_held_propose_that_raised_counts_as_a_failed_propose():
     import asyncio
 
-    from verifier.servicer import VerifierServicer
+    from specsplit.verifier.servicer import VerifierServicer
 
     async def broken():
         raise RuntimeError("boom")

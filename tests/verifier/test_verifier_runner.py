@@ -5,13 +5,13 @@ rolled back so later steps equal plain decoding."""
 import pytest
 import torch
 
-from models.cuda_graphs import CudaGraphRunner
-from models.loader import load_target
-from models.tiny import write_tiny_checkpoint
-from protos import common_pb2, verifier_pb2
 from specsplit.errors import FailedPrecondition, InvalidArgument
-from verifier.input_batch import build_input_batch
-from verifier.runner import VerifierRunner, step_output
+from specsplit.models.cuda_graphs import CudaGraphRunner
+from specsplit.models.loader import load_target
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.runner import VerifierRunner, step_output
+from tests.fixtures.tiny import write_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 

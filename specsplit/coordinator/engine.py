@@ -1,0 +1,263 @@
+"""The coordinator's engine loop: schedule → Verify (→ propose, inside the verifier) → post_step.
+
+One iteration is in flight at a time, on one persistent VerifyStream.
+
+Outputs are pushed to per-request asyncio queues that the Generate handlers stream from. Post_step
+updates the request state at once (the next schedule needs it) but streams the outputs (detokenize,
+stop strings, queue puts) only after the next iteration's request is on its way, while the verifier
+works: client-facing work off the critical path.
+
+The verifier is the only peer: if a Verify fails, the iteration's effect is unknown, so every running
+request is re-prefilled from the tokens held here — nothing the client already received is lost or
+repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from specsplit.coordinator import observability as obs
+from specsplit.coordinator import wire
+from specsplit.coordinator.acceptance import AcceptanceMonitor
+from specsplit.coordinator.detokenizer import IncrementalDetokenizer
+from specsplit.coordinator.iteration import SchedulerOutput, StepUpdate
+from specsplit.coordinator.request import Request
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.coordinator.verify_stream import VerifyStream, local_verify_stream
+from specsplit.errors import SpecsplitError, Unavailable
+from specsplit.proto import coordinator_pb2, verifier_pb2_grpc
+from specsplit.results import SpecStats
+from specsplit.telemetry import inject_trace_context
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta of a request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: SpecsplitError | None = None
+
+
+class _Stream:
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer):
+        self.request = request
+        self.detokenizer = detokenizer
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        verifier: verifier_pb2_grpc.VerifierStub,
+        tokenizer,
+        *,
+        verify_timeout_s: float = 120.0,
+        verifier_unavailable_s: float = 30.0,
+        verifier_rpc: str = "stream",
+    ):
+        self.scheduler = scheduler
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.verify_timeout_s = verify_timeout_s
+        self.verifier_unavailable_s = verifier_unavailable_s
+        self.totals = SpecStats()
+        self.num_finished = 0
+        self.num_iterations = 0
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._failing_since: float | None = None
+        self._num_failures = 0
+        # The last iteration's span: the next one links to it (the drafts' hop).
+        self._previous_iteration: trace.SpanContext | None = None
+        self.coordinator_id = uuid.uuid4().hex
+        # gRPC's VerifyStream, or the same stream on the verifier's Unix socket.
+        make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
+        self._verify_stream = make_stream(verifier, verify_timeout_s)
+        self.acceptance = AcceptanceMonitor()
+        # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
+        self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
+        obs.observe_queue(scheduler)
+
+    # ---- public API used by the servicer ---------------------------------------------------------
+    def add_request(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        self.scheduler.add_request(request)
+        stream = _Stream(
+            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        )
+        self._streams[request.request_id] = stream
+        self._wake()
+        return stream.queue
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; it leaves the batch before the next iteration."""
+        found = self.scheduler.finish_request(request_id, "abort")
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._finish_stream(stream, "abort")
+        self._wake()
+        return found
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._verify_stream.close()
+
+    # ---- loop --------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        pending: list[StepUpdate] = []  # outputs of the last iteration, streamed once the next is sent
+        while True:
+            if not self.scheduler.has_work():
+                pending = self._stream_outputs(pending)
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            t_schedule = time.time_ns()
+            output = self.scheduler.schedule()
+            t_scheduled = time.time_ns()
+            if not output.scheduled and not output.finished_request_ids:
+                pending = self._stream_outputs(pending)
+                await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
+                continue
+            span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
+            self._previous_iteration = span.get_span_context()
+            outputs, pending = pending, []
+            try:
+                with trace.use_span(span, end_on_exit=True):
+                    obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
+                    pending = await self._iteration(output, span, t_schedule, outputs)
+            except grpc.RpcError as err:
+                await self._on_verify_error(output, err)
+            finally:
+                obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
+
+    async def _iteration(
+        self, output: SchedulerOutput, span: trace.Span, t_schedule: int, outputs: list[StepUpdate]
+    ) -> list[StepUpdate]:
+        """Runs one iteration; streams `outputs` (the previous one's) once its request is sent; returns
+        this iteration's outputs, still to be streamed."""
+        with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
+            request = wire.verify_request(output, self.coordinator_id)
+            inject_trace_context(request.trace_context)
+            t_sent = time.time_ns()
+            stream = self._verify_stream
+            try:
+                await stream.send(request)
+            finally:  # also when the send failed: these tokens are the client's either way
+                self._stream_outputs(outputs)
+            response = await stream.receive()
+            t_received = time.time_ns()
+        self._failing_since = None
+        self._num_failures = 0
+        self.num_iterations += 1
+        with obs.tracer.start_as_current_span("post_step"):
+            results = wire.verify_results(response)
+            try:
+                updates = self.scheduler.update_from_output(output, results, response.drafter_ok)
+            except SpecsplitError as err:
+                log.error("bad verifier response: %s; re-prefilling", err)
+                self.scheduler.reset_all()
+                return []
+            self.acceptance.record(*obs.record_verify(span, output, results, response))
+        self.iteration_timings.append(
+            coordinator_pb2.IterationTiming(
+                iteration=output.iteration,
+                batch_size=len(output.scheduled),
+                num_draft_tokens=sum(s.num_draft_tokens for s in output.scheduled),
+                schedule_start_ns=t_schedule,
+                verify_sent_ns=t_sent,
+                verify_received_ns=t_received,
+                post_step_end_ns=time.time_ns(),
+                verifier=response.timing,
+            )
+        )
+        return updates
+
+    def _stream_outputs(self, updates: list[StepUpdate]) -> list[StepUpdate]:
+        """Streams post_step's outputs to the Generate handlers; returns the empty pending list."""
+        if updates:
+            with obs.tracer.start_as_current_span("stream_outputs"):
+                for update in updates:
+                    self._emit(update.request, update.new_token_ids, update.finished)
+        return []
+
+    def _emit(self, request: Request, new_token_ids: list[int], finished: bool) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        if request.first_token_time is None and new_token_ids:
+            request.first_token_time = time.monotonic()
+            obs.record_first_token(request)
+        text = stream.detokenizer.add_tokens(new_token_ids)
+        if stream.detokenizer.stopped and not finished:
+            self.scheduler.finish_request(request.request_id, "stop")
+            finished = True
+        if finished:
+            text += stream.detokenizer.flush()
+        stream.queue.put_nowait(RequestOutput(request.request_id, new_token_ids, text))
+        if finished:
+            self._streams.pop(request.request_id, None)
+            self._finish_stream(stream, request.finish_reason or "stop")
+
+    def _finish_stream(self, stream: _Stream, reason: str) -> None:
+        self.totals.merge(stream.request.stats)
+        self.num_finished += 1
+        stream.queue.put_nowait(RequestOutput(stream.request.request_id, [], "", finish_reason=reason))
+
+    async def _on_verify_error(self, output: SchedulerOutput, err: grpc.RpcError) -> None:
+        code = err.code()
+        log.warning("Verify failed (%s: %s); re-prefilling running requests", code.name, err.details())
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+            # Retrying the same batch would fail the same way: fail its requests.
+            for item in output.scheduled:
+                self._fail(item.request.request_id, SpecsplitError(f"verifier: {err.details()}", code))
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        self.scheduler.reset_all()  # the iteration's effect is unknown: recompute from held tokens
+        self._num_failures += 1
+        backoff = min(1.0, 0.05 * 2 ** min(self._num_failures, 5))
+        down_for = now - self._failing_since
+        for request_id, stream in list(self._streams.items()):
+            deadline = stream.request.deadline
+            # Give up on a request when its deadline falls before the verifier could answer again,
+            # or when the verifier has been unreachable for verifier_unavailable_s.
+            if down_for > self.verifier_unavailable_s or (deadline is not None and deadline - now < backoff + 0.25):
+                self._fail(
+                    request_id,
+                    Unavailable(
+                        f"verifier unreachable for {down_for:.1f}s ({code.name}: {err.details()}); "
+                        "the request was aborted before its deadline"
+                    ),
+                )
+        await asyncio.sleep(backoff)
+
+    def _fail(self, request_id: str, error: SpecsplitError) -> None:
+        self.scheduler.finish_request(request_id, "error")
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(RequestOutput(request_id, [], "", finish_reason="error", error=error))

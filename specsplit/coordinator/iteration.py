@@ -1,0 +1,64 @@
+"""What one iteration carries between the scheduler, the wire and post_step: each request's share of
+the iteration (`ScheduledRequest`), the iteration (`SchedulerOutput`), the verifier's result per request
+(`VerifyResult`) and what post_step changed (`StepUpdate`). Pure Python, no protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specsplit.coordinator.request import Request
+
+DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling): its id is known only there
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of an iteration."""
+
+    request: Request
+    num_computed_tokens: int  # position of token_ids[0]
+    token_ids: list[int]  # prefill chunk, or [last token] + draft placeholders
+    num_draft_tokens: int  # trailing draft placeholders in token_ids (the verifier fills them in)
+    sample: bool  # False for a prefill chunk that is not the last
+    next_token_id: int  # token after a non-final chunk (for the drafter's pairs); 0 otherwise
+    num_spec_tokens: int  # drafts to propose after this step
+    queue_time_ms: float | None = None  # set on a request's first admission
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+
+@dataclass
+class SchedulerOutput:
+    iteration: int
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[str]  # free these on verifier and drafter before running
+    num_preempted: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
+        return {s.request.request_id: s.draft_token_ids for s in self.scheduled if s.num_draft_tokens}
+
+
+@dataclass
+class VerifyResult:
+    """What the verifier returned for one scheduled request."""
+
+    request_id: str
+    sampled_token_ids: list[int]
+    num_rejected: int  # counts the placeholders the verifier could not fill as rejected
+    num_draft_tokens: int = 0  # drafts the verifier ran: of the placeholders, those it had drafts for
+
+
+@dataclass
+class StepUpdate:
+    """What post_step changed for one request (for streaming)."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False

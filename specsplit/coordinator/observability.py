@@ -1,0 +1,147 @@
+"""The coordinator's spans and metrics (docs/design.md §6).
+
+Trace shape: one `generate` span per request (SERVER, `gen_ai.*` attributes) is the root of the
+request's trace. Each engine iteration is an `iteration` span whose parent is the request span of
+the oldest request in the batch and which links to
+- the previous iteration's span (`specsplit.link = previous_iteration`): the cross-iteration hop
+  that carries `spec_token_ids` from one propose to the next verification;
+- the request spans of the other requests in the batch (`specsplit.link = batched_request`).
+Its children are `schedule`, `verify` (CLIENT; the verifier's and drafter's spans hang below it)
+and `post_step`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+tracer = trace.get_tracer("specsplit.coordinator")
+meter = metrics.get_meter("specsplit.coordinator")
+
+requests_total = meter.create_counter("specsplit.requests", description="finished requests by finish reason")
+drafts_total = meter.create_counter("specsplit.drafts", description="verify iterations that carried drafts")
+draft_tokens_total = meter.create_counter("specsplit.draft_tokens", description="draft tokens verified")
+accepted_tokens_total = meter.create_counter("specsplit.accepted_tokens", description="draft tokens accepted")
+accepted_per_position = meter.create_counter(
+    "specsplit.accepted_tokens_per_position", description="accepted drafts by draft position (1-based)"
+)
+time_to_first_token = meter.create_histogram("specsplit.time_to_first_token", unit="s")
+time_per_output_token = meter.create_histogram("specsplit.time_per_output_token", unit="s")
+iteration_duration = meter.create_histogram("specsplit.iteration_duration", unit="s")
+
+
+def observe_queue(scheduler) -> None:
+    """Registers queue depth and running-request gauges read from the scheduler."""
+
+    def waiting(_options):
+        yield metrics.Observation(scheduler.num_waiting)
+
+    def running(_options):
+        yield metrics.Observation(len(scheduler.running))
+
+    meter.create_observable_gauge("specsplit.queue_depth", [waiting], description="requests waiting")
+    meter.create_observable_gauge("specsplit.running_requests", [running], description="requests running")
+
+
+def start_request_span(request, model: str, parent_ctx) -> trace.Span:
+    s = request.sampling
+    return tracer.start_span(
+        "generate",
+        context=parent_ctx,
+        kind=SpanKind.SERVER,
+        attributes={
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": s.max_tokens,
+            "gen_ai.request.temperature": s.temperature,
+            "gen_ai.request.top_p": s.top_p,
+            "gen_ai.request.top_k": s.top_k,
+            "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+            "specsplit.request_id": request.request_id,
+        },
+    )
+
+
+def end_request_span(span: trace.Span | None, request, reason: str, error: Exception | None = None) -> None:
+    stats = request.stats
+    now = time.monotonic()
+    requests_total.add(1, {"finish_reason": reason})
+    if request.first_token_time is not None:
+        n = len(request.output_token_ids)
+        if n > 1:
+            time_per_output_token.record((now - request.first_token_time) / (n - 1))
+    if span is None:
+        return
+    span.set_attributes(
+        {
+            "gen_ai.usage.output_tokens": len(request.output_token_ids),
+            "gen_ai.response.finish_reasons": [reason],
+            "specsplit.num_iterations": stats.num_iterations,
+            "specsplit.num_draft_tokens": stats.num_draft_tokens,
+            "specsplit.num_accepted_tokens": stats.num_accepted_tokens,
+            "specsplit.num_preemptions": request.num_preemptions,
+        }
+    )
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+    span.end()
+
+
+def record_first_token(request) -> None:
+    time_to_first_token.record(request.first_token_time - request.arrival_time)
+
+
+def start_iteration_span(output, previous: trace.SpanContext | None, schedule_start_ns: int) -> trace.Span:
+    spans = [s.request.span for s in output.scheduled if s.request.span is not None]
+    parent = trace.set_span_in_context(spans[0]) if spans else None
+    links = []
+    if previous is not None:
+        links.append(Link(previous, {"specsplit.link": "previous_iteration"}))
+    links += [Link(s.get_span_context(), {"specsplit.link": "batched_request"}) for s in spans[1:]]
+    return tracer.start_span(
+        "iteration",
+        context=parent,
+        links=links,
+        start_time=schedule_start_ns,
+        attributes={
+            "specsplit.iteration": output.iteration,
+            "specsplit.batch_size": len(output.scheduled),
+            "specsplit.num_scheduled_tokens": output.num_scheduled_tokens,
+            "specsplit.drafts_scheduled": sum(s.num_draft_tokens for s in output.scheduled),
+            "specsplit.num_preempted": output.num_preempted,
+            "specsplit.queue_time_ms": max(
+                (s.queue_time_ms for s in output.scheduled if s.queue_time_ms is not None), default=0.0
+            ),
+        },
+    )
+
+
+def record_verify(iteration_span: trace.Span, output, results, response) -> tuple[int, int]:
+    """Records the iteration's counts; returns (drafts verified, accepted), and accepted + rejected = drafts."""
+    accepted = rejected = 0
+    for item, result in zip(output.scheduled, results):
+        if not item.sample:
+            continue
+        n_acc = len(result.sampled_token_ids) - 1
+        n_drafts = result.num_draft_tokens
+        rejected += n_drafts - n_acc
+        accepted += n_acc
+        if n_drafts:
+            drafts_total.add(1)
+            draft_tokens_total.add(n_drafts)
+            accepted_tokens_total.add(n_acc)
+            for pos in range(n_drafts):  # zeros too, so every position is exported
+                accepted_per_position.add(int(pos < n_acc), {"position": pos + 1})
+    iteration_span.set_attributes(
+        {
+            "specsplit.accepted": accepted,
+            "specsplit.rejected": rejected,
+            "specsplit.hidden_state_bytes": response.hidden_state_bytes,
+            "specsplit.drafter_ok": response.drafter_ok,
+            "specsplit.verifier.forward_ms": response.timing.forward_ns / 1e6,
+            "specsplit.verifier.propose_ms": response.timing.propose_ns / 1e6,
+        }
+    )
+    return accepted + rejected, accepted

@@ -1,0 +1,78 @@
+"""Request state held by the coordinator (pure Python, no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specsplit.results import SpecStats
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters of one request."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # None: the server's k
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Invariant while decoding: `num_computed_tokens == num_tokens - 1` — every token but the
+    last is in the verifier's KV cache. `spec_token_ids` stand for the drafts the previous iteration's
+    propose left for this iteration to verify: placeholders (`DRAFT_PLACEHOLDER`), since the drafts
+    themselves stay on the verifier (async scheduling); they are not part of `output_token_ids`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stats: SpecStats = field(default_factory=SpecStats)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step
+    num_kv_reserved: int = 0  # while its iteration is in flight: tokens the cache holds after that step
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    span: object | None = None  # the request's OpenTelemetry span (observability.py)
+    admitted_time: float | None = None
+    deadline: float | None = None  # time.monotonic() by which the client wants the answer
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,275 @@
+"""Continuous-batching scheduler with chunked prefill, speculative drafts and preemption.
+
+Each iteration `schedule()` decides, per request, which tokens the verifier runs:
+- a request still prefilling gets a chunk of its prompt (as much as the token budget allows);
+- a decoding request gets `[last token] + scheduled_spec_decode_tokens[req]`, the drafts the
+  previous iteration's propose left in `request.spec_token_ids`, trimmed so that accepting all of
+  them cannot overrun `max_tokens`, `max_model_len` or the token budget.
+`update_from_output()` is post_step: it appends the sampled tokens, rolls
+`num_computed_tokens` back by `num_rejected`, applies stop conditions and
+`update_draft_token_ids` (the next drafts become `request.spec_token_ids`).
+
+Async scheduling (the only mode): the verifier answers before the drafter has proposed and keeps the
+drafts itself, so `update_draft_token_ids` writes `num_spec_tokens` placeholders (`DRAFT_PLACEHOLDER`);
+the next schedule trims them like drafts (budget, KV, lengths) and the verifier fills them in. A
+placeholder the verifier cannot fill counts as rejected, so the accounting is the same.
+
+KV blocks live in the verifier; the coordinator does their accounting here, so it can preempt
+(recompute) the newest running request when the cache is full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.iteration import (
+    DRAFT_PLACEHOLDER,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepUpdate,
+    VerifyResult,
+)
+from specsplit.coordinator.request import Request, RequestStatus
+from specsplit.errors import FailedPrecondition, ResourceExhausted
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]):
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.iteration = 0
+        self._to_free: list[str] = []  # requests whose KV the next iteration frees
+
+    # ---- admission and removal -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise FailedPrecondition(f"request id {request.request_id!r} is already running")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str) -> bool:
+        """Ends a request (abort, stop string, error); its KV is freed at the next iteration."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._to_free.append(request_id)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            if request.num_kv_tokens:
+                self._to_free.append(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return True
+
+    def reset_all(self) -> None:
+        """The verifier lost its state: every running request re-prefills from the tokens held here."""
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running.clear()
+
+    def has_work(self) -> bool:
+        """Anything to schedule: running or waiting requests, or KV to free."""
+        return bool(self._to_free or self.running or self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _kv_blocks(self, request: Request) -> int:
+        """Blocks a running request holds, or will hold once its in-flight step is done."""
+        return self._blocks(max(request.num_kv_tokens, request.num_kv_reserved))
+
+    def schedule(self) -> SchedulerOutput:
+        self.iteration += 1
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        free_blocks = cfg.num_blocks - sum(self._kv_blocks(r) for r in self.running)
+        num_preempted = 0
+        queue = list(self.running)  # FCFS, preempt from the back
+        kept: list[Request] = []
+        while queue:
+            request = queue.pop(0)
+            if budget <= 0:
+                kept.append(request)
+                continue
+            item = self._plan(request, budget)
+            need = self._blocks(request.num_computed_tokens + len(item.token_ids)) - self._kv_blocks(request)
+            while need > free_blocks and queue:
+                victim = queue.pop()
+                free_blocks += self._kv_blocks(victim)
+                self._preempt(victim)
+                num_preempted += 1
+            if need > free_blocks:
+                free_blocks += self._kv_blocks(request)
+                self._preempt(request)
+                num_preempted += 1
+                continue
+            free_blocks -= need
+            budget -= len(item.token_ids)
+            request.spec_token_ids = []
+            request.num_kv_reserved = item.num_computed_tokens + len(item.token_ids)
+            scheduled.append(item)
+            kept.append(request)
+
+        # admission: FCFS among the waiting requests
+        while self.waiting and budget > 0 and len(kept) < cfg.max_num_seqs and not num_preempted:
+            request = self.waiting[0]
+            item = self._plan(request, budget)
+            need = self._blocks(request.num_computed_tokens + len(item.token_ids))
+            if need > free_blocks:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.admitted_time is None:
+                request.admitted_time = time.monotonic()
+                item.queue_time_ms = (request.admitted_time - request.arrival_time) * 1e3
+            free_blocks -= need
+            budget -= len(item.token_ids)
+            request.num_kv_reserved = item.num_computed_tokens + len(item.token_ids)
+            scheduled.append(item)
+            kept.append(request)
+
+        self.running = kept
+        finished, self._to_free = self._to_free, []
+        return SchedulerOutput(self.iteration, scheduled, finished, num_preempted)
+
+    def _plan(self, request: Request, budget: int) -> ScheduledRequest:
+        nc = request.num_computed_tokens
+        remaining = request.num_tokens - nc
+        if remaining > 1:  # prefill (a new prompt, or recompute after preemption)
+            n = min(remaining, budget)
+            tokens = [request.token_at(i) for i in range(nc, nc + n)]
+            sample = nc + n == request.num_tokens
+            next_token = 0 if sample else request.token_at(nc + n)
+            return ScheduledRequest(
+                request, nc, tokens, 0, sample, next_token, self._num_spec_after(request) if sample else 0
+            )
+        drafts = request.spec_token_ids[: self._max_drafts(request, budget)]
+        tokens = [request.token_at(nc), *drafts]
+        return ScheduledRequest(
+            request,
+            nc,
+            tokens,
+            len(drafts),
+            True,
+            0,
+            self._num_spec_after(request),
+        )
+
+    def _k(self, request: Request) -> int:
+        k = request.sampling.num_speculative_tokens
+        return self.config.num_speculative_tokens if k is None else min(k, self.config.num_speculative_tokens)
+
+    def _max_drafts(self, request: Request, budget: int) -> int:
+        return max(
+            0,
+            min(
+                self._k(request),
+                budget - 1,
+                request.sampling.max_tokens - len(request.output_token_ids) - 1,
+                self.config.max_model_len - request.num_tokens - 1,
+            ),
+        )
+
+    def _num_spec_after(self, request: Request) -> int:
+        # After this step the request holds at least one more token.
+        return max(
+            0,
+            min(
+                self._k(request),
+                request.sampling.max_tokens - len(request.output_token_ids) - 2,
+                self.config.max_model_len - request.num_tokens - 2,
+            ),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: forget its KV, re-prefill prompt + output later."""
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        if request.num_kv_tokens or request.num_kv_reserved:
+            self._to_free.append(request.request_id)
+        request.num_kv_tokens = 0
+        request.num_kv_reserved = 0
+        if request in self.running:
+            self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    # ---- post_step -----------------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, results: list[VerifyResult], drafter_ok: bool = True
+    ) -> list[StepUpdate]:
+        """Post_step. `drafter_ok`: False when the verifier reported a failed (or absent) drafter; async
+        scheduling then leaves no placeholders (no budget and KV spent on drafts that will not come)
+        until a reply reports the drafter back."""
+        if len(results) != len(output.scheduled):
+            raise FailedPrecondition(f"verifier returned {len(results)} results for {len(output.scheduled)} requests")
+        updates = []
+        for item, result in zip(output.scheduled, results):
+            request = item.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the iteration was in flight
+            if result.request_id != request.request_id:
+                raise FailedPrecondition(
+                    f"verifier result for {result.request_id!r} where {request.request_id!r} was expected"
+                )
+            request.num_kv_tokens = item.num_computed_tokens + len(item.token_ids)
+            request.num_kv_reserved = 0
+            if not item.sample:
+                request.num_computed_tokens += len(item.token_ids)
+                request.stats.record(0, 0)
+                continue
+            num_sampled = len(result.sampled_token_ids)
+            if not 1 <= num_sampled <= item.num_draft_tokens + 1 or result.num_rejected != (
+                item.num_draft_tokens + 1 - num_sampled
+            ):
+                raise FailedPrecondition(
+                    f"verifier returned num_sampled={num_sampled}, num_rejected={result.num_rejected} "
+                    f"for {item.num_draft_tokens} drafts of {request.request_id!r}"
+                )
+            num_drafts = result.num_draft_tokens
+            if not num_sampled - 1 <= num_drafts <= item.num_draft_tokens:
+                raise FailedPrecondition(
+                    f"verifier ran {num_drafts} drafts of {request.request_id!r} ({item.num_draft_tokens} scheduled) "
+                    f"and accepted {num_sampled - 1}"
+                )
+            request.stats.record(num_drafts, num_sampled - 1)
+            request.num_computed_tokens = request.num_kv_tokens - result.num_rejected
+            update = StepUpdate(request)
+            for token in result.sampled_token_ids:
+                request.output_token_ids.append(token)
+                update.new_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    self.finish_request(request.request_id, reason)
+                    update.finished = True
+                    break
+            if not update.finished:
+                # update_draft_token_ids: placeholders for the drafts the verifier keeps.
+                request.spec_token_ids = [DRAFT_PLACEHOLDER] * (item.num_spec_tokens if drafter_ok else 0)
+            updates.append(update)
+        return updates
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if not request.sampling.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= request.sampling.max_tokens:
+            return "length"
+        if request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

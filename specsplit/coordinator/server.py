@@ -1,0 +1,132 @@
+"""`specsplit serve coordinator`: loads the tokenizer, waits for the verifier, serves clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+
+import grpc
+
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.coordinator.servicer import CoordinatorServicer
+from specsplit.grpc_server import (
+    ServiceServer,
+    add_service,
+    announce,
+    freeze_start_up_heap,
+    peer_channel,
+    run_until_signal,
+)
+from specsplit.local_stream import VERIFIER_RPCS
+from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2_grpc
+from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
+
+log = logging.getLogger(__name__)
+
+
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The scheduler's flags; `specsplit up` takes them too and passes them on (`scheduling_flags`)."""
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+
+
+def scheduling_flags(args: argparse.Namespace) -> list[str]:
+    """`add_scheduling_arguments`' values as command-line flags again."""
+    return [
+        *["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (the tokenizer is read from it)")
+    p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
+    p.add_argument(
+        "--verifier-rpc",
+        default="stream",
+        choices=VERIFIER_RPCS,
+        help="stream: gRPC's VerifyStream; local: the same stream on the Unix socket a verifier on this host "
+        "serves (its --verify-socket), without gRPC",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
+    add_scheduling_arguments(p)
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
+    p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
+
+
+async def _wait_for_model_info(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> common_pb2.ModelInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"verifier did not answer within {timeout_s:.0f}s: {err.details()}") from err
+            await asyncio.sleep(0.2)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer  # tokenizers backend only; no torch
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    servicer = CoordinatorServicer(tokenizer)
+    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    tls = load_tls(args.tls_dir)
+    tokens = load_tokens(args.auth_token_file)
+    server = ServiceServer(
+        "coordinator",
+        args.host,
+        args.port,
+        [service],
+        tls=tls,
+        interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
+        max_message_bytes=args.max_message_mb * 2**20,
+    )
+    add_service(server.server, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], servicer)
+    await server.start()
+    channel = peer_channel(args.verifier, tls)
+    stub = verifier_pb2_grpc.VerifierStub(channel)
+    info = await _wait_for_model_info(stub, args.startup_timeout)
+    if args.verifier_rpc == "local" and not os.path.exists(info.verify_socket):
+        log.error(
+            "--verifier-rpc local needs the verifier %s on this host, started with --verify-socket; it serves %r "
+            "(or use --verifier-rpc stream)",
+            args.verifier,
+            info.verify_socket or "none",
+        )
+        await channel.close()
+        await server.stop(0)
+        raise SystemExit(2)
+    k = args.num_speculative_tokens
+    model_info = common_pb2.ModelInfo()
+    model_info.CopyFrom(info)
+    model_info.num_speculative_tokens = k
+    eos = list(info.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    config = SchedulerConfig(
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        num_speculative_tokens=k,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, k + 1),
+        max_waiting=args.max_waiting,
+    )
+    engine = Engine(Scheduler(config, eos), stub, tokenizer, verifier_rpc=args.verifier_rpc)
+    engine.start()
+    servicer.ready(engine, model_info)
+    freeze_start_up_heap()
+    await server.mark_serving()
+    announce("coordinator", server.address)
+
+    async def on_stop() -> None:
+        await engine.stop()
+        await channel.close()
+
+    await run_until_signal(server, on_stop, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)

@@ -1,0 +1,92 @@
+"""Client input → validated Request. Every rejection says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+
+from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.errors import InvalidArgument
+from specsplit.proto import coordinator_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_TEMPERATURE = 100.0
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+
+
+def build_request(
+    msg: coordinator_pb2.GenerateRequest,
+    *,
+    tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+    num_speculative_tokens: int,
+) -> Request:
+    has_text = msg.HasField("prompt")
+    has_ids = len(msg.prompt_token_ids) > 0
+    if has_text == has_ids:
+        raise InvalidArgument("give exactly one of prompt and prompt_token_ids")
+    if has_text:
+        if not msg.prompt:
+            raise InvalidArgument("prompt is empty")
+        if len(msg.prompt) > MAX_PROMPT_CHARS:
+            raise InvalidArgument(f"prompt has {len(msg.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        prompt_ids = list(tokenizer.encode(msg.prompt, add_special_tokens=False))
+        if not prompt_ids:
+            raise InvalidArgument("prompt encodes to no tokens")
+    else:
+        prompt_ids = list(msg.prompt_token_ids)
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {vocab_size}), e.g. {bad[0]}"
+            )
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidArgument(
+            f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len} and at least one "
+            "token must be generated"
+        )
+    return Request(
+        request_id=msg.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt_ids,
+        sampling=_sampling(msg, num_speculative_tokens),
+    )
+
+
+def _sampling(msg: coordinator_pb2.GenerateRequest, num_speculative_tokens: int) -> SamplingParams:
+    if msg.max_tokens <= 0:
+        raise InvalidArgument(f"max_tokens must be > 0, got {msg.max_tokens}")
+    s = msg.sampling
+    temperature = s.temperature
+    if not math.isfinite(temperature) or temperature < 0 or temperature > MAX_TEMPERATURE:
+        raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE}], got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+    if s.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
+    stop = tuple(msg.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not x or len(x) > MAX_STOP_LEN for x in stop):
+        raise InvalidArgument(f"stop strings must be 1 to {MAX_STOP_LEN} characters long")
+    k = None
+    if msg.HasField("num_speculative_tokens"):
+        k = msg.num_speculative_tokens
+        if not 0 <= k <= num_speculative_tokens:
+            raise InvalidArgument(
+                f"num_speculative_tokens must be in [0, {num_speculative_tokens}] (the server's k), got {k}"
+            )
+    seed = (s.seed if s.HasField("seed") else random.getrandbits(64)) & (2**63 - 1)
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(s.top_k),
+        seed=int(seed),
+        stop=stop,
+        ignore_eos=msg.ignore_eos,
+        num_speculative_tokens=k,
+    )

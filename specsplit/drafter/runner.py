@@ -1,0 +1,325 @@
+"""propose(): the drafter's MTP steps over one iteration's hidden states.
+
+For each request the verifier sends the target hidden states h_p of the iteration's valid
+positions p and the token x_{p+1} that follows each. The drafter
+1. rolls its MTP KV back to the first new position (dropping the k - 1 speculative entries of the
+   previous propose, and whatever verification rejected);
+2. MTP step 0: runs the MTP layer over all (h_p, x_{p+1}) pairs of the batch at once; the output
+   of each request's last pair gives draft 1;
+3. steps 1..k-1: reuses the MTP layer on its own output h' and the draft it just made, one
+   position further, for the requests that want more drafts.
+A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
+starts afresh at the first new position: drafts may be worse for a while, output never changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.drafter.device_propose import can_propose_on_device, propose_on_device, valid_rows_on_host
+from specsplit.drafter.sampling import pick_drafts
+from specsplit.drafter.step_timer import StepTimer
+from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
+from specsplit.models.cuda_graphs import resolve_step_path
+from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
+from specsplit.models.mtp import MTPModule
+from specsplit.models.step_upload import StepUpload
+from specsplit.models.warm_up import warm_up_eager
+from specsplit.transport.base import DeviceTokens
+
+# A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.
+_Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# A step's drafts [n] int64, and for sampled steps q's support and probabilities [n, K].
+_Pick = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# A later step: rows of the previous step that go on ([n] int64, None: all), attention, positions [n], sampling.
+_LaterStep = tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor, _Sampling | None]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProposeItem:
+    request_id: str
+    start_position: int  # position p of the first hidden-state row
+    next_token_ids: list[int]  # x_{p+1} per row
+    num_spec_tokens: int
+    temperature: float = 0.0  # > 0: sampled drafts with their sparse q
+    seed: int = 0
+    # A device hand-off (`specsplit/drafter/device_propose.py`): the request's rows (its last token and every draft
+    # verified), next_token_ids empty until propose() fills them from the device; 0 on the host path.
+    num_rows: int = 0
+    num_rejected: int = 0  # filled with next_token_ids on a device hand-off
+
+
+@dataclass
+class ProposeOutput:
+    drafts: list[list[int]]
+    # Wall-clock stamps (time.time_ns): start, MTP step 0 done, steps 1..k-1 done.
+    stamps_ns: tuple[int, int, int]
+    # Per request, for sampled drafts: q's support and probabilities, [num_drafts, K] each.
+    draft_probs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+    @property
+    def step0_ns(self) -> int:
+        return self.stamps_ns[1] - self.stamps_ns[0]
+
+    @property
+    def later_steps_ns(self) -> int:
+        return self.stamps_ns[2] - self.stamps_ns[1]
+
+
+class DrafterRunner:
+    def __init__(
+        self,
+        mtp: MTPModule,
+        kv_cache: PagedKVCache,
+        draft_top_k: int = 16,
+        *,
+        attention_kernel: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_graph_tokens: int = 512,
+    ):
+        """`attention_kernel`: MTP steps with few new tokens per request run the Triton paged
+        attention (default: on CUDA, for modules that support it). `cuda_graphs`: those steps
+        replay CUDA graphs (default: on CUDA with the kernel)."""
+        self.mtp = mtp
+        self.draft_top_k = draft_top_k
+        self.kv_cache = kv_cache
+        self.device = next(mtp.parameters()).device
+        self._first_position: dict[str, int] = {}  # pair position held at cache index 0
+        self.attention_kernel, self.graphs = resolve_step_path(
+            mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
+        )
+        use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
+        if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
+
+            def eager_step(ids, positions, attn):
+                previous = torch.zeros(ids.numel(), mtp.config.hidden_size, dtype=kv_cache.k.dtype, device=ids.device)
+                return mtp.compute_logits(mtp(ids, previous, positions, kv_cache, attn)[-1:])
+
+            steps, seconds = warm_up_eager(kv_cache, eager_step)
+            log.info("drafter: %d eager warm-up steps in %.1f s", steps, seconds)
+        self._upload = StepUpload(self.device)  # each step's small arrays, one pinned buffer
+        self._timer = StepTimer(self.device)
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.kv_cache.free(rid)
+            self._first_position.pop(rid, None)
+
+    def _rollback(self, item: ProposeItem) -> None:
+        rid, p = item.request_id, item.start_position
+        first = self._first_position.get(rid)
+        cached = self.kv_cache.num_tokens(rid)
+        if first is None or not first <= p <= first + cached:
+            self.free([rid])
+            self._first_position[rid] = p
+        else:
+            self.kv_cache.truncate(rid, p - first)
+
+    def _mtp_step(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        previous_hidden: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # MTP output [T, H]; logits [T, V] when a graph made them
+        if self.graphs is not None and self.graphs.can_run(attn):
+            return self.graphs.run(input_ids, positions, attn, previous_hidden)
+        return self.mtp(input_ids, previous_hidden, positions, self.kv_cache, attn), None
+
+    @torch.inference_mode()
+    def propose(
+        self, items: list[ProposeItem], hidden_states: torch.Tensor, device_tokens: DeviceTokens | None = None
+    ) -> ProposeOutput:
+        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order; with
+        `device_tokens` (a device hand-off, `can_propose_on_device`) [sum(item.num_rows), hidden_size].
+
+        Which requests take part in each step is known before any draft is, so the host plans every
+        step (KV slots, positions, row selections) without waiting for the device: the steps are
+        launched back to back and the drafts come to the host in one device→host copy at the end."""
+        if device_tokens is not None:
+            if can_propose_on_device(self, items):
+                return propose_on_device(self, items, hidden_states, device_tokens)
+            hidden_states = valid_rows_on_host(items, hidden_states, device_tokens)  # then the host path
+        t0 = time.time_ns()
+        drafts: list[list[int]] = [[] for _ in items]
+        if not items:  # an iteration that only frees finished requests
+            return ProposeOutput(drafts, (t0, t0, t0))
+        for item in items:
+            self._rollback(item)
+        counts = [len(item.next_token_ids) for item in items]
+        ids = [item.request_id for item in items]
+        if not self.kv_cache.can_append(ids, counts):
+            # Out of MTP cache: drop these requests' MTP state; they continue without drafts.
+            self.free(ids)
+            now = time.time_ns()
+            return ProposeOutput(drafts, (t0, now, now))
+        plan = self.kv_cache.plan_step(ids, counts)
+        active = [i for i, item in enumerate(items) if item.num_spec_tokens > 0]
+        last_rows = [end - 1 for end in itertools.accumulate(counts)]
+        # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
+        positions = [item.start_position + 1 + j for item in items for j in range(len(item.next_token_ids))]
+        last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
+        sampling64, sampling32 = self._sampling_arrays(items, active, [p + 1 for p in last_pos])
+        int64, int32, float32 = self._upload(
+            [[t for item in items for t in item.next_token_ids], positions, [last_rows[i] for i in active]]
+            + plan.int64_arrays
+            + sampling64,
+            plan.int32_arrays,
+            sampling32,
+        )
+        input_ids, positions_t, select, slots = int64[:4]
+        seq_lens = [item.start_position + 1 + n for item, n in zip(items, counts)]  # MTP cache positions
+        graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
+        use_kernel = use_kernel_for(self.attention_kernel, counts, seq_lens, graph_tokens)
+        attn = plan.metadata([slots], int32, use_kernel=use_kernel)
+        out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
+        t1 = time.time_ns()
+        if not active:
+            return ProposeOutput(drafts, (t0, t1, t1))
+        self._timer.start()
+        hidden = out.index_select(0, select)  # [num_active, H]
+        logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
+        picks = [self._pick(logits, _sampling(int64[4:], float32))]
+        steps, actives = self._plan_later_steps(items, active, last_pos)
+        for keep, attn, positions_t, sampling in steps:
+            tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
+            if keep is not None:  # requests that want no more drafts leave the step
+                tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
+            hidden, logits = self._mtp_step(tokens, hidden, positions_t, attn)
+            if logits is None:
+                logits = self.mtp.compute_logits(hidden)
+            picks.append(self._pick(logits, sampling))
+        tokens, q_ids, q_probs = self._to_host(picks)
+        t2 = time.time_ns()
+        t1 = self._timer.split(t1, t2)
+        return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+
+    def _pick(self, logits: torch.Tensor, sampling: _Sampling | None) -> _Pick:
+        """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy."""
+        if sampling is None:
+            return logits.argmax(dim=-1), None, None
+        temperature, seeds, positions = sampling
+        step = pick_drafts(logits, temperature, seeds, positions, self.draft_top_k, any_sampled=True)
+        return step.tokens, step.q_ids, step.q_probs
+
+    @staticmethod
+    def _sampling_arrays(
+        items: list[ProposeItem], rows: list[int], draft_positions: list[int]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """int64 [seeds, draft positions] and float32 [temperatures] of a step's rows; none when all are greedy."""
+        if all(items[i].temperature == 0 for i in rows):
+            return [], []
+        return [[items[i].seed for i in rows], draft_positions], [[items[i].temperature for i in rows]]
+
+    def _plan_later_steps(
+        self, items: list[ProposeItem], active: list[int], last_pos: list[int]
+    ) -> tuple[list[_LaterStep], list[list[int]]]:
+        """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
+
+        A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
+        host64, host32, host_f, layout, actives = self._plan_later_host(items, active, last_pos)
+        if not layout:
+            return [], []
+        return self._later_steps(layout, *self._upload(host64, host32, host_f)), actives
+
+    def _plan_later_host(self, items: list[ProposeItem], active: list[int], last_pos: list[int]):
+        """The host half of `_plan_later_steps`: the steps' arrays (int64, int32, float32), their layout
+        and the requests of each step (no layout when no later step runs)."""
+        num_steps = max(items[i].num_spec_tokens for i in active)
+        rows, actives, layout = active, [], []
+        host64: list[list[int]] = []
+        host32: list[list[int]] = []
+        host_f: list[list[float]] = []
+        for step in range(1, num_steps):
+            keep = [a for a, i in enumerate(rows) if items[i].num_spec_tokens > step]
+            kept = [rows[a] for a in keep]
+            ids = [items[i].request_id for i in kept]
+            if not self.kv_cache.can_append(ids, [1] * len(ids)):
+                break
+            plan = self.kv_cache.plan_step(ids, [1] * len(ids))
+            last_pos = [last_pos[a] + 1 for a in keep]
+            full = len(kept) == len(rows)
+            sampling64, sampling32 = self._sampling_arrays(items, kept, [p + 1 for p in last_pos])
+            int32 = plan.int32_arrays
+            host64 += [*plan.int64_arrays, last_pos, *([] if full else [keep]), *sampling64]
+            host32 += int32
+            host_f += sampling32
+            layout.append((plan, len(int32), not full, bool(sampling32)))
+            actives.append(kept)
+            rows = kept
+        return host64, host32, host_f, layout, actives
+
+    def _later_steps(self, layout, int64: list[torch.Tensor], int32: list[torch.Tensor], float32: list[torch.Tensor]):
+        """The device half of `_plan_later_steps`: each step from the device copies of its arrays."""
+        int64, int32, float32 = iter(int64), iter(int32), iter(float32)
+        steps = []
+        for plan, num_int32, has_keep, has_sampling in layout:
+            attn = plan.metadata(
+                [next(int64)], [next(int32) for _ in range(num_int32)], use_kernel=self.attention_kernel
+            )
+            positions = next(int64)
+            keep = next(int64) if has_keep else None
+            sampling = _sampling([next(int64), next(int64)], [next(float32)]) if has_sampling else None
+            steps.append((keep, attn, positions, sampling))
+        return steps
+
+    def _to_host(self, picks: list[_Pick]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """Every step's drafts (concatenated) and sampled q rows, in one device→host copy."""
+        tokens = torch.cat([p[0] for p in picks])  # [sum of the steps' rows]
+        sampled = [p for p in picks if p[1] is not None]
+        device = [tokens]
+        if sampled:  # q rows of the steps with a sampled request: [rows of those steps, K]
+            device += [torch.cat([p[1] for p in sampled]), torch.cat([p[2] for p in sampled])]
+        if tokens.device.type == "cuda":  # pinned destinations, one wait
+            host = [t.to("cpu", non_blocking=True) for t in device]
+            self._timer.stop()
+        else:
+            host = [t.cpu() for t in device]
+        return host[0].tolist(), *(host[1:] if sampled else (None, None))
+
+
+def _sampling(int64: list[torch.Tensor], float32: list[torch.Tensor]) -> _Sampling | None:
+    """The device copies of `_sampling_arrays` (int64 [seeds, positions], float32 [temperatures])."""
+    return (float32[0], int64[0], int64[1]) if float32 else None
+
+
+def _collect(
+    items: list[ProposeItem],
+    actives: list[list[int]],  # per step, the items that drafted in it
+    tokens: list[int],  # every step's drafts, step after step
+    q_ids: torch.Tensor | None,  # [rows of the sampled steps, K] on the host
+    q_probs: torch.Tensor | None,  # [rows of the sampled steps, K] on the host
+    stamps_ns: tuple[int, int, int],
+) -> ProposeOutput:
+    """Host drafts per request, and per sampled request its q rows ([num_drafts, K] each)."""
+    drafts: list[list[int]] = [[] for _ in items]
+    q_rows: dict[int, list[int]] = {}
+    offset = q_offset = 0
+    for rows in actives:
+        for a, j in enumerate(rows):
+            drafts[j].append(tokens[offset + a])
+        offset += len(rows)
+        if any(items[j].temperature > 0 for j in rows):  # this step picked with q
+            for a, j in enumerate(rows):
+                if items[j].temperature > 0:
+                    q_rows.setdefault(j, []).append(q_offset + a)
+            q_offset += len(rows)
+    probs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
+    if q_rows:  # one gather of every sampled request's rows, split into a view per request
+        index = torch.tensor([row for rows in q_rows.values() for row in rows])
+        ids, p = q_ids[index], q_probs[index]
+        if len(q_rows) == 1:
+            per_request = [(ids, p)]
+        else:
+            sizes = [len(rows) for rows in q_rows.values()]
+            per_request = zip(ids.split(sizes), p.split(sizes))
+        for j, q in zip(q_rows, per_request):
+            probs[j] = q
+    return ProposeOutput(drafts, stamps_ns, probs)

@@ -1,0 +1,142 @@
+"""`specsplit serve drafter`: loads the MTP module (+ shared embedding and head), serves Propose."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
+from specsplit.local_stream import serve_or_exit
+from specsplit.models.serve_options import (
+    add_model_arguments,
+    apply_layer_kernels_option,
+    attention_kernel_option,
+    cuda_graphs_option,
+)
+from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.security import load_tls
+from specsplit.slow_steps import SlowStepWatch
+from specsplit.transport import TRANSPORTS
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
+    add_model_arguments(p, "MTP draft steps")
+    p.add_argument(
+        "--hidden-transport",
+        default="grpc",
+        choices=TRANSPORTS,
+        help="how hidden states arrive; must equal the verifier's (grpc: bytes in Propose; cuda_ipc: "
+        "buffers shared on one host; nccl: torch.distributed send, rendezvous set by the verifier)",
+    )
+    p.add_argument(
+        "--propose-socket",
+        default=None,
+        metavar="PATH",
+        help="also serve ProposeStream on this Unix socket, without gRPC, for a verifier on this host started "
+        "with --drafter-rpc local (the faster control path; the socket is created 0600)",
+    )
+    p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
+    p.add_argument(
+        "--draft-top-k",
+        type=int,
+        default=16,
+        help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
+    )
+
+
+async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -> None:
+    """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
+    `benchmarks/forced_drafter.py`)."""
+    import torch
+
+    from specsplit.drafter.runner import DrafterRunner
+    from specsplit.drafter.servicer import DrafterServicer
+    from specsplit.models.device import device_executor, use_device
+    from specsplit.models.loader import load_mtp
+    from specsplit.transport import make_receiver
+
+    service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+    server = ServiceServer(
+        "drafter",
+        args.host,
+        args.port,
+        [service],
+        tls=load_tls(args.tls_dir),
+        require_client_cert=True,
+        max_message_bytes=args.max_message_mb * 2**20,
+    )
+    # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
+    use_device(args.device)
+    asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
+    servicer = DrafterServicer(args.device, SlowStepWatch("drafter", args.slow_step_s))
+    add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
+    await server.start()  # health says NOT_SERVING until the weights are loaded
+    local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading
+        args.propose_socket,
+        "--propose-socket",
+        drafter_pb2.ProposeRequest.FromString,
+        servicer,
+        args.max_message_mb * 2**20,
+        lambda: server.stop(0),
+        threaded=True,  # each connection's thread runs its Proposes itself
+    )
+    dtype = getattr(torch, args.dtype)
+    apply_layer_kernels_option(args)
+    loop = asyncio.get_running_loop()
+    mtp = await loop.run_in_executor(
+        None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+    )
+    config = mtp.config
+    info = common_pb2.ModelInfo(
+        model=Path(args.model).resolve().name,
+        architecture=config.architecture,
+        vocab_size=config.vocab_size,
+        max_model_len=config.max_position_embeddings,
+        eos_token_ids=config.eos_token_ids,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        hidden_size=config.hidden_size,
+        hidden_transport=args.hidden_transport,
+        propose_socket=local.path if local else "",
+    )
+    cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
+    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
+        None,
+        lambda: DrafterRunner(
+            mtp,
+            cache,
+            args.draft_top_k,
+            attention_kernel=attention_kernel_option(args),
+            cuda_graphs=cuda_graphs_option(args),
+        ),
+    )
+    servicer.ready(
+        wrap_runner(runner) if wrap_runner else runner,
+        info,
+        make_receiver(args.hidden_transport, args.device, config.hidden_size),
+    )
+    freeze_start_up_heap()
+    await server.mark_serving()
+    announce("drafter", server.address)
+    log.info(
+        "serving MTP of %s on %s (hidden transport %s%s)",
+        args.model,
+        args.device,
+        args.hidden_transport,
+        f", ProposeStream also on {info.propose_socket}" if local else "",
+    )
+    await run_until_signal(
+        server,
+        local.close if local else None,
+        grace_s=args.shutdown_grace,
+        delay_s=args.shutdown_delay,
+        on_drain=servicer.drain,
+    )

@@ -1,0 +1,173 @@
+"""`specsplit.LLM`: offline generation in one process, with the checkpoint's MTP drafts.
+
+    from specsplit import LLM
+    llm = LLM("checkpoints/demo", num_speculative_tokens=3)
+    (result,) = llm.generate(["def read_lines(path):\\n"], max_tokens=64)
+    print(result.text, result.stats.acceptance_rate)
+
+The iteration is `EngineCore.step` (schedule → verify → propose → post_step), the one the services
+run split across processes; outputs are the same (greedy: equal to target-only decoding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.detokenizer import IncrementalDetokenizer
+from specsplit.coordinator.request import Request
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.coordinator.validation import build_request
+from specsplit.drafter.runner import DrafterRunner
+from specsplit.engine.core import EngineCore, IterationTiming
+from specsplit.models.loader import load_mtp, load_target
+from specsplit.proto import coordinator_pb2
+from specsplit.results import GenerationResult
+from specsplit.verifier.runner import VerifierRunner
+
+
+class LLM:
+    """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding.
+    `load_format="dummy"`: seeded random weights from config.json (benchmarks)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        num_speculative_tokens: int = 3,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        load_format: str = "auto",
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        device_hand_off: bool = True,
+    ):
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.model = str(model)
+        self.target = load_target(self.model, dtype=dtype, device=device, load_format=load_format)
+        config = self.target.config
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
+        self.eos_token_ids = list(config.eos_token_ids)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_speculative_tokens=num_speculative_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_batched_tokens, num_speculative_tokens + 1),
+            max_waiting=1 << 30,  # offline: every prompt of a generate() call waits its turn
+        )
+        verifier = VerifierRunner(
+            self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
+        )
+        drafter = None
+        if num_speculative_tokens > 0:
+            self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
+            drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
+        self.core = EngineCore(
+            verifier,
+            drafter,
+            vocab_size=config.vocab_size,
+            max_model_len=self.max_model_len,
+            device=device,
+            device_hand_off=device_hand_off,
+        )
+        self._tokenizer = None
+        self._next_id = 0
+        # Where the time of the last generate()'s iterations went (benchmarks).
+        self.iteration_timings: list[IterationTiming] = []
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (loaded on first use, never from the network)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model, local_files_only=True)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        detokenize: bool = True,
+    ) -> list[GenerationResult]:
+        """One result per prompt (text or token ids), in order, all decoded together in one batch; the
+        options are validated as the coordinator validates them (InvalidArgument naming the field).
+        `seed`: request i samples with `seed + i` (None: random). `num_speculative_tokens`: drafts per
+        iteration of these requests, at most the engine's (None: the engine's). `detokenize=False`: token
+        ids only (no text, no tokenizer needed for id prompts; no stop strings)."""
+        scheduler = Scheduler(self.scheduler_config, self.eos_token_ids)
+        requests, detokenizers = [], []
+        for i, prompt in enumerate(prompts):
+            msg = coordinator_pb2.GenerateRequest(
+                request_id=f"llm-{self._next_id}", max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
+            )
+            msg.sampling.temperature, msg.sampling.top_p, msg.sampling.top_k = temperature, top_p, top_k
+            if seed is not None:
+                msg.sampling.seed = seed + i
+            if num_speculative_tokens is not None:
+                msg.num_speculative_tokens = num_speculative_tokens
+            if isinstance(prompt, str):
+                msg.prompt = prompt
+            else:
+                msg.prompt_token_ids.extend(prompt)
+            request = build_request(
+                msg,
+                tokenizer=self.tokenizer if isinstance(prompt, str) else None,
+                vocab_size=self.core.vocab_size,
+                max_model_len=self.max_model_len,
+                num_speculative_tokens=self.num_speculative_tokens,
+            )
+            self._next_id += 1
+            scheduler.add_request(request)
+            requests.append(request)
+            ids, params = request.prompt_token_ids, request.sampling
+            # Text as the coordinator makes it; with stop strings, step by step (a stop ends the request).
+            if stop and not detokenize:
+                raise ValueError("stop strings need detokenize=True")
+            detokenizers.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop) if stop else None)
+        self.iteration_timings = []
+        texts: list[list[str]] = [[] for _ in requests]
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        while scheduler.running or scheduler.waiting:
+            updates, timing = self.core.step(scheduler)
+            self.iteration_timings.append(timing)
+            for update in updates:
+                i = index[update.request.request_id]
+                if detokenizers[i] is None:
+                    continue
+                texts[i].append(detokenizers[i].add_tokens(update.new_token_ids))
+                if detokenizers[i].stopped and not update.finished:
+                    scheduler.finish_request(update.request.request_id, "stop")
+        self.core.free([r.request_id for r in requests])  # finished last: no later schedule freed them
+        return [self._result(r, d, t, detokenize) for r, d, t in zip(requests, detokenizers, texts)]
+
+    def _result(
+        self, request: Request, detokenizer: IncrementalDetokenizer | None, texts: list[str], detokenize: bool
+    ) -> GenerationResult:
+        if detokenizer is None and detokenize:  # no stop strings: the text at once, off the iterations
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            texts = [detokenizer.add_tokens(request.output_token_ids)]
+        return GenerationResult(
+            request.request_id,
+            list(request.output_token_ids),
+            "".join(texts) + detokenizer.flush() if detokenizer is not None else "",
+            request.finish_reason or "length",
+            request.stats,
+            len(request.prompt_token_ids),
+            len(request.output_token_ids),
+        )

@@ -1,0 +1,295 @@
+"""Paged KV cache with per-request block tables and rollback.
+
+Each request caches its tokens contiguously from cache index 0: cache index i is the i-th token of the
+request's cached sequence, stored at slot `block_table[i // block_size] * block_size + i % block_size`.
+Rollback (`truncate`) only moves the request's length back and returns whole blocks past it; stale
+K/V left in a kept block is overwritten by the next `prepare_step`, never read, because attention
+reads only cache indices below `seq_len`.
+
+The cache owns the block accounting of its own requests; RoPE positions are the caller's business.
+`PagedBlocks` is that accounting; `PagedKVCache` adds per-head K and V, and DeepSeek-V3's
+`specsplit.models.deepseek_v3.latent_cache.LatentKVCache` one MLA latent per token instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.models.padded_batch import PaddedBatch, build_padded_batch
+from specsplit.models.step_upload import StepUpload
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks for a step; the cache is left exactly as it was."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of one ragged step go, and what each request attends over.
+
+    The device tensors arrive in one host→device copy (`specsplit.models.step_upload`); with `use_kernel`
+    (the Triton path) the forward reads only them, so it never syncs with the host.
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, prefix sum of new tokens per request
+    seq_lens: torch.Tensor  # [num_reqs] int32, cached + new tokens per request after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, -1 padded
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token (-1: padding, not written)
+    token_req_index: torch.Tensor  # [num_tokens] int32, the request (row of block_tables) of each token
+    # Cache entries each token attends over: its request's cache indices 0 .. len - 1 (causal; 0 = padding).
+    token_context_lens: torch.Tensor  # [num_tokens] int32
+    block_size: int
+    # Host copies, so a per-request loop needs no device→host sync.
+    query_start_loc_host: list[int] = field(default_factory=list)  # [num_reqs + 1]
+    seq_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
+    block_tables_host: list[list[int]] = field(default_factory=list)  # [num_reqs][blocks of the request]
+    # True: attention runs the Triton kernel over the device tensors (graph-safe); False: the
+    # per-request SDPA loop over `context_slots`.
+    use_kernel: bool = False
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def context_start_loc_host(self) -> list[int]:  # [num_reqs + 1]
+        return [0, *itertools.accumulate(self.seq_lens_host)]
+
+    @functools.cached_property
+    def context_slots(self) -> torch.Tensor:  # [sum(seq_lens)] int64
+        """Flat slots of every cached token (old and new) of every request, request after request:
+        request r's are context_slots[context_start_loc[r] : context_start_loc[r] + seq_lens[r]].
+        Built on first use, by the eager (SDPA / MLA) paths only."""
+        slots, valid = self._slot_grid
+        return slots[valid].to(self.slot_mapping.device)
+
+    @functools.cached_property
+    def _slot_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host: [num_reqs, max_seq_len] flat slot of each request's cache index (0 past its
+        end) and whether that index holds one of its tokens."""
+        size, width = self.block_size, max(len(t) for t in self.block_tables_host)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables_host], dtype=torch.int64)
+        max_len = max(self.seq_lens_host)
+        slots = (tables[:, :, None] * size + torch.arange(size)).flatten(1)[:, :max_len]
+        valid = torch.arange(max_len)[None, :] < torch.tensor(self.seq_lens_host)[:, None]
+        return torch.where(valid, slots, 0), valid
+
+    @functools.cached_property
+    def padded_batch(self) -> PaddedBatch | None:
+        """The step as one padded batch for a single SDPA call (`specsplit/models/padded_batch.py`), or None where the
+        per-request loop is better. Built once per step."""
+        return build_padded_batch(
+            self.query_start_loc_host, self.seq_lens_host, self._slot_grid[0], self.slot_mapping.device
+        )
+
+
+@dataclass
+class StepPlan:
+    """The host arrays of one step (`PagedBlocks.plan_step`); `metadata` pairs them with their device copies."""
+
+    query_start_loc: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs]
+    slot_mapping: list[int]  # [num_tokens]
+    token_req_index: list[int]  # [num_tokens]
+    token_context_lens: list[int]  # [num_tokens]
+    block_tables: list[list[int]]  # [num_reqs][blocks of the request]
+    block_size: int
+
+    @property
+    def int64_arrays(self) -> list[list[int]]:
+        return [self.slot_mapping]
+
+    @property
+    def int32_arrays(self) -> list[list[int]]:
+        width = max(len(t) for t in self.block_tables)
+        flat_tables = [b for t in self.block_tables for b in t + [-1] * (width - len(t))]
+        return [self.query_start_loc, self.seq_lens, flat_tables, self.token_req_index, self.token_context_lens]
+
+    def metadata(
+        self, int64: list[torch.Tensor], int32: list[torch.Tensor], *, use_kernel: bool = False
+    ) -> AttentionMetadata:
+        """int64 / int32: device copies of `int64_arrays` / `int32_arrays`, in their order."""
+        (slots,) = int64
+        query_start_loc, seq_lens, tables, token_req_index, token_context_lens = int32
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=tables.view(len(self.block_tables), -1),
+            slot_mapping=slots,
+            token_req_index=token_req_index,
+            token_context_lens=token_context_lens,
+            block_size=self.block_size,
+            query_start_loc_host=self.query_start_loc,
+            seq_lens_host=self.seq_lens,
+            block_tables_host=self.block_tables,
+            use_kernel=use_kernel,
+        )
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PagedBlocks:
+    """The block accounting every paged cache shares: per-request block tables over a pool of
+    `num_blocks` blocks of `block_size` tokens, rollback, and the metadata of a step.
+
+    Subclasses own the cache tensors (indexed by slot) and say on which `device` they live.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._upload: StepUpload | None = None  # made on first use, once the subclass knows its device
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def num_tokens(self, req_id: str) -> int:
+        request = self._requests.get(req_id)
+        return request.num_tokens if request is not None else 0
+
+    def block_table(self, req_id: str) -> list[int]:
+        request = self._requests.get(req_id)
+        return list(request.blocks) if request is not None else []
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Forget tokens at cache index >= num_tokens; return the blocks no longer needed."""
+        cached = self.num_tokens(req_id)
+        if not 0 <= num_tokens <= cached:
+            raise ValueError(f"cannot truncate request {req_id!r} to {num_tokens} tokens: it has {cached} cached")
+        request = self._requests.get(req_id)
+        if request is None:
+            return
+        keep = self._blocks_for(num_tokens)
+        self._free.extend(reversed(request.blocks[keep:]))
+        del request.blocks[keep:]
+        request.num_tokens = num_tokens
+
+    def free(self, req_id: str) -> None:
+        request = self._requests.pop(req_id, None)
+        if request is not None:
+            self._free.extend(reversed(request.blocks))
+
+    def can_append(self, req_ids: list[str], num_new_tokens: list[int]) -> bool:
+        self._check_step(req_ids, num_new_tokens)
+        return self._blocks_needed(req_ids, num_new_tokens) <= len(self._free)
+
+    def prepare_step(
+        self, req_ids: list[str], num_new_tokens: list[int], *, use_kernel: bool = False
+    ) -> AttentionMetadata:
+        """Allocates room for each request's new tokens after its cached ones and describes the step.
+
+        Advances every request's cached length by its new tokens (the caller then runs the forward
+        that writes them). Raises KVCacheFull, changing nothing, when blocks run out.
+        """
+        return self.upload_step(self.plan_step(req_ids, num_new_tokens), use_kernel=use_kernel)
+
+    def upload_step(self, plan: StepPlan, *, use_kernel: bool = False) -> AttentionMetadata:
+        """The device half of `prepare_step`: `plan`'s arrays in one host→device copy."""
+        if self._upload is None:
+            self._upload = StepUpload(self.device)
+        int64, int32, _ = self._upload(plan.int64_arrays, plan.int32_arrays)
+        return plan.metadata(int64, int32, use_kernel=use_kernel)
+
+    def plan_step(self, req_ids: list[str], num_new_tokens: list[int]) -> StepPlan:
+        """The host half of `prepare_step` (allocation and host arrays, no device work), so a caller
+        can plan several steps and upload their arrays together with its own in one copy."""
+        self._check_step(req_ids, num_new_tokens)
+        needed = self._blocks_needed(req_ids, num_new_tokens)
+        if needed > len(self._free):
+            raise KVCacheFull(f"step needs {needed} new KV blocks, only {len(self._free)} free")
+
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        slot_mapping: list[int] = []
+        token_req_index: list[int] = []
+        token_context_lens: list[int] = []
+        size = self.block_size
+        for r, (req_id, num_new) in enumerate(zip(req_ids, num_new_tokens)):
+            request = self._requests.setdefault(req_id, _RequestBlocks())
+            start, end = request.num_tokens, request.num_tokens + num_new
+            while len(request.blocks) < self._blocks_for(end):
+                request.blocks.append(self._free.pop())
+            request.num_tokens = end
+            if num_new == 1:  # decode / draft steps: skip the generator machinery
+                slot_mapping.append(request.blocks[start // size] * size + start % size)
+                token_req_index.append(r)
+                token_context_lens.append(end)
+            else:
+                slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
+                token_req_index.extend([r] * num_new)
+                token_context_lens.extend(range(start + 1, end + 1))
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+        tables = [list(self._requests[r].blocks) for r in req_ids]
+        return StepPlan(query_start_loc, seq_lens, slot_mapping, token_req_index, token_context_lens, tables, size)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _blocks_needed(self, req_ids: list[str], num_new_tokens: list[int]) -> int:
+        return sum(
+            self._blocks_for(self.num_tokens(r) + n) - len(self.block_table(r)) for r, n in zip(req_ids, num_new_tokens)
+        )
+
+    @staticmethod
+    def _check_step(req_ids: list[str], num_new_tokens: list[int]) -> None:
+        if len(req_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(req_ids)} request ids but {len(num_new_tokens)} token counts")
+        if not req_ids:
+            raise ValueError("a step needs at least one request")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"duplicate request ids in one step: {req_ids}")
+        if any(n < 1 for n in num_new_tokens):
+            raise ValueError(f"every request needs >= 1 new token, got {num_new_tokens}")
+
+
+class PagedKVCache(PagedBlocks):
+    """Full K and V per layer and KV head (Llama-style attention)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_layers < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_layers, num_blocks and block_size must be >= 1, got {num_layers}, {num_blocks}, {block_size}"
+            )
+        super().__init__(num_blocks, block_size)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device

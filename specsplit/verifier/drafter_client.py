@@ -1,0 +1,391 @@
+"""Sends an iteration's hidden states to the drafter replicas and brings back their drafts.
+
+The batch is split by the replica that owns each request (`DrafterPool`): one Propose per
+replica, all concurrent, drafts merged back in batch order. Each replica gets one persistent
+`ProposeStream` (one message each way per iteration; `rpc="local"`: the same stream on the replica's
+`--propose-socket`, a Unix socket on this host, without gRPC); a broken stream fails the Propose and
+is reopened.
+Losing a replica never changes output: its requests get no drafts this iteration and are placed on
+another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
+the replica that owned the request, with its next call (or alone, in a Free call, when it has no
+request this iteration).
+
+The hidden states travel by the configured transport (`specsplit.transport`): gRPC bytes to any
+number of replicas, or cuda_ipc / nccl to exactly one drafter, opened at start-up and opened
+again after any failed call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from specsplit.bidi_stream import BidiStream
+from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
+from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.security import TlsFiles
+from specsplit.telemetry import inject_trace_context, outgoing_metadata
+from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
+from specsplit.transport.grpc_bytes import GrpcSender
+from specsplit.verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
+from specsplit.verifier.input_batch import InputBatch
+from specsplit.verifier.runner import StepOutput
+
+if TYPE_CHECKING:
+    from specsplit.verifier.direct_propose import DirectProposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Proposal:
+    ok: bool
+    drafts: list[list[int]]  # per request (empty without a drafter)
+    error: str = ""
+    hidden_state_bytes: int = 0
+    propose_ns: int = 0
+    draft_probs: list[common_pb2.DraftProbs | None] | None = None  # per request, for sampled drafts
+    # Wall-clock stamps (Unix ns) of the first replica called: verifier sent / got the answer back,
+    # drafter received / replied; and that drafter's MTP step 0 and steps 1..k-1 times.
+    sent_ns: int = 0
+    received_ns: int = 0
+    drafter_received_ns: int = 0
+    drafter_replied_ns: int = 0
+    step0_ns: int = 0
+    later_steps_ns: int = 0
+
+
+@dataclass
+class ProposeBatch:
+    """One iteration's drafter input before it is split by replica."""
+
+    iteration: int
+    items: list[drafter_pb2.ProposeItem]  # per request, batch order
+    row_offsets: list[int]  # [num_reqs + 1]: request i's hidden-state rows are [off[i], off[i+1])
+    hidden_states: torch.Tensor  # [num_rows, hidden_size]
+    # A device hand-off (`device_plan`): the step's sampled tokens still on the device, items with num_rows.
+    sampled: torch.Tensor | None = None  # [num_reqs, width]
+    num_sampled: torch.Tensor | None = None  # [num_reqs]
+
+    @property
+    def hidden_state_bytes(self) -> int:
+        return self.hidden_states.numel() * self.hidden_states.element_size()
+
+    def rows(self, indices: list[int]) -> torch.Tensor:
+        """[rows of the requests at `indices`, hidden_size], batch order kept."""
+        if len(indices) == len(self.items):
+            return self.hidden_states
+        off = self.row_offsets
+        return torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
+
+    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
+        """The Propose call for the requests at `indices`, without its hidden states (the transport adds them)."""
+        return drafter_pb2.ProposeRequest(
+            iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
+        )
+
+
+class _Countdown:
+    """Calls `callback` once, when `one()` has been called as often as `expect(n)` said, or at `done()`."""
+
+    def __init__(self, callback: Callable[[], None] | None):
+        self._callback = callback
+        self._left = 0
+
+    def expect(self, n: int) -> None:
+        self._left = n
+        if n == 0:
+            self.done()
+
+    def one(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self.done()
+
+    def done(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
+
+
+class TransportConfigError(RuntimeError):
+    """Verifier and drafter cannot agree on the hidden-state transport: fix the configuration."""
+
+
+class DrafterClient:
+    """`address`: None (no speculation) or the `--drafter` targets, e.g. `a:50053,dns:///drafter:50053`."""
+
+    def __init__(
+        self,
+        address: str | None,
+        timeout_s: float = 30.0,
+        *,
+        tls: TlsFiles | None = None,
+        pool: DrafterPool | None = None,
+        rpc: str = "stream",
+        transport: HiddenStatesSender | None = None,
+    ):
+        if rpc not in DRAFTER_RPCS:
+            raise ValueError(f"drafter rpc must be one of {', '.join(DRAFTER_RPCS)}, got {rpc!r}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
+        self.rpc = rpc
+        # address -> (stub it was opened on, stream)
+        self._streams: dict[str, tuple[object, BidiStream | LocalStream]] = {}
+        # Per replica: one Propose at a time, from handing over its rows to the reply. Micro-batches'
+        # Proposes thus reach a drafter in the order their rows were sent (nccl pairs them by order).
+        self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.transport = transport if transport is not None else GrpcSender()
+        targets = self.pool.targets
+        one_replica = len(targets) == 1 and not targets[0].startswith(DNS_PREFIX)
+        # `rpc="local"` to one drafter: with async scheduling the step thread makes the Proposes itself.
+        # Not over nccl: its sends pair with the drafter's receives through a process group that a restarted
+        # drafter must re-join, which the event loop's path handles and the step thread's was not shown to.
+        self.direct: DirectProposer | None = None
+        if rpc == "local" and one_replica and self.transport.name != "nccl":
+            from specsplit.verifier.direct_propose import DirectProposer  # it builds on this module
+
+            self.direct = DirectProposer(self, targets[0])
+        if self.transport.name != "grpc" and not one_replica:
+            raise TransportConfigError(
+                f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "
+                "(several drafter replicas need --hidden-transport grpc)"
+            )
+
+    def free(self, request_ids: list[str]) -> None:
+        self.pool.free(request_ids)
+
+    def stats(self) -> dict[str, ReplicaStats]:
+        return self.pool.stats()
+
+    def build_request(
+        self, iteration: int, batch: InputBatch, step: StepOutput, sampling: list[common_pb2.SamplingParams]
+    ) -> ProposeBatch:
+        items, offsets = [], [0]
+        for i, rid in enumerate(batch.req_ids):
+            item = drafter_pb2.ProposeItem(
+                request_id=rid,
+                start_position=step.start_positions[i],
+                next_token_ids=step.next_token_ids[i],
+                num_rejected=step.num_rejected[i],
+                num_spec_tokens=batch.num_spec_tokens[i],
+            )
+            item.sampling.CopyFrom(sampling[i])
+            items.append(item)
+            offsets.append(offsets[-1] + len(step.next_token_ids[i]))
+        return ProposeBatch(iteration, items, offsets, step.hidden_states)
+
+    def device_plan(self, iteration: int, launched, sampling: list[common_pb2.SamplingParams]) -> ProposeBatch | None:
+        """The Propose of a launched step (`VerifierRunner.launch`) as a device hand-off, sent before the
+        step finishes; None where the step does not qualify. It does when the transport takes hand-offs
+        (cuda_ipc, open, to a drafter on the same GPU) and every request is a greedy decode step that
+        wants drafts: its rows are then its last token and all the drafts it verifies."""
+        batch, transport = launched.batch, self.transport
+        rows = batch.hand_off_rows() if transport.device_hand_off else None
+        if rows is None:
+            return None
+        hidden = launched.hidden[: batch.query_start[-1]]
+        if transport.needs_open(hidden):
+            return None
+        items = []
+        for i, rid in enumerate(batch.req_ids):
+            item = drafter_pb2.ProposeItem(
+                request_id=rid,
+                start_position=batch.num_computed_tokens[i],
+                num_spec_tokens=batch.num_spec_tokens[i],
+                num_rows=rows[i],
+            )
+            item.sampling.CopyFrom(sampling[i])
+            items.append(item)
+        offsets = [0, *itertools.accumulate(rows)]
+        return ProposeBatch(iteration, items, offsets, hidden, launched.sampled, launched.num_sampled)
+
+    async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged: Callable[[], None] | None = None) -> Proposal:
+        """Drafts for the plan's requests. `on_staged()` is called once every replica's transport holds
+        its rows (the step's hidden states may then be overwritten), or once nothing will be sent."""
+        staged = _Countdown(on_staged)
+        try:
+            return await self._propose(plan, num_reqs, staged)
+        finally:
+            staged.done()
+
+    async def _propose(self, plan: ProposeBatch, num_reqs: int, staged: _Countdown) -> Proposal:
+        nbytes = plan.hidden_state_bytes
+        no_drafts = [[] for _ in range(num_reqs)]
+        if not self.pool.targets:
+            return Proposal(False, no_drafts, "no drafter configured", nbytes)
+        await self.pool.start()
+        owners = self.pool.assign([item.request_id for item in plan.items])
+        groups: dict[str, list[int]] = {}
+        for i, owner in enumerate(owners):
+            if owner is not None:
+                groups.setdefault(owner, []).append(i)
+        t0 = time.perf_counter_ns()
+        sent_ns = time.time_ns()
+        replicas = self.pool.replicas  # read now: DNS re-resolution may change the set meanwhile
+        staged.expect(len(groups))
+        calls = [self._propose_on(replicas[addr], plan, indices, staged) for addr, indices in groups.items()]
+        calls += [self._free_on(replicas[addr]) for addr in self.pool.healthy() if addr not in groups]
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)  # one replica: no task
+        elapsed = time.perf_counter_ns() - t0
+        proposal = Proposal(True, no_drafts, "", nbytes, elapsed, [None] * num_reqs, sent_ns, time.time_ns())
+        errors = []
+        for (addr, indices), (resp, error) in zip(groups.items(), results):
+            if error:
+                errors.append(f"{addr}: {error}")
+                continue
+            if not proposal.drafter_received_ns:
+                proposal.drafter_received_ns, proposal.drafter_replied_ns = resp.received_ns, resp.replied_ns
+                proposal.step0_ns, proposal.later_steps_ns = resp.step0_ns, resp.later_steps_ns
+            merge_replica_drafts(proposal, indices, resp)
+        if None in owners and num_reqs:
+            errors.append("no healthy drafter replica")
+        proposal.ok, proposal.error = not errors, "; ".join(errors)
+        return proposal
+
+    async def _propose_on(
+        self, replica: Replica, plan: ProposeBatch, indices: list[int], staged: _Countdown
+    ) -> tuple[drafter_pb2.ProposeResponse | None, str]:
+        address = replica.address
+        transfer: Transfer | None = None
+        try:
+            async with self._replica_locks[address]:
+                finished = list(replica.pending_free)
+                try:
+                    rows = plan.rows(indices)  # [num_rows, hidden_size]
+                    msg = plan.message(indices, finished)
+                    if self.transport.needs_open(rows):
+                        await self.transport.open(rows, self._open_call(replica))
+                    transfer = self.transport.send(rows, msg)
+                finally:
+                    staged.one()
+                inject_trace_context(msg.trace_context)
+                resp = await self._stream(replica).call(msg)
+                self.transport.finish(transfer, ok=True)
+                del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
+        except (grpc.RpcError, TransportError) as err:
+            if isinstance(err, grpc.RpcError):
+                error = f"{err.code().name}: {err.details()}"
+                if transfer is not None:
+                    self.transport.finish(transfer, ok=False)
+                else:
+                    self.transport.reset()
+            else:
+                error = f"hidden-state transport {self.transport.name}: {err}"
+                self.transport.reset()
+            self.pool.record_call(address, len(indices), error)
+            return None, error
+        if len(resp.drafts) != len(indices):
+            error = f"returned {len(resp.drafts)} drafts for {len(indices)} requests"
+            self.pool.record_call(address, len(indices), error)
+            return None, error
+        self.pool.record_call(address, len(indices))
+        return resp, ""
+
+    def _stream(self, replica: Replica) -> BidiStream | LocalStream:
+        """The replica's ProposeStream, reopened on its current channel (a failed replica gets a fresh
+        channel from its health probe; a stream that failed has closed itself)."""
+        stub, stream = self._streams.get(replica.address, (None, None))
+        if stub is not replica.stub:
+            if stream is not None:
+                stream.close()
+            peer = f"drafter {replica.address}"
+            if self.rpc == "local":
+                connect = served_socket(replica.stub, "propose_socket", peer, self.timeout_s)
+                stream = LocalStream(connect, drafter_pb2.ProposeResponse.FromString, self.timeout_s, peer)
+            else:
+                stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, peer)
+            self._streams[replica.address] = (replica.stub, stream)
+        return stream
+
+    def _open_call(self, replica: Replica):
+        def call(request: drafter_pb2.OpenHiddenTransportRequest):
+            return replica.stub.OpenHiddenTransport(request, timeout=self.timeout_s, metadata=outgoing_metadata())
+
+        return call
+
+    async def open_transport(self, example: torch.Tensor, wait_s: float) -> None:
+        """Start-up: opens a cuda_ipc / nccl transport with the drafter once it has loaded (waiting up to
+        `wait_s`; past that, the first Propose opens it). example: [1, hidden_size], dtype and device of
+        the hidden states. Raises TransportConfigError when the drafter runs another transport, or serves
+        no `--propose-socket` on this host for `rpc="local"`."""
+        if self.transport.name == "grpc" and self.rpc != "local":
+            return
+        await self.pool.start()
+        replica = next(iter(self.pool.replicas.values()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0)
+                break
+            except grpc.RpcError as err:
+                if loop.time() > deadline:
+                    log.warning("drafter %s not ready (%s); opening the transport later", replica.address, err.code())
+                    return
+                await asyncio.sleep(0.5)
+        if self.rpc == "local" and not os.path.exists(info.propose_socket):
+            raise TransportConfigError(
+                f"--drafter-rpc local needs drafter {replica.address} on this host, started with --propose-socket; "
+                f"it serves {info.propose_socket or 'none'!r} (or use --drafter-rpc stream)"
+            )
+        if self.transport.name == "grpc":
+            return
+        theirs = info.hidden_transport or "grpc"
+        if theirs != self.transport.name:
+            raise TransportConfigError(
+                f"drafter {replica.address} was started with --hidden-transport {theirs} but this verifier uses "
+                f"{self.transport.name}; start both with the same --hidden-transport"
+            )
+        try:
+            await self.transport.open(example, self._open_call(replica))
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise TransportConfigError(f"drafter {replica.address} refused the transport: {err.details()}") from err
+            log.warning("could not open the hidden-state transport yet (%s); the first Propose retries", err.code())
+        except TransportError as err:
+            raise TransportConfigError(str(err)) from err
+
+    async def _free_on(self, replica: Replica) -> None:
+        address = replica.address
+        finished = list(replica.pending_free)
+        if not finished:
+            return
+        try:
+            msg = drafter_pb2.DrafterFreeRequest(request_ids=finished)
+            await replica.stub.Free(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+        except grpc.RpcError as err:
+            self.pool.record_call(address, 0, f"{err.code().name}: {err.details()}")
+            return
+        del replica.pending_free[: len(finished)]
+        self.pool.record_call(address, 0)
+
+    async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+        for _, stream in self._streams.values():
+            stream.close()
+        self.transport.close()
+        await self.pool.close()
+
+
+def merge_replica_drafts(proposal: Proposal, indices: list[int], resp: drafter_pb2.ProposeResponse) -> None:
+    """A replica's drafts (for the batch's requests at `indices`) into the iteration's proposal."""
+    for i, d in zip(indices, resp.drafts):
+        proposal.drafts[i] = list(d.token_ids)
+        proposal.draft_probs[i] = d.draft_probs if d.HasField("draft_probs") else None
+
+
+def sampling_of(batch_msg) -> list[common_pb2.SamplingParams]:
+    return [r.sampling for r in batch_msg.requests]

@@ -1,0 +1,378 @@
+"""Verifier gRPC servicer: protobuf in → InputBatch → runner → drafter → protobuf out.
+
+Async scheduling (the only mode): the response goes back as soon as the tokens are
+sampled and the Propose runs on; its drafts are held (`held_drafts.py`) for the next Verify, which
+waits for that Propose before its step. The coordinator's post_step, schedule and
+both hops then overlap the drafter instead of following it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind
+
+from specsplit.bidi_stream import until_draining
+from specsplit.errors import FailedPrecondition, SpecsplitError
+from specsplit.models.device import DeviceClaim, StepThread
+from specsplit.models.kv_cache import PagedKVCache
+from specsplit.models.step_upload import StepUpload
+from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specsplit.slow_steps import SlowStepWatch
+from specsplit.telemetry import extract_trace_context, incoming_context
+from specsplit.verifier.direct_propose import DirectProposer, PendingPropose
+from specsplit.verifier.drafter_client import DrafterClient, Proposal, sampling_of
+from specsplit.verifier.held_drafts import HeldDrafts
+from specsplit.verifier.input_batch import InputBatch, plan_input_batch, upload_input_batch, with_held_drafts
+from specsplit.verifier.response import verify_response
+from specsplit.verifier.runner import StepOutput, VerifierRunner
+from specsplit.verifier.step_context import EarlyStep, HeldStep
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specsplit.verifier")
+meter = metrics.get_meter("specsplit.verifier")
+verify_duration = meter.create_histogram("specsplit.verifier.verify_duration", unit="s")
+hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes", unit="By")
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
+
+    def __init__(self, drafter: DrafterClient, device: str, slow_steps: SlowStepWatch | None = None):
+        self.runner: VerifierRunner | None = None
+        self.model_info: common_pb2.ModelInfo | None = None
+        self.drafter = drafter
+        self.slow_steps = slow_steps or SlowStepWatch("verifier", 0)  # `--slow-step-s`; 0: off
+        self.device = device
+        self._device_claim = DeviceClaim(device)  # the GPU switched to us while a step is planned
+        self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
+        # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
+        self._steps = StepThread(device, "verifier-step")
+        # One step at a time, together with handing its hidden states to the transport; the Propose
+        # round trip runs outside it.
+        self._lock = asyncio.Lock()
+        self._coordinator_id: str | None = None
+        self.draining = asyncio.Event()
+        self._last_iteration = 0
+        # Async scheduling: the Propose still running (its drafts go to _held): made on the loop (a
+        # future) or by the step thread (`direct_propose.py`).
+        self._held = HeldDrafts()
+        self._proposing: asyncio.Future[Proposal] | PendingPropose | None = None
+
+    def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
+        self.runner = runner
+        self.model_info = model_info
+
+    async def _require_ready(self, context) -> None:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its weights")
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    def _check_order(self, request: verifier_pb2.VerifyRequest) -> None:
+        """Iterations of one coordinator arrive in order; a new coordinator starts afresh."""
+        if request.coordinator_id != self._coordinator_id:
+            if self._coordinator_id is not None:
+                log.warning("new coordinator %r: dropping the KV cache of every request", request.coordinator_id)
+                self.runner.free_all()
+                self._held.clear()
+            self._coordinator_id = request.coordinator_id
+            self._last_iteration = 0
+        if request.iteration <= self._last_iteration:
+            raise FailedPrecondition(
+                f"iteration {request.iteration} arrived after iteration {self._last_iteration}; "
+                "iterations of a coordinator must strictly increase"
+            )
+        self._last_iteration = request.iteration
+
+    def _begin_step(self, request: verifier_pb2.VerifyRequest) -> None:
+        """Once per step, first: the iteration's order checked, finished requests freed."""
+        self._check_order(request)
+        self.runner.free(list(request.finished_request_ids))
+        self._held.free(request.finished_request_ids)
+
+    def _plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
+        """Step thread, while the drafts are still on their way: the step begun, its batch
+        planned with placeholder drafts and its KV slots allocated, all on the host (the drafter is
+        using the GPU), so that only the drafts, the uploads and the launch are left once they are in.
+        Never raises, so the drafts are always read first: an error of the step's beginning is raised
+        by the step; any other leaves the planning to the step (which meets it again, if it is no
+        placeholder's)."""
+        try:
+            self._begin_step(request)
+        except Exception as err:  # noqa: BLE001 (raised by the step, after the drafts are read)
+            return EarlyStep(error=err)
+        try:
+            planned = plan_input_batch(
+                request,
+                vocab_size=self.model_info.vocab_size,
+                max_model_len=self.model_info.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+                placeholders=HeldDrafts.placeholders(request),
+            )
+            prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
+        except Exception:  # noqa: BLE001 (e.g. no KV room for every placeholder: the step plans with the real drafts)
+            return EarlyStep()
+        return EarlyStep(planned, prepared)
+
+    def _prepare_and_step(
+        self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None, launch_only: bool = False
+    ):
+        """The step of `request` (its held drafts filled in); `early`: what `_plan_early` made of it.
+        `launch_only`: the step only queued (a `LaunchedStep`, `VerifierRunner.finish` waits for it),
+        unless the batch has no request."""
+        # The drafter is done with the GPU (its drafts are in) but its context may still hold it: the switch
+        # starts now and overlaps what is left to do on the host. Not earlier: it would preempt the drafter.
+        self._device_claim.claim()
+        if early is None:
+            self._begin_step(request)
+        elif early.error is not None:
+            raise early.error
+        vocab = self.model_info.vocab_size
+        planned = early.planned if early is not None else None
+        if planned is not None:
+            planned = with_held_drafts(planned, request, vocab)  # None: fewer drafts came than planned
+            early.used = planned is not None
+        if planned is None:
+            planned = plan_input_batch(
+                request, vocab_size=vocab, max_model_len=self.model_info.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+            )  # fmt: skip
+        batch = upload_input_batch(planned, vocab_size=vocab, device=self.device, upload=self._upload)
+        prepared = early.prepared if early is not None else None
+        with self.slow_steps.watch("step"):
+            if launch_only and batch.num_reqs:
+                return batch, self.runner.launch(batch, prepared)
+            return batch, self.runner.step(batch, prepared)
+
+    async def VerifyStream(self, request_iterator, context):
+        await self._require_ready(context)
+        async for request in until_draining(request_iterator, self.draining):
+            try:
+                yield await self._verify(request, self._parent(request, context), "stream")
+            except SpecsplitError as err:
+                await context.abort(err.code, err.message)
+
+    async def handle_stream_request(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        """One message of a VerifyStream on the `--verify-socket` (`LocalStreamServer`)."""
+        if self.runner is None:
+            raise SpecsplitError("verifier is loading its weights", grpc.StatusCode.UNAVAILABLE)
+        return await self._verify(request, extract_trace_context(request.trace_context), "local")
+
+    def drain(self) -> None:
+        """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
+        self.draining.set()
+
+    @staticmethod
+    def _parent(request: verifier_pb2.VerifyRequest, context):
+        """The caller's trace context: per message on streams, else from the call's metadata."""
+        if request.trace_context:
+            return extract_trace_context(request.trace_context)
+        return incoming_context(context.invocation_metadata())
+
+    async def _verify(self, request: verifier_pb2.VerifyRequest, parent, rpc: str) -> verifier_pb2.VerifyResponse:
+        """One iteration that came by `rpc` (stream or local); raises SpecsplitError with the
+        status the caller should get."""
+        received_ns = time.time_ns()
+        attrs = {
+            "specsplit.iteration": request.iteration,
+            "specsplit.batch_size": len(request.requests),
+            "specsplit.verifier_rpc": rpc,
+        }
+        with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
+            direct = await self._direct_for(request)
+            span.set_attribute("specsplit.propose_path", "step_thread" if direct is not None else "event_loop")
+            if direct is not None:
+                outcome = await self._verify_direct(request, direct, received_ns)
+            else:
+                outcome = await self._verify_on_loop(request, received_ns)
+            batch, step, unfilled, proposal, drafts_wait_ns = outcome
+            if proposal is not None:
+                span.set_attribute("specsplit.drafter_ok", proposal.ok)
+            verify_duration.record((time.time_ns() - step.stamps_ns[0]) / 1e9)
+        response = verify_response(batch, step, proposal or Proposal(True, []), received_ns, unfilled)
+        response.timing.drafts_wait_ns = drafts_wait_ns
+        response.timing.replied_ns = time.time_ns()
+        return response
+
+    async def _direct_for(self, request: verifier_pb2.VerifyRequest) -> DirectProposer | None:
+        """The step thread's own Propose path (`direct_propose.py`) when it serves this
+        iteration: `--drafter-rpc local` to one drafter that owns every request."""
+        direct = self.drafter.direct
+        if direct is None:
+            return None
+        await self.drafter.pool.start()
+        owners = self.drafter.pool.assign([r.request_id for r in request.requests])
+        return direct if all(owner == direct.address for owner in owners) else None
+
+    async def _verify_direct(self, request: verifier_pb2.VerifyRequest, direct: DirectProposer, received_ns: int):
+        """The step thread waits for the last Propose, steps, and sends this step's."""
+        earlier, self._proposing = self._proposing, None
+        if isinstance(earlier, asyncio.Future):  # made on the loop: settled before the transport is used here
+            previous, earlier = await self._settled(earlier), None
+        else:
+            previous = None
+        parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
+        async with self._lock:  # the step thread uses the connection only inside calls made under it
+            await direct.prepare()
+            self.drafter.free(list(request.finished_request_ids))
+            batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(
+                self._direct_step, request, earlier, direct, parent
+            )
+            self._record_direct(direct)
+        self._proposing = pending
+        if earlier is not None and request.requests:
+            tracer.start_span("wait_for_drafts", start_time=w0).end(end_time=w1)
+            attributes = {"specsplit.plan_used": early.used}
+            tracer.start_span("plan_ahead", start_time=w0, attributes=attributes).end(end_time=early.planned_ns)
+            previous = earlier.proposal
+        self._step_spans(step)
+        return batch, step, unfilled, previous, w1 - received_ns
+
+    def _direct_step(self, request, earlier: PendingPropose | None, direct: DirectProposer, parent):
+        """Step thread: the last Propose's drafts, the step, this step's Propose sent."""
+        w0 = time.time_ns()
+        early = None
+        if earlier is not None and request.requests:  # an iteration that only frees does not wait
+            early = self._plan_early(request)  # while the drafts are on their way
+            early.planned_ns = time.time_ns()
+            direct.wait(earlier)
+        w1 = time.time_ns()
+        unfilled = self._held.fill(request)
+        batch, launched = self._prepare_and_step(request, early, launch_only=True)
+        sampling = sampling_of(request)
+        plan = self.drafter.device_plan(request.iteration, launched, sampling) if batch.num_reqs else None
+        if plan is not None:  # a device hand-off: the Propose goes before the step is done
+            held = HeldStep(batch)
+            pending = direct.send(plan, held, self._keep_direct, parent)
+            with self.slow_steps.watch("step"):
+                step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_direct)
+        else:
+            with self.slow_steps.watch("step"):
+                step = self.runner.finish(launched) if batch.num_reqs else launched
+            plan = self.drafter.build_request(request.iteration, batch, step, sampling)
+            pending = direct.send(plan, HeldStep(batch, step), self._keep_direct, parent)
+        return batch, step, unfilled, (w0, w1, early), pending
+
+    def _keep_direct(self, pending: PendingPropose) -> None:
+        """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step
+        (a device hand-off's once its step is finished)."""
+        held: HeldStep = pending.context
+        if held.step is None:
+            held.answered = pending
+            return
+        proposal = pending.proposal
+        self._held.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+
+    def _record_direct(self, direct: DirectProposer) -> None:
+        """Event loop: the direct Proposes answered meanwhile, counted in the drafter pool."""
+        replica = direct.replica
+        for p in direct.collect():
+            ok = p.proposal.ok
+            self.drafter.pool.record_call(direct.address, p.num_reqs, None if ok else p.proposal.error)
+            if ok:
+                del replica.pending_free[: p.num_finished]  # frees queued meanwhile stay
+            hidden_state_bytes.add(p.nbytes)
+
+    async def _drain_direct(self) -> None:
+        """Before the loop's Propose path is used: every direct Propose answered (its drafts held)."""
+        direct = self.drafter.direct
+        if direct is not None and direct.busy:
+            async with self._lock:
+                await self._steps.run(direct.wait_all)
+                self._record_direct(direct)
+
+    @staticmethod
+    def _step_spans(step: StepOutput) -> None:
+        t0, t1, t2, t3 = step.stamps_ns
+        tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
+        tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
+        tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
+
+    async def _verify_on_loop(self, request: verifier_pb2.VerifyRequest, received_ns: int):
+        """The event loop's path: the step on the step thread, the Propose (to any number of drafter
+        replicas, by any rpc) on the loop."""
+        loop = asyncio.get_running_loop()
+        earlier, self._proposing = self._proposing, None
+        await self._drain_direct()  # the step thread's Proposes answered before this path uses the transport
+        # Async scheduling: a step needs the drafts the last Propose makes; an iteration
+        # that only frees requests does not wait (its Propose then waits for the last one).
+        previous = None
+        if isinstance(earlier, PendingPropose):  # the step thread's: answered by now
+            previous, earlier = (earlier.proposal if request.requests else None), None
+        elif earlier is not None and request.requests:
+            with tracer.start_as_current_span("wait_for_drafts"):
+                previous, earlier = await self._settled(earlier), None
+        drafts_wait_ns = time.time_ns() - received_ns
+        async with self._lock:
+            self.drafter.free(list(request.finished_request_ids))
+            unfilled = self._held.fill(request)
+            batch, step = await self._steps.run(self._prepare_and_step, request)
+            self._step_spans(step)
+            propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
+            nbytes = propose_msg.hidden_state_bytes
+            send = tracer.start_span(
+                "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
+            )
+            with trace.use_span(send):  # the Propose (its trace context) runs under this span
+                staged = loop.create_future()  # the rows are with the transport: the next step may run
+                propose = asyncio.ensure_future(
+                    self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
+                )
+            await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
+        hidden_state_bytes.add(nbytes)
+        # The Propose this response reports: the one whose drafts this step verified (none for the first
+        # step). This step's goes on, its drafts held for the next.
+        self._proposing = asyncio.ensure_future(self._hold(propose, send, batch, step, earlier))
+        return batch, step, unfilled, previous, drafts_wait_ns
+
+    @staticmethod
+    async def _finish_propose(propose: asyncio.Future[Proposal], send: trace.Span) -> Proposal:
+        """The Propose round trip (outside the lock); ends its span."""
+        try:
+            proposal = await propose
+            if not proposal.ok:
+                send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+        finally:
+            send.end()
+        return proposal
+
+    async def _hold(
+        self, propose, send: trace.Span, batch: InputBatch, step: StepOutput, earlier: asyncio.Future | None
+    ) -> Proposal:
+        """Async scheduling: the Propose's drafts go to the held drafts of the next iteration (after
+        the `earlier` Propose, not waited for, is done too)."""
+        if earlier is not None:
+            await self._settled(earlier)
+        proposal = await self._finish_propose(propose, send)
+        self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+        return proposal
+
+    @staticmethod
+    async def _settled(held: asyncio.Future[Proposal]) -> Proposal:
+        """A held Propose's outcome; one that failed unexpectedly is a failed Propose (its requests
+        simply get no drafts), not a failed Verify."""
+        try:
+            return await held
+        except Exception as err:  # noqa: BLE001 (a bug in the drafter path must not fail the next Verify)
+            log.exception("a held Propose failed")
+            return Proposal(False, [], f"held Propose failed: {err!r}")
+
+    async def Free(self, request, context):
+        await self._require_ready(context)
+        async with self._lock:
+            self.runner.free(list(request.request_ids))
+            self.drafter.free(list(request.request_ids))
+            self._held.free(request.request_ids)
+        return verifier_pb2.FreeResponse(num_free_blocks=self.kv_cache.num_free_blocks)
+
+    async def GetModelInfo(self, request, context):
+        await self._require_ready(context)
+        return self.model_info
