@@ -36,8 +36,9 @@ from specsplit.drafter.runner import ProposeOutput
 from specsplit.drafter.servicer import parse_items, propose_response
 from specsplit.proto import drafter_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_to_proto
-from specsplit.verifier.drafter_client import DrafterClient, Proposal, merge_replica_drafts, sampling_of
+from specsplit.verifier.drafter_client import DrafterClient, sampling_of
 from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.proposal import Proposal, merge_replica_drafts
 from specsplit.verifier.response import verify_response
 from specsplit.verifier.runner import step_output
 

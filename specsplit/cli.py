@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "checkpoints" / "demo")
+# The demo checkpoint is a default only in a source checkout (it is not in the wheel); elsewhere --model is required.
+_DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
+DEFAULT_MODEL = str(_DEMO) if (_DEMO / "config.json").is_file() else None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -231,7 +233,12 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
     from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
 
-    up.add_argument("--model", default=DEFAULT_MODEL)
+    up.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        required=DEFAULT_MODEL is None,
+        help="checkpoint directory (default: the demo)",
+    )
     up.add_argument("--num-speculative-tokens", type=int, default=3)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051)
@@ -270,7 +277,7 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--address", default="127.0.0.1:50051")
     where.add_argument("--local", action="store_true", help="start the three services, generate, stop them")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="with --local: checkpoint directory")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="with --local: checkpoint directory (default: the demo)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -292,7 +299,7 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     tr.add_argument("--output", "-o", default="trace.svg")
     tr.set_defaults(func=_trace)
 
-    sub.add_parser("train-demo", help="train the demo checkpoint (see training/)", add_help=False)
+    sub.add_parser("train-demo", help="train the demo checkpoint (specsplit/training/)", add_help=False)
     return p
 
 
@@ -307,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train-demo"]:
         return _train_demo(argv[1:])
     args = parse_args(argv)
-    if args.command == "generate" and args.local and args.num_speculative_tokens is None:
-        args.num_speculative_tokens = 3
+    if args.command == "generate" and args.local:
+        if args.model is None:
+            print(
+                "specsplit generate --local: give --model DIR (the demo checkpoint is only in a source checkout)",
+                file=sys.stderr,
+            )
+            return 2
+        if args.num_speculative_tokens is None:
+            args.num_speculative_tokens = 3
     return args.func(args)

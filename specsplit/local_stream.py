@@ -219,38 +219,20 @@ def claim_path(path: str) -> None:
 
 
 async def serve_or_exit(
-    path: str | None,
-    flag: str,
-    parse: Callable[[bytes], Any],
-    servicer,
-    max_message_bytes: int,
-    stop_server: Callable[[], Awaitable[None]],
-    threaded: bool = False,
+    server: LocalStreamServer | None, flag: str, stop_server: Callable[[], Awaitable[None]]
 ) -> LocalStreamServer | None:
-    """A service's start-up, before its weights load (a bad path fails at once): serves `servicer`'s
-    `handle_stream_request` on the socket `path` (its `flag`; None: no socket), ending idle connections
-    once `servicer.draining` is set; `threaded`: its synchronous `handle_local_request` on connection
-    threads that first run `servicer.init_thread()`. Where it cannot listen it logs why and exits 2
-    after `stop_server()`."""
-    if not path:
+    """A service's start-up, before its weights load (a bad path fails at once): starts `server` (a
+    `LocalStreamServer` or a `ThreadedLocalStreamServer`, listening on the socket of the service's `flag`;
+    None: no socket). Where it cannot listen it logs why and exits 2 after `stop_server()`."""
+    if server is None:
         return None
-    path = os.path.abspath(path)
-    if threaded:
-        from specsplit.threaded_stream import ThreadedLocalStreamServer  # it builds on this module
-
-        local = ThreadedLocalStreamServer(
-            path, parse, servicer.handle_local_request, servicer.draining, max_message_bytes,
-            name=flag.strip("-"), thread_init=servicer.init_thread,
-        )  # fmt: skip
-    else:
-        local = LocalStreamServer(path, parse, servicer.handle_stream_request, servicer.draining, max_message_bytes)
     try:
-        await local.start()
+        await server.start()
     except (OSError, ValueError) as err:
-        log.error("cannot serve %s %s: %s", flag, local.path, err)
+        log.error("cannot serve %s %s: %s", flag, server.path, err)
         await stop_server()
         raise SystemExit(2) from err
-    return local
+    return server
 
 
 def served_socket(stub, field: str, peer: str, timeout_s: float) -> Callable[[], Awaitable[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The verifier's limit on drafts per request (kernels.rejection.MAX_DRAFTS_PER_REQUEST; this package has no torch).
+# The verifier's limit on drafts per request (kernels.types.MAX_DRAFTS_PER_REQUEST; this package has no torch).
 MAX_SPECULATIVE_TOKENS = 31
 
 

@@ -1,4 +1,5 @@
-"""propose() on a device hand-off: the verifier's sampled tokens are still on the GPU.
+"""The inputs of propose() on a device hand-off: the verifier's sampled tokens are still on the GPU
+(`DrafterRunner._propose_on_device` runs the steps).
 
 On the host path the verifier waits for its sampled tokens, then sends them, and only then can the
 drafter plan and launch its MTP steps: the GPU idles through both services' host work. On a device
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 
 import torch
 
@@ -57,79 +57,18 @@ def shifted(
     return moved, positions + shift
 
 
-def propose_on_device(runner, items, hidden_states: torch.Tensor, dev: DeviceTokens):
-    """`DrafterRunner.propose` for device items (`num_rows` rows each, `next_token_ids` empty).
-    hidden_states: [sum(num_rows), hidden_size], valid once `dev.wait()` is queued."""
-    from specsplit.drafter.runner import ProposeOutput, _collect  # noqa: PLC0415 (the runner imports this module)
-
-    t0 = time.time_ns()
-    for item in items:
-        runner._rollback(item)
-    counts = [item.num_rows for item in items]
-    ids = [item.request_id for item in items]
-    width = dev.tokens.shape[1]
-    if not runner.kv_cache.can_append(ids, counts):
-        runner.free(ids)  # out of MTP cache: these requests continue without drafts
-        dev.wait()
-        _fill_tokens(items, *_host(None, dev))
-        now = time.time_ns()
-        return ProposeOutput([[] for _ in items], (t0, now, now))
-    plan = runner.kv_cache.plan_step(ids, counts)
-    active = list(range(len(items)))
-    last_rows = [end - 1 for end in itertools.accumulate(counts)]
-    positions = [item.start_position + 1 + j for item in items for j in range(item.num_rows)]
-    last_pos = [item.start_position + item.num_rows for item in items]  # as if every draft was accepted
-    host64, host32, _, layout, actives = runner._plan_later_host(items, active, last_pos)  # greedy: no floats
-    uniform = all(c == width for c in counts)
-    gather = [] if uniform else [r * width + j for r, c in enumerate(counts) for j in range(c)]
-    # Nothing of this Propose reaches the device before the wait: work queued ahead of it would take
-    # the GPU from the verifier's step (two contexts take turns on it).
-    dev.wait()
-    int64, int32, _ = runner._upload(
-        [positions, last_rows, counts, gather, *plan.int64_arrays, *host64], [*plan.int32_arrays, *host32]
-    )
-    positions_t, last_rows_t, counts_t, gather_t, slots = int64[:5]
-    num32 = len(plan.int32_arrays)
-    attn = plan.metadata([slots], int32[:num32], use_kernel=runner.attention_kernel)
-    steps = runner._later_steps(layout, int64[5:], int32[num32:], [])
-    flat = dev.tokens.reshape(-1) if uniform else dev.tokens.reshape(-1).index_select(0, gather_t)
-    input_ids = flat.clamp_min(0)  # columns past num_sampled may hold padding
-    out, out_logits = runner._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
-    t1 = time.time_ns()
-    runner._timer.start()
-    shift = dev.num_sampled - counts_t  # [num_reqs] ≤ 0
-    select = last_rows_t + shift
-    hidden = out.index_select(0, select)  # [num_reqs, H]
-    logits = runner.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
-    picks = [logits.argmax(dim=-1)]
-    for keep, step_attn, step_positions, _sampling in steps:
-        tokens = picks[-1]
-        if keep is not None:
-            tokens, hidden, shift = (t.index_select(0, keep) for t in (tokens, hidden, shift))
-        step_attn, step_positions = shifted(step_attn, step_positions, shift)
-        hidden, logits = runner._mtp_step(tokens, hidden, step_positions, step_attn)
-        if logits is None:
-            logits = runner.mtp.compute_logits(hidden)
-        picks.append(logits.argmax(dim=-1))
-    drafts, tokens, num_sampled = _host(torch.cat(picks), dev, runner._timer)
-    _fill_tokens(items, tokens, num_sampled)
-    t2 = time.time_ns()
-    t1 = runner._timer.split(t1, t2)
-    return _collect(items, [active, *actives], drafts.tolist(), None, None, (t0, t1, t2))
-
-
 def valid_rows_on_host(items, hidden_states: torch.Tensor, dev: DeviceTokens) -> torch.Tensor:
     """A device hand-off the device path does not take: waits for the tokens on the host and fills the
     items from them; returns the valid rows of `hidden_states` ([sum(num_rows), H] → [sum(num_sampled), H])."""
     dev.wait()
-    tokens, num_sampled = _host(None, dev)
-    _fill_tokens(items, tokens, num_sampled)
+    tokens, num_sampled = tokens_to_host(None, dev)
+    fill_tokens(items, tokens, num_sampled)
     starts = [0, *itertools.accumulate(item.num_rows for item in items)]
     index = [s + j for s, item in zip(starts, items) for j in range(len(item.next_token_ids))]
     return hidden_states.index_select(0, torch.tensor(index, device=hidden_states.device))
 
 
-def _host(drafts: torch.Tensor | None, dev: DeviceTokens, timer=None) -> list[torch.Tensor]:
+def tokens_to_host(drafts: torch.Tensor | None, dev: DeviceTokens, timer=None) -> list[torch.Tensor]:
     """`drafts` (when given), the tokens and num_sampled on the host, with one wait for the device;
     `timer` (the runner's StepTimer) records the end of the steps and makes that wait."""
     device = [t for t in (drafts, dev.tokens, dev.num_sampled) if t is not None]
@@ -143,7 +82,7 @@ def _host(drafts: torch.Tensor | None, dev: DeviceTokens, timer=None) -> list[to
     return host
 
 
-def _fill_tokens(items, tokens: torch.Tensor, num_sampled: torch.Tensor) -> None:
+def fill_tokens(items, tokens: torch.Tensor, num_sampled: torch.Tensor) -> None:
     """The items' next_token_ids and num_rejected, from the host copies of the device tokens."""
     for item, row, n in zip(items, tokens.tolist(), num_sampled.tolist()):
         item.next_token_ids = row[:n]

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.drafter.device_propose import can_propose_on_device, propose_on_device, valid_rows_on_host
+from specsplit.drafter.device_propose import (
+    can_propose_on_device,
+    fill_tokens,
+    shifted,
+    tokens_to_host,
+    valid_rows_on_host,
+)
 from specsplit.drafter.sampling import pick_drafts
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
@@ -145,7 +151,7 @@ class DrafterRunner:
         launched back to back and the drafts come to the host in one device→host copy at the end."""
         if device_tokens is not None:
             if can_propose_on_device(self, items):
-                return propose_on_device(self, items, hidden_states, device_tokens)
+                return self._propose_on_device(items, hidden_states, device_tokens)
             hidden_states = valid_rows_on_host(items, hidden_states, device_tokens)  # then the host path
         t0 = time.time_ns()
         drafts: list[list[int]] = [[] for _ in items]
@@ -200,6 +206,66 @@ class DrafterRunner:
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+
+    def _propose_on_device(
+        self, items: list[ProposeItem], hidden_states: torch.Tensor, dev: DeviceTokens
+    ) -> ProposeOutput:
+        """`propose` for device items (`num_rows` rows each, `next_token_ids` empty; `device_propose.py`).
+        hidden_states: [sum(num_rows), hidden_size], valid once `dev.wait()` is queued."""
+        t0 = time.time_ns()
+        for item in items:
+            self._rollback(item)
+        counts = [item.num_rows for item in items]
+        ids = [item.request_id for item in items]
+        width = dev.tokens.shape[1]
+        if not self.kv_cache.can_append(ids, counts):
+            self.free(ids)  # out of MTP cache: these requests continue without drafts
+            dev.wait()
+            fill_tokens(items, *tokens_to_host(None, dev))
+            now = time.time_ns()
+            return ProposeOutput([[] for _ in items], (t0, now, now))
+        plan = self.kv_cache.plan_step(ids, counts)
+        active = list(range(len(items)))
+        last_rows = [end - 1 for end in itertools.accumulate(counts)]
+        positions = [item.start_position + 1 + j for item in items for j in range(item.num_rows)]
+        last_pos = [item.start_position + item.num_rows for item in items]  # as if every draft was accepted
+        host64, host32, _, layout, actives = self._plan_later_host(items, active, last_pos)  # greedy: no floats
+        uniform = all(c == width for c in counts)
+        gather = [] if uniform else [r * width + j for r, c in enumerate(counts) for j in range(c)]
+        # Nothing of this Propose reaches the device before the wait: work queued ahead of it would take
+        # the GPU from the verifier's step (two contexts take turns on it).
+        dev.wait()
+        int64, int32, _ = self._upload(
+            [positions, last_rows, counts, gather, *plan.int64_arrays, *host64], [*plan.int32_arrays, *host32]
+        )
+        positions_t, last_rows_t, counts_t, gather_t, slots = int64[:5]
+        num32 = len(plan.int32_arrays)
+        attn = plan.metadata([slots], int32[:num32], use_kernel=self.attention_kernel)
+        steps = self._later_steps(layout, int64[5:], int32[num32:], [])
+        flat = dev.tokens.reshape(-1) if uniform else dev.tokens.reshape(-1).index_select(0, gather_t)
+        input_ids = flat.clamp_min(0)  # columns past num_sampled may hold padding
+        out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
+        t1 = time.time_ns()
+        self._timer.start()
+        shift = dev.num_sampled - counts_t  # [num_reqs] ≤ 0
+        select = last_rows_t + shift
+        hidden = out.index_select(0, select)  # [num_reqs, H]
+        logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
+        picks = [logits.argmax(dim=-1)]
+        for keep, step_attn, step_positions, _sampling in steps:
+            tokens = picks[-1]
+            if keep is not None:
+                tokens, hidden, shift = (t.index_select(0, keep) for t in (tokens, hidden, shift))
+            step_attn, step_positions = shifted(step_attn, step_positions, shift)
+            hidden, logits = self._mtp_step(tokens, hidden, step_positions, step_attn)
+            if logits is None:
+                logits = self.mtp.compute_logits(hidden)
+            picks.append(logits.argmax(dim=-1))
+        drafts, tokens, num_sampled = tokens_to_host(torch.cat(picks), dev, self._timer)
+        fill_tokens(items, tokens, num_sampled)
+        t2 = time.time_ns()
+        t1 = self._timer.split(t1, t2)
+        return _collect(items, [active, *actives], drafts.tolist(), None, None, (t0, t1, t2))
 
     def _pick(self, logits: torch.Tensor, sampling: _Sampling | None) -> _Pick:
         """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy."""

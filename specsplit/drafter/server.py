@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from specsplit.models.serve_options import (
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
+from specsplit.threaded_stream import ThreadedLocalStreamServer
 from specsplit.transport import TRANSPORTS
 
 log = logging.getLogger(__name__)
@@ -78,15 +80,19 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     servicer = DrafterServicer(args.device, SlowStepWatch("drafter", args.slow_step_s))
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading
-        args.propose_socket,
-        "--propose-socket",
-        drafter_pb2.ProposeRequest.FromString,
-        servicer,
-        args.max_message_mb * 2**20,
-        lambda: server.stop(0),
-        threaded=True,  # each connection's thread runs its Proposes itself
-    )
+    socket_server = None
+    if args.propose_socket:  # each connection's thread runs its Proposes itself
+        socket_server = ThreadedLocalStreamServer(
+            os.path.abspath(args.propose_socket),
+            drafter_pb2.ProposeRequest.FromString,
+            servicer.handle_local_request,
+            servicer.draining,
+            args.max_message_mb * 2**20,
+            name="propose-socket",
+            thread_init=servicer.init_thread,
+        )
+    # Opened now: a bad path fails before minutes of loading.
+    local = await serve_or_exit(socket_server, "--propose-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()

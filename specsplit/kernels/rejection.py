@@ -14,9 +14,6 @@ from specsplit.kernels.types import RejectionOutput, SparseDraftProbs
 from specsplit.kernels.validation import validate_inputs
 
 BACKENDS = ("auto", "reference", "triton")
-# The Triton backend keeps a request's rows as bits of one state word (``triton_rejection_common.ROW_BITS``); the
-# verifier holds both backends to this limit.
-MAX_DRAFTS_PER_REQUEST = 31
 
 
 def rejection_sample(

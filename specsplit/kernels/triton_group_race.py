@@ -11,7 +11,7 @@ Masses come from per-piece statistics: a piece is ``PIECE`` consecutive ids (a p
 import triton
 import triton.language as tl
 
-from specsplit.kernels import rng
+import specsplit.kernels.rng as rng
 from specsplit.kernels.triton_rejection_common import (
     LOG2E,
     RACE_P,

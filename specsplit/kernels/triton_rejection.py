@@ -38,12 +38,11 @@ import torch
 import triton
 
 from specsplit.kernels.filtering import row_thresholds
-from specsplit.kernels.rejection import MAX_DRAFTS_PER_REQUEST
 from specsplit.kernels.rng import GROUP_SIZE
 from specsplit.kernels.triton_race_kernel import race_kernel
 from specsplit.kernels.triton_rejection_kernels import stats_accept_kernel
 from specsplit.kernels.triton_rejection_launch import INTERPRETER_LAUNCH, Launch, default_launch
-from specsplit.kernels.types import RejectionOutput, SparseDraftProbs
+from specsplit.kernels.types import MAX_DRAFTS_PER_REQUEST, RejectionOutput, SparseDraftProbs
 
 ONE_HOT, DENSE, SPARSE = 0, 1, 2
 SEGMENT_ALIGN = 32  # elements: every scratch buffer starts 128-byte aligned

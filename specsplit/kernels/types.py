@@ -1,8 +1,12 @@
-"""Inputs and outputs of the rejection sampler that are more than one tensor."""
+"""The rejection sampler's limits, and its inputs and outputs that are more than one tensor."""
 
 from dataclasses import dataclass
 
 import torch
+
+# The Triton backend keeps a request's rows as bits of one state word (``triton_rejection_common.ROW_BITS``); the
+# verifier holds both backends to this limit.
+MAX_DRAFTS_PER_REQUEST = 31
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from specsplit.local_stream import HEADER, KIND_ERROR, error_of_frame, message_f
 from specsplit.proto import drafter_pb2
 from specsplit.telemetry import inject_trace_context
 from specsplit.transport.base import Transfer, TransportError
-from specsplit.verifier.drafter_client import Proposal, merge_replica_drafts
+from specsplit.verifier.proposal import Proposal, merge_replica_drafts
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.errors import FailedPrecondition, InvalidArgument
-from specsplit.kernels.rejection import MAX_DRAFTS_PER_REQUEST
-from specsplit.kernels.types import SparseDraftProbs
+from specsplit.kernels.types import MAX_DRAFTS_PER_REQUEST, SparseDraftProbs
 from specsplit.models.step_upload import StepUpload
 from specsplit.proto import verifier_pb2
 from specsplit.verifier.draft_probs import RequestQ, batch_q, decode_q

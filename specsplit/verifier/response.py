@@ -4,8 +4,8 @@ the iteration's timing (the Propose's stamps are those of the Propose whose draf
 from __future__ import annotations
 
 from specsplit.proto import verifier_pb2
-from specsplit.verifier.drafter_client import Proposal
 from specsplit.verifier.input_batch import InputBatch
+from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.runner import StepOutput
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
-from specsplit.local_stream import DRAFTER_RPCS, serve_or_exit
+from specsplit.local_stream import DRAFTER_RPCS, LocalStreamServer, serve_or_exit
 from specsplit.models.serve_options import (
     add_model_arguments,
     apply_layer_kernels_option,
@@ -147,14 +148,17 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = VerifierServicer(drafter, args.device, SlowStepWatch("verifier", args.slow_step_s))
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    local = await serve_or_exit(  # opened now: a bad path fails before minutes of loading
-        args.verify_socket,
-        "--verify-socket",
-        verifier_pb2.VerifyRequest.FromString,
-        servicer,
-        args.max_message_mb * 2**20,
-        lambda: server.stop(0),
-    )
+    socket_server = None
+    if args.verify_socket:  # the event loop serves it, ending idle connections once the servicer drains
+        socket_server = LocalStreamServer(
+            os.path.abspath(args.verify_socket),
+            verifier_pb2.VerifyRequest.FromString,
+            servicer.handle_stream_request,
+            servicer.draining,
+            args.max_message_mb * 2**20,
+        )
+    # Opened now: a bad path fails before minutes of loading.
+    local = await serve_or_exit(socket_server, "--verify-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
     apply_layer_kernels_option(args)
     loop = asyncio.get_running_loop()

@@ -26,9 +26,10 @@ from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
 from specsplit.verifier.direct_propose import DirectProposer, PendingPropose
-from specsplit.verifier.drafter_client import DrafterClient, Proposal, sampling_of
+from specsplit.verifier.drafter_client import DrafterClient, sampling_of
 from specsplit.verifier.held_drafts import HeldDrafts
 from specsplit.verifier.input_batch import InputBatch, plan_input_batch, upload_input_batch, with_held_drafts
+from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.response import verify_response
 from specsplit.verifier.runner import StepOutput, VerifierRunner
 from specsplit.verifier.step_context import EarlyStep, HeldStep

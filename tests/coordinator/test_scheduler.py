@@ -231,7 +231,7 @@ def test_a_request_admitted_by_a_failed_iteration_is_freed_before_it_re_prefills
 
 def test_config_refuses_more_drafts_than_the_verifier_takes():
     from specsplit.coordinator.config import MAX_SPECULATIVE_TOKENS
-    from specsplit.kernels.rejection import MAX_DRAFTS_PER_REQUEST  # the coordinator states the limit without torch
+    from specsplit.kernels.types import MAX_DRAFTS_PER_REQUEST  # the coordinator states the limit without torch
 
     assert MAX_SPECULATIVE_TOKENS == MAX_DRAFTS_PER_REQUEST
     make(k=MAX_SPECULATIVE_TOKENS, budget=64)
