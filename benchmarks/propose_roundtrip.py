@@ -1,8 +1,7 @@
 """Host cost of one Propose round trip: the verifier's real `DrafterClient` on a `ProposeStream` to a
 real drafter server process on 127.0.0.1 (`specsplit serve drafter`, a tiny checkpoint, the CPU,
 hidden transport grpc), for each `--rpc` in turn against the same drafter: `stream` (the gRPC
-ProposeStream), `local` (the same stream on the drafter's `--propose-socket`, without gRPC),
-`unary` (one Propose call per iteration).
+ProposeStream) and `local` (the same stream on the drafter's `--propose-socket`, without gRPC).
 
 Each iteration proposes for `--batch` decoding requests (k + 1 hidden-state rows each, every draft
 accepted), timed around `DrafterClient.propose`. The drafter's step is left out, so what remains is

@@ -59,6 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
 
 
+def verifier_rpc_refusal(rpc: str, address: str, info: common_pb2.ModelInfo) -> str | None:
+    """Why this coordinator cannot use its `--verifier-rpc` with the verifier that answered `info`, or None."""
+    if rpc == "local" and not os.path.exists(info.verify_socket):
+        return (
+            f"--verifier-rpc local needs the verifier {address} on this host, started with --verify-socket; it "
+            f"serves {info.verify_socket or 'none'!r} (or use --verifier-rpc stream)"
+        )
+    return None
+
+
 async def _wait_for_model_info(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> common_pb2.ModelInfo:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -92,13 +102,9 @@ async def serve(args: argparse.Namespace) -> None:
     channel = peer_channel(args.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await _wait_for_model_info(stub, args.startup_timeout)
-    if args.verifier_rpc == "local" and not os.path.exists(info.verify_socket):
-        log.error(
-            "--verifier-rpc local needs the verifier %s on this host, started with --verify-socket; it serves %r "
-            "(or use --verifier-rpc stream)",
-            args.verifier,
-            info.verify_socket or "none",
-        )
+    refusal = verifier_rpc_refusal(args.verifier_rpc, args.verifier, info)
+    if refusal:
+        log.error("%s", refusal)
         await channel.close()
         await server.stop(0)
         raise SystemExit(2)

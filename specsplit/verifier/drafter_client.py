@@ -126,8 +126,8 @@ class DrafterClient:
         self.rpc = rpc
         # address -> (stub it was opened on, stream)
         self._streams: dict[str, tuple[object, BidiStream | LocalStream]] = {}
-        # Per replica: one Propose at a time, from handing over its rows to the reply. Micro-batches'
-        # Proposes thus reach a drafter in the order their rows were sent (nccl pairs them by order).
+        # Per replica: one Propose at a time, from handing over its rows to the reply, so Proposes reach a
+        # drafter in the order their rows were sent (nccl pairs them by order).
         self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.transport = transport if transport is not None else GrpcSender()
         targets = self.pool.targets

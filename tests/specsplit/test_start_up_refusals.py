@@ -1,0 +1,86 @@
+"""Start-up refusals that need no cluster: each service's check says what is wrong and how to fix it, and
+a socket it cannot serve stops the service with exit code 2 (the e2e tests keep one refusal through real
+processes: tests/e2e/test_hidden_transport.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from specsplit.coordinator.server import verifier_rpc_refusal
+from specsplit.grpc_server import ServiceServer
+from specsplit.local_stream import LocalStreamServer, serve_or_exit
+from specsplit.proto import common_pb2, drafter_pb2_grpc
+from specsplit.threaded_stream import ThreadedLocalStreamServer
+from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+from specsplit.verifier.drafter_pool import DRAFTER_SERVICE
+
+
+def test_the_coordinator_refuses_local_rpc_against_a_verifier_without_a_socket(tmp_path):
+    info = common_pb2.ModelInfo(verify_socket="")
+    refusal = verifier_rpc_refusal("local", "10.0.0.5:50052", info)
+    assert "--verifier-rpc local needs the verifier 10.0.0.5:50052" in refusal and "--verify-socket" in refusal
+    assert "or use --verifier-rpc stream" in refusal
+    assert verifier_rpc_refusal("stream", "v:1", info) is None
+    socket = tmp_path / "verify.sock"
+    socket.touch()
+    assert verifier_rpc_refusal("local", "v:1", common_pb2.ModelInfo(verify_socket=str(socket))) is None
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["verify-socket", "propose-socket"])
+def test_a_socket_path_too_long_stops_the_service_with_exit_2(tmp_path, caplog, threaded):
+    path = str(tmp_path / ("x" * 120))
+    args = (path, bytes, None, asyncio.Event(), 1 << 20)
+    server = ThreadedLocalStreamServer(*args, name="propose-socket") if threaded else LocalStreamServer(*args)
+    stopped = []
+
+    async def stop_server():
+        stopped.append(True)
+
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exit_:
+        asyncio.run(serve_or_exit(server, "--socket", stop_server))
+    assert exit_.value.code == 2 and stopped == [True]
+    assert "cannot serve --socket" in caplog.text and "at most 107 bytes" in caplog.text
+    assert asyncio.run(serve_or_exit(None, "--socket", stop_server)) is None  # no flag, no socket
+
+
+def test_a_transport_other_than_grpc_needs_exactly_one_drafter():
+    with pytest.raises(TransportConfigError, match="needs exactly one --drafter HOST:PORT"):
+        DrafterClient("127.0.0.1:1,127.0.0.1:2", 2.0, transport=SimpleNamespace(name="nccl"))
+
+
+class InfoOnlyDrafter(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, info: common_pb2.ModelInfo):
+        self.info = info
+
+    async def GetModelInfo(self, request, context):
+        return self.info
+
+
+@pytest.mark.parametrize(
+    "rpc, transport, info, says",
+    [
+        ("local", "grpc", common_pb2.ModelInfo(), "--drafter-rpc local needs drafter"),
+        ("stream", "nccl", common_pb2.ModelInfo(hidden_transport="grpc"), "started with --hidden-transport grpc"),
+    ],
+    ids=["no-propose-socket", "other-transport"],
+)
+def test_the_verifier_refuses_a_drafter_that_cannot_serve_its_flags(rpc, transport, info, says):
+    async def body():
+        server = ServiceServer("drafter", "127.0.0.1", 0, [DRAFTER_SERVICE])
+        drafter_pb2_grpc.add_DrafterServicer_to_server(InfoOnlyDrafter(info), server.server)
+        await server.start()
+        await server.mark_serving()
+        fake_transport = SimpleNamespace(name=transport, close=lambda: None)
+        client = DrafterClient(server.address, 2.0, rpc=rpc, transport=fake_transport)
+        try:
+            with pytest.raises(TransportConfigError, match=says):
+                await client.open_transport(None, wait_s=5.0)
+        finally:
+            await client.close()
+            await server.server.stop(0)
+
+    asyncio.run(body())
