@@ -39,7 +39,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.shapes import SHAPES  # noqa: E402
-from specsplit.models.serve_options import add_kernel_arguments, apply_layer_kernels_option  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -229,6 +228,30 @@ def bench_model(name, model, args) -> list[dict]:
     return rows
 
 
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """--[no-]layer-kernels and --[no-]gemv: the layer kernels and the GEMV on or off, to measure each."""
+    p.add_argument(
+        "--layer-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Triton kernels for residual-add + RMSNorm, rotary and silu-mul (--no-layer-kernels: torch ops)",
+    )
+    p.add_argument(
+        "--gemv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Triton GEMV for the linears of steps of <= 32 tokens: by default for the shapes measured faster "
+        "than cuBLAS (specsplit/kernels/gemv_configs.py); --gemv: every shape; --no-gemv: cuBLAS",
+    )
+
+
+def apply_kernel_arguments(args: argparse.Namespace) -> None:
+    from specsplit.models.layer_ops import enable_gemv, enable_layer_kernels
+
+    enable_layer_kernels(args.layer_kernels)
+    enable_gemv(args.gemv)
+
+
 def step_arguments(description: str, tiny_help: str, steps: int, warmup: int) -> argparse.ArgumentParser:
     """The options the step benchmarks share (this one and `benchmarks/prefill_step.py`)."""
     p = argparse.ArgumentParser(description=description)
@@ -249,7 +272,7 @@ def parse_step_arguments(p: argparse.ArgumentParser, argv: list[str] | None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    apply_layer_kernels_option(args)
+    apply_kernel_arguments(args)
     return args, getattr(torch, args.dtype)
 
 

@@ -11,12 +11,7 @@ from pathlib import Path
 
 from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
 from specsplit.local_stream import serve_or_exit
-from specsplit.models.serve_options import (
-    add_model_arguments,
-    apply_layer_kernels_option,
-    attention_kernel_option,
-    cuda_graphs_option,
-)
+from specsplit.models.serve_options import add_model_arguments, apply_eager_option
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -28,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
-    add_model_arguments(p, "MTP draft steps")
+    add_model_arguments(p)
     p.add_argument(
         "--hidden-transport",
         default="grpc",
@@ -94,7 +89,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--propose-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
-    apply_layer_kernels_option(args)
+    step_path = apply_eager_option(args)
     loop = asyncio.get_running_loop()
     mtp = await loop.run_in_executor(
         None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
@@ -120,8 +115,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
             mtp,
             cache,
             args.draft_top_k,
-            attention_kernel=attention_kernel_option(args),
-            cuda_graphs=cuda_graphs_option(args),
+            **step_path,
         ),
     )
     servicer.ready(

@@ -1,5 +1,5 @@
 """Command-line options both model servers (verifier and drafter) take: where and in what dtype the
-weights live, how they load, and how decode / verify / draft steps run. argparse only."""
+weights live, how they load, and the one switch that runs their steps on torch ops alone. argparse only."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import argparse
 from specsplit.slow_steps import DEFAULT_SLOW_STEP_S
 
 
-def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
-    """``steps``: what the attention and graph options apply to, for the help text."""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument(
@@ -19,16 +18,10 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         help="auto: the checkpoint's safetensors; dummy: seeded random weights from config.json (benchmarks)",
     )
     p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help=f"{steps} attention: the Triton paged kernel or per-request SDPA (auto: Triton on CUDA)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help=f"run {steps} eagerly (CUDA graphs are on by default on CUDA with the Triton attention)",
+        "--eager",
+        action="store_true",
+        help="torch ops only: SDPA attention, no CUDA graphs, no Triton layer kernels or GEMV, the rejection "
+        "sampler's torch reference (an escape hatch; by default on CUDA the Triton kernels and graphs run)",
     )
     p.add_argument(
         "--slow-step-s",
@@ -37,7 +30,6 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: str) -> None:
         help="log the Python stack of a model step (verifier: forward + sampling; drafter: a Propose) still "
         "running after this many seconds, and count it in specsplit.slow_steps (0: off)",
     )
-    add_kernel_arguments(p)
 
 
 def _seconds(text: str) -> float:
@@ -47,36 +39,12 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
-    """--[no-]layer-kernels and --[no-]gemv (also benchmarks/decode_step.py's); `apply_layer_kernels_option`."""
-    p.add_argument(
-        "--layer-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Triton kernels for residual-add + RMSNorm, rotary and silu-mul on CUDA (--no-layer-kernels: torch ops)",
-    )
-    p.add_argument(
-        "--gemv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Triton GEMV for the linears of steps of <= 32 tokens on CUDA: by default for the shapes measured "
-        "faster than cuBLAS (specsplit/kernels/gemv_configs.py); --gemv: every shape; --no-gemv: cuBLAS",
-    )
-
-
-def attention_kernel_option(args: argparse.Namespace) -> bool | None:
-    """--attention → the runners' `attention_kernel` (None: decided by the device)."""
-    return {"auto": None, "torch": False, "triton": True}[args.attention]
-
-
-def apply_layer_kernels_option(args: argparse.Namespace) -> None:
-    """--[no-]layer-kernels and --[no-]gemv → specsplit.models.layer_ops (imported here: it needs torch)."""
+def apply_eager_option(args: argparse.Namespace) -> dict[str, bool | None]:
+    """--eager → specsplit.models.layer_ops (imported here: it needs torch), and the runners' keyword
+    arguments `attention_kernel` and `cuda_graphs` (None: decided by the device)."""
     from specsplit.models.layer_ops import enable_gemv, enable_layer_kernels
 
-    enable_layer_kernels(args.layer_kernels)
-    enable_gemv(args.gemv)
-
-
-def cuda_graphs_option(args: argparse.Namespace) -> bool | None:
-    """--no-cuda-graphs → the runners' `cuda_graphs` (None: decided by the device and the kernel)."""
-    return None if args.cuda_graphs else False
+    enable_layer_kernels(not args.eager)
+    enable_gemv(False if args.eager else None)
+    off = False if args.eager else None
+    return {"attention_kernel": off, "cuda_graphs": off}

@@ -10,12 +10,7 @@ from pathlib import Path
 
 from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
 from specsplit.local_stream import DRAFTER_RPCS, LocalStreamServer, serve_or_exit
-from specsplit.models.serve_options import (
-    add_model_arguments,
-    apply_layer_kernels_option,
-    attention_kernel_option,
-    cuda_graphs_option,
-)
+from specsplit.models.serve_options import add_model_arguments, apply_eager_option
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -32,11 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="drafter replicas: comma-separated HOST:PORT and/or dns:///NAME:PORT (re-resolved every 5 s); "
         "none: no speculation",
     )
-    add_model_arguments(p, "decode / verify steps")
+    add_model_arguments(p)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    p.add_argument("--sampler", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
     p.add_argument(
         "--drafter-rpc",
@@ -160,7 +154,7 @@ async def serve(args: argparse.Namespace) -> None:
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--verify-socket", lambda: server.stop(0))
     dtype = getattr(torch, args.dtype)
-    apply_layer_kernels_option(args)
+    step_path = apply_eager_option(args)
     loop = asyncio.get_running_loop()
     model = await loop.run_in_executor(
         None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
@@ -188,9 +182,8 @@ async def serve(args: argparse.Namespace) -> None:
         lambda: VerifierRunner(
             model,
             kv_cache,
-            args.sampler,
-            attention_kernel=attention_kernel_option(args),
-            cuda_graphs=cuda_graphs_option(args),
+            "reference" if args.eager else "auto",
+            **step_path,
             max_model_len=max_model_len,
         ),
     )

@@ -184,18 +184,16 @@ def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
     assert kernel_calls == ["rms_norm", "silu_mul"]
 
 
-def test_servers_turn_the_layer_kernels_off_only_when_asked(monkeypatch):
+def test_the_servers_eager_switch_turns_every_kernel_off_and_only_then(monkeypatch):
     import argparse
 
-    from specsplit.models.serve_options import add_model_arguments, apply_layer_kernels_option
+    from specsplit.models.serve_options import add_model_arguments, apply_eager_option
 
     p = argparse.ArgumentParser()
-    add_model_arguments(p, "steps")
+    add_model_arguments(p)
     monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
     monkeypatch.setattr(layer_ops, "_gemv_mode", layer_ops._gemv_mode)
-    apply_layer_kernels_option(p.parse_args(["--no-layer-kernels", "--gemv"]))
-    assert not layer_ops._enabled and layer_ops._gemv_mode == "all"
-    apply_layer_kernels_option(p.parse_args(["--no-gemv"]))
-    assert layer_ops._gemv_mode == "off"
-    apply_layer_kernels_option(p.parse_args([]))
+    assert apply_eager_option(p.parse_args(["--eager"])) == {"attention_kernel": False, "cuda_graphs": False}
+    assert not layer_ops._enabled and layer_ops._gemv_mode == "off"
+    assert apply_eager_option(p.parse_args([])) == {"attention_kernel": None, "cuda_graphs": None}
     assert layer_ops._enabled and layer_ops._gemv_mode == "measured"
