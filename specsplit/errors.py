@@ -44,8 +44,41 @@ class Unavailable(SpecsplitError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(SpecsplitError):
+    """The call's deadline passed before the answer came."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(SpecsplitError):
+    """The call was cancelled (by the caller, or the request was aborted)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unauthenticated(SpecsplitError):
+    """The call lacked valid credentials (bearer token, client certificate)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Cancelled,
+        Unauthenticated,
+    )
+}
+
+
 def from_rpc_error(err: grpc.RpcError) -> SpecsplitError:
-    """Turns a grpc error raised by a stub into a SpecsplitError carrying the same code."""
+    """Turns a grpc error raised by a stub into the SpecsplitError subclass of its status (the base class
+    for a status without one), carrying the same code."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    return SpecsplitError(f"{code.name}: {details}", code)
+    return _BY_CODE.get(code, SpecsplitError)(f"{code.name}: {details}", code)

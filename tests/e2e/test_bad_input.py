@@ -4,6 +4,7 @@ import grpc
 import pytest
 
 from specsplit import Client, SpecsplitError
+from specsplit.errors import InvalidArgument
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -41,10 +42,10 @@ def test_bad_request_is_invalid_argument_and_server_keeps_serving(cluster, msg, 
         assert len(client.generate(prompt_token_ids=[3, 4, 5], max_tokens=2).token_ids) >= 1
 
 
-def test_sdk_raises_specsplit_error_with_the_status_code(cluster):
-    with Client(cluster.address, timeout=30) as client, pytest.raises(SpecsplitError) as err:
+def test_sdk_raises_the_typed_error_with_the_status_code(cluster):
+    with Client(cluster.address, timeout=30) as client, pytest.raises(InvalidArgument) as err:
         client.generate("x", max_tokens=0)
-    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(err.value, SpecsplitError) and err.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize(
