@@ -145,7 +145,7 @@ def main() -> None:
     engine = InProcessEngine(
         str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
     )
-    engine.device_hand_off = args.device_hand_off
+    engine.llm.core.device_hand_off = args.device_hand_off
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
     role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -108,14 +108,6 @@ class InProcessEngine:
         self.drafter = self.llm.core.drafter
         self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
 
-    @property
-    def device_hand_off(self) -> bool:
-        return self.llm.core.device_hand_off
-
-    @device_hand_off.setter
-    def device_hand_off(self, on: bool) -> None:
-        self.llm.core.device_hand_off = on
-
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -70,8 +70,8 @@ class EngineCore:
         t0 = time.time_ns()
         output = scheduler.schedule()
         t1 = time.time_ns()
+        self.free(output.finished_request_ids)
         request = verify_request(output, "in-process")  # the coordinator's message, as the services send it
-        self.free(list(request.finished_request_ids))
         unfilled = self.held.fill(request)  # the previous propose's drafts into their placeholders
         batch = build_input_batch(
             request,
