@@ -5,7 +5,7 @@ reference's docstring. Every logits row is cut into chunks of vocabulary ids, on
 with its own chunk size (``specsplit/kernels/triton_rejection_launch.py``), and chunks into pieces of at most
 ``GROUP_SIZE`` ids, whose statistics make up the race's groups.
 
-1. ``stats_accept_kernel``, grid ``(num_stats_chunks, num_reqs, max_num_draft + 1)``: the only full pass
+1. ``stats_accept_kernel``, grid ``(num_stats_chunks * num_reqs, max_num_draft + 1)``: the only full pass
    over the logits, rows in order. Per (row, piece): online softmax statistics (max, sum of exp); greedy
    rows: the argmax per chunk. A row's last program combines the statistics, computes
    ``p(d) = exp(x_d - max) / sum`` from one load and accepts iff ``u * q(d) < p(d)`` (greedy:
@@ -174,7 +174,8 @@ def rejection_sample_triton(
     # A random row's tile spans every piece of its chunk: at least one id of each.
     stats_tile = max(min(launch.stats_block_v, stats_piece), launch.stats_chunk // stats_piece)
 
-    stats_accept_kernel[(num_stats_chunks, num_reqs, num_cols)](
+    # Requests on axis 0 in both kernels: CUDA caps axes 1 and 2 at 65,535 programs, axis 0 at 2**31 - 1.
+    stats_accept_kernel[(num_stats_chunks * num_reqs, num_cols)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
         threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, row_counter,
         row_max, row_sum, row_token, state, sampled, num_sampled, num_rejected, race_mode, vocab_size,

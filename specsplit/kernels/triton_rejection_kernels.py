@@ -93,17 +93,20 @@ def stats_accept_kernel(
     RACE_TILE: tl.constexpr = 1,
     FAST_LOG2: tl.constexpr = False,
 ):
-    """Grid (cdiv(V, CHUNK), num_reqs, max_num_draft + 1): the one full pass over the logits, one chunk of
-    one row per program, rows in order (the GPU starts programs roughly in grid order). A row's last
+    """Grid (cdiv(V, CHUNK) * num_reqs, max_num_draft + 1): the one full pass over the logits, one chunk of
+    one row per program, rows in order (the GPU starts programs roughly in grid order). The chunk and the
+    request share axis 0, chunk fastest, since CUDA caps a grid's axes 1 and 2 at 65,535 programs and a batch
+    may hold more requests; the GPU's launch order stays that of a (chunk, request, row) grid. A row's last
     program decides its acceptance and marks the row done (and rejected) in the request's state; a
     rejection tells the request's later rows, whose programs that start after it read nothing (no token
     depends on a row after the first rejection). The program whose mark completes the rows up to the
     first rejection writes the request's output at once, not after the rows past it: with the race in
     this kernel, the race runs while other requests still stream. Every counter is back at 0 when the
     call ends."""
-    blk = tl.program_id(0)
-    req = tl.program_id(1)
-    row = tl.program_id(2)
+    num_blocks = tl.cdiv(vocab_size, CHUNK)
+    req = tl.program_id(0) // num_blocks
+    blk = tl.program_id(0) - req * num_blocks
+    row = tl.program_id(1)
     draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
     num_draft = tl.load(cu_num_draft_ptr + req + 1).to(tl.int64) - draft_start
     temperature = tl.load(temperature_ptr + req)
@@ -138,7 +141,7 @@ def stats_accept_kernel(
                     row_ptr, logits_row, chunk_start, num_pieces, threshold, inv_temperature, vocab_size,
                     block_max_ptr, block_sum_ptr, HAS_THRESHOLD, CHUNK, PIECE, BLOCK_V,
                 )  # fmt: skip
-        if last_of_request(row_counter_ptr, logits_row, tl.num_programs(0)):
+        if last_of_request(row_counter_ptr, logits_row, num_blocks):
             tl.store(row_counter_ptr + logits_row, 0)
             mark = tl.full([], 1, tl.int64) << row.to(tl.int64)
             # A chunk skips only after an earlier rejection, which this read then sees too (release/acquire
@@ -146,7 +149,7 @@ def stats_accept_kernel(
             if _needed(state_ptr, req, row):
                 accepted = _accept_row(
                     req, row, logits_row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr,
-                    block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, tl.num_programs(0),
+                    block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, num_blocks,
                     num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD,
                 )  # fmt: skip
                 mark = tl.where(accepted, mark, mark | (mark << ROW_BITS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +21,48 @@ SUPPORTED_ARCHITECTURES = (
     "MiMoForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The architecture of each model_type specsplit implements, for a config.json without `architectures`
+# (`PretrainedConfig.save_pretrained` leaves it out for a config not taken from a model).
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mimo": "MiMoForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 # Keys of a MiMo config.json that transformers' Qwen2Config must not see (MiMo = Qwen2 + MTP layers;
 # its model_type "mimo" is only known through trust_remote_code, which we never use).
 _MIMO_ONLY_KEYS = ("model_type", "auto_map", "architectures", "transformers_version")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """config.json names no architecture specsplit implements."""
+
+
+def read_config_json(path: pathlib.Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
+    return json.loads(config_file.read_text())
+
+
+def checkpoint_architecture(path: pathlib.Path, raw: dict[str, Any], supported: Sequence[str]) -> str:
+    """The first of config.json's `architectures` in `supported`; without `architectures`, the
+    architecture of its `model_type`. `raw` is the config.json of checkpoint directory `path`."""
+    listed = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    candidates = listed or [MODEL_TYPE_ARCHITECTURES.get(model_type, "")]
+    architecture = next((a for a in candidates if a in supported), None)
+    if architecture is None:
+        if listed:
+            named = f"architecture{'s' * (len(listed) > 1)} {', '.join(map(repr, listed))}"
+        else:
+            named = f"model_type {model_type!r} (no architectures listed)"
+        raise UnsupportedArchitectureError(
+            f"unsupported {named} in {str(path / 'config.json')!r}; supported: {', '.join(supported)}"
+        )
+    return architecture
 
 
 @dataclass(frozen=True)
@@ -59,17 +98,8 @@ class ModelConfig:
     def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
         """Reads `config.json` (+ `generation_config.json`) of a local checkpoint directory."""
         path = pathlib.Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
-        raw = json.loads(config_file.read_text())
-        architectures = raw.get("architectures") or []
-        architecture = architectures[0] if architectures else ""
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r} in {str(config_file)!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        raw = read_config_json(path)
+        architecture = checkpoint_architecture(path, raw, SUPPORTED_ARCHITECTURES)
         if architecture == "MiMoForCausalLM":
             hf = transformers.Qwen2Config(**{k: v for k, v in raw.items() if k not in _MIMO_ONLY_KEYS})
             model_type = "mimo"

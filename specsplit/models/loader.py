@@ -18,18 +18,22 @@ import torch
 import transformers
 from torch import nn
 
-from specsplit.models.config import ModelConfig
-from specsplit.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target, is_deepseek_v3_checkpoint
+from specsplit.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, checkpoint_architecture, read_config_json
+from specsplit.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target
+from specsplit.models.deepseek_v3.config import ARCHITECTURES as DEEPSEEK_V3_ARCHITECTURES
 from specsplit.models.dummy_weights import init_dummy_weights
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
 from specsplit.models.target import TargetModel
 
+ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
+
 
 def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
-    """The configuration of a checkpoint, as the record of its model family."""
+    """The configuration of a checkpoint, as the record of its model family (chosen as
+    `checkpoint_architecture` says, among every architecture specsplit implements)."""
     path = _checkpoint_dir(path)
-    if is_deepseek_v3_checkpoint(path):
+    if checkpoint_architecture(path, read_config_json(path), ARCHITECTURES) in DEEPSEEK_V3_ARCHITECTURES:
         return DeepseekV3Config.from_pretrained(path)
     return ModelConfig.from_pretrained(path)
 

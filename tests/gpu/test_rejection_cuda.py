@@ -9,8 +9,9 @@ recovered / bonus token differs, both tokens' reference scores within 1e-5) is a
 Then 40 batches of 64 to 256 requests (vocab 32,000 or 151,936, k 3 or 5, drafts accepted about 60 % of the time,
 so requests stop at every row): grids of several waves, where the stats kernel's early exit skips rows while other
 rows of the same request run. Each is sampled three times, since a race between programs would show as tokens that
-change from call to call. And after the verifier's start-up warm-up, calls whose per-request inputs start at odd
-offsets compile no new kernel variant.
+change from call to call. Batches of more requests than a CUDA grid's axes 1 and 2 hold (65,535) match too. And
+after the verifier's start-up warm-up, calls whose per-request inputs start at odd offsets compile no new kernel
+variant.
 
     SPECSPLIT_GPU_TESTS=1 python -m pytest -m gpu tests/gpu
 """
@@ -31,6 +32,7 @@ from specsplit.kernels.rng import GROUP_SIZE, group_clocks, row_key, vocab_clock
 from specsplit.kernels.triton_race_kernel import race_kernel
 from specsplit.kernels.triton_rejection import rejection_sample_triton, warm_up
 from specsplit.kernels.triton_rejection_kernels import stats_accept_kernel
+from specsplit.kernels.triton_rejection_launch import Launch
 from specsplit.kernels.triton_rng import fast_clock
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +41,7 @@ NEAR_TIE = 1e-5
 CLOCK_TOLERANCE = 1e-6  # relative: the race scores' differences from the reference stay far below NEAR_TIE
 CASES = 200
 LARGE_CASES = 40
+GRID_AXIS_LIMIT = 65_535  # programs along a CUDA grid's axes 1 and 2 (axis 0: 2**31 - 1)
 
 
 @triton.jit
@@ -115,6 +118,31 @@ def large_case(gen: torch.Generator, i: int, dev: str = "cuda") -> dict:
     return on_device(gen, dev, logits, drafts, cu, temperature, None, None, q, max_num_draft=k)
 
 
+def past_grid_limit_case(gen: torch.Generator, mode: str, num_reqs: int = GRID_AXIS_LIMIT + 65, dev: str = "cuda"):
+    """More requests than a grid axis past the first holds, 2 drafts each, vocab 3,000 (two race groups), about
+    20 % greedy, drafts accepted about 60 % of the time; built on ``dev``."""
+    vocab, k = 3000, 2
+    n_draft = num_reqs * k
+    dev_gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    cu = torch.arange(num_reqs + 1, dtype=torch.int32, device=dev) * k
+    logits = torch.randn(num_reqs * (k + 1), vocab, generator=dev_gen, device=dev) * 3
+    draft_rows = torch.arange(num_reqs * (k + 1), device=dev).view(num_reqs, k + 1)[:, :k].reshape(-1)
+    drafts = torch.randint(0, vocab, (n_draft,), generator=dev_gen, device=dev)
+    boost = torch.rand(n_draft, generator=dev_gen, device=dev) < 0.6
+    logits[draft_rows[boost], drafts[boost]] = 40.0
+    greedy = torch.rand(num_reqs, generator=dev_gen, device=dev) < 0.2
+    temperature = torch.where(greedy, 0.0, 0.7 + torch.rand(num_reqs, generator=dev_gen, device=dev))
+    q = None
+    if mode == "dense":
+        q = (torch.randn(n_draft, vocab, generator=dev_gen, device=dev) * 3).softmax(-1)
+    elif mode == "sparse":  # 16 unique ids per draft, the draft first
+        others = torch.rand(n_draft, vocab - 1, generator=dev_gen, device=dev).topk(15).indices + 1
+        ids = (drafts[:, None] + torch.cat([torch.zeros_like(others[:, :1]), others], dim=1)) % vocab
+        probs = torch.rand(n_draft, 16, generator=dev_gen, device=dev)
+        q = SparseDraftProbs(ids, probs / probs.sum(-1, keepdim=True))
+    return on_device(gen, dev, logits, drafts, cu, temperature, None, None, q, max_num_draft=k)
+
+
 def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> float:
     """Relative gap between two tokens' race scores at request r's stop column, as the reference
     computes them: their groups' scores when they lie in different groups, else the ids' own (from p, or
@@ -155,13 +183,17 @@ def race_gap(inputs: dict, r: int, col: int, token_a: int, token_b: int) -> floa
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
-def differing_requests(inputs: dict, calls: int) -> tuple[list[str], int]:
+def differing_requests(inputs: dict, calls: int, launch: Launch | None = None) -> tuple[list[str], int]:
     """(the requests whose Triton tokens differ from the reference's other than at a near-tie, described; the
-    number of near-ties), over ``calls`` calls of the Triton sampler on the same inputs."""
+    number of near-ties), over ``calls`` calls of the Triton sampler on the same inputs (with ``launch``, that
+    launch shape instead of the default one)."""
     b = rejection_sample(**inputs, backend="reference")
     bad, near_ties = [], 0
     for call in range(calls):
-        a = rejection_sample(**inputs, backend="triton")
+        if launch is None:
+            a = rejection_sample(**inputs, backend="triton")
+        else:
+            a = rejection_sample_triton(**inputs, launch=launch)
         diff = (a.sampled != b.sampled).any(-1) | (a.num_sampled != b.num_sampled)
         for r in diff.nonzero().flatten().tolist():
             col = int(b.num_sampled[r]) - 1
@@ -242,4 +274,15 @@ def test_small_batches_match_the_reference(i):
 def test_large_batches_match_the_reference_on_every_call(i):
     inputs = large_case(torch.Generator().manual_seed(1_000_000 + i), i)
     bad, _ = differing_requests(inputs, calls=3)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("mode", ["one_hot", "dense", "sparse"])
+@pytest.mark.parametrize("launch", [None, Launch(1024, 512, 4, 1024, 512, 4)], ids=["default", "three_chunks"])
+def test_batches_past_the_grid_axis_limit_match_the_reference(mode, launch):
+    """65,600 requests: the stats kernel folds (chunk, request) into grid axis 0, where CUDA allows 2**31 - 1
+    programs; with three chunks per row (and per dense race) that axis holds 196,800 (chunk, request) pairs."""
+    inputs = past_grid_limit_case(torch.Generator().manual_seed(7), mode)
+    assert inputs["seeds"].numel() > GRID_AXIS_LIMIT
+    bad, _ = differing_requests(inputs, calls=1, launch=launch)
     assert not bad, "\n".join(bad)

@@ -1,6 +1,7 @@
 """Early exit: no output depends on a row past a request's first rejection, and the stats kernel's programs
-for such rows skip their read once the rejection is known. The interpreter runs programs one at a time in
-grid order (chunk, request, row), so with one chunk per row every later row starts after the rejection."""
+for such rows skip their read once the rejection is known. The interpreter runs programs one at a time, its
+outermost loop over grid axis 0 ((request, chunk), chunk fastest), then rows: with one chunk per row every later
+row starts after the rejection."""
 
 import dataclasses
 
@@ -55,8 +56,8 @@ def test_rows_past_the_first_rejection_are_not_read(batch_factory, same_output, 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rows_cut_short_by_a_rejection_change_nothing(batch_factory, same_output, stats_scratch, mode):
-    """Two chunks per row: the interpreter runs every row's first chunk, then the second chunks, so a later
-    row's second chunk is skipped after its first was read: rows with half their statistics."""
+    """Two chunks per row: the interpreter runs a request's first chunk of every row, then its second chunks, so
+    a later row's second chunk is skipped after its first was read: rows with half their statistics."""
     batch = batch_factory(43, [4, 3, 4, 1, 4], 100, hit_rate=0.5)
     out = batch.sample(mode, "triton", launch=Launch(64, 64, 4, 64, 64, 4))
     same_output(out, batch.sample(mode, "reference"))

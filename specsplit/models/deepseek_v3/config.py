@@ -8,25 +8,22 @@ same names and meaning as in `ModelConfig`.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
 
-from specsplit.models.config import _dtype_name, _read_eos_token_ids, rope_parameters
+from specsplit.models.config import (
+    _dtype_name,
+    _read_eos_token_ids,
+    checkpoint_architecture,
+    read_config_json,
+    rope_parameters,
+)
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
-
-
-def is_deepseek_v3_checkpoint(path: str | pathlib.Path) -> bool:
-    config_file = pathlib.Path(path) / "config.json"
-    if not config_file.is_file():
-        return False
-    architectures = json.loads(config_file.read_text()).get("architectures") or []
-    return bool(architectures) and architectures[0] in ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -93,13 +90,8 @@ class DeepseekV3Config:
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path) -> DeepseekV3Config:
         path = pathlib.Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
-        raw = json.loads(config_file.read_text())
-        architecture = (raw.get("architectures") or [""])[0]
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"{str(config_file)!r} is not a DeepSeek-V3 checkpoint (architecture {architecture!r})")
+        raw = read_config_json(path)
+        architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
         _check_supported(raw)
         hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
