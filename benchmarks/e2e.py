@@ -2,11 +2,13 @@
 in one process, at several batch sizes and k, side by side in one run.
 
 (a) target_only  — the in-process engine with k = 0 (scheduler → verifier runner, no drafter)
-(b) services     — coordinator, verifier and drafter as three processes on loopback gRPC; hidden
-                   states by --hidden-transport (auto: cuda_ipc on a GPU, grpc on CPU)
+(b) services_<placement> — coordinator, verifier and drafter as three processes (`specsplit up`'s
+                   LocalCluster) placed by --placement: `colocated` (Unix sockets, CUDA IPC on a GPU, the
+                   device hand-off: the default) or `pooled` (the drafter over gRPC, hidden states by
+                   --hidden-transport, grpc by default); the coordinator beside its verifier in both. One
+                   placement per invocation: a second cluster idle on the same GPU measured 20-30 % slower
+                   at batch 32 (benchmarks/results/e2e_h200.md)
 (c) in_process   — scheduler → verifier runner → drafter runner → post_step, no gRPC
-(b''') services_stream — (b) on gRPC's streams (--also-stream): `--verifier-rpc stream --drafter-rpc stream`,
-                   the control paths over gRPC instead of the services' Unix sockets (`local`, the default here)
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set; the
 --repeats go round the cells (repeat r of every mode runs side by side), after one untimed warm-up of each;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
@@ -48,8 +50,8 @@ from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services  # noq
 from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
-from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS, LocalCluster  # noqa: E402
-from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS  # noqa: E402
+from specsplit.launcher import LocalCluster  # noqa: E402
+from specsplit.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -84,10 +86,6 @@ def check_lossless(name: str, runs: list[RunResult], expected: list[list[int]], 
                 failures.append(f"{name}: prompt {i} differs from target-only greedy output at token {first}")
 
 
-def services_mode(stream: bool = False) -> str:
-    return "services_stream" if stream else "services"
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
@@ -106,28 +104,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
     p.add_argument(
-        "--drafter-rpc", default="local", choices=DRAFTER_RPCS, help="verifier → drafter control path of (b)"
+        "--placement",
+        default="colocated",
+        choices=PLACEMENTS,
+        help="the drafter placement of (b) (mode services_<placement>)",
     )
     p.add_argument(
-        "--verifier-rpc", default="local", choices=VERIFIER_RPCS, help="coordinator → verifier control path of (b)"
-    )
-    p.add_argument(
-        "--also-stream",
-        action="store_true",
-        help="also run (b) with --verifier-rpc stream --drafter-rpc stream (mode services_stream)",
-    )
-    p.add_argument(
-        "--hidden-transport",
-        default="auto",
-        choices=LOCAL_HIDDEN_TRANSPORTS,
-        help="verifier → drafter hidden states (auto: cuda_ipc on CUDA, else grpc)",
-    )
-    p.add_argument(
-        "--no-device-hand-off",
-        dest="device_hand_off",
-        action="store_false",
-        help="(b) and (c) without device hand-offs: the verifier's sampled tokens reach the host before the "
-        "drafter starts (`verifier --no-device-hand-off`)",
+        "--hidden-transport", default=None, choices=POOLED_TRANSPORTS, help="the pooled drafter's (default grpc)"
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -145,7 +128,6 @@ def main() -> None:
     engine = InProcessEngine(
         str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
     )
-    engine.llm.core.device_hand_off = args.device_hand_off
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
     role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -157,35 +139,31 @@ def main() -> None:
         role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
     rows, failures = [], []
     with contextlib.ExitStack() as stack:
-        rpcs = (args.verifier_rpc, args.drafter_rpc)
-        specs = [rpcs] + [("stream", "stream")] * args.also_stream
         clusters = {
-            services_mode(rpc != rpcs): stack.enter_context(
+            f"services_{placement}": stack.enter_context(
                 LocalCluster(
                     str(model),
                     num_speculative_tokens=max_k,
                     device=args.device,
                     dtype=args.dtype,
-                    log_dir=work / f"logs-{services_mode(rpc != rpcs)}",
+                    log_dir=work / f"logs-{placement}",
                     load_format=args.load_format,
                     role_commands=role_commands,
-                    hidden_transport=args.hidden_transport,
+                    placement=placement,
+                    hidden_transport=args.hidden_transport if placement == "pooled" else None,
                     env=env,
                     coordinator_args=[
                         *["--max-num-seqs", str(max_batch)],
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
                     ],
-                    verifier_args=["--num-blocks", str(args.num_blocks)]
-                    + ([] if args.device_hand_off else ["--no-device-hand-off"]),
+                    verifier_args=["--num-blocks", str(args.num_blocks)],
                     drafter_args=["--num-blocks", str(args.num_blocks)],
-                    verifier_rpc=rpc[0],
-                    drafter_rpc=rpc[1],
                 )
             )
-            for rpc in specs
+            for placement in [args.placement]
         }
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
-        hidden_transport = next(iter(clusters.values())).hidden_transport  # one resolution for all of them
+        transports = {mode: c.hidden_transport for mode, c in clusters.items()}
         for batch in args.batches:
             ps, expected = all_prompts[:batch], reference[:batch]
             cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", *clusters)]
@@ -216,8 +194,8 @@ def main() -> None:
     alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
     print(
         f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
-        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, coordinator → verifier {args.verifier_rpc}, "
-        f"verifier → drafter {args.drafter_rpc}, hidden states by {hidden_transport}; "
+        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, hidden states by "
+        f"{', '.join(f'{t} ({m})' for m, t in transports.items())}; "
         f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
     )
     print_tables(rows)
@@ -227,7 +205,7 @@ def main() -> None:
             json.dumps(
                 {
                     "args": {k: str(v) for k, v in vars(args).items()},
-                    "hidden_transport": hidden_transport,
+                    "hidden_transports": transports,
                     "rows": rows,
                     "lossless_failures": failures,
                 },

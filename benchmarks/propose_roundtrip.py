@@ -1,7 +1,7 @@
 """Host cost of one Propose round trip: the verifier's real `DrafterClient` on a `ProposeStream` to a
 real drafter server process on 127.0.0.1 (`specsplit serve drafter`, a tiny checkpoint, the CPU,
 hidden transport grpc), for each `--rpc` in turn against the same drafter: `stream` (the gRPC
-ProposeStream) and `local` (the same stream on the drafter's `--propose-socket`, without gRPC).
+ProposeStream) and `local` (the same stream on a co-located drafter's Unix socket, without gRPC).
 
 Each iteration proposes for `--batch` decoding requests (k + 1 hidden-state rows each, every draft
 accepted), timed around `DrafterClient.propose`. The drafter's step is left out, so what remains is
@@ -206,7 +206,7 @@ def main() -> None:
         telemetry.setup("verifier")
         checkpoint = Path(args.model) if args.model else write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
         extra = ["--fake-step"] if args.step == "fake" else []
-        extra += ["--propose-socket", str(Path(tmp) / "drafter.sock")]
+        extra += ["--socket-dir", tmp]  # co-located (the default placement): ProposeStream on a Unix socket too
         profile_out = Path(tmp) / "drafter.prof"
         if args.profile == "drafter":
             extra += ["--profile-out", str(profile_out), "--profile-after", str(args.warmup + 1)]

@@ -146,7 +146,9 @@ def _cluster(
         str(model),
         num_speculative_tokens=k,
         dtype=dtype,
-        hidden_transport=transport,
+        # cuda_ipc: the co-located placement's (two GPUs of one host); grpc and nccl: a pooled drafter's.
+        placement="colocated" if transport == "cuda_ipc" else "pooled",
+        hidden_transport=None if transport == "cuda_ipc" else transport,
         verifier_device=args.verifier_device,
         drafter_device=drafter_device,
         log_dir=tempfile.mkdtemp(prefix=f"specsplit-two-gpu-{transport}-"),

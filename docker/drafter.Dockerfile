@@ -35,7 +35,7 @@ COPY pyproject.toml README.md src/
 COPY specsplit src/specsplit
 RUN pip install "./src[worker]" && rm -rf src
 
-# The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/gpu). Without
+# The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/pooled, colocated). Without
 # arguments the service runs the demo on the CPU; Kubernetes passes --device and --dtype.
 COPY checkpoints/demo checkpoints/demo
 COPY docker/healthcheck.py healthcheck.py

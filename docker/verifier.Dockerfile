@@ -35,7 +35,7 @@ COPY pyproject.toml README.md src/
 COPY specsplit src/specsplit
 RUN pip install "./src[worker]" && rm -rf src
 
-# The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/gpu). Without
+# The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/pooled, colocated). Without
 # arguments the service runs the demo on the CPU; Kubernetes passes --device and --dtype.
 COPY checkpoints/demo checkpoints/demo
 COPY docker/healthcheck.py healthcheck.py
@@ -45,5 +45,7 @@ EXPOSE 50052 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "/opt/specsplit/healthcheck.py", "127.0.0.1:50052", "specsplit.v1.Verifier"]
 ENTRYPOINT ["specsplit", "serve", "verifier"]
-CMD ["--host", "0.0.0.0", "--port", "50052", "--metrics-port", "9464", "--drafter", "dns:///specsplit-drafter:50053", \
+# The default placement, colocated: one drafter beside this verifier (same GPU, a shared $TMPDIR for the
+# sockets, as the coordinator's); docker/k8s/overlays/pooled passes --placement=pooled and a dns:/// name.
+CMD ["--host", "0.0.0.0", "--port", "50052", "--metrics-port", "9464", "--drafter", "specsplit-drafter:50053", \
      "--model", "/opt/specsplit/checkpoints/demo"]

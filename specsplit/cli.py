@@ -10,7 +10,9 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 # The demo checkpoint is a default only in a source checkout (it is not in the wheel); elsewhere --model is required.
 _DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
@@ -19,8 +21,9 @@ DEFAULT_MODEL = str(_DEMO) if (_DEMO / "config.json").is_file() else None
 
 def _serve(args: argparse.Namespace) -> int:
     from specsplit import telemetry
-    from specsplit.grpc_server import setup_logging
+    from specsplit.grpc_server import check_common_arguments, setup_logging
 
+    check_common_arguments(args)
     setup_logging(args.role, args.log_level)
     telemetry.setup(args.role, metrics_port=args.metrics_port)
     if args.role == "coordinator":
@@ -49,37 +52,34 @@ def up_cluster(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        placement=args.placement,
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
-        drafter_rpc=args.drafter_rpc,
-        verifier_rpc=args.verifier_rpc,
+        metrics_port=args.metrics_port,
         coordinator_args=scheduling_flags(args),
     )
 
 
 def _up(args: argparse.Namespace) -> int:
+    """Starts the three services and supervises them (`specsplit.supervisor`) until Ctrl-C or SIGTERM (0),
+    or a service given up or the coordinator's exit (1)."""
+    from specsplit.supervisor import Supervisor
+
     cluster = up_cluster(args)
-    stop = {"now": False}
+    supervisor = Supervisor(cluster, startup_timeout_s=args.startup_timeout)
+    signal.signal(signal.SIGINT, lambda signum, frame: supervisor.stop())
+    signal.signal(signal.SIGTERM, lambda signum, frame: supervisor.stop())
 
-    def on_signal(signum, frame):
-        stop["now"] = True
+    def on_ready() -> None:
+        print(f"coordinator listening on {cluster.address}", flush=True)
+        print(
+            f"drafter {cluster.placement.name}: hidden states verifier → drafter by {cluster.hidden_transport}",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    cluster.start(timeout_s=args.startup_timeout)
-    print(f"coordinator listening on {cluster.address}", flush=True)
-    print(f"hidden states verifier → drafter by {cluster.hidden_transport}", file=sys.stderr, flush=True)
-    try:
-        while not stop["now"]:
-            for svc in cluster.services.values():
-                if svc.proc.poll() is not None:
-                    print(f"{svc.role} exited with code {svc.proc.returncode}", file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.2)
-    finally:
-        cluster.stop()
-    return 0
+    return supervisor.run(on_ready)
 
 
 def _print_stats(result, out) -> None:
@@ -211,9 +211,16 @@ def _role_arguments(role: str):
     return add_arguments
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, reporting a mistake as one line: `<prog>: <problem>; see <prog> --help`, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     """`serve_role`: the role whose options `serve` gets (the one on the command line)."""
-    p = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    p = _Parser(prog="specsplit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service")
@@ -230,8 +237,7 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the three services on this machine")
     from specsplit.coordinator.server import add_scheduling_arguments
-    from specsplit.launcher import LOCAL_HIDDEN_TRANSPORTS
-    from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
+    from specsplit.placement import add_placement_arguments
 
     up.add_argument(
         "--model",
@@ -240,7 +246,9 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         help="checkpoint directory (default: the demo)",
     )
     up.add_argument("--num-speculative-tokens", type=int, default=3)
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument(
+        "--host", default="127.0.0.1", help="the coordinator's address (verifier and drafter bind to loopback)"
+    )
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="float32")
@@ -249,25 +257,12 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     )
     up.add_argument("--verifier-device", default=None, help="pins the verifier, e.g. cuda:0 (default: --device)")
     up.add_argument("--drafter-device", default=None, help="pins the drafter, e.g. cuda:1 (default: --device)")
+    add_placement_arguments(up, sockets=False)
     up.add_argument(
-        "--hidden-transport",
-        default="auto",
-        choices=LOCAL_HIDDEN_TRANSPORTS,
-        help="how hidden states reach the drafter (auto: cuda_ipc when verifier and drafter are on CUDA, else grpc)",
-    )
-    up.add_argument(
-        "--drafter-rpc",
-        default="local",
-        choices=DRAFTER_RPCS,
-        help="verifier → drafter control path (local: the drafter's Unix socket, without gRPC; stream: gRPC's "
-        "ProposeStream)",
-    )
-    up.add_argument(
-        "--verifier-rpc",
-        default="local",
-        choices=VERIFIER_RPCS,
-        help="coordinator → verifier control path (local: the verifier's Unix socket, without gRPC; stream: gRPC's "
-        "VerifyStream)",
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus metrics: the coordinator's on this port, the verifier's and the drafter's on the next two",
     )
     add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)
@@ -304,9 +299,19 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line parsed; `serve ROLE` imports that role's options only."""
+    """The command line parsed; `serve ROLE` imports that role's options only. A placement and
+    hidden-state transport that do not go together exit 2, as any bad option does."""
     serve_role = argv[1] if argv[:1] == ["serve"] and len(argv) > 1 and argv[1] in ROLES else None
-    return build_parser(serve_role).parse_args(argv)
+    parser = build_parser(serve_role)
+    args = parser.parse_args(argv)
+    if getattr(args, "placement", None) is not None:
+        from specsplit.placement import resolve_placement
+
+        try:
+            resolve_placement(args.placement, "cpu", args.hidden_transport)
+        except ValueError as err:
+            parser.error(str(err))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,4 +328,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.num_speculative_tokens is None:
             args.num_speculative_tokens = 3
-    return args.func(args)
+    from specsplit.errors import UsageError
+
+    try:
+        if args.command == "up":  # before three processes start, each to fail on its own
+            from specsplit.grpc_server import check_can_listen
+
+            check_can_listen(args.host, args.port)
+        return args.func(args)
+    except UsageError as err:
+        return _refuse(args, err)
+
+
+def _refuse(args: argparse.Namespace, err: Exception) -> int:
+    """A mistake at start-up: one line on stderr, `specsplit <command>: <problem>; <fix>`, and exit code 2;
+    the traceback above it only with `--log-level debug`."""
+    if getattr(args, "log_level", "").upper() == "DEBUG":
+        traceback.print_exception(err)
+    command = " ".join(["specsplit", args.command, *([args.role] if args.command == "serve" else [])])
+    print(f"{command}: {' '.join(str(err).split())}", file=sys.stderr)
+    return 2

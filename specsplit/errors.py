@@ -1,4 +1,5 @@
-"""Errors that cross a service boundary, with the gRPC status code each one maps to."""
+"""Errors that cross a service boundary, with the gRPC status code each one maps to; and `UsageError`, a
+mistake at start-up, which does not."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class Unauthenticated(SpecsplitError):
     """The call lacked valid credentials (bearer token, client certificate)."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class UsageError(Exception):
+    """A mistake in how a service or command was started (a flag value, a path, a port, a model that does
+    not fit), found at start-up. The message reads `<problem>; <fix>`; the CLI prints it as one line and
+    exits 2 (`specsplit.cli.main`). Never crosses a service boundary."""
 
 
 _BY_CODE = {

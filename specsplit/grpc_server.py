@@ -7,10 +7,13 @@ NOT_SERVING as soon as SIGTERM/SIGINT arrives, before draining in-flight calls.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import errno
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +24,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit.errors import UsageError
 from specsplit.security import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -132,8 +136,33 @@ def peer_channel(address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
+def check_can_listen(host: str, port: int, flag: str = "--port") -> None:
+    """Raises UsageError, naming `flag`, when this process could not listen on host:port (0: any free
+    port): a port out of range, one in use, a host that is not this machine's. Asked before gRPC binds,
+    which would log its own lines and wrap a port past 65535 around."""
+    any_port = " (0: any free port)" if flag == "--port" else ""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"{flag} {port} is not a port number; give one in 0-65535{any_port}")
+    bare = host.removeprefix("[").removesuffix("]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+            probe.bind(address)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise UsageError(
+                f"{host}:{port} is in use; stop what listens there or give another {flag}{any_port}"
+            ) from err
+        raise UsageError(
+            f"cannot listen on {host}:{port} ({err.strerror or err}); give a --host of this machine "
+            "(127.0.0.1, 0.0.0.0 or one of its addresses)"
+        ) from err
+
+
 class ServiceServer:
-    """A grpc.aio server with health and reflection, bound to host:port (0 = pick a free port).
+    """A grpc.aio server with health and reflection, bound to host:port (0 = pick a free port);
+    a port it cannot bind raises UsageError.
 
     With `tls`, the port serves TLS and, when `require_client_cert`, mutual TLS (internal services).
     """
@@ -150,6 +179,7 @@ class ServiceServer:
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
+        check_can_listen(host, port)
         self.role = role
         self.server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
@@ -157,12 +187,15 @@ class ServiceServer:
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         self._service_names = service_names
-        if tls is None:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        else:
-            self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials(require_client_cert))
-        if self.port == 0:
-            raise OSError(f"{role}: cannot bind {host}:{port}")
+        self._stopping = False
+        self._stop_at_exit: asyncio.Future | None = None
+        try:  # the port checked above may have been taken since
+            if tls is None:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials(require_client_cert))
+        except RuntimeError as err:
+            raise UsageError(f"{role} cannot listen on {host}:{port}; give another --port (0: any free port)") from err
         self.address = f"{host}:{self.port}"
 
     async def start(self) -> None:
@@ -173,6 +206,17 @@ class ServiceServer:
             loop.add_signal_handler(sig, self.stop_requested.set)
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        self._stop_at_exit = asyncio.ensure_future(self._stop_when_cancelled())
+
+    async def _stop_when_cancelled(self) -> None:
+        """Stops the server when cancelled, unless `stop()` does. `asyncio.run` cancels the tasks left
+        before it closes the loop, so a start-up that raises still stops the server inside the loop (a
+        grpc.aio server left running then prints "Event loop is closed" at exit)."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            if not self._stopping:
+                await self.server.stop(0)
 
     async def mark_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
@@ -185,8 +229,11 @@ class ServiceServer:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
+        self._stopping = True
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        if self._stop_at_exit is not None:
+            self._stop_at_exit.cancel()
 
 
 def freeze_start_up_heap() -> None:
@@ -253,6 +300,32 @@ def add_common_arguments(p) -> None:
         default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
         help="largest gRPC message accepted or sent, MiB",
     )
+
+
+def check_flag_ranges(args: argparse.Namespace, **ranges: tuple[float | None, float | None]) -> None:
+    """Raises UsageError for the first flag whose value lies outside its (low, high) range (None: no
+    bound; a flag left None is not checked): values argparse's types let through."""
+    for name, (low, high) in ranges.items():
+        value = getattr(args, name)
+        if value is None or ((low is None or value >= low) and (high is None or value <= high)):
+            continue  # NaN fails both comparisons: refused
+        flag = "--" + name.replace("_", "-")
+        wanted = f">= {low}" if high is None else f"<= {high}" if low is None else f"in {low}-{high}"
+        raise UsageError(f"{flag} {value} is out of range; give a value {wanted}")
+
+
+def check_common_arguments(args: argparse.Namespace) -> None:
+    """`serve ROLE`'s common values, before anything loads: UsageError for one out of range or a port
+    taken (`ServiceServer` asks again when it binds)."""
+    check_flag_ranges(
+        args,
+        max_message_mb=(1, 2047),  # gRPC takes a signed 32-bit byte count
+        shutdown_grace=(0, None),
+        shutdown_delay=(0, None),
+    )
+    check_can_listen(args.host, args.port)
+    if args.metrics_port:
+        check_can_listen("0.0.0.0", args.metrics_port, "--metrics-port")
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:

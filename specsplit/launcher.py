@@ -5,10 +5,11 @@ operators can find and signal it. Ports are picked free up front so the three lo
 `role_commands` replaces that program for a role (e.g. a benchmark's wrapped drafter); the role's
 usual arguments follow it.
 
-The hidden-state transport defaults to `auto`, resolved here before any command is built, so the
-servers only ever see a concrete one (they default to grpc themselves: across machines only grpc
-and nccl apply): cuda_ipc when verifier and drafter are both on CUDA devices (one host by
-construction, one GPU or two) and the verifier talks to this cluster's one drafter; grpc otherwise.
+The drafter's placement (`specsplit.placement`) goes to verifier and drafter alike: `colocated` (the
+default: Unix sockets, CUDA IPC on a GPU, the device hand-off) or `pooled` (gRPC, hidden states by
+grpc bytes or nccl). The coordinator always reaches its verifier on the verifier's Unix socket, and
+every service's socket lives in one short directory of this cluster's, removed at stop(). Only the
+coordinator listens on `host`; verifier and drafter bind to loopback.
 """
 
 from __future__ import annotations
@@ -27,29 +28,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specsplit.local_stream import DRAFTER_RPCS, VERIFIER_RPCS
-from specsplit.transport import TRANSPORTS
+from specsplit.placement import resolve_placement
 
 log = logging.getLogger(__name__)
-LOCAL_HIDDEN_TRANSPORTS = ("auto", *TRANSPORTS)
+WORKER_HOST = "127.0.0.1"  # verifier and drafter: reached only by this machine's coordinator and verifier
+METRICS_PORT_OFFSETS = {"coordinator": 0, "verifier": 1, "drafter": 2}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = WORKER_HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def resolve_hidden_transport(name: str, verifier_device: str, drafter_device: str, own_drafter: bool = True) -> str:
-    """The transport `name` stands for on a local cluster. `auto`: cuda_ipc when both devices are CUDA
-    devices and `own_drafter` (the verifier's one drafter is this cluster's; cuda_ipc refuses several
-    or none), grpc otherwise; any other known name is itself."""
-    if name not in LOCAL_HIDDEN_TRANSPORTS:
-        raise ValueError(f"unknown hidden-state transport {name!r}; choose one of {', '.join(LOCAL_HIDDEN_TRANSPORTS)}")
-    if name != "auto":
-        return name
-    on_cuda = all(d.partition(":")[0] == "cuda" for d in (verifier_device, drafter_device))
-    return "cuda_ipc" if on_cuda and own_drafter else "grpc"
 
 
 @dataclass
@@ -59,6 +48,24 @@ class Service:
     address: str
     lines: queue.Queue = field(default_factory=queue.Queue)
     log_path: Path | None = None
+    ready_at: float | None = None  # time.monotonic() when it said it was listening
+    output_closed: bool = False
+
+    def poll_ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether it has said it is listening, reading what it printed (waiting up to timeout_s for more);
+        False for good once its output has closed without that line (it exited)."""
+        want = f"{self.role} listening on "
+        deadline = time.monotonic() + timeout_s
+        while self.ready_at is None and not self.output_closed:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            if line is None:
+                self.output_closed = True
+            elif line.startswith(want):
+                self.ready_at = time.monotonic()
+        return self.ready_at is not None
 
     def log_tail(self, n: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -87,18 +94,16 @@ class LocalCluster:
         tls_dir: str | Path | None = None,
         load_format: str = "auto",
         role_commands: dict[str, list[str]] | None = None,
-        hidden_transport: str = "auto",
+        placement: str = "colocated",
+        hidden_transport: str | None = None,
         verifier_device: str | None = None,
         drafter_device: str | None = None,
-        drafter_rpc: str = "local",
-        verifier_rpc: str = "local",
+        metrics_port: int | None = None,
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
-        (e.g. cuda:0 and cuda:1); hidden_transport: auto, grpc, cuda_ipc or nccl, resolved once
-        (`resolve_hidden_transport`) and given to both as the `hidden_transport` attribute;
-        drafter_rpc: the verifier's `--drafter-rpc` (local: the drafter also serves ProposeStream on a
-        Unix socket in a temporary directory of this cluster's, removed at stop()); verifier_rpc: the
-        coordinator's `--verifier-rpc` (local: the verifier's VerifyStream on a socket there too)."""
+        (e.g. cuda:0 and cuda:1); placement: the drafter's (`specsplit.placement`), given to both model
+        servers; hidden_transport: a pooled drafter's (grpc or nccl; None: grpc); metrics_port: Prometheus
+        metrics of the coordinator on it, of verifier and drafter on the next two ports."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -118,22 +123,22 @@ class LocalCluster:
         self.tls_dir = str(tls_dir) if tls_dir else None
         self.load_format = load_format
         self.role_commands = role_commands or {}
-        if drafter_rpc not in DRAFTER_RPCS:
-            raise ValueError(f"unknown drafter rpc {drafter_rpc!r}; choose one of {', '.join(DRAFTER_RPCS)}")
-        if verifier_rpc not in VERIFIER_RPCS:
-            raise ValueError(f"unknown verifier rpc {verifier_rpc!r}; choose one of {', '.join(VERIFIER_RPCS)}")
-        self.drafter_rpc, self.verifier_rpc = drafter_rpc, verifier_rpc
-        self._socket_dir: str | None = None  # made by the first command that names the socket
-        drafter_given = any(a == "--drafter" or a.startswith("--drafter=") for a in self.extra["verifier"])
-        self._hidden_transport = resolve_hidden_transport(
-            hidden_transport, self.devices["verifier"], self.devices["drafter"], with_drafter and not drafter_given
-        )
-        log.info("hidden-state transport: %s (asked for %s)", self._hidden_transport, hidden_transport)
+        resolved = {role: resolve_placement(placement, d, hidden_transport) for role, d in self.devices.items()}
+        if with_drafter and resolved["verifier"] != resolved["drafter"]:
+            raise ValueError(
+                f"a co-located drafter on {self.devices['drafter']} cannot take hidden states from a verifier on "
+                f"{self.devices['verifier']} by {resolved['verifier'].hidden_transport}: put both on CUDA devices "
+                "or both on the CPU, or use placement pooled"
+            )
+        self.placement = resolved["verifier"]
+        self.hidden_transport_flag = hidden_transport
+        self.metrics_port = metrics_port
+        self._socket_dir: str | None = None  # made by the first command that names it
 
     @property
     def hidden_transport(self) -> str:
-        """The concrete transport both model servers get: never `auto`."""
-        return self._hidden_transport
+        """The transport both model servers use (their placement's)."""
+        return self.placement.hidden_transport
 
     @property
     def address(self) -> str:
@@ -141,36 +146,29 @@ class LocalCluster:
 
     def command(self, role: str, port: int, peer: str | None = None) -> list[str]:
         program = self.role_commands.get(role, [sys.executable, "-m", "specsplit", "serve", role])
-        cmd = [
-            *program,
-            "--host",
-            self.host,
-            "--port",
-            str(port),
-            "--model",
-            self.model,
-        ]
+        host = self.host if role == "coordinator" else WORKER_HOST
+        cmd = [*program, "--host", host, "--port", str(port), "--model", self.model]
         if role in ("verifier", "drafter"):
             cmd += ["--device", self.devices[role], "--dtype", self.dtype, "--load-format", self.load_format]
-            cmd += ["--hidden-transport", self.hidden_transport]
+            cmd += ["--placement", self.placement.name, "--socket-dir", self.socket_dir]
+            if self.hidden_transport_flag is not None:
+                cmd += ["--hidden-transport", self.hidden_transport_flag]
         if role == "verifier" and peer:
-            cmd += ["--drafter", peer, "--drafter-rpc", self.drafter_rpc]
-        if role == "drafter" and self.drafter_rpc == "local":
-            cmd += ["--propose-socket", self.socket_path("drafter")]
-        if role == "verifier" and self.verifier_rpc == "local":
-            cmd += ["--verify-socket", self.socket_path("verifier")]
+            cmd += ["--drafter", peer]
         if role == "coordinator":
-            cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k), "--verifier-rpc", self.verifier_rpc]
+            cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
         if self.tls_dir:
             cmd += ["--tls-dir", self.tls_dir]
+        if self.metrics_port:
+            cmd += ["--metrics-port", str(self.metrics_port + METRICS_PORT_OFFSETS[role])]
         return cmd + self.extra[role]
 
-    def socket_path(self, role: str) -> str:
-        """The drafter's `--propose-socket` or the verifier's `--verify-socket`: short (a Unix socket
-        path holds at most 107 bytes)."""
+    @property
+    def socket_dir(self) -> str:
+        """Where verifier and drafter put their Unix sockets: short (a socket path holds at most 107 bytes)."""
         if self._socket_dir is None:
             self._socket_dir = tempfile.mkdtemp(prefix="specsplit-")
-        return os.path.join(self._socket_dir, f"{role}.sock")
+        return self._socket_dir
 
     def spawn(self, role: str, port: int, peer: str | None = None) -> Service:
         log_path = None
@@ -178,16 +176,21 @@ class LocalCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{role}.log"
-            stderr = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(
-            self.command(role, port, peer),
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=self.env,
-            start_new_session=True,
-        )
-        svc = Service(role, proc, f"{self.host}:{port}", log_path=log_path)
+            stderr = open(log_path, "a" if role in self.services else "w")  # noqa: SIM115 (a restart appends)
+        try:
+            proc = subprocess.Popen(
+                self.command(role, port, peer),
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=self.env,
+                start_new_session=True,
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child has its own copy
+        host = self.host if role == "coordinator" else WORKER_HOST
+        svc = Service(role, proc, f"{host}:{port}", log_path=log_path)
         threading.Thread(target=self._pump, args=(svc,), daemon=True).start()
         self.services[role] = svc
         return svc
@@ -199,17 +202,21 @@ class LocalCluster:
         svc.lines.put(None)
 
     def start_drafter(self, port: int | None = None) -> Service:
-        return self.spawn("drafter", port or free_port(self.host))
+        return self.spawn("drafter", port or free_port())
 
     def start_verifier(self, port: int | None = None) -> Service:
         drafter = self.services.get("drafter")
-        return self.spawn("verifier", port or free_port(self.host), drafter.address if drafter else None)
+        return self.spawn("verifier", port or free_port(), drafter.address if drafter else None)
 
-    def start(self, timeout_s: float = 300.0) -> LocalCluster:
+    def launch(self) -> None:
+        """Spawns drafter, verifier and coordinator without waiting for them to load."""
         if self.with_drafter:
             self.start_drafter()
         self.start_verifier()
         self.spawn("coordinator", self.port, self.services["verifier"].address)
+
+    def start(self, timeout_s: float = 300.0) -> LocalCluster:
+        self.launch()
         deadline = time.monotonic() + timeout_s
         try:
             for svc in list(self.services.values()):
@@ -220,19 +227,11 @@ class LocalCluster:
         return self
 
     def wait_ready(self, svc: Service, deadline: float) -> None:
-        want = f"{svc.role} listening on "
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{svc.role} was not ready in time\n{svc.log_tail()}")
-            try:
-                line = svc.lines.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:
+        while not svc.poll_ready(timeout_s=min(1.0, max(0.0, deadline - time.monotonic()))):
+            if svc.output_closed:
                 raise RuntimeError(f"{svc.role} exited with code {svc.proc.wait()}\n{svc.log_tail()}")
-            if line.startswith(want):
-                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{svc.role} was not ready in time\n{svc.log_tail()}")
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
         svc = self.services[role]
@@ -240,17 +239,23 @@ class LocalCluster:
         svc.proc.wait(timeout=30)
 
     def restart(self, role: str, timeout_s: float = 120.0) -> Service:
-        """Starts a stopped service again on the same address."""
+        """Starts a stopped service again on the same address and waits until it serves."""
+        svc = self.respawn(role)
+        self.wait_ready(svc, time.monotonic() + timeout_s)
+        return svc
+
+    def respawn(self, role: str) -> Service:
+        """Starts an exited service again with the same command, so on the same address; does not wait."""
         old = self.services[role]
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{role} (pid {old.proc.pid}) is still running")
         port = int(old.address.rsplit(":", 1)[1])
         peer = None
         if role == "verifier" and "drafter" in self.services:
             peer = self.services["drafter"].address
         if role == "coordinator":
             peer = self.services["verifier"].address
-        svc = self.spawn(role, port, peer)
-        self.wait_ready(svc, time.monotonic() + timeout_s)
-        return svc
+        return self.spawn(role, port, peer)
 
     def stop(self, grace_s: float = 10.0) -> None:
         for svc in self.services.values():

@@ -14,8 +14,8 @@ Frame: `<u32 length><u8 kind>` then `length` bytes.
 Two servers: `LocalStreamServer` reads and answers on its event loop and awaits an async handler;
 `ThreadedLocalStreamServer` (`specsplit/threaded_stream.py`) serves each connection on a thread of
 its own that calls a synchronous handler itself, so a request's bytes reach the model, and its answer
-the socket, without waiting for an event loop or handing over between threads (the drafter's
-`--propose-socket`).
+the socket, without waiting for an event loop or handing over between threads (the co-located
+drafter's socket).
 
 The client (`LocalStream`) has `BidiStream`'s interface and failure semantics: any failure closes
 the connection and raises a `grpc.RpcError` with the status a unary call would have had; the next
@@ -29,10 +29,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import stat
 import struct
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -44,9 +47,9 @@ from specsplit.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
-# The verifier's `--drafter-rpc` choices: the gRPC ProposeStream or the
-# same stream on the drafter's `--propose-socket` through this module; the coordinator's `--verifier-rpc`:
-# the gRPC VerifyStream or the same stream on the verifier's `--verify-socket`.
+# The verifier's control paths to its drafters (its placement picks one: `specsplit.placement`): the gRPC
+# ProposeStream or the same stream on a co-located drafter's Unix socket through this module; the
+# coordinator's `--verifier-rpc`: the gRPC VerifyStream or the same stream on the verifier's socket.
 DRAFTER_RPCS = ("stream", "local")
 VERIFIER_RPCS = ("stream", "local")
 HEADER = struct.Struct("<IB")
@@ -218,18 +221,48 @@ def claim_path(path: str) -> None:
     raise ValueError(f"another server is listening on {path}")
 
 
+@dataclass
+class SocketDir:
+    """The directory a service's Unix sockets live in: its `--socket-dir`, or a private one of its own
+    (mode 0700) that `remove()` deletes at exit."""
+
+    root: str
+    owned: bool
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def remove(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def socket_dir(given: str | None, role: str) -> SocketDir:
+    """`--socket-dir` (made if missing), or a new private directory under $TMPDIR."""
+    if given:
+        os.makedirs(given, mode=0o700, exist_ok=True)
+        return SocketDir(os.path.abspath(given), owned=False)
+    return SocketDir(tempfile.mkdtemp(prefix=f"specsplit-{role}-"), owned=True)
+
+
 async def serve_or_exit(
-    server: LocalStreamServer | None, flag: str, stop_server: Callable[[], Awaitable[None]]
+    server: LocalStreamServer | None,
+    flag: str,
+    stop_server: Callable[[], Awaitable[None]],
+    sockets: SocketDir | None = None,
 ) -> LocalStreamServer | None:
     """A service's start-up, before its weights load (a bad path fails at once): starts `server` (a
-    `LocalStreamServer` or a `ThreadedLocalStreamServer`, listening on the socket of the service's `flag`;
-    None: no socket). Where it cannot listen it logs why and exits 2 after `stop_server()`."""
+    `LocalStreamServer` or a `ThreadedLocalStreamServer`, listening on a socket under the service's `flag`;
+    None: no socket). Where it cannot listen it logs why and exits 2 after `stop_server()`, removing
+    `sockets` if it made them."""
     if server is None:
         return None
     try:
         await server.start()
     except (OSError, ValueError) as err:
         log.error("cannot serve %s %s: %s", flag, server.path, err)
+        if sockets is not None:
+            sockets.remove()
         await stop_server()
         raise SystemExit(2) from err
     return server

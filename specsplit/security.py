@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from specsplit.errors import UsageError
+
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -31,7 +33,9 @@ class TlsFiles:
         d = Path(directory)
         missing = [n for n in ("tls.crt", "tls.key", "ca.crt") if not (d / n).is_file()]
         if missing:
-            raise FileNotFoundError(f"--tls-dir {d}: missing {', '.join(missing)}")
+            raise UsageError(
+                f"--tls-dir {d}: missing {', '.join(missing)}; give a directory with tls.crt, tls.key, ca.crt"
+            )
         return cls((d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes(), (d / "ca.crt").read_bytes())
 
     def server_credentials(self, require_client_cert: bool) -> grpc.ServerCredentials:
@@ -55,10 +59,14 @@ def load_tokens(path: str | None) -> frozenset[str]:
     """One bearer token per line; blank lines and # comments are ignored."""
     if not path:
         return frozenset()
-    lines = Path(path).read_text().splitlines()
+    give = "give a file of bearer tokens, one per line"
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"cannot read --auth-token-file {path} ({err.strerror}); {give}") from err
     tokens = frozenset(t.strip() for t in lines if t.strip() and not t.strip().startswith("#"))
     if not tokens:
-        raise ValueError(f"--auth-token-file {path} holds no token")
+        raise UsageError(f"--auth-token-file {path} holds no token; {give}")
     return tokens
 
 

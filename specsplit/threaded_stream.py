@@ -1,8 +1,8 @@
 """`ThreadedLocalStreamServer`: `specsplit.local_stream`'s protocol served by one thread per connection.
 
 The thread reads a request, calls the synchronous handler itself and writes the answer: no event loop
-and no hand-over between threads lies between a request's bytes and the model (the drafter's
-`--propose-socket`). Same frames, statuses, draining and path rules as `LocalStreamServer`.
+and no hand-over between threads lies between a request's bytes and the model (the co-located
+drafter's socket). Same frames, statuses, draining and path rules as `LocalStreamServer`.
 """
 
 from __future__ import annotations

@@ -10,14 +10,16 @@ import time
 
 import grpc
 
-from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
+from specsplit.errors import UsageError
 from specsplit.grpc_server import (
     ServiceServer,
     add_service,
     announce,
+    check_flag_ranges,
     freeze_start_up_heap,
     peer_channel,
     run_until_signal,
@@ -47,10 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
     p.add_argument(
         "--verifier-rpc",
-        default="stream",
+        default="local",
         choices=VERIFIER_RPCS,
-        help="stream: gRPC's VerifyStream; local: the same stream on the Unix socket a verifier on this host "
-        "serves (its --verify-socket), without gRPC",
+        help="local: VerifyStream on the Unix socket the verifier serves, without gRPC (the coordinator runs beside "
+        "its verifier: same host or pod); stream: gRPC's VerifyStream, for a coordinator elsewhere (slower)",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
     add_scheduling_arguments(p)
@@ -63,8 +65,9 @@ def verifier_rpc_refusal(rpc: str, address: str, info: common_pb2.ModelInfo) -> 
     """Why this coordinator cannot use its `--verifier-rpc` with the verifier that answered `info`, or None."""
     if rpc == "local" and not os.path.exists(info.verify_socket):
         return (
-            f"--verifier-rpc local needs the verifier {address} on this host, started with --verify-socket; it "
-            f"serves {info.verify_socket or 'none'!r} (or use --verifier-rpc stream)"
+            f"the verifier {address} serves VerifyStream on {info.verify_socket or 'no socket'!r}, which is not on "
+            "this host: run the coordinator beside its verifier (same host or pod, sharing its --socket-dir), or "
+            "use --verifier-rpc stream"
         )
     return None
 
@@ -76,14 +79,36 @@ async def _wait_for_model_info(stub: verifier_pb2_grpc.VerifierStub, timeout_s: 
             return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
         except grpc.RpcError as err:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"verifier did not answer within {timeout_s:.0f}s: {err.details()}") from err
+                raise UsageError(
+                    f"the verifier did not answer within {timeout_s:.0f}s ({err.details()}); check --verifier "
+                    "(HOST:PORT of a running verifier) or give a longer --startup-timeout"
+                ) from err
             await asyncio.sleep(0.2)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer  # tokenizers backend only; no torch
+def load_tokenizer(model: str):
+    """The tokenizer of checkpoint directory `model` (never from the hub); UsageError where none loads."""
+    give = "give --model the checkpoint directory that holds the tokenizer"
+    if not os.path.isdir(model):
+        raise UsageError(f"checkpoint directory {model!r} does not exist; {give}")
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"no tokenizer loads from {model!r} (tokenizer.json, tokenizer_config.json); {give}") from err
+
+
+async def serve(args: argparse.Namespace) -> None:
+    check_flag_ranges(
+        args,
+        num_speculative_tokens=(0, MAX_SPECULATIVE_TOKENS),
+        max_num_seqs=(1, None),
+        max_num_batched_tokens=(1, None),
+        max_waiting=(0, None),
+        startup_timeout=(0, None),
+    )
+    tokenizer = load_tokenizer(args.model)
     servicer = CoordinatorServicer(tokenizer)
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
     tls = load_tls(args.tls_dir)
@@ -104,10 +129,9 @@ async def serve(args: argparse.Namespace) -> None:
     info = await _wait_for_model_info(stub, args.startup_timeout)
     refusal = verifier_rpc_refusal(args.verifier_rpc, args.verifier, info)
     if refusal:
-        log.error("%s", refusal)
         await channel.close()
         await server.stop(0)
-        raise SystemExit(2)
+        raise UsageError(refusal)
     k = args.num_speculative_tokens
     model_info = common_pb2.ModelInfo()
     model_info.CopyFrom(info)

@@ -5,7 +5,7 @@ iteration's request, streams the previous iteration's outputs, then receives.
 Any failure (the verifier's error status, a closed stream, no answer within the timeout) closes the
 stream and raises a `grpc.RpcError` carrying the status, exactly as a unary Verify would fail; the
 next iteration opens a new stream. With `--verifier-rpc local` the same messages go over the
-verifier's `--verify-socket` instead (`local_verify_stream`), failing the same way.
+verifier's Unix socket instead (`local_verify_stream`), failing the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +23,6 @@ class VerifyStream(BidiStream):
 
 
 def local_verify_stream(stub: verifier_pb2_grpc.VerifierStub, timeout_s: float) -> LocalStream:
-    """The VerifyStream on the verifier's `--verify-socket`."""
+    """The VerifyStream on the verifier's Unix socket."""
     connect = served_socket(stub, "verify_socket", "verifier", timeout_s)
     return LocalStream(connect, verifier_pb2.VerifyResponse.FromString, timeout_s, "verifier")

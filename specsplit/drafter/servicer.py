@@ -2,7 +2,7 @@
 drafts, one message of a persistent ProposeStream per iteration.
 
 A Propose is handled whole (parse, receive the rows, the MTP steps, the answer) on one thread: the
-step thread for gRPC calls, or the `--propose-socket` connection's own thread
+step thread for gRPC calls, or the own thread of a connection to the co-located drafter's socket
 (`ThreadedLocalStreamServer`), which then writes the answer itself, with no event loop between the
 request's bytes and the model. One lock keeps the model to one thread at a time."""
 
@@ -171,7 +171,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its weights")
 
     def init_thread(self) -> None:
-        """First call on a `--propose-socket` connection's thread: the model's device becomes current."""
+        """First call on the thread of a socket connection (co-located): the model's device becomes current."""
         use_device(self.device)
 
     def _count(self, delta: int) -> None:
@@ -213,7 +213,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 await context.abort(err.code, err.message)
 
     def handle_local_request(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
-        """One message of a ProposeStream on the `--propose-socket`, on its connection's thread."""
+        """One message of a ProposeStream on the co-located drafter's socket, on its connection's thread."""
         if self.runner is None:
             raise SpecsplitError("drafter is loading its weights", grpc.StatusCode.UNAVAILABLE)
         self._count(1)

@@ -4,7 +4,7 @@ With async scheduling, the next step waits for the drafts of the last Propose. M
 event loop, that Propose costs hand-overs on the critical path: the step's result goes back to the
 loop, the loop sends the Propose, the answer wakes the loop, which resolves futures and wakes the
 next Verify, which hands its step to the step thread again. Here the step thread does it all: right
-after its step it sends the Propose on a blocking connection to the drafter's `--propose-socket`, and
+after its step it sends the Propose on a blocking connection to the co-located drafter's Unix socket, and
 before the next step it reads the answer itself (answers come back in the order the
 Proposes went out; `wait` reads up to the one asked for, handing each answer to its `on_answer`).
 The event loop only asks the drafter for the socket's path, connects, and records each outcome in the
@@ -58,7 +58,7 @@ class PendingPropose:
 
 
 class DirectProposer:
-    """One drafter replica's `--propose-socket`, driven by the verifier's step thread. `prepare()` and
+    """A co-located drafter's Unix socket, driven by the verifier's step thread. `prepare()` and
     `collect()` run on the event loop, between step-thread calls; everything else on the step thread."""
 
     def __init__(self, client, address: str):

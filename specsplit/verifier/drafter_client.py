@@ -3,7 +3,7 @@
 The batch is split by the replica that owns each request (`DrafterPool`): one Propose per
 replica, all concurrent, drafts merged back in batch order. Each replica gets one persistent
 `ProposeStream` (one message each way per iteration; `rpc="local"`: the same stream on the replica's
-`--propose-socket`, a Unix socket on this host, without gRPC); a broken stream fails the Propose and
+co-located drafter's Unix socket, without gRPC); a broken stream fails the Propose and
 is reopened.
 Losing a replica never changes output: its requests get no drafts this iteration and are placed on
 another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
@@ -31,6 +31,7 @@ import grpc
 import torch
 
 from specsplit.bidi_stream import BidiStream
+from specsplit.errors import UsageError
 from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import TlsFiles
@@ -101,8 +102,25 @@ class _Countdown:
             callback()
 
 
-class TransportConfigError(RuntimeError):
-    """Verifier and drafter cannot agree on the hidden-state transport: fix the configuration."""
+class TransportConfigError(UsageError):
+    """Verifier and drafter do not fit together (hidden-state transport, control path, model): fix how
+    they are started."""
+
+
+def model_mismatch(ours: common_pb2.ModelInfo, theirs: common_pb2.ModelInfo, address: str) -> str | None:
+    """Why the drafter at `address`, which answered `theirs`, cannot draft for the verifier serving
+    `ours`, or None: its MTP layers belong to a model of another architecture, vocabulary or hidden size."""
+    differ = [
+        f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
+        for name in ("architecture", "vocab_size", "hidden_size")
+        if getattr(theirs, name) != getattr(ours, name)
+    ]
+    if not differ:
+        return None
+    return (
+        f"drafter {address} serves another model than this verifier ({theirs.model!r}, {', '.join(differ)}); "
+        "start both from the same checkpoint (--model)"
+    )
 
 
 class DrafterClient:
@@ -140,10 +158,11 @@ class DrafterClient:
             from specsplit.verifier.direct_propose import DirectProposer  # it builds on this module
 
             self.direct = DirectProposer(self, targets[0])
-        if self.transport.name != "grpc" and not one_replica:
+        if targets and (self.transport.name != "grpc" or rpc == "local") and not one_replica:
+            kind = "a co-located drafter" if rpc == "local" else f"hidden states by {self.transport.name}"
             raise TransportConfigError(
-                f"--hidden-transport {self.transport.name} needs exactly one --drafter HOST:PORT, got {address!r} "
-                "(several drafter replicas need --hidden-transport grpc)"
+                f"{kind} needs exactly one --drafter HOST:PORT, got {address!r} (several drafter replicas: "
+                "--placement pooled with --hidden-transport grpc)"
             )
 
     def free(self, request_ids: list[str]) -> None:
@@ -298,38 +317,51 @@ class DrafterClient:
 
         return call
 
-    async def open_transport(self, example: torch.Tensor, wait_s: float) -> None:
+    async def open_transport(
+        self, example: torch.Tensor, wait_s: float, model: common_pb2.ModelInfo | None = None
+    ) -> None:
         """Start-up: opens a cuda_ipc / nccl transport with the drafter once it has loaded (waiting up to
         `wait_s`; past that, the first Propose opens it). example: [1, hidden_size], dtype and device of
-        the hidden states. Raises TransportConfigError when the drafter runs another transport, or serves
-        no `--propose-socket` on this host for `rpc="local"`."""
-        if self.transport.name == "grpc" and self.rpc != "local":
+        the hidden states. Raises TransportConfigError when the drafter runs another transport, serves
+        no Unix socket on this host for `rpc="local"` (co-located), or serves another model than `model`
+        (the verifier's; None: not checked). With gRPC's ProposeStream and hidden states inside it
+        nothing needs the drafter yet: its first replica is checked if it answers at once, not waited for."""
+        waits = self.transport.name != "grpc" or self.rpc == "local"
+        if not waits and model is None:
             return
         await self.pool.start()
+        if not self.pool.replicas:  # a DNS name that resolved to nothing yet
+            return
         replica = next(iter(self.pool.replicas.values()))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        deadline = loop.time() + (wait_s if waits else 0.0)
         while True:
             try:
                 info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5.0)
                 break
             except grpc.RpcError as err:
                 if loop.time() > deadline:
-                    log.warning("drafter %s not ready (%s); opening the transport later", replica.address, err.code())
+                    level = logging.WARNING if waits else logging.INFO
+                    later = "opening the transport later" if waits else "its model is not checked"
+                    log.log(level, "drafter %s not ready (%s); %s", replica.address, err.code(), later)
                     return
                 await asyncio.sleep(0.5)
+        refusal = model_mismatch(model, info, replica.address) if model is not None else None
+        if refusal:
+            raise TransportConfigError(refusal)
         if self.rpc == "local" and not os.path.exists(info.propose_socket):
             raise TransportConfigError(
-                f"--drafter-rpc local needs drafter {replica.address} on this host, started with --propose-socket; "
-                f"it serves {info.propose_socket or 'none'!r} (or use --drafter-rpc stream)"
+                f"a co-located drafter shares its verifier's host: drafter {replica.address} serves ProposeStream on "
+                f"{info.propose_socket or 'no socket'!r}, not on this host (start it with --placement colocated "
+                "beside this verifier, or start both with --placement pooled)"
             )
         if self.transport.name == "grpc":
             return
         theirs = info.hidden_transport or "grpc"
         if theirs != self.transport.name:
             raise TransportConfigError(
-                f"drafter {replica.address} was started with --hidden-transport {theirs} but this verifier uses "
-                f"{self.transport.name}; start both with the same --hidden-transport"
+                f"drafter {replica.address} takes hidden states by {theirs} but this verifier sends them by "
+                f"{self.transport.name}; start both with the same --placement (and, pooled, --hidden-transport)"
             )
         try:
             await self.transport.open(example, self._open_call(replica))

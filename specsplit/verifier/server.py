@@ -5,16 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from pathlib import Path
 
-from specsplit.grpc_server import ServiceServer, add_service, announce, freeze_start_up_heap, run_until_signal
-from specsplit.local_stream import DRAFTER_RPCS, LocalStreamServer, serve_or_exit
+from specsplit.errors import UsageError
+from specsplit.grpc_server import (
+    ServiceServer,
+    add_service,
+    announce,
+    check_flag_ranges,
+    freeze_start_up_heap,
+    run_until_signal,
+)
+from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
 from specsplit.models.serve_options import add_model_arguments, apply_eager_option
+from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
+from specsplit.placement import add_placement_arguments, placement_of
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
-from specsplit.transport import TRANSPORTS
 
 log = logging.getLogger(__name__)
 
@@ -32,29 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
-    p.add_argument(
-        "--drafter-rpc",
-        default="stream",
-        choices=DRAFTER_RPCS,
-        help="stream: one persistent ProposeStream per drafter replica; "
-        "local: the ProposeStream on the Unix socket a drafter on this host serves (its --propose-socket), "
-        "without gRPC: the fastest control path for co-located services",
-    )
-    p.add_argument(
-        "--verify-socket",
-        default=None,
-        metavar="PATH",
-        help="also serve VerifyStream on this Unix socket, without gRPC, for a coordinator on this host started "
-        "with --verifier-rpc local (the socket is created 0600)",
-    )
+    add_placement_arguments(p)
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
-    t.add_argument(
-        "--hidden-transport",
-        default="grpc",
-        choices=TRANSPORTS,
-        help="grpc: bytes inside Propose (any placement, several replicas); cuda_ipc: a GPU buffer ring shared "
-        "with one drafter on this host; nccl: torch.distributed send to one drafter (same host or RDMA)",
-    )
     t.add_argument(
         "--transport-address",
         default="127.0.0.1:0",
@@ -68,14 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--transport-timeout", type=float, default=30.0, help="nccl: seconds any transfer may wait")
     t.add_argument("--transport-slots", type=int, default=4, help="cuda_ipc: buffers in the ring")
-    t.add_argument(
-        "--device-hand-off",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="cuda_ipc to a drafter on this GPU: greedy decode steps send their Propose as soon as the step is "
-        "queued, and the drafter's device waits for the sampled tokens (--no-device-hand-off: the verifier "
-        "waits for them on the host first)",
-    )
     t.add_argument(
         "--transport-connect-timeout",
         type=float,
@@ -103,6 +82,15 @@ def model_info(
 
 
 async def serve(args: argparse.Namespace) -> None:
+    check_model_server(args, drafter=False)  # before torch loads: a plain mistake is told at once
+    check_flag_ranges(
+        args,
+        max_model_len=(1, None),
+        drafter_timeout=(0, None),
+        transport_timeout=(0, None),
+        transport_slots=(1, None),
+        transport_connect_timeout=(0, None),
+    )
     import torch
 
     from specsplit.models.device import device_executor, use_device
@@ -123,42 +111,50 @@ async def serve(args: argparse.Namespace) -> None:
         require_client_cert=True,
         max_message_bytes=args.max_message_mb * 2**20,
     )
+    placement = placement_of(args, args.device)
     try:
         transport = make_sender(
-            args.hidden_transport,
+            placement.hidden_transport,
             rendezvous=args.transport_address,
             backend=None if args.transport_backend == "auto" else args.transport_backend,
             timeout_s=args.transport_timeout,
             num_slots=args.transport_slots,
-            device_hand_off=args.device_hand_off,
+            device_hand_off=placement.device_hand_off,
         )
-        drafter = DrafterClient(args.drafter, args.drafter_timeout, tls=tls, rpc=args.drafter_rpc, transport=transport)
-    except (TransportConfigError, ValueError) as err:
-        log.error("%s", err)
-        raise SystemExit(2) from err
+        drafter = DrafterClient(
+            args.drafter, args.drafter_timeout, tls=tls, rpc=placement.drafter_rpc, transport=transport
+        )
+    except ValueError as err:  # a --drafter target that is not HOST:PORT
+        raise UsageError(str(err)) from err
     # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
     use_device(args.device)
     asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
     servicer = VerifierServicer(drafter, args.device, SlowStepWatch("verifier", args.slow_step_s))
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    socket_server = None
-    if args.verify_socket:  # the event loop serves it, ending idle connections once the servicer drains
-        socket_server = LocalStreamServer(
-            os.path.abspath(args.verify_socket),
-            verifier_pb2.VerifyRequest.FromString,
-            servicer.handle_stream_request,
-            servicer.draining,
-            args.max_message_mb * 2**20,
-        )
+    sockets = socket_dir(args.socket_dir, "verifier")
+    # The event loop serves it, ending idle connections once the servicer drains.
+    socket_server = LocalStreamServer(
+        sockets.path("verifier.sock"),
+        verifier_pb2.VerifyRequest.FromString,
+        servicer.handle_stream_request,
+        servicer.draining,
+        args.max_message_mb * 2**20,
+    )
     # Opened now: a bad path fails before minutes of loading.
-    local = await serve_or_exit(socket_server, "--verify-socket", lambda: server.stop(0))
+    local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
     dtype = getattr(torch, args.dtype)
     step_path = apply_eager_option(args)
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(
-        None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
-    )
+    try:
+        with checkpoint_mistakes(args.model):
+            model = await loop.run_in_executor(
+                None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+            )
+    except UsageError:
+        await local.close()
+        sockets.remove()
+        raise
     config = model.config
     kv_cache = model.make_kv_cache(args.num_blocks, args.block_size)
     max_model_len = min(
@@ -166,17 +162,17 @@ async def serve(args: argparse.Namespace) -> None:
         args.max_model_len or config.max_position_embeddings,
         args.num_blocks * args.block_size,
     )
+    info = model_info(args.model, config, args, max_model_len, local.path)
     if args.drafter:
         try:
             example = torch.zeros(1, config.hidden_size, dtype=dtype, device=args.device)
-            await drafter.open_transport(example, args.transport_connect_timeout)
-        except TransportConfigError as err:
-            log.error("%s", err)
+            await drafter.open_transport(example, args.transport_connect_timeout, info)
+        except TransportConfigError:
             await drafter.close()
-            if local is not None:
-                await local.close()
+            await local.close()
+            sockets.remove()
             await server.stop(0)
-            raise SystemExit(2) from err
+            raise
     runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
         None,
         lambda: VerifierRunner(
@@ -187,23 +183,26 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=max_model_len,
         ),
     )
-    servicer.ready(runner, model_info(args.model, config, args, max_model_len, local.path if local else ""))
+    servicer.ready(runner, info)
     freeze_start_up_heap()
     await server.mark_serving()
     announce("verifier", server.address)
     log.info(
-        "serving %s (%s) on %s, KV cache %d blocks x %d tokens, hidden transport %s",
+        "serving %s (%s) on %s, KV cache %d blocks x %d tokens, drafter %s (hidden states by %s), VerifyStream "
+        "also on %s",
         args.model,
         config.architecture,
         args.device,
         args.num_blocks,
         args.block_size,
-        args.hidden_transport,
+        placement.name,
+        placement.hidden_transport,
+        local.path,
     )
 
     async def on_stop() -> None:
-        if local is not None:
-            await local.close()
+        await local.close()
+        sockets.remove()
         await drafter.close()
 
     await run_until_signal(

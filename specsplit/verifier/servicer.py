@@ -162,7 +162,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 await context.abort(err.code, err.message)
 
     async def handle_stream_request(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
-        """One message of a VerifyStream on the `--verify-socket` (`LocalStreamServer`)."""
+        """One message of a VerifyStream on the verifier's Unix socket (`LocalStreamServer`)."""
         if self.runner is None:
             raise SpecsplitError("verifier is loading its weights", grpc.StatusCode.UNAVAILABLE)
         return await self._verify(request, extract_trace_context(request.trace_context), "local")

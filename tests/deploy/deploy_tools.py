@@ -7,7 +7,9 @@ kubectl (for `kubectl kustomize`) and hadolint come from PyPI wheels (`kubectl-c
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,3 +47,16 @@ def kustomize(path: str) -> tuple[dict, ...]:
 
 def by_kind(docs: tuple[dict, ...], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def dockerfile_instructions(role: str) -> list[tuple[str, str]]:
+    """docker/ROLE.Dockerfile as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    text = (DOCKER / f"{role}.Dockerfile").read_text()
+    joined = re.sub(r"\\\n", " ", "\n".join(x for x in text.splitlines() if not x.lstrip().startswith("#")))
+    return [(m.group(1).upper(), m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", joined, re.M)]
+
+
+def dockerfile_exec_form(role: str, instruction: str) -> list[str]:
+    """The exec-form (JSON) list of an instruction: ENTRYPOINT, or HEALTHCHECK's CMD."""
+    (found,) = [a for i, a in dockerfile_instructions(role) if i == instruction]
+    return json.loads(found[found.index("[") :])

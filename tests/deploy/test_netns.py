@@ -92,20 +92,24 @@ def services(hosts, checkpoint, tmp_path, monkeypatch):
 
     procs: dict[str, HostProcess] = {}
     try:
-        procs["a"] = serve("a", "drafter")
-        procs["b"] = serve("b", "drafter")
+        procs["a"] = serve("a", "drafter", "--placement", "pooled")  # drafters on hosts of their own
+        procs["b"] = serve("b", "drafter", "--placement", "pooled")
         procs["verifier"] = serve(
             "verifier",
             "verifier",
             "--drafter",
             f"{addr['a']},{addr['b']}",
+            "--placement",
+            "pooled",
             "--drafter-timeout",
             str(DRAFTER_TIMEOUT_S),
             "--log-level",
             "DEBUG",
         )
         procs["coordinator"] = serve(
-            "coordinator", "coordinator", "--verifier", addr["verifier"], "--num-speculative-tokens", "3"
+            "coordinator",
+            "coordinator",
+            *["--verifier", addr["verifier"], "--verifier-rpc", "stream", "--num-speculative-tokens", "3"],
         )
         deadline = time.monotonic() + 150  # four processes importing torch on two cores
         for name, p in procs.items():

@@ -11,7 +11,7 @@ import pytest
 from specsplit import Client, SpecsplitError
 from specsplit.launcher import LocalCluster
 
-from .helpers import greedy_ignoring_eos
+from .helpers import greedy_ignoring_eos, start_streams
 
 N_TOKENS = 60
 
@@ -22,26 +22,6 @@ def own_cluster(tiny_checkpoint, tmp_path):
         yield c
 
 
-def _run_streams(address, prompts, on_progress):
-    results, errors = {}, []
-
-    def run(i):
-        try:
-            with Client(address, timeout=240) as client:
-                ids = []
-                for delta in client.stream(prompt_token_ids=prompts[i], max_tokens=N_TOKENS, ignore_eos=True):
-                    ids.extend(delta.token_ids)
-                    on_progress(len(ids))
-                results[i] = ids
-        except Exception as err:  # noqa: BLE001 - surfaced by the caller
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return threads, results, errors
-
-
 @pytest.mark.parametrize("role", ["verifier", "drafter"])
 def test_sigkill_under_concurrent_streams_loses_and_repeats_nothing(own_cluster, hf_greedy, role):
     _sigkill_under_concurrent_streams(own_cluster, hf_greedy, role)
@@ -50,7 +30,9 @@ def test_sigkill_under_concurrent_streams_loses_and_repeats_nothing(own_cluster,
 def _sigkill_under_concurrent_streams(own_cluster, hf_greedy, role):
     prompts = [[3 + i, 40 + i, 7] for i in range(6)]
     progressed = threading.Event()
-    threads, results, errors = _run_streams(own_cluster.address, prompts, lambda n: n >= 8 and progressed.set())
+    threads, results, errors = start_streams(
+        own_cluster.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set()
+    )
     assert progressed.wait(60)
     own_cluster.kill(role, signal.SIGKILL)
     time.sleep(0.5)

@@ -22,6 +22,7 @@ def nccl_cluster(tiny_checkpoint, tmp_path_factory):
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
+        placement="pooled",
         hidden_transport="nccl",
         log_dir=tmp_path_factory.mktemp("nccl"),
         verifier_args=["--transport-timeout", "10"],
@@ -95,10 +96,11 @@ def test_killing_the_nccl_drafter_keeps_output_and_a_restarted_one_is_opened_aga
 def test_verifier_refuses_to_start_against_a_drafter_with_another_transport(tiny_checkpoint, tmp_path):
     cluster = LocalCluster(
         tiny_checkpoint,
+        placement="pooled",
         hidden_transport="nccl",
         log_dir=tmp_path,
         drafter_args=["--hidden-transport", "grpc"],  # the last flag wins: this drafter runs grpc
     )
     with pytest.raises(RuntimeError, match="verifier exited with code 2") as err:
         cluster.start(timeout_s=120)
-    assert "started with --hidden-transport grpc but this verifier uses nccl" in str(err.value)
+    assert "takes hidden states by grpc but this verifier sends them by nccl" in str(err.value)

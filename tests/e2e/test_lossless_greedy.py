@@ -20,15 +20,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def grpc_stream_cluster(tiny_checkpoint, tmp_path_factory):
-    """Verify and Propose on gRPC's streams (`--verifier-rpc stream`, `--drafter-rpc stream`), not
-    LocalCluster's default Unix sockets."""
+    """Verify and Propose on gRPC's streams (a pooled drafter, a coordinator with `--verifier-rpc stream`),
+    not the co-located placement's Unix sockets."""
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("logs-stream"),
-        verifier_rpc="stream",
-        drafter_rpc="stream",
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        placement="pooled",
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--verifier-rpc", "stream"],
     ) as c:
         yield c
 

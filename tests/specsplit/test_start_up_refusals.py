@@ -19,11 +19,11 @@ from specsplit.verifier.drafter_client import DrafterClient, TransportConfigErro
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE
 
 
-def test_the_coordinator_refuses_local_rpc_against_a_verifier_without_a_socket(tmp_path):
-    info = common_pb2.ModelInfo(verify_socket="")
+def test_the_coordinator_refuses_local_rpc_against_a_verifier_whose_socket_is_elsewhere(tmp_path):
+    info = common_pb2.ModelInfo(verify_socket="/run/elsewhere/verifier.sock")
     refusal = verifier_rpc_refusal("local", "10.0.0.5:50052", info)
-    assert "--verifier-rpc local needs the verifier 10.0.0.5:50052" in refusal and "--verify-socket" in refusal
-    assert "or use --verifier-rpc stream" in refusal
+    assert "the verifier 10.0.0.5:50052 serves VerifyStream on '/run/elsewhere/verifier.sock'" in refusal
+    assert "run the coordinator beside its verifier" in refusal and "or use --verifier-rpc stream" in refusal
     assert verifier_rpc_refusal("stream", "v:1", info) is None
     socket = tmp_path / "verify.sock"
     socket.touch()
@@ -47,9 +47,14 @@ def test_a_socket_path_too_long_stops_the_service_with_exit_2(tmp_path, caplog, 
     assert asyncio.run(serve_or_exit(None, "--socket", stop_server)) is None  # no flag, no socket
 
 
-def test_a_transport_other_than_grpc_needs_exactly_one_drafter():
-    with pytest.raises(TransportConfigError, match="needs exactly one --drafter HOST:PORT"):
+def test_a_transport_other_than_grpc_and_a_colocated_drafter_need_exactly_one_drafter():
+    with pytest.raises(TransportConfigError, match="hidden states by nccl needs exactly one --drafter HOST:PORT"):
         DrafterClient("127.0.0.1:1,127.0.0.1:2", 2.0, transport=SimpleNamespace(name="nccl"))
+    with pytest.raises(
+        TransportConfigError, match="a co-located drafter needs exactly one --drafter.*--placement pooled"
+    ):
+        DrafterClient("dns:///drafters:50053", 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
+    assert DrafterClient(None, 2.0, rpc="local", transport=SimpleNamespace(name="grpc")).direct is None
 
 
 class InfoOnlyDrafter(drafter_pb2_grpc.DrafterServicer):
@@ -63,10 +68,10 @@ class InfoOnlyDrafter(drafter_pb2_grpc.DrafterServicer):
 @pytest.mark.parametrize(
     "rpc, transport, info, says",
     [
-        ("local", "grpc", common_pb2.ModelInfo(), "--drafter-rpc local needs drafter"),
-        ("stream", "nccl", common_pb2.ModelInfo(hidden_transport="grpc"), "started with --hidden-transport grpc"),
+        ("local", "grpc", common_pb2.ModelInfo(), "a co-located drafter shares its verifier's host"),
+        ("stream", "nccl", common_pb2.ModelInfo(hidden_transport="grpc"), "takes hidden states by grpc but"),
     ],
-    ids=["no-propose-socket", "other-transport"],
+    ids=["no-socket-here", "other-transport"],
 )
 def test_the_verifier_refuses_a_drafter_that_cannot_serve_its_flags(rpc, transport, info, says):
     async def body():

@@ -1,0 +1,94 @@
+"""What a model server (verifier, drafter) checks before it binds a port or loads a weight: its flag
+values, its checkpoint and its device. A mistake raises `UsageError` saying what is wrong and how to
+fix it (the CLI prints it as one line and exits 2). Of the checkpoint only config.json is read; torch is
+imported only once the flags and the directory passed (a plain mistake is told at once)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+from specsplit.errors import UsageError
+from specsplit.grpc_server import check_flag_ranges
+
+_GIVE_CHECKPOINT = "give --model a local checkpoint directory (config.json and *.safetensors)"
+
+
+def check_model_server(args: argparse.Namespace, *, drafter: bool) -> None:
+    """The flags both model servers take; `drafter`: the checkpoint must have MTP layers."""
+    check_flag_ranges(args, num_blocks=(1, None), block_size=(1, None))
+    check_checkpoint(args.model, args.load_format, drafter=drafter)
+    check_device(args.device)
+
+
+def check_checkpoint(model: str, load_format: str, *, drafter: bool) -> None:
+    """`--model`: a readable directory whose config.json names a supported architecture, with weights
+    unless `load_format` is dummy, and (`drafter`) MTP layers."""
+    path = pathlib.Path(model)
+    if not path.is_dir():
+        raise UsageError(f"checkpoint directory {model!r} does not exist; {_GIVE_CHECKPOINT}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise UsageError(f"cannot read checkpoint directory {model!r} (permission denied); {_GIVE_CHECKPOINT}")
+
+    from specsplit.models.loader import load_config
+
+    with checkpoint_mistakes(model):
+        config = load_config(path)
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if load_format != "dummy" and not any((path / name).is_file() for name in weights):
+        raise UsageError(
+            f"no {' or '.join(weights)} in {model!r}; {_GIVE_CHECKPOINT} (or --load-format dummy: random weights)"
+        )
+    if drafter and not config.has_mtp:
+        raise UsageError(
+            f"checkpoint {model!r} has no MTP layers (num_nextn_predict_layers is 0 or missing in its config.json); "
+            "the drafter needs a checkpoint with MTP weights"
+        )
+
+
+@contextlib.contextmanager
+def checkpoint_mistakes(model: str) -> Iterator[None]:
+    """Turns what reading checkpoint `model` raises when it cannot be served (a file missing or
+    unreadable, config.json not JSON, an architecture or feature specsplit does not implement, tensors
+    missing or of other shapes than config.json says) into UsageError."""
+    from specsplit.models.config import UnsupportedArchitectureError
+
+    try:
+        yield
+    except UnsupportedArchitectureError as err:  # its message names the file and lists the supported ones
+        raise UsageError(str(err)) from err
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{os.path.join(model, 'config.json')!r} is not JSON ({err}); {_GIVE_CHECKPOINT}") from err
+    except OSError as err:
+        reason = f"cannot read {err.filename!r} ({err.strerror})" if err.filename else str(err)
+        raise UsageError(f"{reason}; {_GIVE_CHECKPOINT}") from err
+    except ValueError as err:
+        raise UsageError(f"checkpoint {model!r}: {err}") from err
+
+
+def check_device(device: str) -> None:
+    """`--device`: cpu, or a CUDA device this process sees."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise UsageError(f"--device {device!r} is not a torch device; give cpu, cuda or cuda:N") from err
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: specsplit runs on cpu or cuda; give cpu, cuda or cuda:N")
+    if parsed.type == "cpu":
+        return
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UsageError(
+            f"--device {device} but this process sees no CUDA device; give --device cpu, or check the driver "
+            "and CUDA_VISIBLE_DEVICES"
+        )
+    if parsed.index is not None and parsed.index >= count:
+        raise UsageError(
+            f"--device {device} but this process sees {count} CUDA device(s); give cuda:0 to cuda:{count - 1}"
+        )

@@ -1,0 +1,210 @@
+"""`specsplit up` supervises its services as a process manager would (specsplit/supervisor.py), run as a user
+runs it, on the demo checkpoint (real acceptance): a SIGKILLed drafter or verifier is restarted while greedy
+streams run, and every stream equals target-only greedy output (the same `up`, asked for no drafts before any
+kill); a drafter that fails at every restart is given up with one line and `up` exits 1; SIGTERM on `up`
+leaves no process behind (read from /proc: every process whose command line names the test's checkpoint path,
+a symlink of its own, and every process in the sessions the children led).
+
+The module's `up` serves the kill tests, then the SIGTERM test (last in the file) stops it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from tokenizers import Tokenizer
+
+from specsplit import Client
+from specsplit.launcher import free_port
+
+from .helpers import start_streams
+
+DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+PROMPTS = [
+    "import os\n\n\ndef read_lines(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    "if __name__ == '__main__':\n",
+]
+N_TOKENS = 40
+
+
+class Up:
+    """`python -m specsplit up` on a checkpoint path of its own, with its output in files."""
+
+    def __init__(self, model: pathlib.Path, logs: pathlib.Path):
+        self.model, self.port = str(model), free_port()
+        self.stdout, self.stderr = logs / "up.out", logs / "up.err"
+        cmd = [sys.executable, "-m", "specsplit", "up", "--model", self.model, "--port", str(self.port)]
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 240
+        while "coordinator listening on" not in self.stdout.read_text():
+            assert self.proc.poll() is None, f"specsplit up exited early:\n{self.stderr.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "specsplit up not ready in 240 s"
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def children(self) -> dict[int, str]:
+        """pid → command line of the live processes that name this checkpoint path, `up` itself aside."""
+        return {pid: cmd for pid, cmd in _processes().items() if self.model in cmd and pid != self.proc.pid}
+
+    def pid(self, role: str) -> int:
+        pids = [pid for pid, cmd in self.children().items() if f"specsplit serve {role} " in cmd]
+        assert len(pids) == 1, (role, self.children())
+        return pids[0]
+
+    def lines(self) -> list[str]:
+        """The supervisor's lines (the services' logs share the file)."""
+        return [line for line in self.stderr.read_text().splitlines() if line.startswith("specsplit up: ")]
+
+    def wait_for_line(self, text: str, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [line for line in self.lines() if text in line]
+            if found:
+                return found[-1]
+            assert self.proc.poll() is None, f"specsplit up exited with {self.proc.returncode}: {self.lines()}"
+            assert time.monotonic() < deadline, f"no line with {text!r} in {timeout_s} s: {self.lines()}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in self.children():  # only after a failed test: the SIGTERM test proves there are none
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("up")
+    (logs / "model").symlink_to(DEMO)
+    u = Up(logs / "model", logs)
+    yield u
+    u.close()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(up):
+    """The prompts' token ids and, for each, the target's greedy output alone (num_speculative_tokens=0)."""
+    tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+
+    def target_only(ids: list[int]) -> list[int]:
+        with Client(up.address, timeout=120) as client:
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=N_TOKENS, ignore_eos=True, num_speculative_tokens=0
+            ).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return prompts, list(pool.map(target_only, prompts))
+
+
+@pytest.mark.parametrize("role", ["drafter", "verifier"])
+def test_a_killed_service_is_restarted_and_every_stream_equals_target_only_greedy(up, prompts_and_reference, role):
+    prompts, reference = prompts_and_reference
+    progressed = threading.Event()
+    threads, results, errors = start_streams(up.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
+    assert progressed.wait(120)
+    old = up.pid(role)
+    os.kill(old, signal.SIGKILL)
+    assert len(results) < len(prompts)  # the kill lands mid-stream
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == reference
+    up.wait_for_line(f"{role} was killed by SIGKILL; restarting it in")
+    back = up.wait_for_line(f"{role} serving again")
+    assert back.endswith(f"(pid {up.pid(role)})") and up.pid(role) != old
+    with Client(up.address, timeout=60) as client:  # the restarted service is used: drafts again
+        deadline = time.monotonic() + 20  # the verifier probes a lost drafter with backoff (<= 5 s)
+        while True:
+            out = client.generate(prompt_token_ids=prompts[0], max_tokens=12, ignore_eos=True)
+            if out.stats.num_draft_tokens > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert out.stats.num_draft_tokens > 0 and out.token_ids == reference[0][:12]
+
+
+def test_sigterm_stops_every_child_with_exit_code_0(up):
+    children = up.children()
+    assert sorted(cmd.split("specsplit serve ")[1].split()[0] for cmd in children.values()) == [
+        "coordinator",
+        "drafter",
+        "verifier",
+    ]
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    assert up.children() == {}
+    assert not [pid for pid, sid in _sessions().items() if sid in children]
+
+
+def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_path):
+    (tmp_path / "model").symlink_to(DEMO)
+    u = Up(tmp_path / "model", tmp_path)
+    try:
+        children = u.children()
+        (tmp_path / "model").unlink()  # every restart now fails to load the checkpoint
+        os.kill(u.pid("drafter"), signal.SIGKILL)
+        assert u.proc.wait(180) == 1
+        given_up = [line for line in u.lines() if "giving up" in line]
+        assert len(given_up) == 1
+        code = given_up[0].removeprefix("specsplit up: giving up on the drafter: it exited with code ").split()[0]
+        assert int(code) != 0
+        assert given_up[0].endswith("within 30 s of each of its last 3 restarts; stopping all services")
+        assert [line.split(";")[0] for line in u.lines() if "restarting" in line] == [
+            "specsplit up: drafter was killed by SIGKILL",
+            f"specsplit up: drafter exited with code {code}",
+            f"specsplit up: drafter exited with code {code}",
+        ]
+        assert u.children() == {}
+        assert not [pid for pid, sid in _sessions().items() if sid in children]
+    finally:
+        u.close()
+
+
+def _processes() -> dict[int, str]:
+    """pid → command line of every live (not zombie) process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _stat(int(entry)) is not None:
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    return out
+
+
+def _sessions() -> dict[int, int]:
+    """pid → session id of every live (not zombie) process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            out[int(entry)] = int(fields[3])
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...); None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields
