@@ -14,7 +14,7 @@ import asyncio
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle
 from specsplit import telemetry
 from specsplit.cli import parse_args
-from specsplit.drafter.server import serve
+from specsplit.drafter.server import DrafterConfig, serve
 from specsplit.grpc_server import setup_logging
 
 
@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--oracle", required=True, help="JSON written by Oracle.save")
     p.add_argument("--seed", type=int, default=0)
     ours, rest = p.parse_known_args(argv)
-    args = parse_args(["serve", "drafter", *rest])
-    setup_logging("drafter", args.log_level)
-    telemetry.setup("drafter", metrics_port=args.metrics_port)
+    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *rest]))
+    setup_logging("drafter", config.server.log_level)
+    telemetry.setup("drafter", metrics_port=config.server.metrics_port)
     oracle = Oracle.load(ours.oracle)
     try:
-        asyncio.run(serve(args, wrap_runner=lambda r: ForcedAcceptanceRunner(r, oracle, ours.alpha, ours.seed)))
+        asyncio.run(serve(config, wrap_runner=lambda r: ForcedAcceptanceRunner(r, oracle, ours.alpha, ours.seed)))
     finally:
         telemetry.shutdown()
 

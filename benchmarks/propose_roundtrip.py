@@ -54,10 +54,10 @@ def serve_drafter(argv: list[str]) -> None:
     from specsplit import telemetry
     from specsplit.cli import parse_args
     from specsplit.drafter.runner import ProposeOutput
-    from specsplit.drafter.server import serve
+    from specsplit.drafter.server import DrafterConfig, serve
     from specsplit.grpc_server import setup_logging
 
-    args = parse_args(["serve", "drafter", *rest])
+    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *rest]))
     setup_logging("drafter", "WARNING")
     telemetry.setup("drafter")
     profiler = cProfile.Profile() if ours.profile_out else None
@@ -84,7 +84,7 @@ def serve_drafter(argv: list[str]) -> None:
             return ProposeOutput([[1] * item.num_spec_tokens for item in items], (now, now, now))
 
     try:
-        asyncio.run(serve(args, wrap_runner=Runner))
+        asyncio.run(serve(config, wrap_runner=Runner))
     finally:
         telemetry.shutdown()
         if profiler is not None:

@@ -21,19 +21,22 @@ DEFAULT_MODEL = str(_DEMO) if (_DEMO / "config.json").is_file() else None
 
 def _serve(args: argparse.Namespace) -> int:
     from specsplit import telemetry
-    from specsplit.grpc_server import check_common_arguments, setup_logging
+    from specsplit.grpc_server import setup_logging
 
-    check_common_arguments(args)
-    setup_logging(args.role, args.log_level)
-    telemetry.setup(args.role, metrics_port=args.metrics_port)
     if args.role == "coordinator":
+        from specsplit.coordinator.server import CoordinatorConfig as Config
         from specsplit.coordinator.server import serve
     elif args.role == "verifier":
+        from specsplit.verifier.server import VerifierConfig as Config
         from specsplit.verifier.server import serve
     else:
+        from specsplit.drafter.server import DrafterConfig as Config
         from specsplit.drafter.server import serve
+    config = Config.from_args(args)
+    setup_logging(args.role, config.server.log_level)
+    telemetry.setup(args.role, metrics_port=config.server.metrics_port)
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(config))
     finally:
         telemetry.shutdown()
     return 0
@@ -57,7 +60,7 @@ def up_cluster(args: argparse.Namespace):
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
         metrics_port=args.metrics_port,
-        coordinator_args=scheduling_flags(args),
+        coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens),
     )
 
 

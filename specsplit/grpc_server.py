@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import message_factory
@@ -302,11 +303,11 @@ def add_common_arguments(p) -> None:
     )
 
 
-def check_flag_ranges(args: argparse.Namespace, **ranges: tuple[float | None, float | None]) -> None:
-    """Raises UsageError for the first flag whose value lies outside its (low, high) range (None: no
-    bound; a flag left None is not checked): values argparse's types let through."""
+def check_flag_ranges(config: object, **ranges: tuple[float | None, float | None]) -> None:
+    """Raises UsageError for the first flag whose value, `config`'s attribute of the flag's name, lies outside
+    its (low, high) range (None: no bound; a value None is not checked): values argparse's types let through."""
     for name, (low, high) in ranges.items():
-        value = getattr(args, name)
+        value = getattr(config, name)
         if value is None or ((low is None or value >= low) and (high is None or value <= high)):
             continue  # NaN fails both comparisons: refused
         flag = "--" + name.replace("_", "-")
@@ -314,18 +315,48 @@ def check_flag_ranges(args: argparse.Namespace, **ranges: tuple[float | None, fl
         raise UsageError(f"{flag} {value} is out of range; give a value {wanted}")
 
 
-def check_common_arguments(args: argparse.Namespace) -> None:
-    """`serve ROLE`'s common values, before anything loads: UsageError for one out of range or a port
-    taken (`ServiceServer` asks again when it binds)."""
-    check_flag_ranges(
-        args,
-        max_message_mb=(1, 2047),  # gRPC takes a signed 32-bit byte count
-        shutdown_grace=(0, None),
-        shutdown_delay=(0, None),
-    )
-    check_can_listen(args.host, args.port)
-    if args.metrics_port:
-        check_can_listen("0.0.0.0", args.metrics_port, "--metrics-port")
+@dataclass(frozen=True)
+class ServerOptions:
+    """What every `serve ROLE` takes (`--port` and `add_common_arguments`): address, logging, metrics, TLS,
+    shutdown and message size."""
+
+    host: str
+    port: int  # 0: any free port
+    log_level: str
+    metrics_port: int | None
+    tls_dir: str | None
+    shutdown_grace: float  # seconds in-flight calls get after SIGTERM
+    shutdown_delay: float  # seconds between NOT_SERVING and refusing new calls
+    max_message_mb: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        """The parsed command line's values; UsageError, before anything loads, for one out of range or a
+        port taken (`ServiceServer` asks again when it binds)."""
+        options = cls(
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            metrics_port=args.metrics_port,
+            tls_dir=args.tls_dir,
+            shutdown_grace=args.shutdown_grace,
+            shutdown_delay=args.shutdown_delay,
+            max_message_mb=args.max_message_mb,
+        )
+        check_flag_ranges(
+            options,
+            max_message_mb=(1, 2047),  # gRPC takes a signed 32-bit byte count
+            shutdown_grace=(0, None),
+            shutdown_delay=(0, None),
+        )
+        check_can_listen(options.host, options.port)
+        if options.metrics_port:
+            check_can_listen("0.0.0.0", options.metrics_port, "--metrics-port")
+        return options
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 2**20
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:

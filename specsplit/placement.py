@@ -84,9 +84,3 @@ def add_placement_arguments(p: argparse.ArgumentParser, sockets: bool = True) ->
             "drafter's ProposeStream for its verifier (default: a private directory under $TMPDIR, removed at exit; "
             "on Kubernetes a volume the pod's containers share)",
         )
-
-
-def placement_of(args: argparse.Namespace, device: str) -> Placement:
-    """The parsed `--placement` / `--hidden-transport` resolved for `device` (the command line checked the
-    pair: `specsplit.cli.parse_args`)."""
-    return resolve_placement(args.placement, device, args.hidden_transport)

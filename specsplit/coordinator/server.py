@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,6 +17,7 @@ from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
+    ServerOptions,
     ServiceServer,
     add_service,
     announce,
@@ -37,11 +39,9 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
 
 
-def scheduling_flags(args: argparse.Namespace) -> list[str]:
+def scheduling_flags(max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
     """`add_scheduling_arguments`' values as command-line flags again."""
-    return [
-        *["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
-    ]
+    return ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """`specsplit serve coordinator`'s options (`add_arguments`), checked."""
+
+    server: ServerOptions
+    checkpoint: str  # --model: the tokenizer's checkpoint directory
+    verifier: str  # HOST:PORT
+    verifier_rpc: str  # local or stream
+    num_speculative_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    startup_timeout: float
+    auth_token_file: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CoordinatorConfig:
+        """The parsed command line; UsageError for a value out of range or a port taken."""
+        config = cls(
+            server=ServerOptions.from_args(args),
+            checkpoint=args.model,
+            verifier=args.verifier,
+            verifier_rpc=args.verifier_rpc,
+            num_speculative_tokens=args.num_speculative_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            startup_timeout=args.startup_timeout,
+            auth_token_file=args.auth_token_file,
+        )
+        check_flag_ranges(
+            config,
+            num_speculative_tokens=(0, MAX_SPECULATIVE_TOKENS),
+            max_num_seqs=(1, None),
+            max_num_batched_tokens=(1, None),
+            max_waiting=(0, None),
+            startup_timeout=(0, None),
+        )
+        return config
 
 
 def verifier_rpc_refusal(rpc: str, address: str, info: common_pb2.ModelInfo) -> str | None:
@@ -99,56 +140,48 @@ def load_tokenizer(model: str):
         raise UsageError(f"no tokenizer loads from {model!r} (tokenizer.json, tokenizer_config.json); {give}") from err
 
 
-async def serve(args: argparse.Namespace) -> None:
-    check_flag_ranges(
-        args,
-        num_speculative_tokens=(0, MAX_SPECULATIVE_TOKENS),
-        max_num_seqs=(1, None),
-        max_num_batched_tokens=(1, None),
-        max_waiting=(0, None),
-        startup_timeout=(0, None),
-    )
-    tokenizer = load_tokenizer(args.model)
+async def serve(config: CoordinatorConfig) -> None:
+    tokenizer = load_tokenizer(config.checkpoint)
     servicer = CoordinatorServicer(tokenizer)
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-    tls = load_tls(args.tls_dir)
-    tokens = load_tokens(args.auth_token_file)
+    tls = load_tls(config.server.tls_dir)
+    tokens = load_tokens(config.auth_token_file)
     server = ServiceServer(
         "coordinator",
-        args.host,
-        args.port,
+        config.server.host,
+        config.server.port,
         [service],
         tls=tls,
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
-        max_message_bytes=args.max_message_mb * 2**20,
+        max_message_bytes=config.server.max_message_bytes,
     )
     add_service(server.server, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], servicer)
     await server.start()
-    channel = peer_channel(args.verifier, tls)
+    channel = peer_channel(config.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
-    info = await _wait_for_model_info(stub, args.startup_timeout)
-    refusal = verifier_rpc_refusal(args.verifier_rpc, args.verifier, info)
+    info = await _wait_for_model_info(stub, config.startup_timeout)
+    refusal = verifier_rpc_refusal(config.verifier_rpc, config.verifier, info)
     if refusal:
         await channel.close()
         await server.stop(0)
         raise UsageError(refusal)
-    k = args.num_speculative_tokens
+    k = config.num_speculative_tokens
     model_info = common_pb2.ModelInfo()
     model_info.CopyFrom(info)
     model_info.num_speculative_tokens = k
     eos = list(info.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    config = SchedulerConfig(
+    scheduler_config = SchedulerConfig(
         max_model_len=info.max_model_len,
         block_size=info.block_size,
         num_blocks=info.num_blocks,
         num_speculative_tokens=k,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, k + 1),
-        max_waiting=args.max_waiting,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, k + 1),
+        max_waiting=config.max_waiting,
     )
-    engine = Engine(Scheduler(config, eos), stub, tokenizer, verifier_rpc=args.verifier_rpc)
+    engine = Engine(Scheduler(scheduler_config, eos), stub, tokenizer, verifier_rpc=config.verifier_rpc)
     engine.start()
     servicer.ready(engine, model_info)
     freeze_start_up_heap()
@@ -159,4 +192,4 @@ async def serve(args: argparse.Namespace) -> None:
         await engine.stop()
         await channel.close()
 
-    await run_until_signal(server, on_stop, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay)
+    await run_until_signal(server, on_stop, grace_s=config.server.shutdown_grace, delay_s=config.server.shutdown_delay)

@@ -1,5 +1,5 @@
 """The inputs of propose() on a device hand-off: the verifier's sampled tokens are still on the GPU
-(`DrafterRunner._propose_on_device` runs the steps).
+(`DrafterRunner.propose` runs the same steps as on the host path, from these inputs).
 
 On the host path the verifier waits for its sampled tokens, then sends them, and only then can the
 drafter plan and launch its MTP steps: the GPU idles through both services' host work. On a device
@@ -61,25 +61,16 @@ def valid_rows_on_host(items, hidden_states: torch.Tensor, dev: DeviceTokens) ->
     """A device hand-off the device path does not take: waits for the tokens on the host and fills the
     items from them; returns the valid rows of `hidden_states` ([sum(num_rows), H] → [sum(num_sampled), H])."""
     dev.wait()
-    tokens, num_sampled = tokens_to_host(None, dev)
+    tokens, num_sampled = tokens_to_host(dev)
     fill_tokens(items, tokens, num_sampled)
     starts = [0, *itertools.accumulate(item.num_rows for item in items)]
     index = [s + j for s, item in zip(starts, items) for j in range(len(item.next_token_ids))]
     return hidden_states.index_select(0, torch.tensor(index, device=hidden_states.device))
 
 
-def tokens_to_host(drafts: torch.Tensor | None, dev: DeviceTokens, timer=None) -> list[torch.Tensor]:
-    """`drafts` (when given), the tokens and num_sampled on the host, with one wait for the device;
-    `timer` (the runner's StepTimer) records the end of the steps and makes that wait."""
-    device = [t for t in (drafts, dev.tokens, dev.num_sampled) if t is not None]
-    if not dev.tokens.is_cuda:
-        return [t.cpu() for t in device]
-    host = [t.to("cpu", non_blocking=True) for t in device]
-    if timer is not None:
-        timer.stop()
-    else:
-        torch.cuda.current_stream(dev.tokens.device).synchronize()
-    return host
+def tokens_to_host(dev: DeviceTokens) -> list[torch.Tensor]:
+    """The verifier's tokens and num_sampled on the host (a wait for the device)."""
+    return [dev.tokens.cpu(), dev.num_sampled.cpu()]
 
 
 def fill_tokens(items, tokens: torch.Tensor, num_sampled: torch.Tensor) -> None:

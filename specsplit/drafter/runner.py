@@ -143,44 +143,65 @@ class DrafterRunner:
     def propose(
         self, items: list[ProposeItem], hidden_states: torch.Tensor, device_tokens: DeviceTokens | None = None
     ) -> ProposeOutput:
-        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order; with
-        `device_tokens` (a device hand-off, `can_propose_on_device`) [sum(item.num_rows), hidden_size].
+        """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order; on a device
+        hand-off (`device_tokens`, `device_propose.py`) [sum(item.num_rows), hidden_size], valid once
+        `device_tokens.wait()` is queued.
 
-        Which requests take part in each step is known before any draft is, so the host plans every
-        step (KV slots, positions, row selections) without waiting for the device: the steps are
-        launched back to back and the drafts come to the host in one device→host copy at the end."""
-        if device_tokens is not None:
-            if can_propose_on_device(self, items):
-                return self._propose_on_device(items, hidden_states, device_tokens)
-            hidden_states = valid_rows_on_host(items, hidden_states, device_tokens)  # then the host path
+        One path: a device hand-off differs only in its step inputs. Its tokens stay on the device, step 0
+        runs over every row of each request, and the later steps, planned as if every draft had been
+        accepted, move back on the device by `num_sampled - rows`. The host plans each step (KV slots,
+        positions, row selections) without waiting for the device, the steps are launched back to back
+        and the drafts come to the host in one device→host copy at the end."""
         t0 = time.time_ns()
+        dev = device_tokens
+        if dev is not None and not can_propose_on_device(self, items):
+            hidden_states, dev = valid_rows_on_host(items, hidden_states, dev), None  # the host's inputs
         drafts: list[list[int]] = [[] for _ in items]
         if not items:  # an iteration that only frees finished requests
             return ProposeOutput(drafts, (t0, t0, t0))
         for item in items:
             self._rollback(item)
-        counts = [len(item.next_token_ids) for item in items]
+        counts = [item.num_rows if dev is not None else len(item.next_token_ids) for item in items]
         ids = [item.request_id for item in items]
         if not self.kv_cache.can_append(ids, counts):
             # Out of MTP cache: drop these requests' MTP state; they continue without drafts.
             self.free(ids)
+            if dev is not None:
+                dev.wait()
+                fill_tokens(items, *tokens_to_host(dev))
             now = time.time_ns()
             return ProposeOutput(drafts, (t0, now, now))
         plan = self.kv_cache.plan_step(ids, counts)
         active = [i for i, item in enumerate(items) if item.num_spec_tokens > 0]
         last_rows = [end - 1 for end in itertools.accumulate(counts)]
         # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
-        positions = [item.start_position + 1 + j for item in items for j in range(len(item.next_token_ids))]
-        last_pos = [items[i].start_position + counts[i] for i in active]  # position of x_{p+1}
+        positions = [item.start_position + 1 + j for item, n in zip(items, counts) for j in range(n)]
+        last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, [p + 1 for p in last_pos])
+        if dev is not None:  # the device's tokens, gathered from its [num_reqs, width] rows
+            width = dev.tokens.shape[1]
+            ragged = any(c != width for c in counts)
+            gather = [r * width + j for r, c in enumerate(counts) for j in range(c)] if ragged else []
+            tokens64 = [counts, gather]
+            # Nothing of this Propose reaches the device before the wait: work queued ahead of it would
+            # take the GPU from the verifier's step (two contexts take turns on it).
+            dev.wait()
+        else:
+            tokens64 = [[t for item in items for t in item.next_token_ids]]
         int64, int32, float32 = self._upload(
-            [[t for item in items for t in item.next_token_ids], positions, [last_rows[i] for i in active]]
-            + plan.int64_arrays
-            + sampling64,
+            [*tokens64, positions, [last_rows[i] for i in active], *plan.int64_arrays, *sampling64],
             plan.int32_arrays,
             sampling32,
         )
-        input_ids, positions_t, select, slots = int64[:4]
+        if dev is not None:
+            counts_t, gather_t = int64[:2]
+            flat = dev.tokens.reshape(-1)
+            input_ids = flat.index_select(0, gather_t) if ragged else flat
+            input_ids = input_ids.clamp_min(0)  # columns past num_sampled may hold padding
+        else:
+            input_ids = int64[0]
+        positions_t, select, slots = int64[len(tokens64) : len(tokens64) + 3]
+        sampling = _sampling(int64[len(tokens64) + 3 :], float32)
         seq_lens = [item.start_position + 1 + n for item, n in zip(items, counts)]  # MTP cache positions
         graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
         use_kernel = use_kernel_for(self.attention_kernel, counts, seq_lens, graph_tokens)
@@ -190,82 +211,29 @@ class DrafterRunner:
         if not active:
             return ProposeOutput(drafts, (t0, t1, t1))
         self._timer.start()
+        shift = None
+        if dev is not None:  # rows past num_sampled were rejected: each request's last valid row
+            shift = dev.num_sampled - counts_t  # [num_reqs] ≤ 0
+            select = select + shift
         hidden = out.index_select(0, select)  # [num_active, H]
         logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
-        picks = [self._pick(logits, _sampling(int64[4:], float32))]
+        picks = [self._pick(logits, sampling)]
         steps, actives = self._plan_later_steps(items, active, last_pos)
         for keep, attn, positions_t, sampling in steps:
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
                 tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
+                shift = None if shift is None else shift.index_select(0, keep)
+            if shift is not None:
+                attn, positions_t = shifted(attn, positions_t, shift)
             hidden, logits = self._mtp_step(tokens, hidden, positions_t, attn)
             if logits is None:
                 logits = self.mtp.compute_logits(hidden)
             picks.append(self._pick(logits, sampling))
-        tokens, q_ids, q_probs = self._to_host(picks)
+        tokens, q_ids, q_probs = self._to_host(picks, dev, items)
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
-
-    def _propose_on_device(
-        self, items: list[ProposeItem], hidden_states: torch.Tensor, dev: DeviceTokens
-    ) -> ProposeOutput:
-        """`propose` for device items (`num_rows` rows each, `next_token_ids` empty; `device_propose.py`).
-        hidden_states: [sum(num_rows), hidden_size], valid once `dev.wait()` is queued."""
-        t0 = time.time_ns()
-        for item in items:
-            self._rollback(item)
-        counts = [item.num_rows for item in items]
-        ids = [item.request_id for item in items]
-        width = dev.tokens.shape[1]
-        if not self.kv_cache.can_append(ids, counts):
-            self.free(ids)  # out of MTP cache: these requests continue without drafts
-            dev.wait()
-            fill_tokens(items, *tokens_to_host(None, dev))
-            now = time.time_ns()
-            return ProposeOutput([[] for _ in items], (t0, now, now))
-        plan = self.kv_cache.plan_step(ids, counts)
-        active = list(range(len(items)))
-        last_rows = [end - 1 for end in itertools.accumulate(counts)]
-        positions = [item.start_position + 1 + j for item in items for j in range(item.num_rows)]
-        last_pos = [item.start_position + item.num_rows for item in items]  # as if every draft was accepted
-        host64, host32, _, layout, actives = self._plan_later_host(items, active, last_pos)  # greedy: no floats
-        uniform = all(c == width for c in counts)
-        gather = [] if uniform else [r * width + j for r, c in enumerate(counts) for j in range(c)]
-        # Nothing of this Propose reaches the device before the wait: work queued ahead of it would take
-        # the GPU from the verifier's step (two contexts take turns on it).
-        dev.wait()
-        int64, int32, _ = self._upload(
-            [positions, last_rows, counts, gather, *plan.int64_arrays, *host64], [*plan.int32_arrays, *host32]
-        )
-        positions_t, last_rows_t, counts_t, gather_t, slots = int64[:5]
-        num32 = len(plan.int32_arrays)
-        attn = plan.metadata([slots], int32[:num32], use_kernel=self.attention_kernel)
-        steps = self._later_steps(layout, int64[5:], int32[num32:], [])
-        flat = dev.tokens.reshape(-1) if uniform else dev.tokens.reshape(-1).index_select(0, gather_t)
-        input_ids = flat.clamp_min(0)  # columns past num_sampled may hold padding
-        out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
-        t1 = time.time_ns()
-        self._timer.start()
-        shift = dev.num_sampled - counts_t  # [num_reqs] ≤ 0
-        select = last_rows_t + shift
-        hidden = out.index_select(0, select)  # [num_reqs, H]
-        logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
-        picks = [logits.argmax(dim=-1)]
-        for keep, step_attn, step_positions, _sampling in steps:
-            tokens = picks[-1]
-            if keep is not None:
-                tokens, hidden, shift = (t.index_select(0, keep) for t in (tokens, hidden, shift))
-            step_attn, step_positions = shifted(step_attn, step_positions, shift)
-            hidden, logits = self._mtp_step(tokens, hidden, step_positions, step_attn)
-            if logits is None:
-                logits = self.mtp.compute_logits(hidden)
-            picks.append(logits.argmax(dim=-1))
-        drafts, tokens, num_sampled = tokens_to_host(torch.cat(picks), dev, self._timer)
-        fill_tokens(items, tokens, num_sampled)
-        t2 = time.time_ns()
-        t1 = self._timer.split(t1, t2)
-        return _collect(items, [active, *actives], drafts.tolist(), None, None, (t0, t1, t2))
 
     def _pick(self, logits: torch.Tensor, sampling: _Sampling | None) -> _Pick:
         """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy."""
@@ -290,14 +258,6 @@ class DrafterRunner:
         """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
 
         A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
-        host64, host32, host_f, layout, actives = self._plan_later_host(items, active, last_pos)
-        if not layout:
-            return [], []
-        return self._later_steps(layout, *self._upload(host64, host32, host_f)), actives
-
-    def _plan_later_host(self, items: list[ProposeItem], active: list[int], last_pos: list[int]):
-        """The host half of `_plan_later_steps`: the steps' arrays (int64, int32, float32), their layout
-        and the requests of each step (no layout when no later step runs)."""
         num_steps = max(items[i].num_spec_tokens for i in active)
         rows, actives, layout = active, [], []
         host64: list[list[int]] = []
@@ -313,18 +273,15 @@ class DrafterRunner:
             last_pos = [last_pos[a] + 1 for a in keep]
             full = len(kept) == len(rows)
             sampling64, sampling32 = self._sampling_arrays(items, kept, [p + 1 for p in last_pos])
-            int32 = plan.int32_arrays
             host64 += [*plan.int64_arrays, last_pos, *([] if full else [keep]), *sampling64]
-            host32 += int32
+            host32 += plan.int32_arrays
             host_f += sampling32
-            layout.append((plan, len(int32), not full, bool(sampling32)))
+            layout.append((plan, len(plan.int32_arrays), not full, bool(sampling32)))
             actives.append(kept)
             rows = kept
-        return host64, host32, host_f, layout, actives
-
-    def _later_steps(self, layout, int64: list[torch.Tensor], int32: list[torch.Tensor], float32: list[torch.Tensor]):
-        """The device half of `_plan_later_steps`: each step from the device copies of its arrays."""
-        int64, int32, float32 = iter(int64), iter(int32), iter(float32)
+        if not layout:
+            return [], []
+        int64, int32, float32 = (iter(arrays) for arrays in self._upload(host64, host32, host_f))
         steps = []
         for plan, num_int32, has_keep, has_sampling in layout:
             attn = plan.metadata(
@@ -334,20 +291,26 @@ class DrafterRunner:
             keep = next(int64) if has_keep else None
             sampling = _sampling([next(int64), next(int64)], [next(float32)]) if has_sampling else None
             steps.append((keep, attn, positions, sampling))
-        return steps
+        return steps, actives
 
-    def _to_host(self, picks: list[_Pick]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-        """Every step's drafts (concatenated) and sampled q rows, in one device→host copy."""
+    def _to_host(self, picks: list[_Pick], dev: DeviceTokens | None, items: list[ProposeItem]):
+        """Every step's drafts (concatenated) and sampled q rows, in one device→host copy; on a device hand-off
+        the verifier's tokens and num_sampled come in the same copy and fill the items' next_token_ids."""
         tokens = torch.cat([p[0] for p in picks])  # [sum of the steps' rows]
         sampled = [p for p in picks if p[1] is not None]
         device = [tokens]
         if sampled:  # q rows of the steps with a sampled request: [rows of those steps, K]
             device += [torch.cat([p[1] for p in sampled]), torch.cat([p[2] for p in sampled])]
+        if dev is not None:
+            device += [dev.tokens, dev.num_sampled]
         if tokens.device.type == "cuda":  # pinned destinations, one wait
             host = [t.to("cpu", non_blocking=True) for t in device]
             self._timer.stop()
         else:
             host = [t.cpu() for t in device]
+        if dev is not None:
+            fill_tokens(items, *host[-2:])
+            host = host[:-2]
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
 
 

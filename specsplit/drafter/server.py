@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
+    ServerOptions,
     ServiceServer,
     add_service,
     announce,
@@ -18,9 +20,9 @@ from specsplit.grpc_server import (
     run_until_signal,
 )
 from specsplit.local_stream import serve_or_exit, socket_dir
-from specsplit.models.serve_options import add_model_arguments, apply_eager_option
+from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
 from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
-from specsplit.placement import add_placement_arguments, placement_of
+from specsplit.placement import Placement, add_placement_arguments, resolve_placement
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -43,11 +45,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -> None:
+@dataclass(frozen=True)
+class DrafterConfig:
+    """`specsplit serve drafter`'s options (`add_arguments`), checked, with the placement resolved for its
+    device."""
+
+    server: ServerOptions
+    model: ModelOptions
+    placement: Placement
+    socket_dir: str | None  # None: a private directory under $TMPDIR
+    num_blocks: int
+    block_size: int
+    draft_top_k: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DrafterConfig:
+        """The parsed command line; UsageError for a value out of range or a port taken."""
+        config = cls(
+            server=ServerOptions.from_args(args),
+            model=ModelOptions.from_args(args),
+            placement=resolve_placement(args.placement, args.device, args.hidden_transport),
+            socket_dir=args.socket_dir,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            draft_top_k=args.draft_top_k,
+        )
+        check_flag_ranges(config, num_blocks=(1, None), block_size=(1, None), draft_top_k=(1, None))
+        return config
+
+
+async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> None:
     """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
     `benchmarks/forced_drafter.py`)."""
-    check_model_server(args, drafter=True)  # before torch loads: a plain mistake is told at once
-    check_flag_ranges(args, draft_top_k=(1, None))
+    model_options, placement = config.model, config.placement
+    check_model_server(model_options, drafter=True)  # before torch loads: a plain mistake is told at once
     import torch
 
     from specsplit.drafter.runner import DrafterRunner
@@ -59,83 +90,88 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
     server = ServiceServer(
         "drafter",
-        args.host,
-        args.port,
+        config.server.host,
+        config.server.port,
         [service],
-        tls=load_tls(args.tls_dir),
+        tls=load_tls(config.server.tls_dir),
         require_client_cert=True,
-        max_message_bytes=args.max_message_mb * 2**20,
+        max_message_bytes=config.server.max_message_bytes,
     )
     # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
-    use_device(args.device)
-    asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
-    servicer = DrafterServicer(args.device, SlowStepWatch("drafter", args.slow_step_s))
+    use_device(model_options.device)
+    asyncio.get_running_loop().set_default_executor(device_executor(model_options.device, 4, "model"))
+    servicer = DrafterServicer(model_options.device, SlowStepWatch("drafter", model_options.slow_step_s))
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    placement = placement_of(args, args.device)
     socket_server, sockets = None, None
     if placement.drafter_rpc == "local":  # each connection's thread runs its Proposes itself
-        sockets = socket_dir(args.socket_dir, "drafter")
+        sockets = socket_dir(config.socket_dir, "drafter")
         socket_server = ThreadedLocalStreamServer(
             sockets.path("drafter.sock"),
             drafter_pb2.ProposeRequest.FromString,
             servicer.handle_local_request,
             servicer.draining,
-            args.max_message_mb * 2**20,
+            config.server.max_message_bytes,
             name="propose-socket",
             thread_init=servicer.init_thread,
         )
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
-    dtype = getattr(torch, args.dtype)
-    step_path = apply_eager_option(args)
+    dtype = getattr(torch, model_options.dtype)
+    step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
     try:
-        with checkpoint_mistakes(args.model):
+        with checkpoint_mistakes(model_options.checkpoint):
             mtp = await loop.run_in_executor(
-                None, lambda: load_mtp(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+                None,
+                lambda: load_mtp(
+                    model_options.checkpoint,
+                    dtype=dtype,
+                    device=model_options.device,
+                    load_format=model_options.load_format,
+                ),
             )
     except UsageError:
         if local is not None:
             await local.close()
             sockets.remove()
         raise
-    config = mtp.config
+    model_config = mtp.config
     info = common_pb2.ModelInfo(
-        model=Path(args.model).resolve().name,
-        architecture=config.architecture,
-        vocab_size=config.vocab_size,
-        max_model_len=config.max_position_embeddings,
-        eos_token_ids=config.eos_token_ids,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        hidden_size=config.hidden_size,
+        model=Path(model_options.checkpoint).resolve().name,
+        architecture=model_config.architecture,
+        vocab_size=model_config.vocab_size,
+        max_model_len=model_config.max_position_embeddings,
+        eos_token_ids=model_config.eos_token_ids,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        dtype=model_options.dtype,
+        hidden_size=model_config.hidden_size,
         hidden_transport=placement.hidden_transport,
         propose_socket=local.path if local else "",
     )
-    cache = mtp.make_kv_cache(args.num_blocks, args.block_size)
+    cache = mtp.make_kv_cache(config.num_blocks, config.block_size)
     runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
         None,
         lambda: DrafterRunner(
             mtp,
             cache,
-            args.draft_top_k,
+            config.draft_top_k,
             **step_path,
         ),
     )
     servicer.ready(
         wrap_runner(runner) if wrap_runner else runner,
         info,
-        make_receiver(placement.hidden_transport, args.device, config.hidden_size),
+        make_receiver(placement.hidden_transport, model_options.device, model_config.hidden_size),
     )
     freeze_start_up_heap()
     await server.mark_serving()
     announce("drafter", server.address)
     log.info(
         "serving MTP of %s on %s (%s, hidden states by %s%s)",
-        args.model,
-        args.device,
+        model_options.checkpoint,
+        model_options.device,
         placement.name,
         placement.hidden_transport,
         f", ProposeStream also on {info.propose_socket}" if local else "",
@@ -149,7 +185,7 @@ async def serve(args: argparse.Namespace, wrap_runner: Callable | None = None) -
     await run_until_signal(
         server,
         on_stop,
-        grace_s=args.shutdown_grace,
-        delay_s=args.shutdown_delay,
+        grace_s=config.server.shutdown_grace,
+        delay_s=config.server.shutdown_delay,
         on_drain=servicer.drain,
     )

@@ -1,9 +1,11 @@
 """Command-line options both model servers (verifier and drafter) take: where and in what dtype the
-weights live, how they load, and the one switch that runs their steps on torch ops alone. argparse only."""
+weights live, how they load, and the one switch that runs their steps on torch ops alone; and their
+typed form, `ModelOptions`. Torch-free until `apply_eager_option`."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from specsplit.slow_steps import DEFAULT_SLOW_STEP_S
 
@@ -39,12 +41,35 @@ def _seconds(text: str) -> float:
     return value
 
 
-def apply_eager_option(args: argparse.Namespace) -> dict[str, bool | None]:
+@dataclass(frozen=True)
+class ModelOptions:
+    """`--model` and `add_model_arguments`' values."""
+
+    checkpoint: str  # --model: the checkpoint directory
+    device: str
+    dtype: str
+    load_format: str  # auto: the checkpoint's safetensors; dummy: seeded random weights
+    eager: bool
+    slow_step_s: float  # 0: off
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelOptions:
+        return cls(
+            checkpoint=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            eager=args.eager,
+            slow_step_s=args.slow_step_s,
+        )
+
+
+def apply_eager_option(eager: bool) -> dict[str, bool | None]:
     """--eager → specsplit.models.layer_ops (imported here: it needs torch), and the runners' keyword
     arguments `attention_kernel` and `cuda_graphs` (None: decided by the device)."""
     from specsplit.models.layer_ops import enable_gemv, enable_layer_kernels
 
-    enable_layer_kernels(not args.eager)
-    enable_gemv(False if args.eager else None)
-    off = False if args.eager else None
+    enable_layer_kernels(not eager)
+    enable_gemv(False if eager else None)
+    off = False if eager else None
     return {"attention_kernel": off, "cuda_graphs": off}

@@ -1,11 +1,10 @@
-"""What a model server (verifier, drafter) checks before it binds a port or loads a weight: its flag
-values, its checkpoint and its device. A mistake raises `UsageError` saying what is wrong and how to
-fix it (the CLI prints it as one line and exits 2). Of the checkpoint only config.json is read; torch is
-imported only once the flags and the directory passed (a plain mistake is told at once)."""
+"""What a model server (verifier, drafter) checks before it binds a port or loads a weight: its checkpoint
+and its device (its flags' ranges: its config's `from_args`). A mistake raises `UsageError` saying what is
+wrong and how to fix it (the CLI prints it as one line and exits 2). Of the checkpoint only config.json is
+read; torch is imported only once the directory passed (a plain mistake is told at once)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -13,16 +12,15 @@ import pathlib
 from collections.abc import Iterator
 
 from specsplit.errors import UsageError
-from specsplit.grpc_server import check_flag_ranges
+from specsplit.models.serve_options import ModelOptions
 
 _GIVE_CHECKPOINT = "give --model a local checkpoint directory (config.json and *.safetensors)"
 
 
-def check_model_server(args: argparse.Namespace, *, drafter: bool) -> None:
-    """The flags both model servers take; `drafter`: the checkpoint must have MTP layers."""
-    check_flag_ranges(args, num_blocks=(1, None), block_size=(1, None))
-    check_checkpoint(args.model, args.load_format, drafter=drafter)
-    check_device(args.device)
+def check_model_server(model: ModelOptions, *, drafter: bool) -> None:
+    """The checkpoint and device both model servers take; `drafter`: the checkpoint must have MTP layers."""
+    check_checkpoint(model.checkpoint, model.load_format, drafter=drafter)
+    check_device(model.device)
 
 
 def check_checkpoint(model: str, load_format: str, *, drafter: bool) -> None:

@@ -16,16 +16,19 @@ TRANSPORTS = ("grpc", "cuda_ipc", "nccl")
 
 
 def make_sender(name: str, **options):
-    """The verifier side. Options: nccl `rendezvous`, `backend`, `timeout_s`; cuda_ipc `num_slots`,
-    `device_hand_off` (offer the drafter device hand-offs, default True)."""
+    """The verifier side. Options: nccl `rendezvous`, `backend` (default: nccl on CUDA, gloo on CPU), `timeout_s`;
+    cuda_ipc `num_slots` (default `RING_SLOTS`), `device_hand_off` (offer the drafter device hand-offs, default
+    True)."""
     if name == "grpc":
         from specsplit.transport.grpc_bytes import GrpcSender
 
         return GrpcSender()
     if name == "cuda_ipc":
-        from specsplit.transport.cuda_ipc import CudaIpcSender
+        from specsplit.transport.cuda_ipc import RING_SLOTS, CudaIpcSender
 
-        return CudaIpcSender(num_slots=options.get("num_slots", 4), offer_hand_off=options.get("device_hand_off", True))
+        return CudaIpcSender(
+            num_slots=options.get("num_slots", RING_SLOTS), offer_hand_off=options.get("device_hand_off", True)
+        )
     if name == "nccl":
         from specsplit.transport.nccl import NcclSender
 

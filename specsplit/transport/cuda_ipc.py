@@ -30,6 +30,7 @@ from specsplit.transport.ipc_ring import RingFull, SlotRing
 from specsplit.transport.wire import dtype_to_proto
 
 log = logging.getLogger(__name__)
+RING_SLOTS = 4  # buffers in the verifier's ring: Proposes in flight at once
 MIN_SLOT_ROWS = 256
 MAX_TOKEN_WIDTH = 32  # device hand-off: tokens per request (1 + at most 31 drafts)
 
@@ -73,7 +74,7 @@ def open_shared(msg: drafter_pb2.CudaIpcBuffer, device_index: int, dtype: torch.
 class CudaIpcSender(HiddenStatesSender):
     name = "cuda_ipc"
 
-    def __init__(self, num_slots: int = 4, offer_hand_off: bool = True):
+    def __init__(self, num_slots: int = RING_SLOTS, offer_hand_off: bool = True):
         self.num_slots = num_slots
         self.offer_hand_off = offer_hand_off  # False: no token buffers or events, every Propose waits on the host
         self.slot_rows = 0

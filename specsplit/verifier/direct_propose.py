@@ -1,26 +1,30 @@
-"""The verifier's Proposes made by its step thread (`--drafter-rpc local`, one drafter, async scheduling).
+"""The verifier's Proposes, made by its step thread: one control plane for both placements.
 
-With async scheduling, the next step waits for the drafts of the last Propose. Made on the
-event loop, that Propose costs hand-overs on the critical path: the step's result goes back to the
-loop, the loop sends the Propose, the answer wakes the loop, which resolves futures and wakes the
-next Verify, which hands its step to the step thread again. Here the step thread does it all: right
-after its step it sends the Propose on a blocking connection to the co-located drafter's Unix socket, and
-before the next step it reads the answer itself (answers come back in the order the
-Proposes went out; `wait` reads up to the one asked for, handing each answer to its `on_answer`).
-The event loop only asks the drafter for the socket's path, connects, and records each outcome in the
-drafter pool (`collect`).
+With async scheduling, the next step waits for the drafts of the last Propose. The step thread does it
+all: right after its step it sends the Propose, and before the next step it waits for the answer itself
+(answers come back in the order the Proposes went out; `wait` takes them up to the one asked for,
+handing each to its `on_answer` on the step thread). The event loop only prepares the connection before
+a step-thread call and collects the outcomes after it (`prepare`, `collect`). Two proposers:
 
-A failure is a failed Propose, as on the other paths: its requests get no drafts this iteration, every
-Propose still unanswered fails with it, the connection and the hidden-state transport are reset, and
-the next Propose reconnects. The same frames as `specsplit.local_stream`.
+- `DirectProposer`, a co-located drafter: a blocking connection to the drafter's Unix socket; the step
+  thread writes the Propose and reads the answer itself, crossing no event loop on either side.
+- `PooledProposer`, pooled drafters (any number of replicas, gRPC ProposeStreams, hidden states by grpc
+  bytes or nccl): the step thread hands the Propose to the event loop, where `DrafterClient.propose`
+  spreads it over the replicas, and waits for its answer where the direct proposer reads it.
+
+A failure is a failed Propose: its requests get no drafts this iteration. On the socket, every Propose
+still unanswered fails with it, the connection and the hidden-state transport are reset, and the next
+Propose reconnects (the same frames as `specsplit.local_stream`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +47,7 @@ tracer = trace.get_tracer("specsplit.verifier")
 
 @dataclass
 class PendingPropose:
-    """One Propose sent on the direct connection, until its answer (or failure) is in `proposal`."""
+    """One Propose sent by the step thread, until its answer (or failure) is in `proposal`."""
 
     context: object  # what `on_answer` needs (the servicer's batch and step)
     num_reqs: int
@@ -54,12 +58,15 @@ class PendingPropose:
     sent_ns: int = 0
     t0: int = field(default_factory=time.perf_counter_ns)
     transfer: Transfer | None = None
+    future: concurrent.futures.Future | None = None  # PooledProposer: the event loop's Propose
     proposal: object = None  # specsplit.verifier.drafter_client.Proposal once answered
 
 
 class DirectProposer:
     """A co-located drafter's Unix socket, driven by the verifier's step thread. `prepare()` and
     `collect()` run on the event loop, between step-thread calls; everything else on the step thread."""
+
+    name = "colocated"
 
     def __init__(self, client, address: str):
         self.client = client  # specsplit.verifier.drafter_client.DrafterClient
@@ -95,8 +102,15 @@ class DirectProposer:
         self._sock = sock
 
     def collect(self) -> list[PendingPropose]:
-        """Event loop: the Proposes answered or failed since the last call, in order."""
+        """Event loop: the Proposes answered or failed since the last call, in order, counted in the
+        drafter pool (frees they carried leave the replica's queue once answered)."""
         done, self._done = self._done, []
+        replica = self.replica
+        for p in done:
+            ok = p.proposal.ok
+            self.client.pool.record_call(self.address, p.num_reqs, None if ok else p.proposal.error)
+            if ok:
+                del replica.pending_free[: p.num_finished]  # frees queued meanwhile stay
         return done
 
     @property
@@ -243,3 +257,88 @@ class DirectProposer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class PooledProposer:
+    """Pooled drafters, driven by the verifier's step thread through the event loop: `send` hands the
+    Propose to `DrafterClient.propose` (which records its calls in the drafter pool) and returns once the
+    rows are with the transport; `wait` blocks for the answer. `prepare()` and `collect()` run on the loop."""
+
+    name = "pooled"
+
+    def __init__(self, client):
+        self.client = client  # specsplit.verifier.drafter_client.DrafterClient
+        self._pending: collections.deque[PendingPropose] = collections.deque()
+        self._done: list[PendingPropose] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def prepare(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.client.pool.start()
+
+    def collect(self) -> list[PendingPropose]:
+        done, self._done = self._done, []
+        return done
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def send(self, plan, context, on_answer: Callable[[PendingPropose], None], parent) -> PendingPropose:
+        """Step thread: `plan` (a `ProposeBatch`) to the event loop; returns once every replica's transport
+        holds its rows (the step's hidden states may then be overwritten). `parent`: the trace context."""
+        span = tracer.start_span(
+            "send_hidden_states",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes={"specsplit.hidden_state_bytes": plan.hidden_state_bytes},
+        )
+        pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, 0, span, on_answer)
+        if not self.client.pool.targets:  # no speculation: nothing to send
+            pending.future = concurrent.futures.Future()
+            no_drafts = [[] for _ in plan.items]
+            pending.future.set_result(Proposal(False, no_drafts, "no drafter configured", plan.hidden_state_bytes))
+            self._pending.append(pending)
+            return pending
+        staged = threading.Event()
+
+        async def propose():
+            with trace.use_span(span):  # the messages carry this span's trace context
+                return await self.client.propose(plan, len(plan.items), staged.set)
+
+        pending.sent_ns = time.time_ns()
+        pending.future = asyncio.run_coroutine_threadsafe(propose(), self._loop)
+        staged.wait(self.client.timeout_s)
+        self._pending.append(pending)
+        return pending
+
+    def wait(self, pending: PendingPropose):
+        """Step thread: the answers in order until `pending`'s is in; returns its Proposal."""
+        while pending.proposal is None:
+            self._take_one()
+        return pending.proposal
+
+    def wait_all(self) -> None:
+        while self._pending:
+            self._take_one()
+
+    def _take_one(self) -> None:
+        head = self._pending.popleft()
+        try:
+            proposal = head.future.result()
+        except Exception as err:  # noqa: BLE001 (a bug in the drafter path fails the Propose, not the next Verify)
+            log.exception("a pooled Propose failed")
+            no_drafts = [[] for _ in range(head.num_reqs)]
+            proposal = Proposal(False, no_drafts, f"Propose failed: {err!r}", head.nbytes, 0, None, head.sent_ns)
+        head.proposal = proposal
+        if not proposal.ok:
+            head.span.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
+        head.span.end()
+        try:
+            head.on_answer(head)
+        finally:
+            self._done.append(head)
+
+    def close(self) -> None:
+        for p in self._pending:
+            p.future.cancel()

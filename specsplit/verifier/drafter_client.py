@@ -2,9 +2,9 @@
 
 The batch is split by the replica that owns each request (`DrafterPool`): one Propose per
 replica, all concurrent, drafts merged back in batch order. Each replica gets one persistent
-`ProposeStream` (one message each way per iteration; `rpc="local"`: the same stream on the replica's
-co-located drafter's Unix socket, without gRPC); a broken stream fails the Propose and
-is reopened.
+`ProposeStream` (one message each way per iteration); a broken stream fails the Propose and is
+reopened. A co-located drafter (`rpc="local"`) is instead driven on its Unix socket by the verifier's
+step thread (`direct_propose.DirectProposer`); this client then only opens its transport and frees.
 Losing a replica never changes output: its requests get no drafts this iteration and are placed on
 another replica from the next one on; with no replica at all, requests decode plainly. Frees go to
 the replica that owned the request, with its next call (or alone, in a Free call, when it has no
@@ -25,26 +25,23 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from specsplit.bidi_stream import BidiStream
 from specsplit.errors import UsageError
-from specsplit.local_stream import DRAFTER_RPCS, LocalStream, served_socket
+from specsplit.local_stream import DRAFTER_RPCS
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
 from specsplit.transport.grpc_bytes import GrpcSender
+from specsplit.verifier.direct_propose import DirectProposer, PooledProposer
 from specsplit.verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal, merge_replica_drafts
 from specsplit.verifier.runner import StepOutput
-
-if TYPE_CHECKING:
-    from specsplit.verifier.direct_propose import DirectProposer
 
 log = logging.getLogger(__name__)
 
@@ -143,21 +140,24 @@ class DrafterClient:
         self.pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
         self.rpc = rpc
         # address -> (stub it was opened on, stream)
-        self._streams: dict[str, tuple[object, BidiStream | LocalStream]] = {}
+        self._streams: dict[str, tuple[object, BidiStream]] = {}
         # Per replica: one Propose at a time, from handing over its rows to the reply, so Proposes reach a
         # drafter in the order their rows were sent (nccl pairs them by order).
         self._replica_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.transport = transport if transport is not None else GrpcSender()
         targets = self.pool.targets
         one_replica = len(targets) == 1 and not targets[0].startswith(DNS_PREFIX)
-        # `rpc="local"` to one drafter: with async scheduling the step thread makes the Proposes itself.
-        # Not over nccl: its sends pair with the drafter's receives through a process group that a restarted
-        # drafter must re-join, which the event loop's path handles and the step thread's was not shown to.
-        self.direct: DirectProposer | None = None
-        if rpc == "local" and one_replica and self.transport.name != "nccl":
-            from specsplit.verifier.direct_propose import DirectProposer  # it builds on this module
-
-            self.direct = DirectProposer(self, targets[0])
+        # The verifier's step thread makes the Proposes (`direct_propose.py`): itself on a co-located drafter's
+        # socket (`rpc="local"`, one drafter), else through the event loop's `propose`. Not nccl on the socket:
+        # its sends pair with the drafter's receives through a process group that a restarted drafter must
+        # re-join, which `propose` handles.
+        if rpc == "local" and self.transport.name == "nccl":
+            raise TransportConfigError("a co-located drafter takes hidden states by cuda_ipc (grpc on CPU), not nccl")
+        self.proposer: DirectProposer | PooledProposer
+        if rpc == "local" and one_replica:
+            self.proposer = DirectProposer(self, targets[0])
+        else:
+            self.proposer = PooledProposer(self)
         if targets and (self.transport.name != "grpc" or rpc == "local") and not one_replica:
             kind = "a co-located drafter" if rpc == "local" else f"hidden states by {self.transport.name}"
             raise TransportConfigError(
@@ -295,19 +295,14 @@ class DrafterClient:
         self.pool.record_call(address, len(indices))
         return resp, ""
 
-    def _stream(self, replica: Replica) -> BidiStream | LocalStream:
+    def _stream(self, replica: Replica) -> BidiStream:
         """The replica's ProposeStream, reopened on its current channel (a failed replica gets a fresh
         channel from its health probe; a stream that failed has closed itself)."""
         stub, stream = self._streams.get(replica.address, (None, None))
         if stub is not replica.stub:
             if stream is not None:
                 stream.close()
-            peer = f"drafter {replica.address}"
-            if self.rpc == "local":
-                connect = served_socket(replica.stub, "propose_socket", peer, self.timeout_s)
-                stream = LocalStream(connect, drafter_pb2.ProposeResponse.FromString, self.timeout_s, peer)
-            else:
-                stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, peer)
+            stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, f"drafter {replica.address}")
             self._streams[replica.address] = (replica.stub, stream)
         return stream
 
@@ -387,8 +382,7 @@ class DrafterClient:
         self.pool.record_call(address, 0)
 
     async def close(self) -> None:
-        if self.direct is not None:
-            self.direct.close()
+        self.proposer.close()
         for _, stream in self._streams.values():
             stream.close()
         self.transport.close()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
+    ServerOptions,
     ServiceServer,
     add_service,
     announce,
@@ -17,9 +19,9 @@ from specsplit.grpc_server import (
     run_until_signal,
 )
 from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
-from specsplit.models.serve_options import add_model_arguments, apply_eager_option
+from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
 from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
-from specsplit.placement import add_placement_arguments, placement_of
+from specsplit.placement import Placement, add_placement_arguments, resolve_placement
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
@@ -47,14 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1:0",
         help="nccl: HOST:PORT of the rendezvous this verifier hosts, as the drafter dials it (port 0: any free port)",
     )
-    t.add_argument(
-        "--transport-backend",
-        default="auto",
-        choices=["auto", "nccl", "gloo"],
-        help="nccl: torch.distributed backend (auto: nccl on CUDA, gloo on CPU)",
-    )
     t.add_argument("--transport-timeout", type=float, default=30.0, help="nccl: seconds any transfer may wait")
-    t.add_argument("--transport-slots", type=int, default=4, help="cuda_ipc: buffers in the ring")
     t.add_argument(
         "--transport-connect-timeout",
         type=float,
@@ -63,34 +58,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass(frozen=True)
+class VerifierConfig:
+    """`specsplit serve verifier`'s options (`add_arguments`), checked, with the placement resolved for its
+    device."""
+
+    server: ServerOptions
+    model: ModelOptions
+    placement: Placement
+    socket_dir: str | None  # None: a private directory under $TMPDIR
+    drafter: str | None  # replicas, comma-separated; None: no speculation
+    num_blocks: int
+    block_size: int
+    max_model_len: int | None  # None: the model's context length
+    drafter_timeout: float
+    transport_address: str  # nccl: the rendezvous this verifier hosts
+    transport_timeout: float
+    transport_connect_timeout: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VerifierConfig:
+        """The parsed command line; UsageError for a value out of range or a port taken."""
+        config = cls(
+            server=ServerOptions.from_args(args),
+            model=ModelOptions.from_args(args),
+            placement=resolve_placement(args.placement, args.device, args.hidden_transport),
+            socket_dir=args.socket_dir,
+            drafter=args.drafter,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            drafter_timeout=args.drafter_timeout,
+            transport_address=args.transport_address,
+            transport_timeout=args.transport_timeout,
+            transport_connect_timeout=args.transport_connect_timeout,
+        )
+        check_flag_ranges(
+            config,
+            num_blocks=(1, None),
+            block_size=(1, None),
+            max_model_len=(1, None),
+            drafter_timeout=(0, None),
+            transport_timeout=(0, None),
+            transport_connect_timeout=(0, None),
+        )
+        return config
+
+
 def model_info(
-    model_dir: str, config, args: argparse.Namespace, max_model_len: int, verify_socket: str = ""
+    config: VerifierConfig, model_config, max_model_len: int, verify_socket: str = ""
 ) -> common_pb2.ModelInfo:
+    """What GetModelInfo answers: the target `model_config` as this verifier serves it."""
     return common_pb2.ModelInfo(
-        model=Path(model_dir).resolve().name,
-        architecture=config.architecture,
-        vocab_size=config.vocab_size,
+        model=Path(config.model.checkpoint).resolve().name,
+        architecture=model_config.architecture,
+        vocab_size=model_config.vocab_size,
         max_model_len=max_model_len,
         num_speculative_tokens=0,
-        eos_token_ids=config.eos_token_ids,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        hidden_size=config.hidden_size,
+        eos_token_ids=model_config.eos_token_ids,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        dtype=config.model.dtype,
+        hidden_size=model_config.hidden_size,
         verify_socket=verify_socket,
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
-    check_model_server(args, drafter=False)  # before torch loads: a plain mistake is told at once
-    check_flag_ranges(
-        args,
-        max_model_len=(1, None),
-        drafter_timeout=(0, None),
-        transport_timeout=(0, None),
-        transport_slots=(1, None),
-        transport_connect_timeout=(0, None),
-    )
+async def serve(config: VerifierConfig) -> None:
+    model_options, placement = config.model, config.placement
+    check_model_server(model_options, drafter=False)  # before torch loads: a plain mistake is told at once
     import torch
 
     from specsplit.models.device import device_executor, use_device
@@ -101,72 +137,75 @@ async def serve(args: argparse.Namespace) -> None:
     from specsplit.verifier.servicer import VerifierServicer
 
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
-    tls = load_tls(args.tls_dir)
+    tls = load_tls(config.server.tls_dir)
     server = ServiceServer(
         "verifier",
-        args.host,
-        args.port,
+        config.server.host,
+        config.server.port,
         [service],
         tls=tls,
         require_client_cert=True,
-        max_message_bytes=args.max_message_mb * 2**20,
+        max_message_bytes=config.server.max_message_bytes,
     )
-    placement = placement_of(args, args.device)
     try:
         transport = make_sender(
             placement.hidden_transport,
-            rendezvous=args.transport_address,
-            backend=None if args.transport_backend == "auto" else args.transport_backend,
-            timeout_s=args.transport_timeout,
-            num_slots=args.transport_slots,
+            rendezvous=config.transport_address,
+            timeout_s=config.transport_timeout,
             device_hand_off=placement.device_hand_off,
         )
         drafter = DrafterClient(
-            args.drafter, args.drafter_timeout, tls=tls, rpc=placement.drafter_rpc, transport=transport
+            config.drafter, config.drafter_timeout, tls=tls, rpc=placement.drafter_rpc, transport=transport
         )
     except ValueError as err:  # a --drafter target that is not HOST:PORT
         raise UsageError(str(err)) from err
     # Loading, graph capture and transport set-up run on the loop's default executor: on the device too.
-    use_device(args.device)
-    asyncio.get_running_loop().set_default_executor(device_executor(args.device, 4, "model"))
-    servicer = VerifierServicer(drafter, args.device, SlowStepWatch("verifier", args.slow_step_s))
+    use_device(model_options.device)
+    asyncio.get_running_loop().set_default_executor(device_executor(model_options.device, 4, "model"))
+    servicer = VerifierServicer(drafter, model_options.device, SlowStepWatch("verifier", model_options.slow_step_s))
     add_service(server.server, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    sockets = socket_dir(args.socket_dir, "verifier")
+    sockets = socket_dir(config.socket_dir, "verifier")
     # The event loop serves it, ending idle connections once the servicer drains.
     socket_server = LocalStreamServer(
         sockets.path("verifier.sock"),
         verifier_pb2.VerifyRequest.FromString,
         servicer.handle_stream_request,
         servicer.draining,
-        args.max_message_mb * 2**20,
+        config.server.max_message_bytes,
     )
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
-    dtype = getattr(torch, args.dtype)
-    step_path = apply_eager_option(args)
+    dtype = getattr(torch, model_options.dtype)
+    step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
     try:
-        with checkpoint_mistakes(args.model):
+        with checkpoint_mistakes(model_options.checkpoint):
             model = await loop.run_in_executor(
-                None, lambda: load_target(args.model, dtype=dtype, device=args.device, load_format=args.load_format)
+                None,
+                lambda: load_target(
+                    model_options.checkpoint,
+                    dtype=dtype,
+                    device=model_options.device,
+                    load_format=model_options.load_format,
+                ),
             )
     except UsageError:
         await local.close()
         sockets.remove()
         raise
-    config = model.config
-    kv_cache = model.make_kv_cache(args.num_blocks, args.block_size)
+    model_config = model.config
+    kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
     max_model_len = min(
-        config.max_position_embeddings,
-        args.max_model_len or config.max_position_embeddings,
-        args.num_blocks * args.block_size,
+        model_config.max_position_embeddings,
+        config.max_model_len or model_config.max_position_embeddings,
+        config.num_blocks * config.block_size,
     )
-    info = model_info(args.model, config, args, max_model_len, local.path)
-    if args.drafter:
+    info = model_info(config, model_config, max_model_len, local.path)
+    if config.drafter:
         try:
-            example = torch.zeros(1, config.hidden_size, dtype=dtype, device=args.device)
-            await drafter.open_transport(example, args.transport_connect_timeout, info)
+            example = torch.zeros(1, model_config.hidden_size, dtype=dtype, device=model_options.device)
+            await drafter.open_transport(example, config.transport_connect_timeout, info)
         except TransportConfigError:
             await drafter.close()
             await local.close()
@@ -178,7 +217,7 @@ async def serve(args: argparse.Namespace) -> None:
         lambda: VerifierRunner(
             model,
             kv_cache,
-            "reference" if args.eager else "auto",
+            "reference" if model_options.eager else "auto",
             **step_path,
             max_model_len=max_model_len,
         ),
@@ -190,11 +229,11 @@ async def serve(args: argparse.Namespace) -> None:
     log.info(
         "serving %s (%s) on %s, KV cache %d blocks x %d tokens, drafter %s (hidden states by %s), VerifyStream "
         "also on %s",
-        args.model,
-        config.architecture,
-        args.device,
-        args.num_blocks,
-        args.block_size,
+        model_options.checkpoint,
+        model_config.architecture,
+        model_options.device,
+        config.num_blocks,
+        config.block_size,
         placement.name,
         placement.hidden_transport,
         local.path,
@@ -206,5 +245,9 @@ async def serve(args: argparse.Namespace) -> None:
         await drafter.close()
 
     await run_until_signal(
-        server, on_stop, grace_s=args.shutdown_grace, delay_s=args.shutdown_delay, on_drain=servicer.drain
+        server,
+        on_stop,
+        grace_s=config.server.shutdown_grace,
+        delay_s=config.server.shutdown_delay,
+        on_drain=servicer.drain,
     )

@@ -4,6 +4,10 @@ Async scheduling (the only mode): the response goes back as soon as the tokens a
 sampled and the Propose runs on; its drafts are held (`held_drafts.py`) for the next Verify, which
 waits for that Propose before its step. The coordinator's post_step, schedule and
 both hops then overlap the drafter instead of following it.
+
+One control plane: the step thread waits for the last Propose, steps and sends this step's, through
+the drafter client's proposer (`direct_propose.py`: a co-located drafter's socket or pooled drafters);
+the event loop decodes, prepares the proposer, and encodes.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from specsplit.models.step_upload import StepUpload
 from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
-from specsplit.verifier.direct_propose import DirectProposer, PendingPropose
+from specsplit.verifier.direct_propose import DirectProposer, PendingPropose, PooledProposer
 from specsplit.verifier.drafter_client import DrafterClient, sampling_of
 from specsplit.verifier.held_drafts import HeldDrafts
-from specsplit.verifier.input_batch import InputBatch, plan_input_batch, upload_input_batch, with_held_drafts
+from specsplit.verifier.input_batch import plan_input_batch, upload_input_batch, with_held_drafts
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.response import verify_response
 from specsplit.verifier.runner import StepOutput, VerifierRunner
@@ -60,10 +64,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._coordinator_id: str | None = None
         self.draining = asyncio.Event()
         self._last_iteration = 0
-        # Async scheduling: the Propose still running (its drafts go to _held): made on the loop (a
-        # future) or by the step thread (`direct_propose.py`).
+        # Async scheduling: the Propose still running (its drafts go to _held once answered).
         self._held = HeldDrafts()
-        self._proposing: asyncio.Future[Proposal] | PendingPropose | None = None
+        self._proposing: PendingPropose | None = None
 
     def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
         self.runner = runner
@@ -188,13 +191,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             "specsplit.verifier_rpc": rpc,
         }
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
-            direct = await self._direct_for(request)
-            span.set_attribute("specsplit.propose_path", "step_thread" if direct is not None else "event_loop")
-            if direct is not None:
-                outcome = await self._verify_direct(request, direct, received_ns)
-            else:
-                outcome = await self._verify_on_loop(request, received_ns)
-            batch, step, unfilled, proposal, drafts_wait_ns = outcome
+            proposer = self.drafter.proposer
+            span.set_attribute("specsplit.proposer", proposer.name)
+            batch, step, unfilled, proposal, drafts_wait_ns = await self._verify_and_propose(
+                request, proposer, received_ns
+            )
             if proposal is not None:
                 span.set_attribute("specsplit.drafter_ok", proposal.ok)
             verify_duration.record((time.time_ns() - step.stamps_ns[0]) / 1e9)
@@ -203,31 +204,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         response.timing.replied_ns = time.time_ns()
         return response
 
-    async def _direct_for(self, request: verifier_pb2.VerifyRequest) -> DirectProposer | None:
-        """The step thread's own Propose path (`direct_propose.py`) when it serves this
-        iteration: `--drafter-rpc local` to one drafter that owns every request."""
-        direct = self.drafter.direct
-        if direct is None:
-            return None
-        await self.drafter.pool.start()
-        owners = self.drafter.pool.assign([r.request_id for r in request.requests])
-        return direct if all(owner == direct.address for owner in owners) else None
-
-    async def _verify_direct(self, request: verifier_pb2.VerifyRequest, direct: DirectProposer, received_ns: int):
+    async def _verify_and_propose(
+        self, request: verifier_pb2.VerifyRequest, proposer: DirectProposer | PooledProposer, received_ns: int
+    ):
         """The step thread waits for the last Propose, steps, and sends this step's."""
         earlier, self._proposing = self._proposing, None
-        if isinstance(earlier, asyncio.Future):  # made on the loop: settled before the transport is used here
-            previous, earlier = await self._settled(earlier), None
-        else:
-            previous = None
+        previous = None
         parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
-        async with self._lock:  # the step thread uses the connection only inside calls made under it
-            await direct.prepare()
+        async with self._lock:  # the step thread uses the proposer only inside calls made under it
+            await proposer.prepare()
             self.drafter.free(list(request.finished_request_ids))
             batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(
-                self._direct_step, request, earlier, direct, parent
+                self._step_and_propose, request, earlier, proposer, parent
             )
-            self._record_direct(direct)
+            self._record(proposer)
         self._proposing = pending
         if earlier is not None and request.requests:
             tracer.start_span("wait_for_drafts", start_time=w0).end(end_time=w1)
@@ -237,14 +227,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._step_spans(step)
         return batch, step, unfilled, previous, w1 - received_ns
 
-    def _direct_step(self, request, earlier: PendingPropose | None, direct: DirectProposer, parent):
+    def _step_and_propose(
+        self, request, earlier: PendingPropose | None, proposer: DirectProposer | PooledProposer, parent
+    ):
         """Step thread: the last Propose's drafts, the step, this step's Propose sent."""
         w0 = time.time_ns()
         early = None
         if earlier is not None and request.requests:  # an iteration that only frees does not wait
             early = self._plan_early(request)  # while the drafts are on their way
             early.planned_ns = time.time_ns()
-            direct.wait(earlier)
+            proposer.wait(earlier)
         w1 = time.time_ns()
         unfilled = self._held.fill(request)
         batch, launched = self._prepare_and_step(request, early, launch_only=True)
@@ -252,19 +244,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         plan = self.drafter.device_plan(request.iteration, launched, sampling) if batch.num_reqs else None
         if plan is not None:  # a device hand-off: the Propose goes before the step is done
             held = HeldStep(batch)
-            pending = direct.send(plan, held, self._keep_direct, parent)
+            pending = proposer.send(plan, held, self._keep_answered, parent)
             with self.slow_steps.watch("step"):
-                step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_direct)
+                step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_answered)
         else:
             with self.slow_steps.watch("step"):
                 step = self.runner.finish(launched) if batch.num_reqs else launched
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
-            pending = direct.send(plan, HeldStep(batch, step), self._keep_direct, parent)
+            pending = proposer.send(plan, HeldStep(batch, step), self._keep_answered, parent)
         return batch, step, unfilled, (w0, w1, early), pending
 
-    def _keep_direct(self, pending: PendingPropose) -> None:
-        """Step thread: a direct Propose is answered (or failed): its drafts are held for the next step
-        (a device hand-off's once its step is finished)."""
+    def _keep_answered(self, pending: PendingPropose) -> None:
+        """Step thread: a Propose is answered (or failed): its drafts are held for the next step (a device
+        hand-off's once its step is finished)."""
         held: HeldStep = pending.context
         if held.step is None:
             held.answered = pending
@@ -272,23 +264,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         proposal = pending.proposal
         self._held.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
 
-    def _record_direct(self, direct: DirectProposer) -> None:
-        """Event loop: the direct Proposes answered meanwhile, counted in the drafter pool."""
-        replica = direct.replica
-        for p in direct.collect():
-            ok = p.proposal.ok
-            self.drafter.pool.record_call(direct.address, p.num_reqs, None if ok else p.proposal.error)
-            if ok:
-                del replica.pending_free[: p.num_finished]  # frees queued meanwhile stay
+    @staticmethod
+    def _record(proposer: DirectProposer | PooledProposer) -> None:
+        """Event loop: the Proposes answered meanwhile, in the hidden-state bytes metric."""
+        for p in proposer.collect():
             hidden_state_bytes.add(p.nbytes)
-
-    async def _drain_direct(self) -> None:
-        """Before the loop's Propose path is used: every direct Propose answered (its drafts held)."""
-        direct = self.drafter.direct
-        if direct is not None and direct.busy:
-            async with self._lock:
-                await self._steps.run(direct.wait_all)
-                self._record_direct(direct)
 
     @staticmethod
     def _step_spans(step: StepOutput) -> None:
@@ -296,75 +276,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tracer.start_span("prepare_inputs", start_time=t0).end(end_time=t1)
         tracer.start_span("target_forward", start_time=t1).end(end_time=t2)
         tracer.start_span("rejection_sample", start_time=t2).end(end_time=t3)
-
-    async def _verify_on_loop(self, request: verifier_pb2.VerifyRequest, received_ns: int):
-        """The event loop's path: the step on the step thread, the Propose (to any number of drafter
-        replicas, by any rpc) on the loop."""
-        loop = asyncio.get_running_loop()
-        earlier, self._proposing = self._proposing, None
-        await self._drain_direct()  # the step thread's Proposes answered before this path uses the transport
-        # Async scheduling: a step needs the drafts the last Propose makes; an iteration
-        # that only frees requests does not wait (its Propose then waits for the last one).
-        previous = None
-        if isinstance(earlier, PendingPropose):  # the step thread's: answered by now
-            previous, earlier = (earlier.proposal if request.requests else None), None
-        elif earlier is not None and request.requests:
-            with tracer.start_as_current_span("wait_for_drafts"):
-                previous, earlier = await self._settled(earlier), None
-        drafts_wait_ns = time.time_ns() - received_ns
-        async with self._lock:
-            self.drafter.free(list(request.finished_request_ids))
-            unfilled = self._held.fill(request)
-            batch, step = await self._steps.run(self._prepare_and_step, request)
-            self._step_spans(step)
-            propose_msg = self.drafter.build_request(request.iteration, batch, step, sampling_of(request))
-            nbytes = propose_msg.hidden_state_bytes
-            send = tracer.start_span(
-                "send_hidden_states", kind=SpanKind.CLIENT, attributes={"specsplit.hidden_state_bytes": nbytes}
-            )
-            with trace.use_span(send):  # the Propose (its trace context) runs under this span
-                staged = loop.create_future()  # the rows are with the transport: the next step may run
-                propose = asyncio.ensure_future(
-                    self.drafter.propose(propose_msg, batch.num_reqs, lambda: staged.set_result(None))
-                )
-            await asyncio.wait((propose, staged), return_when=asyncio.FIRST_COMPLETED)
-        hidden_state_bytes.add(nbytes)
-        # The Propose this response reports: the one whose drafts this step verified (none for the first
-        # step). This step's goes on, its drafts held for the next.
-        self._proposing = asyncio.ensure_future(self._hold(propose, send, batch, step, earlier))
-        return batch, step, unfilled, previous, drafts_wait_ns
-
-    @staticmethod
-    async def _finish_propose(propose: asyncio.Future[Proposal], send: trace.Span) -> Proposal:
-        """The Propose round trip (outside the lock); ends its span."""
-        try:
-            proposal = await propose
-            if not proposal.ok:
-                send.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
-        finally:
-            send.end()
-        return proposal
-
-    async def _hold(
-        self, propose, send: trace.Span, batch: InputBatch, step: StepOutput, earlier: asyncio.Future | None
-    ) -> Proposal:
-        """Async scheduling: the Propose's drafts go to the held drafts of the next iteration (after
-        the `earlier` Propose, not waited for, is done too)."""
-        if earlier is not None:
-            await self._settled(earlier)
-        proposal = await self._finish_propose(propose, send)
-        self._held.keep(batch, step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
-        return proposal
-
-    @staticmethod
-    async def _settled(held: asyncio.Future[Proposal]) -> Proposal:
-        """A held Propose's outcome; one that failed unexpectedly is a failed Propose (its requests
-        simply get no drafts), not a failed Verify."""
-        try:
-            return await held
-        except Exception as err:  # noqa: BLE001 (a bug in the drafter path must not fail the next Verify)
-            log.exception("a held Propose failed")
-            return Proposal(False, [], f"held Propose failed: {err!r}")
 
     async def Free(self, request, context):
         await self._require_ready(context)

@@ -8,7 +8,7 @@ import sys
 import time
 
 from specsplit.cli import parse_args
-from specsplit.drafter.server import serve
+from specsplit.drafter.server import DrafterConfig, serve
 from specsplit.grpc_server import setup_logging
 
 
@@ -34,9 +34,9 @@ class FirstProposeSleeps:
 
 def main() -> None:
     seconds = float(sys.argv[1])
-    args = parse_args(["serve", "drafter", *sys.argv[2:]])
-    setup_logging("drafter", args.log_level)
-    asyncio.run(serve(args, wrap_runner=lambda runner: FirstProposeSleeps(runner, seconds)))
+    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *sys.argv[2:]]))
+    setup_logging("drafter", config.server.log_level)
+    asyncio.run(serve(config, wrap_runner=lambda runner: FirstProposeSleeps(runner, seconds)))
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def test_server_spans_are_children_of_the_callers_client_spans(traced):
     # LocalCluster's default control paths: the trace context crossed both Unix sockets.
     assert {s["attributes"]["specsplit.drafter_rpc"] for s in proposes} == {"local"}
     assert {s["attributes"]["specsplit.verifier_rpc"] for s in verifies} == {"local"}
-    # Async scheduling with one drafter on its socket: the step thread makes the Proposes itself.
-    assert {s["attributes"]["specsplit.propose_path"] for s in verifies} == {"step_thread"}
+    # Async scheduling with one co-located drafter: the step thread makes the Proposes itself on its socket.
+    assert {s["attributes"]["specsplit.proposer"] for s in verifies} == {"colocated"}
     for name in ("prepare_inputs", "target_forward", "rejection_sample", "wait_for_drafts", "plan_ahead"):
         assert all(by_id[s["parent_id"]]["name"] == "Verify" for s in trace if s["name"] == name)
     # The step planned while its drafts were on their way, and ran on that plan (the drafter made every draft).

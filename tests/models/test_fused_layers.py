@@ -185,15 +185,11 @@ def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
 
 
 def test_the_servers_eager_switch_turns_every_kernel_off_and_only_then(monkeypatch):
-    import argparse
+    from specsplit.models.serve_options import apply_eager_option
 
-    from specsplit.models.serve_options import add_model_arguments, apply_eager_option
-
-    p = argparse.ArgumentParser()
-    add_model_arguments(p)
     monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
     monkeypatch.setattr(layer_ops, "_gemv_mode", layer_ops._gemv_mode)
-    assert apply_eager_option(p.parse_args(["--eager"])) == {"attention_kernel": False, "cuda_graphs": False}
+    assert apply_eager_option(True) == {"attention_kernel": False, "cuda_graphs": False}
     assert not layer_ops._enabled and layer_ops._gemv_mode == "off"
-    assert apply_eager_option(p.parse_args([])) == {"attention_kernel": None, "cuda_graphs": None}
+    assert apply_eager_option(False) == {"attention_kernel": None, "cuda_graphs": None}
     assert layer_ops._enabled and layer_ops._gemv_mode == "measured"

@@ -54,7 +54,8 @@ def test_a_transport_other_than_grpc_and_a_colocated_drafter_need_exactly_one_dr
         TransportConfigError, match="a co-located drafter needs exactly one --drafter.*--placement pooled"
     ):
         DrafterClient("dns:///drafters:50053", 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
-    assert DrafterClient(None, 2.0, rpc="local", transport=SimpleNamespace(name="grpc")).direct is None
+    no_drafter = DrafterClient(None, 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
+    assert no_drafter.proposer.name == "pooled"  # no socket to drive: Proposes fail at once, no drafts
 
 
 class InfoOnlyDrafter(drafter_pb2_grpc.DrafterServicer):

@@ -110,12 +110,12 @@ def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
     servicer._held = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
     held = HeldStep("batch")
     pending = types.SimpleNamespace(context=held, proposal=types.SimpleNamespace(drafts=[[4, 5]], draft_probs=None))
-    servicer._keep_direct(pending)
+    servicer._keep_answered(pending)
     assert kept == [] and held.answered is pending
-    assert held.finished("step", servicer._keep_direct) == "step"
+    assert held.finished("step", servicer._keep_answered) == "step"
     assert kept == [("batch", "step", [[4, 5]])]
     later = HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
-    servicer._keep_direct(types.SimpleNamespace(context=later, proposal=pending.proposal))
+    servicer._keep_answered(types.SimpleNamespace(context=later, proposal=pending.proposal))
     assert kept[-1] == ("batch 2", "step 2", [[4, 5]])
 
 

@@ -1,7 +1,9 @@
-"""specsplit.verifier.direct_propose: the step thread's Proposes on the drafter's `--propose-socket`. Answers are
-read in the order the Proposes went out, each handed to its `on_answer` (the held drafts) with the
-drafts merged back; a drafter error, a drafter gone, no answer in time or a malformed answer fail every
-Propose in flight with the status a call would have, and the next Propose reconnects."""
+"""specsplit.verifier.direct_propose: the step thread's Proposes, on a co-located drafter's Unix socket
+(DirectProposer) or through the event loop to pooled drafters (PooledProposer). Answers are taken in the
+order the Proposes went out, each handed to its `on_answer` (the held drafts) on the step thread with the
+drafts merged back; on the socket a drafter error, a drafter gone, no answer in time or a malformed answer
+fail every Propose in flight with the status a call would have, and the next Propose reconnects; a pooled
+Propose that raises is a failed Propose."""
 
 import asyncio
 import os
@@ -17,8 +19,9 @@ from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.threaded_stream import ThreadedLocalStreamServer
 from specsplit.transport.grpc_bytes import GrpcSender
 from specsplit.transport.wire import tensor_from_proto
-from specsplit.verifier.direct_propose import DirectProposer
+from specsplit.verifier.direct_propose import DirectProposer, PooledProposer
 from specsplit.verifier.drafter_client import ProposeBatch
+from specsplit.verifier.proposal import Proposal
 
 ADDRESS = "127.0.0.1:1"
 
@@ -63,7 +66,12 @@ class FakeClient:
             pass
 
         replica = types.SimpleNamespace(stub=types.SimpleNamespace(GetModelInfo=model_info), pending_free=[])
-        self.pool = types.SimpleNamespace(replicas={ADDRESS: replica}, start=start)
+        self.calls: list[tuple[str, int, str | None]] = []  # the drafter pool's record of each call
+
+        def record_call(address, num_reqs, error=None):
+            self.calls.append((address, num_reqs, error))
+
+        self.pool = types.SimpleNamespace(replicas={ADDRESS: replica}, start=start, record_call=record_call)
         self.transport = GrpcSender()
         self.timeout_s = timeout_s
 
@@ -87,10 +95,10 @@ def run(coro):
 
 def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(socket_path):
     drafter, answered = FakeDrafter(), []
+    client = FakeClient(socket_path)
 
     async def main():
         server = await serve(socket_path, drafter)
-        client = FakeClient(socket_path)
         client.pool.replicas[ADDRESS].pending_free.extend(["gone"])
         direct = DirectProposer(client, ADDRESS)
         await direct.prepare()
@@ -105,6 +113,7 @@ def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(soc
 
     a, b, proposal, done = run(main())
     assert [p.context for p in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
+    assert client.calls == [(ADDRESS, 2, None), (ADDRESS, 1, None)]  # collect() counts them in the pool
     assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.num_finished == 1
     assert proposal is b.proposal and proposal.ok and proposal.drafts == [[2, 1]]
     assert proposal.step0_ns == 5 and proposal.sent_ns > 0 and proposal.received_ns >= proposal.sent_ns
@@ -187,3 +196,72 @@ def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socke
     assert "FAILED_PRECONDITION: thirteen is refused" in bad.proposal.error
     assert not behind.proposal.ok and "UNAVAILABLE" in behind.proposal.error
     assert [p.context for p in answered] == ["bad", "behind"]
+
+
+class FakePooledClient:
+    """What PooledProposer uses of DrafterClient: `propose` on the event loop (drafts [iteration] per
+    request after `delay_s`, staging first; iteration 13 raises), the pool's targets, the timeout."""
+
+    def __init__(self, targets=("dns:///drafters:50053",)):
+        async def start():
+            pass
+
+        self.pool = types.SimpleNamespace(targets=list(targets), start=start)
+        self.timeout_s = 5.0
+        self.threads: list[str] = []
+
+    async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        on_staged()
+        await asyncio.sleep(0.05 if plan.iteration == 1 else 0)
+        if plan.iteration == 13:
+            raise RuntimeError("boom")
+        return Proposal(True, [[plan.iteration] for _ in range(num_reqs)], "", plan.hidden_state_bytes)
+
+
+def test_pooled_proposes_run_on_the_loop_and_are_answered_in_order_on_the_step_thread():
+    client, answered = FakePooledClient(), []
+
+    def on_answer(pending):
+        import threading
+
+        answered.append((pending.context, threading.current_thread().name))
+
+    async def main():
+        pooled = PooledProposer(client)
+        await pooled.prepare()
+
+        def step_thread():  # as the verifier's step thread: send two, then wait for the second
+            a = pooled.send(plan(1, ["a", "b"]), "A", on_answer, None)
+            b = pooled.send(plan(2, ["c"]), "B", on_answer, None)
+            return a, b, pooled.wait(b)
+
+        a, b, proposal = await asyncio.to_thread(step_thread)
+        return a, b, proposal, pooled.collect()
+
+    a, b, proposal, done = run(main())
+    loop_thread = "MainThread"
+    assert client.threads == [loop_thread, loop_thread]  # DrafterClient.propose ran on the event loop
+    assert [context for context, _ in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
+    assert all(thread != loop_thread for _, thread in answered)  # on_answer: on the step thread
+    assert a.proposal.drafts == [[1], [1]] and proposal is b.proposal and proposal.drafts == [[2]]
+
+
+def test_a_pooled_propose_that_raises_is_a_failed_propose_and_no_drafter_fails_at_once():
+    answered = []
+
+    async def main():
+        pooled = PooledProposer(FakePooledClient())
+        await pooled.prepare()
+        broken = await asyncio.to_thread(lambda: pooled.wait(pooled.send(plan(13, ["a"]), "X", answered.append, None)))
+        nobody = PooledProposer(FakePooledClient(targets=()))
+        await nobody.prepare()
+        none = await asyncio.to_thread(lambda: nobody.wait(nobody.send(plan(2, ["a"]), "Y", answered.append, None)))
+        return broken, none
+
+    broken, none = run(main())
+    assert not broken.ok and "boom" in broken.error and broken.drafts == [[]]
+    assert not none.ok and none.error == "no drafter configured" and none.drafts == [[]]
+    assert [p.context for p in answered] == ["X", "Y"]

@@ -98,18 +98,3 @@ def test_requests_freed_while_their_propose_ran_are_not_held():
     held.keep(*batch_and_step(), [[1, 2, 3], [4, 5, 6], []], None, lambda rid: cached(rid, 0))
     assert len(held) == 1
     assert held.fill(verify_request(("a", 12, 13, 3), ("b", 5, 50, 2))) == [0, 2]
-
-
-def test_a_held_propose_that_raised_counts_as_a_failed_propose():
-    import asyncio
-
-    from specsplit.verifier.servicer import VerifierServicer
-
-    async def broken():
-        raise RuntimeError("boom")
-
-    async def run():
-        return await VerifierServicer._settled(asyncio.ensure_future(broken()))
-
-    proposal = asyncio.run(run())
-    assert not proposal.ok and "boom" in proposal.error and proposal.drafts == []
