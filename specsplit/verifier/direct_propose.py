@@ -80,10 +80,13 @@ class DirectProposer:
     def replica(self):
         return self.client.pool.replicas[self.address]
 
-    async def prepare(self) -> None:
-        """Event loop, before a step-thread call that may send (the pool started): connects if not
-        connected (asking the drafter for its socket's path). A failure here is left for `send` to report."""
+    async def prepare(self, request_ids: list[str]) -> None:
+        """Event loop, before a step-thread call that may send: the step's requests placed on this drafter
+        in the pool (so that their frees go to it), and a connection if there is none (asking the drafter
+        for its socket's path). A failure here is left for `send` to report."""
         self._loop = asyncio.get_running_loop()
+        await self.client.pool.start()
+        self.client.pool.assign(request_ids)
         if self._sock is not None:
             return
         peer = f"drafter {self.address}"
@@ -272,7 +275,8 @@ class PooledProposer:
         self._done: list[PendingPropose] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def prepare(self) -> None:
+    async def prepare(self, request_ids: list[str]) -> None:
+        """Event loop, before a step-thread call that may send (`DrafterClient.propose` places the requests)."""
         self._loop = asyncio.get_running_loop()
         await self.client.pool.start()
 

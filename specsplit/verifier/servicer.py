@@ -212,7 +212,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         previous = None
         parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
         async with self._lock:  # the step thread uses the proposer only inside calls made under it
-            await proposer.prepare()
+            await proposer.prepare([r.request_id for r in request.requests])
             self.drafter.free(list(request.finished_request_ids))
             batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(
                 self._step_and_propose, request, earlier, proposer, parent

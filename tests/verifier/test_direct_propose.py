@@ -71,7 +71,10 @@ class FakeClient:
         def record_call(address, num_reqs, error=None):
             self.calls.append((address, num_reqs, error))
 
-        self.pool = types.SimpleNamespace(replicas={ADDRESS: replica}, start=start, record_call=record_call)
+        self.assigned: list[list[str]] = []
+        self.pool = types.SimpleNamespace(
+            replicas={ADDRESS: replica}, start=start, record_call=record_call, assign=self.assigned.append
+        )
         self.transport = GrpcSender()
         self.timeout_s = timeout_s
 
@@ -101,7 +104,7 @@ def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(soc
         server = await serve(socket_path, drafter)
         client.pool.replicas[ADDRESS].pending_free.extend(["gone"])
         direct = DirectProposer(client, ADDRESS)
-        await direct.prepare()
+        await direct.prepare(["a", "b"])  # the step's requests placed on this drafter: their frees go to it
         a = direct.send(plan(1, ["a", "b"]), "A", answered.append, None)
         b = direct.send(plan(2, ["c"]), "B", answered.append, None)  # pipelined: A not read yet
         assert direct.busy
@@ -114,6 +117,7 @@ def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(soc
     a, b, proposal, done = run(main())
     assert [p.context for p in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
     assert client.calls == [(ADDRESS, 2, None), (ADDRESS, 1, None)]  # collect() counts them in the pool
+    assert client.assigned == [["a", "b"]]
     assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.num_finished == 1
     assert proposal is b.proposal and proposal.ok and proposal.drafts == [[2, 1]]
     assert proposal.step0_ns == 5 and proposal.sent_ns > 0 and proposal.received_ns >= proposal.sent_ns
@@ -131,11 +135,11 @@ def test_a_failed_propose_fails_what_is_in_flight_and_the_next_one_reconnects(so
     async def main():
         server = await serve(socket_path, drafter)
         direct = DirectProposer(FakeClient(socket_path, timeout_s), ADDRESS)
-        await direct.prepare()
+        await direct.prepare([])
         bad = direct.send(plan(iteration, ["a", "b"]), "bad", answered.append, None)
         behind = direct.send(plan(3, ["c"]), "behind", answered.append, None)
         await asyncio.to_thread(direct.wait, behind)
-        await direct.prepare()  # reconnects if the failure closed the connection
+        await direct.prepare([])  # reconnects if the failure closed the connection
         after = direct.send(plan(4, ["d"]), "after", answered.append, None)
         await asyncio.to_thread(direct.wait, after)
         direct.close()
@@ -157,10 +161,10 @@ def test_no_drafter_is_a_failed_propose_and_a_drafter_back_is_found(socket_path)
 
     async def main():
         direct = DirectProposer(FakeClient(socket_path), ADDRESS)
-        await direct.prepare()  # nobody listens: not connected
+        await direct.prepare([])  # nobody listens: not connected
         lost = direct.send(plan(1, ["a"]), "lost", answered.append, None)
         server = await serve(socket_path, drafter)
-        await direct.prepare()
+        await direct.prepare([])
         found = direct.send(plan(2, ["a"]), "found", answered.append, None)
         await asyncio.to_thread(direct.wait, found)
         direct.close()
@@ -181,7 +185,7 @@ def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socke
     async def main():
         server = await serve(socket_path, drafter)
         direct = DirectProposer(FakeClient(socket_path), ADDRESS)
-        await direct.prepare()
+        await direct.prepare([])
         bad = direct.send(plan(13, ["a"]), "bad", answered.append, None)
         for _ in range(250):  # the drafter has refused it and closed the connection: its thread is gone
             if drafter.got and not server._connections:
@@ -231,7 +235,7 @@ def test_pooled_proposes_run_on_the_loop_and_are_answered_in_order_on_the_step_t
 
     async def main():
         pooled = PooledProposer(client)
-        await pooled.prepare()
+        await pooled.prepare([])
 
         def step_thread():  # as the verifier's step thread: send two, then wait for the second
             a = pooled.send(plan(1, ["a", "b"]), "A", on_answer, None)
@@ -254,10 +258,10 @@ def test_a_pooled_propose_that_raises_is_a_failed_propose_and_no_drafter_fails_a
 
     async def main():
         pooled = PooledProposer(FakePooledClient())
-        await pooled.prepare()
+        await pooled.prepare([])
         broken = await asyncio.to_thread(lambda: pooled.wait(pooled.send(plan(13, ["a"]), "X", answered.append, None)))
         nobody = PooledProposer(FakePooledClient(targets=()))
-        await nobody.prepare()
+        await nobody.prepare([])
         none = await asyncio.to_thread(lambda: nobody.wait(nobody.send(plan(2, ["a"]), "Y", answered.append, None)))
         return broken, none
 
