@@ -1,11 +1,13 @@
 """One iteration in one process: schedule → verify (target forward + rejection sampling) → propose →
 post_step.
 
-This is the iteration the three services split across processes, with the same objects: the
-coordinator's `Scheduler` (schedule, post_step) and wire form, the verifier's held drafts, input batch
-and `VerifierRunner`, the drafter's `DrafterRunner`. As in the services (async scheduling), the
-scheduler leaves draft placeholders in `spec_token_ids` and the verifier side fills them with the drafts
-it holds from the previous iteration's propose. Tests, benchmarks and `specsplit.LLM` run it.
+This is the iteration the three services split across processes, over the same workers: the
+coordinator's `Scheduler` (schedule, post_step) and wire form, the verifier's `VerifierWorker` (held
+drafts, input batch, target forward and rejection sampling) and the drafter's `DrafterRunner` (the MTP
+steps). The services are adapters over them (gRPC, sockets, spans); here they are called directly. As in
+the services (async scheduling), the scheduler leaves draft placeholders in `spec_token_ids` and the
+verifier's worker fills them with the drafts it holds from the previous iteration's propose. Tests,
+benchmarks and `specsplit.LLM` run it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from specsplit.coordinator.wire import verify_request
 from specsplit.drafter.device_propose import can_propose_on_device
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK, propose_response
-from specsplit.models.step_upload import StepUpload
 from specsplit.transport.base import DeviceTokens
-from specsplit.verifier.held_drafts import HeldDrafts
-from specsplit.verifier.input_batch import InputBatch, build_input_batch
-from specsplit.verifier.runner import StepOutput, VerifierRunner
+from specsplit.verifier.input_batch import InputBatch
+from specsplit.verifier.worker import VerifierWorker
 
 
 @dataclass
@@ -43,28 +43,16 @@ class IterationTiming:
 
 
 class EngineCore:
-    """The verifier's and the drafter's runners driven by a scheduler, one iteration per `step()`.
+    """The verifier's worker and the drafter's runner driven by a scheduler, one iteration per `step()`.
 
     `drafter`: None for target-only decoding (no drafts). `device_hand_off`: as the services do for
     greedy decode steps that want drafts, the drafter's MTP steps are queued behind the verifier's step
     on the device before its tokens reach the host (`specsplit/drafter/device_propose.py`)."""
 
-    def __init__(
-        self,
-        verifier: VerifierRunner,
-        drafter: DrafterRunner | None,
-        *,
-        vocab_size: int,
-        max_model_len: int,
-        device: str,
-        device_hand_off: bool = True,
-    ):
+    def __init__(self, verifier: VerifierWorker, drafter: DrafterRunner | None, *, device_hand_off: bool = True):
         self.verifier = verifier
         self.drafter = drafter  # replaceable, e.g. by a forced-acceptance wrapper in benchmarks
-        self.vocab_size, self.max_model_len, self.device = vocab_size, max_model_len, device
         self.device_hand_off = device_hand_off
-        self.held = HeldDrafts()
-        self.upload = StepUpload(device)
 
     def step(self, scheduler: Scheduler) -> tuple[list[StepUpdate], IterationTiming]:
         t0 = time.time_ns()
@@ -72,23 +60,44 @@ class EngineCore:
         t1 = time.time_ns()
         self.free(output.finished_request_ids)
         request = verify_request(output, "in-process")  # the coordinator's message, as the services send it
-        unfilled = self.held.fill(request)  # the previous propose's drafts into their placeholders
-        batch = build_input_batch(
-            request,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            num_cached_tokens=self.verifier.kv_cache.num_tokens,
-            device=self.device,
-            upload=self.upload,
-        )
-        step, drafts, probs, (t_verified, step0, later, sample_ns) = self._verify_and_propose(batch, request)
-        self.held.keep(batch, step, drafts, probs)
+        batch, launched, unfilled = self.verifier.launch(request)  # with the previous propose's drafts
+        drafter = self.drafter
+        items = self._device_items(batch) if drafter is not None and launched is not None else None
+        if items is not None:  # the drafter's steps queued behind the verifier's, as the services do
+            t_verified = time.time_ns()
+            tokens = DeviceTokens(launched.sampled, launched.num_sampled)
+            proposal = drafter.propose(items, launched.hidden[: batch.query_start[-1]], tokens)
+            step = self.verifier.finish(batch, launched, with_rows=False)  # done: the drafter waited for it
+            sample_ns = 0
+        else:
+            step = self.verifier.finish(batch, launched)
+            t_verified, sample_ns = time.time_ns(), step.sample_ns
+            proposal = None
+            if drafter is not None and batch.num_reqs:
+                items = [
+                    ProposeItem(
+                        rid,
+                        step.start_positions[i],
+                        step.next_token_ids[i],
+                        batch.num_spec_tokens[i],
+                        r.sampling.temperature,
+                        r.sampling.seed & SEED_MASK,
+                    )
+                    for i, (rid, r) in enumerate(zip(batch.req_ids, request.requests))
+                ]
+                proposal = drafter.propose(items, step.hidden_states)
+        if proposal is not None:
+            probs = None
+            if any(p is not None for p in proposal.draft_probs):  # sampled drafts: q in the wire form held drafts keep
+                response = propose_response(items, proposal, 0)
+                probs = [d.draft_probs if d.HasField("draft_probs") else None for d in response.drafts]
+            self.verifier.keep(batch, step, proposal.drafts, probs)
         results = [
             VerifyResult(rid, step.sampled_token_ids[i], step.num_rejected[i] + unfilled[i], batch.num_draft_tokens[i])
             for i, rid in enumerate(batch.req_ids)
         ]
         t2 = time.time_ns()
-        updates = scheduler.update_from_output(output, results, drafter_ok=self.drafter is not None)
+        updates = scheduler.update_from_output(output, results, drafter_ok=drafter is not None)
         t3 = time.time_ns()
         timing = IterationTiming(
             schedule_ns=t1 - t0,
@@ -97,47 +106,12 @@ class EngineCore:
             forward_ns=step.forward_ns,
             sample_ns=sample_ns,
             propose_ns=t2 - t_verified,
-            step0_ns=step0,
-            later_steps_ns=later,
+            step0_ns=proposal.step0_ns if proposal is not None else 0,
+            later_steps_ns=proposal.later_steps_ns if proposal is not None else 0,
             post_step_ns=t3 - t2,
             iteration_ns=t3 - t0,
         )
         return updates, timing
-
-    def _verify_and_propose(self, batch: InputBatch, request) -> tuple[StepOutput, list, list, tuple[int, ...]]:
-        """The verifier's step and the drafter's propose over its hidden states: drafts and their q per
-        request, and (the verifier's side's end stamp, step 0, later steps, sampling) nanoseconds."""
-        drafter = self.drafter
-        items = self._device_items(batch) if drafter is not None and batch.num_reqs else None
-        if items is not None:  # the drafter's steps queued behind the verifier's, as the services do
-            launched = self.verifier.launch(batch)
-            t_verified = time.time_ns()
-            tokens = DeviceTokens(launched.sampled, launched.num_sampled)
-            proposal = drafter.propose(items, launched.hidden[: batch.query_start[-1]], tokens)
-            step = self.verifier.finish(launched, with_rows=False)  # done: the drafter waited for it
-            sample_ns = 0
-        else:
-            step = self.verifier.step(batch)
-            t_verified, sample_ns = time.time_ns(), step.sample_ns
-            if drafter is None or not batch.num_reqs:
-                return step, [[] for _ in batch.req_ids], None, (t_verified, 0, 0, sample_ns)
-            items = [
-                ProposeItem(
-                    rid,
-                    step.start_positions[i],
-                    step.next_token_ids[i],
-                    batch.num_spec_tokens[i],
-                    r.sampling.temperature,
-                    r.sampling.seed & SEED_MASK,
-                )
-                for i, (rid, r) in enumerate(zip(batch.req_ids, request.requests))
-            ]
-            proposal = drafter.propose(items, step.hidden_states)
-        probs = None
-        if any(p is not None for p in proposal.draft_probs):  # sampled drafts: q in the wire form held drafts keep
-            response = propose_response(items, proposal, 0)
-            probs = [d.draft_probs if d.HasField("draft_probs") else None for d in response.drafts]
-        return step, proposal.drafts, probs, (t_verified, proposal.step0_ns, proposal.later_steps_ns, sample_ns)
 
     def _device_items(self, batch: InputBatch) -> list[ProposeItem] | None:
         """The drafter's items of a device hand-off where the services would make one (greedy decode
@@ -153,6 +127,5 @@ class EngineCore:
 
     def free(self, request_ids: list[str]) -> None:
         self.verifier.free(request_ids)
-        self.held.free(request_ids)
         if self.drafter is not None:
             self.drafter.free(request_ids)

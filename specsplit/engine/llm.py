@@ -26,6 +26,7 @@ from specsplit.models.loader import load_mtp, load_target
 from specsplit.proto import coordinator_pb2
 from specsplit.results import GenerationResult
 from specsplit.verifier.runner import VerifierRunner
+from specsplit.verifier.worker import VerifierWorker
 
 
 class LLM:
@@ -62,21 +63,15 @@ class LLM:
             max_num_batched_tokens=max(max_num_batched_tokens, num_speculative_tokens + 1),
             max_waiting=1 << 30,  # offline: every prompt of a generate() call waits its turn
         )
-        verifier = VerifierRunner(
+        runner = VerifierRunner(
             self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
         )
+        verifier = VerifierWorker(runner, vocab_size=config.vocab_size, max_model_len=self.max_model_len, device=device)
         drafter = None
         if num_speculative_tokens > 0:
             self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
             drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
-        self.core = EngineCore(
-            verifier,
-            drafter,
-            vocab_size=config.vocab_size,
-            max_model_len=self.max_model_len,
-            device=device,
-            device_hand_off=device_hand_off,
-        )
+        self.core = EngineCore(verifier, drafter, device_hand_off=device_hand_off)
         self._tokenizer = None
         self._next_id = 0
         # Where the time of the last generate()'s iterations went (benchmarks).
@@ -128,7 +123,7 @@ class LLM:
             request = build_request(
                 msg,
                 tokenizer=self.tokenizer if isinstance(prompt, str) else None,
-                vocab_size=self.core.vocab_size,
+                vocab_size=self.core.verifier.vocab_size,
                 max_model_len=self.max_model_len,
                 num_speculative_tokens=self.num_speculative_tokens,
             )

@@ -135,6 +135,7 @@ async def serve(config: VerifierConfig) -> None:
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
     from specsplit.verifier.runner import VerifierRunner
     from specsplit.verifier.servicer import VerifierServicer
+    from specsplit.verifier.worker import VerifierWorker
 
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     tls = load_tls(config.server.tls_dir)
@@ -222,7 +223,9 @@ async def serve(config: VerifierConfig) -> None:
             max_model_len=max_model_len,
         ),
     )
-    servicer.ready(runner, info)
+    device = model_options.device
+    worker = VerifierWorker(runner, vocab_size=info.vocab_size, max_model_len=max_model_len, device=device)
+    servicer.ready(worker, info)
     freeze_start_up_heap()
     await server.mark_serving()
     announce("verifier", server.address)

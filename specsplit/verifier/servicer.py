@@ -1,4 +1,5 @@
-"""Verifier gRPC servicer: protobuf in → InputBatch → runner → drafter → protobuf out.
+"""Verifier gRPC servicer: the adapter of the verifier's worker (`worker.py`) to the coordinator's stream and the
+drafter's proposer: protobuf in → worker (held drafts, input batch, step) → proposer → protobuf out.
 
 Async scheduling (the only mode): the response goes back as soon as the tokens are
 sampled and the Propose runs on; its drafts are held (`held_drafts.py`) for the next Verify, which
@@ -24,19 +25,16 @@ from opentelemetry.trace import SpanKind
 from specsplit.bidi_stream import until_draining
 from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.models.device import DeviceClaim, StepThread
-from specsplit.models.kv_cache import PagedKVCache
-from specsplit.models.step_upload import StepUpload
 from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import extract_trace_context, incoming_context
 from specsplit.verifier.direct_propose import DirectProposer, PendingPropose, PooledProposer
 from specsplit.verifier.drafter_client import DrafterClient, sampling_of
-from specsplit.verifier.held_drafts import HeldDrafts
-from specsplit.verifier.input_batch import plan_input_batch, upload_input_batch, with_held_drafts
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.response import verify_response
-from specsplit.verifier.runner import StepOutput, VerifierRunner
-from specsplit.verifier.step_context import EarlyStep, HeldStep
+from specsplit.verifier.runner import StepOutput
+from specsplit.verifier.step_context import HeldStep
+from specsplit.verifier.worker import EarlyStep, VerifierWorker
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
@@ -49,13 +47,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
     def __init__(self, drafter: DrafterClient, device: str, slow_steps: SlowStepWatch | None = None):
-        self.runner: VerifierRunner | None = None
+        self.worker: VerifierWorker | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self.drafter = drafter
         self.slow_steps = slow_steps or SlowStepWatch("verifier", 0)  # `--slow-step-s`; 0: off
         self.device = device
         self._device_claim = DeviceClaim(device)  # the GPU switched to us while a step is planned
-        self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # Model work runs on one thread: the GPU (or the CPU's cores) does one step at a time.
         self._steps = StepThread(device, "verifier-step")
         # One step at a time, together with handing its hidden states to the transport; the Propose
@@ -64,29 +61,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._coordinator_id: str | None = None
         self.draining = asyncio.Event()
         self._last_iteration = 0
-        # Async scheduling: the Propose still running (its drafts go to _held once answered).
-        self._held = HeldDrafts()
+        # Async scheduling: the Propose still running (its drafts go to the worker's held drafts once answered).
         self._proposing: PendingPropose | None = None
 
-    def ready(self, runner: VerifierRunner, model_info: common_pb2.ModelInfo) -> None:
-        self.runner = runner
+    def ready(self, worker: VerifierWorker, model_info: common_pb2.ModelInfo) -> None:
+        self.worker = worker
         self.model_info = model_info
 
     async def _require_ready(self, context) -> None:
-        if self.runner is None:
+        if self.worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its weights")
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
 
     def _check_order(self, request: verifier_pb2.VerifyRequest) -> None:
         """Iterations of one coordinator arrive in order; a new coordinator starts afresh."""
         if request.coordinator_id != self._coordinator_id:
             if self._coordinator_id is not None:
                 log.warning("new coordinator %r: dropping the KV cache of every request", request.coordinator_id)
-                self.runner.free_all()
-                self._held.clear()
+                self.worker.free_all()
             self._coordinator_id = request.coordinator_id
             self._last_iteration = 0
         if request.iteration <= self._last_iteration:
@@ -99,39 +90,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _begin_step(self, request: verifier_pb2.VerifyRequest) -> None:
         """Once per step, first: the iteration's order checked, finished requests freed."""
         self._check_order(request)
-        self.runner.free(list(request.finished_request_ids))
-        self._held.free(request.finished_request_ids)
+        self.worker.free(request.finished_request_ids)
 
     def _plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
-        """Step thread, while the drafts are still on their way: the step begun, its batch
-        planned with placeholder drafts and its KV slots allocated, all on the host (the drafter is
-        using the GPU), so that only the drafts, the uploads and the launch are left once they are in.
-        Never raises, so the drafts are always read first: an error of the step's beginning is raised
-        by the step; any other leaves the planning to the step (which meets it again, if it is no
-        placeholder's)."""
+        """Step thread, while the drafts are still on their way: the step begun and planned ahead
+        (`VerifierWorker.plan_early`). Never raises, so the drafts are always read first: an error of the
+        step's beginning is raised by the step."""
         try:
             self._begin_step(request)
         except Exception as err:  # noqa: BLE001 (raised by the step, after the drafts are read)
-            return EarlyStep(error=err)
-        try:
-            planned = plan_input_batch(
-                request,
-                vocab_size=self.model_info.vocab_size,
-                max_model_len=self.model_info.max_model_len,
-                num_cached_tokens=self.kv_cache.num_tokens,
-                placeholders=HeldDrafts.placeholders(request),
-            )
-            prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
-        except Exception:  # noqa: BLE001 (e.g. no KV room for every placeholder: the step plans with the real drafts)
-            return EarlyStep()
-        return EarlyStep(planned, prepared)
+            return EarlyStep(error=err, planned_ns=time.time_ns())
+        return self.worker.plan_early(request)
 
-    def _prepare_and_step(
-        self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None, launch_only: bool = False
-    ):
-        """The step of `request` (its held drafts filled in); `early`: what `_plan_early` made of it.
-        `launch_only`: the step only queued (a `LaunchedStep`, `VerifierRunner.finish` waits for it),
-        unless the batch has no request."""
+    def _launch(self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None):
+        """The step of `request` queued on the device (`VerifierWorker.launch`); `early`: what `_plan_early`
+        made of it, None when the step begins now."""
         # The drafter is done with the GPU (its drafts are in) but its context may still hold it: the switch
         # starts now and overlaps what is left to do on the host. Not earlier: it would preempt the drafter.
         self._device_claim.claim()
@@ -139,22 +112,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._begin_step(request)
         elif early.error is not None:
             raise early.error
-        vocab = self.model_info.vocab_size
-        planned = early.planned if early is not None else None
-        if planned is not None:
-            planned = with_held_drafts(planned, request, vocab)  # None: fewer drafts came than planned
-            early.used = planned is not None
-        if planned is None:
-            planned = plan_input_batch(
-                request, vocab_size=vocab, max_model_len=self.model_info.max_model_len,
-                num_cached_tokens=self.kv_cache.num_tokens,
-            )  # fmt: skip
-        batch = upload_input_batch(planned, vocab_size=vocab, device=self.device, upload=self._upload)
-        prepared = early.prepared if early is not None else None
         with self.slow_steps.watch("step"):
-            if launch_only and batch.num_reqs:
-                return batch, self.runner.launch(batch, prepared)
-            return batch, self.runner.step(batch, prepared)
+            return self.worker.launch(request, early)
 
     async def VerifyStream(self, request_iterator, context):
         await self._require_ready(context)
@@ -166,7 +125,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def handle_stream_request(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         """One message of a VerifyStream on the verifier's Unix socket (`LocalStreamServer`)."""
-        if self.runner is None:
+        if self.worker is None:
             raise SpecsplitError("verifier is loading its weights", grpc.StatusCode.UNAVAILABLE)
         return await self._verify(request, extract_trace_context(request.trace_context), "local")
 
@@ -235,21 +194,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         early = None
         if earlier is not None and request.requests:  # an iteration that only frees does not wait
             early = self._plan_early(request)  # while the drafts are on their way
-            early.planned_ns = time.time_ns()
             proposer.wait(earlier)
         w1 = time.time_ns()
-        unfilled = self._held.fill(request)
-        batch, launched = self._prepare_and_step(request, early, launch_only=True)
+        batch, launched, unfilled = self._launch(request, early)
         sampling = sampling_of(request)
-        plan = self.drafter.device_plan(request.iteration, launched, sampling) if batch.num_reqs else None
+        plan = self.drafter.device_plan(request.iteration, launched, sampling) if launched is not None else None
+        worker = self.worker
         if plan is not None:  # a device hand-off: the Propose goes before the step is done
             held = HeldStep(batch)
             pending = proposer.send(plan, held, self._keep_answered, parent)
             with self.slow_steps.watch("step"):
-                step = held.finished(self.runner.finish(launched, with_rows=False), self._keep_answered)
+                step = held.finished(worker.finish(batch, launched, with_rows=False), self._keep_answered)
         else:
             with self.slow_steps.watch("step"):
-                step = self.runner.finish(launched) if batch.num_reqs else launched
+                step = worker.finish(batch, launched)
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
             pending = proposer.send(plan, HeldStep(batch, step), self._keep_answered, parent)
         return batch, step, unfilled, (w0, w1, early), pending
@@ -262,7 +220,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             held.answered = pending
             return
         proposal = pending.proposal
-        self._held.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs, self.kv_cache.num_tokens)
+        self.worker.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs)
 
     @staticmethod
     def _record(proposer: DirectProposer | PooledProposer) -> None:
@@ -280,10 +238,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Free(self, request, context):
         await self._require_ready(context)
         async with self._lock:
-            self.runner.free(list(request.request_ids))
+            self.worker.free(request.request_ids)
             self.drafter.free(list(request.request_ids))
-            self._held.free(request.request_ids)
-        return verifier_pb2.FreeResponse(num_free_blocks=self.kv_cache.num_free_blocks)
+        return verifier_pb2.FreeResponse(num_free_blocks=self.worker.kv_cache.num_free_blocks)
 
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)

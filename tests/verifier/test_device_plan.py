@@ -106,8 +106,7 @@ def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
     comes first is held back until the step's output exists, then kept exactly once."""
     kept = []
     servicer = VerifierServicer(DrafterClient("127.0.0.1:1", transport=HandOffSender()), "cpu")
-    servicer.runner = types.SimpleNamespace(kv_cache=types.SimpleNamespace(num_tokens=len))
-    servicer._held = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
+    servicer.worker = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
     held = HeldStep("batch")
     pending = types.SimpleNamespace(context=held, proposal=types.SimpleNamespace(drafts=[[4, 5]], draft_probs=None))
     servicer._keep_answered(pending)

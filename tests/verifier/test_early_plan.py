@@ -1,7 +1,7 @@
-"""A batch planned before its held drafts are in (async scheduling, `VerifierServicer._plan_early`):
-placeholders where the drafts go, then `with_held_drafts` puts the real ones in. It must equal the
-batch planned from the filled request, refuse what planning refuses, and give up (None) when fewer
-drafts came than planned."""
+"""A batch planned before its held drafts are in (async scheduling: `VerifierWorker.plan_early`, driven
+by `VerifierServicer._plan_early`): placeholders where the drafts go, then `with_held_drafts` puts the
+real ones in. It must equal the batch planned from the filled request, refuse what planning refuses,
+and give up (None) when fewer drafts came than planned."""
 
 from types import SimpleNamespace
 
@@ -10,10 +10,11 @@ import torch
 
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import common_pb2, verifier_pb2
-from specsplit.verifier.held_drafts import HeldDrafts
+from specsplit.verifier.held_drafts import HeldDraft, HeldDrafts
 from specsplit.verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
 from specsplit.verifier.runner import Prepared
 from specsplit.verifier.servicer import VerifierServicer
+from specsplit.verifier.worker import VerifierWorker
 
 VOCAB = 50
 
@@ -38,6 +39,12 @@ def _fill(msg: verifier_pb2.VerifyRequest, drafts: dict[str, list[int]]) -> None
         if r.request_id in drafts:
             r.token_ids.extend(drafts[r.request_id])
             r.num_draft_tokens = len(drafts[r.request_id])
+
+
+def _hold(servicer, drafts: dict[str, list[int]]) -> None:
+    """Drafts the worker holds from the last Propose, continuing where each request of `_request` stands."""
+    for i, (rid, tokens) in enumerate(drafts.items()):
+        servicer.worker.held._held[rid] = HeldDraft(10 + i, list(tokens), None)
 
 
 def _plan(msg):
@@ -105,15 +112,17 @@ class _Runner:
         self.calls.append(("prepare", list(num_new)))
         return Prepared(list(req_ids), list(num_computed), list(num_new), plan=None, use_kernel=False)
 
-    def step(self, batch, prepared):
-        self.calls.append(("step", batch.num_new_tokens, prepared is not None and prepared.matches(batch)))
-        return "stepped"
+    def launch(self, batch, prepared):
+        self.calls.append(("launch", batch.num_new_tokens, prepared is not None and prepared.matches(batch)))
+        return "launched"
 
 
 def _servicer():
     servicer = VerifierServicer(drafter=None, device="cpu")
-    servicer.ready(_Runner(), common_pb2.ModelInfo(vocab_size=VOCAB, max_model_len=64))
-    servicer.runner.kv_cache = SimpleNamespace(num_tokens=lambda rid: 64)
+    runner = _Runner()
+    runner.kv_cache = SimpleNamespace(num_tokens=lambda rid: 64)
+    worker = VerifierWorker(runner, vocab_size=VOCAB, max_model_len=64, device="cpu")
+    servicer.ready(worker, common_pb2.ModelInfo(vocab_size=VOCAB, max_model_len=64))
     return servicer
 
 
@@ -121,21 +130,21 @@ def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
     servicer = _servicer()
     msg = _request({"a": 2})
     early = servicer._plan_early(msg)
-    assert early.error is None and servicer.runner.calls == [("free", []), ("prepare", [3, 3])]
-    _fill(msg, {"a": [11, 12]})
-    batch, out = servicer._prepare_and_step(msg, early)
-    assert out == "stepped" and batch.token_ids[1] == [7, 11, 12]
-    assert servicer.runner.calls[-1] == ("step", [3, 3], True)  # on the early prepare: no second one
+    assert early.error is None and servicer.worker.runner.calls == [("free", []), ("prepare", [3, 3])]
+    _hold(servicer, {"a": [11, 12]})
+    batch, out, unfilled = servicer._launch(msg, early)
+    assert out == "launched" and batch.token_ids[1] == [7, 11, 12] and unfilled == [0, 0]
+    assert servicer.worker.runner.calls[-1] == ("launch", [3, 3], True)  # on the early prepare: no second one
 
 
 def test_an_early_error_is_raised_by_the_step_and_order_is_checked_once():
     servicer = _servicer()
-    servicer._prepare_and_step(_request({"a": 2}))  # iteration 2 has run
+    servicer._launch(_request({"a": 2}), None)  # iteration 2 has run
     stale = _request({"a": 2})  # iteration 2 again
     early = servicer._plan_early(stale)
     assert isinstance(early.error, FailedPrecondition)
     with pytest.raises(FailedPrecondition, match="strictly increase"):
-        servicer._prepare_and_step(stale, early)
+        servicer._launch(stale, early)
 
 
 def test_a_plan_refused_early_is_planned_again_by_the_step():
@@ -143,6 +152,6 @@ def test_a_plan_refused_early_is_planned_again_by_the_step():
     msg = _request({"a": 60})  # 60 placeholders after position 10 overflow max_model_len 64...
     early = servicer._plan_early(msg)
     assert early.planned is None and early.error is None
-    _fill(msg, {"a": [11, 12]})  # ... but only 2 drafts came: the step plans them and runs
-    batch, out = servicer._prepare_and_step(msg, early)
-    assert out == "stepped" and batch.num_new_tokens == [3, 3]
+    _hold(servicer, {"a": [11, 12]})  # ... but only 2 drafts came: the step plans them and runs
+    batch, out, _ = servicer._launch(msg, early)
+    assert out == "launched" and batch.num_new_tokens == [3, 3]

@@ -1,0 +1,126 @@
+"""The verifier's worker: its side of one iteration on its device, from the coordinator's message to the
+sampled tokens, knowing nothing of gRPC.
+
+The previous Propose's held drafts go into their placeholders (`held_drafts.py`), the input batch is planned
+(ahead of the drafts when it can: `plan_early`) and uploaded, the target forward and rejection sampling are
+queued (`launch`) and waited for (`finish`), and the drafts of this step's Propose are kept for the next
+iteration (`keep`). The verifier's servicer (`servicer.py`: order, locking, the drafter's proposer, spans) and
+the one-process engine (`specsplit/engine/core.py`) both drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specsplit.models.kv_cache import PagedKVCache
+from specsplit.models.step_upload import StepUpload
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.held_drafts import HeldDrafts
+from specsplit.verifier.input_batch import (
+    InputBatch,
+    PlannedBatch,
+    plan_input_batch,
+    upload_input_batch,
+    with_held_drafts,
+)
+from specsplit.verifier.runner import LaunchedStep, Prepared, StepOutput, VerifierRunner
+
+
+@dataclass
+class EarlyStep:
+    """A step planned before its held drafts are in (`VerifierWorker.plan_early`): its batch with placeholder
+    drafts and its KV slots; or the error the step's beginning raised (the caller's, raised by the step); or
+    nothing (the step plans then)."""
+
+    planned: PlannedBatch | None = None
+    prepared: Prepared | None = None
+    error: Exception | None = None
+    planned_ns: int = 0  # when the planning ended (the `plan_ahead` span)
+    used: bool = False  # the step ran on this plan (False: it planned again, with the drafts that came)
+
+
+class VerifierWorker:
+    """`runner` on `device` for a model of `vocab_size` and `max_model_len`, with the drafts held between
+    iterations and one upload buffer reused step after step."""
+
+    def __init__(self, runner: VerifierRunner, *, vocab_size: int, max_model_len: int, device: str):
+        self.runner = runner
+        self.vocab_size, self.max_model_len, self.device = vocab_size, max_model_len, device
+        self.held = HeldDrafts()
+        self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    def free(self, request_ids) -> None:
+        """Finished or aborted requests: their KV blocks and held drafts."""
+        ids = list(request_ids)
+        self.runner.free(ids)
+        self.held.free(ids)
+
+    def free_all(self) -> None:
+        """A new coordinator: every request's KV blocks and held drafts."""
+        self.runner.free_all()
+        self.held.clear()
+
+    def plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
+        """While the drafts are still on their way: the step's batch planned with placeholder drafts and its KV
+        slots allocated, all on the host (a co-located drafter is using the GPU), so that only the drafts, the
+        uploads and the launch are left once they are in. Never raises: anything that fails here is left to the
+        step, which plans with the real drafts (and meets it again if it was no placeholder's)."""
+        try:
+            planned = plan_input_batch(
+                request,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+                placeholders=HeldDrafts.placeholders(request),
+            )
+            prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
+        except Exception:  # noqa: BLE001 (e.g. no KV room for every placeholder: the step plans with the real drafts)
+            return EarlyStep(planned_ns=time.time_ns())
+        return EarlyStep(planned, prepared, planned_ns=time.time_ns())
+
+    def launch(
+        self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None
+    ) -> tuple[InputBatch, LaunchedStep | None, list[int]]:
+        """The step of `request` with its held drafts filled in (on `early`'s plan when the drafts that came fit
+        it), queued on the device: the batch, the launched step (None for a batch without requests, an iteration
+        that only frees) and, per request, how many of its placeholders stayed unfilled. Raises SpecsplitError
+        naming the first bad field of the message."""
+        unfilled = self.held.fill(request)
+        planned = early.planned if early is not None else None
+        if planned is not None:
+            planned = with_held_drafts(planned, request, self.vocab_size)  # None: fewer drafts came than planned
+            early.used = planned is not None
+        if planned is None:
+            planned = plan_input_batch(
+                request,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                num_cached_tokens=self.kv_cache.num_tokens,
+            )
+        batch = upload_input_batch(planned, vocab_size=self.vocab_size, device=self.device, upload=self._upload)
+        if not batch.num_reqs:
+            return batch, None, unfilled
+        return batch, self.runner.launch(batch, early.prepared if early is not None else None), unfilled
+
+    def finish(self, batch: InputBatch, launched: LaunchedStep | None, with_rows: bool = True) -> StepOutput:
+        """Waits for a launched step's sampled tokens (`with_rows=False`: without the drafter's hidden-state rows,
+        which a device hand-off took on the device already)."""
+        if launched is None:
+            return self.runner.step(batch)  # no request: an empty output, nothing on the device
+        return self.runner.finish(launched, with_rows=with_rows)
+
+    def keep(
+        self,
+        batch: InputBatch,
+        step: StepOutput,
+        drafts: list[list[int]],
+        probs: list[common_pb2.DraftProbs | None] | None,
+    ) -> None:
+        """The Propose of `batch`'s step is answered: its drafts held for each request's next iteration (not for
+        a request freed while the Propose ran)."""
+        self.held.keep(batch, step, drafts, probs, self.kv_cache.num_tokens)
