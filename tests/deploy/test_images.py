@@ -4,10 +4,10 @@ and a generation goes through them.
 
 Replayed exactly: the files each `COPY` puts into the image (nothing else from the checkout: the services
 run from a directory outside it, with no PYTHONPATH) and each `RUN pip install`, as written, with the
-image's `ARG` defaults and `ENV`. Two differences, both the machine's: the torch wheel comes from this
-machine's local CPU build instead of `--index-url` (no network), and the operating-system `RUN`s (apt-get,
-useradd) are left out. Images whose COPY and pip steps are the same (verifier and drafter) share one
-environment. `CMD`'s hosts and ports become 127.0.0.1 and free ports.
+image's `ARG` defaults and `ENV`. Three differences: the torch wheel comes from this machine's local CPU build
+instead of `--index-url` (no network), the operating-system `RUN`s (apt-get, useradd) are left out, and pip
+installs without byte-compiling (`--no-compile`: the same files, faster). Images whose COPY and pip steps are
+the same (verifier and drafter) share one environment. `CMD`'s hosts and ports become 127.0.0.1 and free ports.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,9 @@ class ReplayedImage:
 
     def _run(self, command: str, workdir: Path) -> None:
         command = re.sub(r'--index-url\s+"?\$\{?TORCH_INDEX_URL\}?"?\s*', "", command)  # offline: local wheel
+        # Not byte-compiled at install (a third of the replay's time: torch's thousands of modules); the same files,
+        # and the modules the services import compile on first import.
+        command = command.replace("pip install ", "pip install --no-compile ")
         for name, value in self.args.items():
             command = command.replace("${" + name + "}", value).replace("$" + name, value)
         out = subprocess.run(
@@ -125,18 +129,18 @@ class ReplayedImage:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    """role -> its replayed image; one environment per distinct set of build steps."""
+    """role -> its replayed image; one environment per distinct set of build steps, the environments built side
+    by side (as `docker build` of several images would: each its own directories, its own pip cache)."""
     built: dict[tuple[str, ...], ReplayedImage] = {}
     out = {}
     for role in ROLES:
         image = ReplayedImage(role, tmp_path_factory.mktemp(role))
-        twin = built.get(image.build_steps())
-        if twin is None:
-            image.build()
-            built[image.build_steps()] = image
-        else:
-            image.root, image.venv = twin.root, twin.venv
+        twin = built.setdefault(image.build_steps(), image)
+        image.root, image.venv = twin.root, twin.venv
         out[role] = image
+    with ThreadPoolExecutor(len(built)) as pool:  # pip is one process per build, mostly on one core
+        for build in [pool.submit(image.build) for image in built.values()]:
+            build.result()
     return out
 
 

@@ -1,10 +1,12 @@
 """Fixtures that start the three services as real processes on 127.0.0.1 (and stop them)."""
 
 import pathlib
+import time
 
 import pytest
 import torch
 
+from specsplit import Client
 from specsplit.launcher import LocalCluster
 from tests.fixtures.tiny import write_tiny_checkpoint
 
@@ -34,13 +36,37 @@ def hf_greedy(tiny_checkpoint):
     return generate
 
 
+# Each service drains on SIGTERM: NOT_SERVING for 1 s, then in-flight calls get up to 60 s (test_shutdown.py).
+DRAIN = ["--shutdown-delay", "1.0", "--shutdown-grace", "60"]
+
+
 @pytest.fixture(scope="session")
-def cluster(tiny_checkpoint, tmp_path_factory):
+def session_cluster(tiny_checkpoint, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
         log_dir=logs,
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", *DRAIN],
+        verifier_args=DRAIN,
+        drafter_args=DRAIN,
     ) as c:
         yield c
+
+
+@pytest.fixture
+def cluster(session_cluster):
+    """The session's cluster, whole for each test: the fault and shutdown tests kill or stop its services, and a
+    service an earlier test left stopped is started again (drafter, verifier, coordinator), after which a
+    generation must get drafts (the verifier has found its drafter again) before the test starts."""
+    services = session_cluster.services
+    stopped = [role for role in ("drafter", "verifier", "coordinator") if services[role].proc.poll() is not None]
+    for role in stopped:
+        session_cluster.restart(role)
+    if stopped:
+        deadline = time.monotonic() + 30  # the verifier probes a lost drafter with backoff (<= 5 s)
+        with Client(session_cluster.address, timeout=60) as client:
+            while client.generate(prompt_token_ids=[5, 6], max_tokens=8, ignore_eos=True).stats.num_draft_tokens == 0:
+                assert time.monotonic() < deadline, f"no drafts 30 s after restarting {stopped}"
+                time.sleep(0.2)
+    return session_cluster

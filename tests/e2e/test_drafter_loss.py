@@ -1,36 +1,28 @@
-"""Losing the drafter never changes output; a restarted drafter is used again."""
+"""Losing the drafter never changes output; a restarted drafter is used again (on the session's cluster,
+tests/e2e/conftest.py)."""
 
 import signal
 import threading
 import time
 
-import pytest
-
 from specsplit import Client
-from specsplit.launcher import LocalCluster
 
 from .helpers import greedy_ignoring_eos
 
 
-@pytest.fixture
-def own_cluster(tiny_checkpoint, tmp_path):
-    with LocalCluster(tiny_checkpoint, num_speculative_tokens=3, log_dir=tmp_path) as c:
-        yield c
-
-
-def test_killing_the_drafter_mid_generation_keeps_greedy_output_identical(own_cluster, hf_greedy):
+def test_killing_the_drafter_mid_generation_keeps_greedy_output_identical(cluster, hf_greedy):
     prompt = [7, 8, 9, 10, 11]
     n = 160
     got: list[int] = []
     killed = threading.Event()
-    with Client(own_cluster.address, timeout=180) as client:
+    with Client(cluster.address, timeout=180) as client:
         for delta in client.stream(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True):
             got.extend(delta.token_ids)
             if len(got) >= 10 and not killed.is_set():
-                own_cluster.kill("drafter", signal.SIGKILL)
+                cluster.kill("drafter", signal.SIGKILL)
                 killed.set()
         assert killed.is_set()
-        assert own_cluster.services["drafter"].proc.returncode == -signal.SIGKILL
+        assert cluster.services["drafter"].proc.returncode == -signal.SIGKILL
         # ignore_eos: compare against transformers past any EOS by generating the same length
         expected = greedy_ignoring_eos(hf_greedy, prompt, n)
         assert got == expected
@@ -39,7 +31,7 @@ def test_killing_the_drafter_mid_generation_keeps_greedy_output_identical(own_cl
         out = client.generate(prompt_token_ids=[3, 4], max_tokens=8, ignore_eos=True)
         assert len(out.token_ids) == 8 and out.stats.num_draft_tokens == 0
 
-        own_cluster.restart("drafter")
+        cluster.restart("drafter")
         out = None
         deadline = time.monotonic() + 20  # the verifier probes a lost drafter with backoff (<= 5 s)
         while time.monotonic() < deadline:

@@ -3,6 +3,7 @@ equals transformers' generate, bad handles are refused, a lost drafter costs onl
 drafter started with another transport is a start-up error."""
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -94,6 +95,8 @@ def test_killing_the_nccl_drafter_keeps_output_and_a_restarted_one_is_opened_aga
 
 
 def test_verifier_refuses_to_start_against_a_drafter_with_another_transport(tiny_checkpoint, tmp_path):
+    """Drafter and verifier only: the refusal is the verifier's, at start-up (a coordinator waiting for it would
+    take the 10 s of `LocalCluster.stop`'s grace to go)."""
     cluster = LocalCluster(
         tiny_checkpoint,
         placement="pooled",
@@ -101,6 +104,11 @@ def test_verifier_refuses_to_start_against_a_drafter_with_another_transport(tiny
         log_dir=tmp_path,
         drafter_args=["--hidden-transport", "grpc"],  # the last flag wins: this drafter runs grpc
     )
-    with pytest.raises(RuntimeError, match="verifier exited with code 2") as err:
-        cluster.start(timeout_s=120)
+    try:
+        cluster.start_drafter()
+        verifier = cluster.start_verifier()
+        with pytest.raises(RuntimeError, match="verifier exited with code 2") as err:
+            cluster.wait_ready(verifier, time.monotonic() + 120)
+    finally:
+        cluster.stop()
     assert "takes hidden states by grpc but this verifier sends them by nccl" in str(err.value)

@@ -15,7 +15,7 @@ def _hidden(rows: int, cols: int, dtype=common_pb2.DTYPE_FLOAT32, nbytes: int | 
     return common_pb2.Tensor(dtype=dtype, shape=[rows, cols], data=b"\0" * size)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hidden_size(cluster):
     with grpc.insecure_channel(cluster.services["drafter"].address) as ch:
         return drafter_pb2_grpc.DrafterStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).hidden_size

@@ -1,5 +1,6 @@
 """Graceful shutdown: SIGTERM makes a service report NOT_SERVING, stop admitting work, finish what
-is in flight, and exit 0."""
+is in flight, and exit 0. (The session's cluster, whose services drain for 1 s and give in-flight calls 60 s; the
+service a test stopped is started again for the next test that takes it: tests/e2e/conftest.py.)"""
 
 import signal
 import threading
@@ -10,7 +11,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit import Client, SpecsplitError
-from specsplit.launcher import LocalCluster
 
 
 def _health(address: str) -> str:
@@ -22,22 +22,8 @@ def _health(address: str) -> str:
         return err.code().name
 
 
-@pytest.fixture
-def draining_cluster(tiny_checkpoint, tmp_path):
-    drain = ["--shutdown-delay", "1.0", "--shutdown-grace", "60"]
-    with LocalCluster(
-        tiny_checkpoint,
-        num_speculative_tokens=2,
-        log_dir=tmp_path,
-        coordinator_args=drain,
-        verifier_args=drain,
-        drafter_args=drain,
-    ) as c:
-        yield c
-
-
-def test_sigterm_on_the_coordinator_finishes_in_flight_streams_then_exits_0(draining_cluster):
-    c = draining_cluster
+def test_sigterm_on_the_coordinator_finishes_in_flight_streams_then_exits_0(cluster):
+    c = cluster
     got, done = [], threading.Event()
 
     def stream():
@@ -66,10 +52,10 @@ def test_sigterm_on_the_coordinator_finishes_in_flight_streams_then_exits_0(drai
 
 
 @pytest.mark.parametrize("role", ["drafter", "verifier"])
-def test_sigterm_on_a_model_service_reports_not_serving_and_exits_0(draining_cluster, role):
-    with Client(draining_cluster.address, timeout=60) as client:  # opens the coordinator's VerifyStream
+def test_sigterm_on_a_model_service_reports_not_serving_and_exits_0(cluster, role):
+    with Client(cluster.address, timeout=60) as client:  # opens the coordinator's VerifyStream
         assert client.generate(prompt_token_ids=[5, 6], max_tokens=4).token_ids
-    svc = draining_cluster.services[role]
+    svc = cluster.services[role]
     svc.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert _health(svc.address) == "NOT_SERVING"

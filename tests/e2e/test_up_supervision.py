@@ -1,9 +1,10 @@
 """`specsplit up` supervises its services as a process manager would (specsplit/supervisor.py), run as a user
 runs it, on the demo checkpoint (real acceptance): a SIGKILLed drafter or verifier is restarted while greedy
 streams run, and every stream equals target-only greedy output (the same `up`, asked for no drafts before any
-kill); a drafter that fails at every restart is given up with one line and `up` exits 1; SIGTERM on `up`
-leaves no process behind (read from /proc: every process whose command line names the test's checkpoint path,
-a symlink of its own, and every process in the sessions the children led).
+kill); a drafter that fails at every restart is given up with one line and `up` exits 1; `up` prints the
+coordinator's address, its three services are its own children, and SIGTERM on `up` leaves no process behind
+(read from /proc: every process whose command line names the test's checkpoint path, a symlink of its own, and
+every process in the sessions the children led).
 
 The module's `up` serves the kill tests, then the SIGTERM test (last in the file) stops it."""
 
@@ -142,12 +143,15 @@ def test_a_killed_service_is_restarted_and_every_stream_equals_target_only_greed
 
 
 def test_sigterm_stops_every_child_with_exit_code_0(up):
+    listening = [line for line in up.stdout.read_text().splitlines() if line.startswith("coordinator listening on")]
+    assert listening[0] == f"coordinator listening on 127.0.0.1:{up.port}"
     children = up.children()
     assert sorted(cmd.split("specsplit serve ")[1].split()[0] for cmd in children.values()) == [
         "coordinator",
         "drafter",
         "verifier",
     ]
+    assert {int(_stat(pid)[1]) for pid in children} == {up.proc.pid}  # `up`'s own children, restarted ones too
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
     assert up.children() == {}

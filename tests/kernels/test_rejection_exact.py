@@ -223,7 +223,7 @@ def test_a_rejected_draft_takes_its_mass_out_of_its_group(monkeypatch, mode, rac
     mass must then be the residual's, not p's (the kernels subtract min(p, q) from the statistics)."""
     launch = dataclasses.replace(triton_rejection.INTERPRETER_LAUNCH, race_in_stats=race_in_stats)
     monkeypatch.setattr(triton_rejection, "INTERPRETER_LAUNCH", launch)
-    num_reqs, vocab_size, draft = 96, 2 * GROUP_SIZE + 3, 5
+    num_reqs, vocab_size, draft = 48, 2 * GROUP_SIZE + 3, 5  # ~1 in 4 rejected: 10 or more of 48
     logits = torch.randn(2 * num_reqs, vocab_size, generator=torch.Generator().manual_seed(3))
     logits[:, draft] = 9.5  # p(draft) ~ 0.66: the rest of the mass is spread over three groups
     q = torch.zeros(num_reqs, vocab_size)

@@ -1,17 +1,23 @@
 """A mistake on the command line or at start-up ends `specsplit` with exit code 2 and one line on stderr,
 `specsplit <command>: <problem>; <fix>`, without a traceback (unless --log-level debug) and without the
-noise of a gRPC server torn down after its event loop closed. Each test runs the real command."""
+noise of a gRPC server torn down after its event loop closed. Each test runs the real command.
+
+Most refusals come only after the command has imported torch or transformers (3-5 s of one core each): those
+commands (`slow`) are started two at a time when the first test that needs one asks, each test then reads its
+own command's result."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,7 +33,10 @@ def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def refusal(*argv: str, env: dict[str, str] | None = None) -> str:
     """The one stderr line of a command that must be refused with exit code 2."""
-    out = run(*argv, env=env)
+    return refusal_line(run(*argv, env=env))
+
+
+def refusal_line(out: subprocess.CompletedProcess) -> str:
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1, out.stderr
@@ -46,6 +55,94 @@ def checkpoint(directory: Path, **changes) -> Path:
             config[key] = value
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+BAD_FLAGS = {
+    "dtype": (["serve", "drafter", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    "num-blocks": (["serve", "drafter", "--num-blocks", "0"], "--num-blocks 0 is out of range; give a value >= 1"),
+    "port": (["serve", "verifier", "--port", "70000"], "--port 70000 is not a port number; give one in 0-65535"),
+    "shutdown-grace": (
+        ["serve", "verifier", "--shutdown-grace", "nan"],
+        "--shutdown-grace nan is out of range; give a value >= 0",
+    ),
+    "device": (["serve", "verifier", "--device", "cuda:99"], "--device cuda:99 but this process sees"),
+    "num-speculative-tokens": (
+        ["serve", "coordinator", "--verifier", "127.0.0.1:1", "--num-speculative-tokens", "99"],
+        "--num-speculative-tokens 99 is out of range; give a value in 0-31",
+    ),
+    "tls-dir": (["serve", "verifier", "--tls-dir", "/nonexistent"], "--tls-dir /nonexistent: missing tls.crt"),
+    "tokens": (
+        ["serve", "coordinator", "--verifier", "127.0.0.1:1", "--auth-token-file", "/nonexistent"],
+        "cannot read --auth-token-file /nonexistent (No such file or directory)",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def slow(request, tmp_path_factory):
+    """The slower commands of the module's selected tests, run two at a time from the first test that asks (each
+    keeps one core busy while the tests wait): name -> (the checkpoint directory it was given, a Future of its
+    CompletedProcess). "socket TMPDIR": the TMPDIR of the "other shapes" verifier (short: socket paths)."""
+    root = tmp_path_factory.mktemp("mistakes")
+    socket_tmp = tempfile.mkdtemp()
+    (root / "no-config").mkdir()
+    (root / "not-json").mkdir()
+    (root / "not-json" / "config.json").write_text("{not json")
+    other_shapes = checkpoint(root / "other-shapes", hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
+    (other_shapes / "model.safetensors").symlink_to(DEMO / "model.safetensors")
+    verifier, drafter = ["serve", "verifier"], ["serve", "drafter", "--load-format", "dummy"]
+    # name -> (the test that reads it, checkpoint directory, argv but --model, TMPDIR)
+    commands = {
+        "no config": ("test_a_model_directory_without_a_config_is_refused", root / "no-config", verifier, None),
+        "not json": ("test_a_config_that_is_not_json_is_refused", root / "not-json", verifier, None),
+        "no weights": ("test_a_model_directory_without_weights_is_refused", checkpoint(root / "empty"), verifier, None),
+        "other shapes": (
+            "test_weights_of_other_shapes_than_the_config_are_refused_leaving_no_socket_directory",
+            other_shapes,
+            verifier,
+            socket_tmp,
+        ),
+        "no mtp": (
+            "test_a_drafter_checkpoint_without_mtp_layers_is_refused",
+            checkpoint(root / "no-mtp", num_nextn_predict_layers=None),
+            drafter,
+            None,
+        ),
+        "no tokenizer": (
+            "test_a_missing_tokenizer_is_refused",
+            checkpoint(root / "config-only"),
+            ["serve", "coordinator", "--verifier", "127.0.0.1:1"],
+            None,
+        ),
+        "architecture": (
+            "test_an_unsupported_architecture_is_refused_naming_the_supported_ones",
+            checkpoint(root / "foo", architectures=["FooForCausalLM"]),
+            drafter,
+            None,
+        ),
+        **{
+            f"flag {name}": ("test_a_bad_flag_value_is_refused", DEMO, argv, None)
+            for name, (argv, _) in BAD_FLAGS.items()
+        },
+    }
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    pool = ThreadPoolExecutor(2)
+    started: dict[str, tuple[Path, Future | None]] = {"socket TMPDIR": (Path(socket_tmp), None)}
+    for name, (test, model, argv, tmpdir) in commands.items():
+        if test in selected:
+            env = None if tmpdir is None else {**os.environ, "TMPDIR": tmpdir}
+            # Any free port: two at once would find the role's default port taken (a verifier binds before it loads).
+            port = [] if "--port" in argv else ["--port", "0"]
+            started[name] = (model, pool.submit(run, *argv, *port, "--model", str(model), env=env))
+    yield started
+    pool.shutdown(cancel_futures=True)
+    shutil.rmtree(socket_tmp, ignore_errors=True)
+
+
+def slow_refusal(slow: dict[str, tuple[Path, Future]], name: str) -> tuple[Path, str]:
+    """The checkpoint directory `name`'s command was given and the one stderr line it was refused with."""
+    model, out = slow[name]
+    return model, refusal_line(out.result())
 
 
 @pytest.mark.parametrize("role", ["coordinator", "verifier", "drafter"])
@@ -67,50 +164,44 @@ def test_an_unreadable_model_directory_is_refused(tmp_path, monkeypatch):
         start_up_checks.check_checkpoint(str(checkpoint(tmp_path / "m")), "auto", drafter=False)
 
 
-def test_a_model_directory_without_a_config_is_refused(tmp_path):
-    line = refusal("serve", "verifier", "--model", str(tmp_path))
-    assert f"no config.json in checkpoint directory {str(tmp_path)!r}" in line and "give --model" in line
+def test_a_model_directory_without_a_config_is_refused(slow):
+    model, line = slow_refusal(slow, "no config")
+    assert f"no config.json in checkpoint directory {str(model)!r}" in line and "give --model" in line
 
 
-def test_a_config_that_is_not_json_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text("{not json")
-    line = refusal("serve", "verifier", "--model", str(tmp_path))
-    assert f"{str(tmp_path / 'config.json')!r} is not JSON" in line and "give --model" in line
+def test_a_config_that_is_not_json_is_refused(slow):
+    model, line = slow_refusal(slow, "not json")
+    assert f"{str(model / 'config.json')!r} is not JSON" in line and "give --model" in line
 
 
-def test_a_model_directory_without_weights_is_refused(tmp_path):
-    line = refusal("serve", "verifier", "--model", str(checkpoint(tmp_path)))
+def test_a_model_directory_without_weights_is_refused(slow):
+    _, line = slow_refusal(slow, "no weights")
     assert "no model.safetensors or model.safetensors.index.json in" in line and "--load-format dummy" in line
 
 
-def test_weights_of_other_shapes_than_the_config_are_refused_leaving_no_socket_directory(tmp_path):
-    model = checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
-    (model / "model.safetensors").symlink_to(DEMO / "model.safetensors")
+def test_weights_of_other_shapes_than_the_config_are_refused_leaving_no_socket_directory(slow):
     # Its gRPC server and socket directory are up before the weights load: one line says the server was stopped
     # inside the event loop, and the directory (in TMPDIR, short: a socket path has at most 107 bytes) is gone.
-    with tempfile.TemporaryDirectory() as temp:
-        line = refusal("serve", "verifier", "--model", str(model), env={**os.environ, "TMPDIR": temp})
-        assert not list(Path(temp).glob("specsplit-*"))
+    model, line = slow_refusal(slow, "other shapes")
+    assert not list(slow["socket TMPDIR"][0].glob("specsplit-*"))
     assert line.startswith(f"specsplit serve verifier: checkpoint {str(model)!r}: tensor ")
     assert "has shape (4096, 320), expected (4096, 256)" in line
 
 
-def test_a_drafter_checkpoint_without_mtp_layers_is_refused(tmp_path):
-    model = str(checkpoint(tmp_path, num_nextn_predict_layers=None))
-    line = refusal("serve", "drafter", "--model", model, "--load-format", "dummy")
-    assert f"checkpoint {model!r} has no MTP layers" in line and "the drafter needs a checkpoint with MTP" in line
+def test_a_drafter_checkpoint_without_mtp_layers_is_refused(slow):
+    model, line = slow_refusal(slow, "no mtp")
+    assert f"checkpoint {str(model)!r} has no MTP layers" in line
+    assert "the drafter needs a checkpoint with MTP" in line
 
 
-def test_a_missing_tokenizer_is_refused(tmp_path):
-    model = str(checkpoint(tmp_path))  # config.json only
-    line = refusal("serve", "coordinator", "--model", model, "--verifier", "127.0.0.1:1")
-    assert line.startswith(f"specsplit serve coordinator: no tokenizer loads from {model!r}")
+def test_a_missing_tokenizer_is_refused(slow):
+    model, line = slow_refusal(slow, "no tokenizer")  # config.json only
+    assert line.startswith(f"specsplit serve coordinator: no tokenizer loads from {str(model)!r}")
     assert "give --model the checkpoint directory that holds the tokenizer" in line
 
 
-def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path):
-    model = checkpoint(tmp_path, architectures=["FooForCausalLM"])
-    line = refusal("serve", "drafter", "--model", str(model), "--load-format", "dummy")
+def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(slow):
+    _, line = slow_refusal(slow, "architecture")
     assert "unsupported architecture 'FooForCausalLM'" in line
     supported = line.split("supported: ", 1)[1].split(", ")
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM"} <= set(supported)
@@ -126,28 +217,10 @@ def test_a_port_in_use_is_refused():
     assert serve == f"specsplit serve coordinator: {in_use}"
 
 
-@pytest.mark.parametrize(
-    "argv, says",
-    [
-        (["serve", "drafter", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
-        (["serve", "drafter", "--num-blocks", "0"], "--num-blocks 0 is out of range; give a value >= 1"),
-        (["serve", "verifier", "--port", "70000"], "--port 70000 is not a port number; give one in 0-65535"),
-        (["serve", "verifier", "--shutdown-grace", "nan"], "--shutdown-grace nan is out of range; give a value >= 0"),
-        (["serve", "verifier", "--device", "cuda:99"], "--device cuda:99 but this process sees"),
-        (
-            ["serve", "coordinator", "--verifier", "127.0.0.1:1", "--num-speculative-tokens", "99"],
-            "--num-speculative-tokens 99 is out of range; give a value in 0-31",
-        ),
-        (["serve", "verifier", "--tls-dir", "/nonexistent"], "--tls-dir /nonexistent: missing tls.crt"),
-        (
-            ["serve", "coordinator", "--verifier", "127.0.0.1:1", "--auth-token-file", "/nonexistent"],
-            "cannot read --auth-token-file /nonexistent (No such file or directory)",
-        ),
-    ],
-    ids=["dtype", "num-blocks", "port", "shutdown-grace", "device", "num-speculative-tokens", "tls-dir", "tokens"],
-)
-def test_a_bad_flag_value_is_refused(argv, says):
-    line = refusal(*argv, "--model", str(DEMO))
+@pytest.mark.parametrize("flag", list(BAD_FLAGS))
+def test_a_bad_flag_value_is_refused(slow, flag):
+    argv, says = BAD_FLAGS[flag]
+    _, line = slow_refusal(slow, f"flag {flag}")
     assert line.startswith(f"specsplit {argv[0]} {argv[1]}: ") and says in line
 
 
