@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -65,14 +66,14 @@ def up_cluster(args: argparse.Namespace):
 
 
 def _up(args: argparse.Namespace) -> int:
-    """Starts the three services and supervises them (`specsplit.supervisor`) until Ctrl-C or SIGTERM (0),
+    """Starts the three services and supervises them (`specsplit.supervisor`) until Ctrl-C, SIGTERM or SIGHUP (0),
     or a service given up or the coordinator's exit (1)."""
     from specsplit.supervisor import Supervisor
 
     cluster = up_cluster(args)
     supervisor = Supervisor(cluster, startup_timeout_s=args.startup_timeout)
-    signal.signal(signal.SIGINT, lambda signum, frame: supervisor.stop())
-    signal.signal(signal.SIGTERM, lambda signum, frame: supervisor.stop())
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(stop, lambda signum, frame: supervisor.stop())
 
     def on_ready() -> None:
         print(f"coordinator listening on {cluster.address}", flush=True)
@@ -317,11 +318,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# What each command needs beyond the base install (the client SDK): the extra that brings it.
+_EXTRAS = {
+    ("serve", "coordinator"): "coordinator",
+    ("serve", "verifier"): "worker",
+    ("serve", "drafter"): "worker",
+    ("up",): "coordinator,worker",
+    ("generate", "--local"): "coordinator,worker",
+    ("generate",): "telemetry",
+    ("train-demo",): "worker",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as err:  # an install without the command's extra: say which, not a traceback
+        if (err.name or "specsplit").split(".")[0] == "specsplit":
+            raise
+        command = argv[:2] if argv[:1] == ["serve"] else argv[:1]
+        key = ("generate", "--local") if command == ["generate"] and "--local" in argv else tuple(command)
+        extra = _EXTRAS.get(key)
+        if extra is None:
+            raise
+        print(
+            f"specsplit {' '.join(command)}: this command needs the specsplit[{extra}] extra (no module named "
+            f"{err.name!r}); pip install 'specsplit[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["train-demo"]:
         return _train_demo(argv[1:])
     args = parse_args(argv)
+    if args.command == "up" or (args.command == "generate" and args.local):
+        # The services' modules, looked up (not imported) here: one line from this command, not one per child.
+        for name in ("transformers", "torch", "triton", "opentelemetry.sdk"):
+            if importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
     if args.command == "generate" and args.local:
         if args.model is None:
             print(

@@ -10,10 +10,16 @@ default: Unix sockets, CUDA IPC on a GPU, the device hand-off) or `pooled` (gRPC
 grpc bytes or nccl). The coordinator always reaches its verifier on the verifier's Unix socket, and
 every service's socket lives in one short directory of this cluster's, removed at stop(). Only the
 coordinator listens on `host`; verifier and drafter bind to loopback.
+
+The services end with the process that started them, however it ends: on Linux each child asks the kernel
+for SIGTERM when its parent's starting thread exits (`prctl(PR_SET_PDEATHSIG)`), so a SIGKILLed `up` leaves
+no service holding its ports, and the last service to leave the socket directory removes it. Start a
+cluster from a thread that outlives it (`up`: its main thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -33,6 +39,25 @@ from specsplit.placement import resolve_placement
 log = logging.getLogger(__name__)
 WORKER_HOST = "127.0.0.1"  # verifier and drafter: reached only by this machine's coordinator and verifier
 METRICS_PORT_OFFSETS = {"coordinator": 0, "verifier": 1, "drafter": 2}
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _ended_with_parent():
+    """Linux: a `preexec_fn` after which the child gets SIGTERM when the thread that started it exits (a
+    SIGTERM, not a SIGKILL: the service drains and removes its sockets); also when the parent is already gone.
+    None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent, term = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:  # between fork and exec: no allocation, no lock
+        prctl(_PR_SET_PDEATHSIG, term)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), term)
+
+    return preexec
 
 
 def free_port(host: str = WORKER_HOST) -> int:
@@ -185,6 +210,7 @@ class LocalCluster:
                 text=True,
                 env=self.env,
                 start_new_session=True,
+                preexec_fn=_ended_with_parent(),
             )
         finally:
             if stderr is not None:

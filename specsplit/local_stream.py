@@ -224,7 +224,9 @@ def claim_path(path: str) -> None:
 @dataclass
 class SocketDir:
     """The directory a service's Unix sockets live in: its `--socket-dir`, or a private one of its own
-    (mode 0700) that `remove()` deletes at exit."""
+    (mode 0700). At exit, once the service has closed its sockets, `remove()` deletes a private one, and a
+    given one if the service was the last to leave it empty (`specsplit up`'s, shared by verifier and drafter,
+    is then gone even when `up` was killed; a mount point, as in the Kubernetes pods, stays)."""
 
     root: str
     owned: bool
@@ -235,6 +237,9 @@ class SocketDir:
     def remove(self) -> None:
         if self.owned:
             shutil.rmtree(self.root, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):  # not empty (the other service still serves), a mount point, gone
+            os.rmdir(self.root)
 
 
 def socket_dir(given: str | None, role: str) -> SocketDir:

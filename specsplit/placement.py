@@ -82,5 +82,6 @@ def add_placement_arguments(p: argparse.ArgumentParser, sockets: bool = True) ->
             metavar="DIR",
             help="where this server's Unix sockets go: the verifier's VerifyStream for its coordinator, a co-located "
             "drafter's ProposeStream for its verifier (default: a private directory under $TMPDIR, removed at exit; "
-            "on Kubernetes a volume the pod's containers share)",
+            "on Kubernetes a volume the pod's containers share). A given directory is made if missing and removed at "
+            "exit if this server leaves it empty",
         )

@@ -4,7 +4,7 @@ streams run, and every stream equals target-only greedy output (the same `up`, a
 kill); a drafter that fails at every restart is given up with one line and `up` exits 1; `up` prints the
 coordinator's address, its three services are its own children, and SIGTERM on `up` leaves no process behind
 (read from /proc: every process whose command line names the test's checkpoint path, a symlink of its own, and
-every process in the sessions the children led).
+every process in the sessions the children led); nor does a SIGKILL or SIGHUP on `up`, nor its socket directory.
 
 The module's `up` serves the kill tests, then the SIGTERM test (last in the file) stops it."""
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +42,12 @@ N_TOKENS = 40
 class Up:
     """`python -m specsplit up` on a checkpoint path of its own, with its output in files."""
 
-    def __init__(self, model: pathlib.Path, logs: pathlib.Path):
+    def __init__(self, model: pathlib.Path, logs: pathlib.Path, env: dict[str, str] | None = None):
         self.model, self.port = str(model), free_port()
         self.stdout, self.stderr = logs / "up.out", logs / "up.err"
         cmd = [sys.executable, "-m", "specsplit", "up", "--model", self.model, "--port", str(self.port)]
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
         deadline = time.monotonic() + 240
         while "coordinator listening on" not in self.stdout.read_text():
             assert self.proc.poll() is None, f"specsplit up exited early:\n{self.stderr.read_text()[-3000:]}"
@@ -180,6 +182,32 @@ def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_pa
         assert not [pid for pid, sid in _sessions().items() if sid in children]
     finally:
         u.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tmp_path, sig):
+    """A SIGKILLed `up` (no chance to stop anything) or a closed terminal's SIGHUP: no service is left running under
+    PID 1 holding the port, and the socket directory `up` made in $TMPDIR is gone."""
+    (tmp_path / "model").symlink_to(DEMO)
+    temp = tempfile.mkdtemp()  # short: socket paths hold at most 107 bytes
+    try:
+        u = Up(tmp_path / "model", tmp_path, env={**os.environ, "TMPDIR": temp})
+        try:
+            children = u.children()
+            assert len(children) == 3 and len(list(pathlib.Path(temp).glob("specsplit-*"))) == 1
+            u.proc.send_signal(sig)
+            code = u.proc.wait(60)
+            assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+            deadline = time.monotonic() + 60  # the services drain (SIGTERM from the kernel) and exit
+            while u.children() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert u.children() == {}
+            assert not [pid for pid, sid in _sessions().items() if sid in children]
+            assert not list(pathlib.Path(temp).glob("specsplit-*"))  # (torch may leave caches of its own)
+        finally:
+            u.close()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _processes() -> dict[int, str]:

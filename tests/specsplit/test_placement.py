@@ -115,6 +115,7 @@ def test_a_pooled_cluster_passes_its_transport():
     assert cluster.hidden_transport == "nccl"
     for cmd in (cluster.command("verifier", 1), cluster.command("drafter", 2)):
         assert flags(cmd, "--placement", "--hidden-transport") == ["pooled", "nccl"]
+    cluster.stop()  # the socket directory its commands made
     assert LocalCluster("ckpt", device="cuda:0", placement="pooled").hidden_transport == "grpc"
 
 
@@ -147,9 +148,9 @@ def test_role_command_replaces_the_program_and_keeps_the_roles_arguments():
 
 
 def test_up_passes_the_scheduling_flags_to_the_coordinator():
-    cmd = up_cluster(parse_args(["up", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024"])).command(
-        "coordinator", 1234, "127.0.0.1:1"
-    )
+    cluster = up_cluster(parse_args(["up", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024"]))
+    cmd = cluster.command("coordinator", 1234, "127.0.0.1:1")
+    cluster.stop()
     assert flags(cmd, "--max-num-seqs", "--max-num-batched-tokens") == ["32", "1024"]
     with pytest.raises(SystemExit):
         parse_args(["up", "--micro-batches", "2"])  # removed: one iteration in flight
@@ -160,10 +161,14 @@ def test_model_servers_get_the_load_format_and_the_coordinator_does_not():
     for role in ("verifier", "drafter"):
         assert flags(cluster.command(role, 1234), "--load-format") == ["dummy"]
     assert "--load-format" not in cluster.command("coordinator", 1234, "127.0.0.1:1")
+    cluster.stop()
 
 
 def test_up_serves_each_services_metrics_on_its_own_port():
     cluster = up_cluster(parse_args(["up", "--metrics-port", "9464"]))
     ports = {role: flags(cluster.command(role, 1, "127.0.0.1:2"), "--metrics-port")[0] for role in cluster.extra}
     assert ports == {"coordinator": "9464", "verifier": "9465", "drafter": "9466"}
-    assert "--metrics-port" not in up_cluster(parse_args(["up"])).command("verifier", 1)
+    cluster.stop()
+    cluster = up_cluster(parse_args(["up"]))
+    assert "--metrics-port" not in cluster.command("verifier", 1)
+    cluster.stop()
