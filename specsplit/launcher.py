@@ -283,20 +283,28 @@ class LocalCluster:
             peer = self.services["verifier"].address
         return self.spawn(role, port, peer)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        for svc in self.services.values():
-            if svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for svc in self.services.values():
-            try:
-                svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                svc.proc.kill()
-                svc.proc.wait()
+    def stop(self, grace_s: float = 35.0) -> dict[str, int]:
+        """Stops the services in order: SIGTERM to the coordinator first, which refuses new requests and finishes
+        those in flight (its `--shutdown-grace`, 30 s by default) while verifier and drafter still serve them;
+        then to verifier and drafter. A service still running `grace_s` after its SIGTERM is killed. Returns each
+        service's exit code."""
+        for roles in (["coordinator"], ["verifier", "drafter"]):
+            group = [self.services[role] for role in roles if role in self.services]
+            for svc in group:
+                if svc.proc.poll() is None:
+                    svc.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for svc in group:
+                try:
+                    svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s still running %g s after SIGTERM: killing it", svc.role, grace_s)
+                    svc.proc.kill()
+                    svc.proc.wait()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+        return {role: svc.proc.returncode for role, svc in self.services.items()}
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -7,7 +7,9 @@ output does not change. A service that exits again soon after each of `max_resta
 given up, with one line saying which and why. The coordinator is not restarted (it holds every request's
 state). `run()` returns 0 after `stop()` (a signal), 1 when a service is given up or the coordinator
 exits, 2 when a service refused to start with code 2 (a user's mistake, named in its own line); either way
-every service is stopped first.
+every service is stopped first, the coordinator before the others (`LocalCluster.stop`: its requests in
+flight finish while verifier and drafter still serve), and after `stop()` a service that does not exit 0
+makes it 1.
 """
 
 from __future__ import annotations
@@ -82,16 +84,29 @@ class Supervisor:
         """Starts the services, calls on_ready once all of them serve, then supervises them until stop() (0),
         a service given up or the coordinator's exit (1). Stops every service before it returns."""
         try:
-            if not self._start():
-                return 0 if self._stopping else self._start_failure
-            on_ready()
-            while not self._stopping:
-                if self._coordinator_exited() or any(self._given_up(role) for role in self._restarts):
-                    return 1
-                time.sleep(self.tick_s)
-            return 0
-        finally:
+            code = self._supervise(on_ready)
+        except BaseException:
             self.cluster.stop()
+            raise
+        if code is not None:
+            self.cluster.stop()
+            return code
+        # stop() while all served: each service must exit 0, or `up` says which did not and exits 1
+        failed = {role: code for role, code in self.cluster.stop().items() if code != 0}
+        for role, code in failed.items():
+            self.say(f"{role} {describe_exit(code)} while stopping")
+        return 1 if failed else 0
+
+    def _supervise(self, on_ready: Callable[[], None]) -> int | None:
+        """run()'s exit code, or None after stop() once every service served."""
+        if not self._start():
+            return 0 if self._stopping else self._start_failure
+        on_ready()
+        while not self._stopping:
+            if self._coordinator_exited() or any(self._given_up(role) for role in self._restarts):
+                return 1
+            time.sleep(self.tick_s)
+        return None
 
     def _start(self) -> bool:
         """True once every service serves; False at stop(), or (having said why) if one exits or is late.

@@ -212,8 +212,8 @@ def test_containers_have_probes_limits_non_root_and_graceful_shutdown(overlay):
         (tmp,) = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
         assert "emptyDir" in by_name(spec["volumes"])[tmp]
         # the drain after SIGTERM fits in the pod's grace period
-        if args.command == "up":  # `up` stops its services, killing any still running after grace_s
-            drain = inspect.signature(LocalCluster.stop).parameters["grace_s"].default
+        if args.command == "up":  # `up` stops the coordinator, then the others, killing any still running after grace_s
+            drain = 2 * inspect.signature(LocalCluster.stop).parameters["grace_s"].default
         else:  # NOT_SERVING, --shutdown-delay for endpoints to catch up, --shutdown-grace for calls in flight
             assert args.shutdown_delay > 0
             drain = args.shutdown_delay + args.shutdown_grace

@@ -6,7 +6,7 @@ coordinator's address, its three services are its own children, and SIGTERM on `
 (read from /proc: every process whose command line names the test's checkpoint path, a symlink of its own, and
 every process in the sessions the children led); nor does a SIGKILL or SIGHUP on `up`, nor its socket directory.
 
-The module's `up` serves the kill tests, then the SIGTERM test (last in the file) stops it."""
+The module's `up` serves the kill tests, then the SIGTERM test stops it (with streams in flight, which finish)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,11 @@ def test_a_killed_service_is_restarted_and_every_stream_equals_target_only_greed
     assert out.stats.num_draft_tokens > 0 and out.token_ids == reference[0][:12]
 
 
-def test_sigterm_stops_every_child_with_exit_code_0(up):
+def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prompts_and_reference):
+    """SIGTERM on `up` mid-stream: the coordinator is stopped first and finishes its streams while verifier and
+    drafter still serve them (each equals target-only greedy output), then the rest; `up` exits 0 only if every
+    service did."""
+    prompts, reference = prompts_and_reference
     listening = [line for line in up.stdout.read_text().splitlines() if line.startswith("coordinator listening on")]
     assert listening[0] == f"coordinator listening on 127.0.0.1:{up.port}"
     children = up.children()
@@ -154,8 +158,16 @@ def test_sigterm_stops_every_child_with_exit_code_0(up):
         "verifier",
     ]
     assert {int(_stat(pid)[1]) for pid in children} == {up.proc.pid}  # `up`'s own children, restarted ones too
+    progressed = threading.Event()
+    threads, results, errors = start_streams(up.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
+    assert progressed.wait(120)
     up.proc.send_signal(signal.SIGTERM)
-    assert up.proc.wait(60) == 0
+    assert len(results) < len(prompts)  # the signal lands mid-stream
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == reference
+    assert up.proc.wait(60) == 0, up.lines()
     assert up.children() == {}
     assert not [pid for pid, sid in _sessions().items() if sid in children]
 

@@ -16,8 +16,18 @@ from specsplit.launcher import LocalCluster
 from specsplit.supervisor import RestartPolicy, Supervisor
 
 STAND_IN = """
-import pathlib, sys, time
+import os, pathlib, signal, sys, time
 role, args = sys.argv[1], sys.argv[2:]
+model = pathlib.Path(args[args.index("--model") + 1])
+
+def on_sigterm(signum, frame):  # as the services drain: a stamp in terms.log, then exit 0 (or <role>.code's)
+    with open(model / "terms.log", "a") as f:
+        f.write(f"{role} {time.time()}\\n")
+    time.sleep(0.3 if role == "coordinator" else 0.0)  # its requests in flight finish
+    code = model / f"{role}.code"
+    os._exit(int(code.read_text()) if code.exists() else 0)
+
+signal.signal(signal.SIGTERM, on_sigterm)
 if (pathlib.Path(args[args.index("--model") + 1]) / f"{role}.crash").exists():
     sys.exit(3)
 if (pathlib.Path(args[args.index("--model") + 1]) / f"{role}.refuse").exists():
@@ -138,9 +148,9 @@ def test_a_service_that_served_past_stable_s_starts_a_new_row_of_restarts(runnin
 def test_the_coordinator_is_not_restarted_and_its_exit_stops_everything(running):
     run = running()
     assert run.ready.wait(20), run.lines
-    run.cluster.services["coordinator"].proc.send_signal(signal.SIGTERM)
+    run.cluster.services["coordinator"].proc.send_signal(signal.SIGKILL)
     assert run.finish() == 1
-    assert run.lines == ["coordinator was killed by SIGTERM; it holds the requests' state, so all services stop"]
+    assert run.lines == ["coordinator was killed by SIGKILL; it holds the requests' state, so all services stop"]
     assert run.all_stopped()
 
 
@@ -165,6 +175,29 @@ def test_a_service_silent_past_the_startup_timeout_stops_everything(running, tmp
     run = running(startup_timeout_s=0.5)
     assert run.finish() == 1
     assert run.lines == ["drafter not serving after 0.5 s; stopping all services"]
+    assert run.all_stopped()
+
+
+def test_stop_stops_the_coordinator_before_the_model_services(running, tmp_path):
+    """The coordinator finishes its requests in flight while verifier and drafter still serve them: they get
+    SIGTERM only once it has exited."""
+    run = running()
+    assert run.ready.wait(20), run.lines
+    run.supervisor.stop()
+    assert run.finish() == 0 and run.lines == []
+    stamps = dict(line.split() for line in (tmp_path / "terms.log").read_text().splitlines())
+    assert set(stamps) == set(ROLES)
+    assert float(stamps["verifier"]) >= float(stamps["coordinator"]) + 0.3
+    assert float(stamps["drafter"]) >= float(stamps["coordinator"]) + 0.3
+
+
+def test_a_service_that_does_not_exit_0_when_stopped_makes_up_exit_1(running, tmp_path):
+    (tmp_path / "verifier.code").write_text("5")
+    run = running()
+    assert run.ready.wait(20), run.lines
+    run.supervisor.stop()
+    assert run.finish() == 1
+    assert run.lines == ["verifier exited with code 5 while stopping"]
     assert run.all_stopped()
 
 
