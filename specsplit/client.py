@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.errors import from_rpc_error
+from specsplit.errors import InvalidArgument, from_rpc_error
 from specsplit.grpc_server import CHANNEL_OPTIONS
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.results import Collector, GenerationDelta, GenerationResult, SpecStats, delta_from_pb
@@ -35,21 +35,32 @@ def _request(
     num_speculative_tokens,
     request_id,
 ) -> coordinator_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    if seed is not None:
-        sampling.seed = seed
-    msg = coordinator_pb2.GenerateRequest(
-        request_id=request_id or "",
-        prompt_token_ids=list(prompt_token_ids or []),
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
-        ignore_eos=ignore_eos,
-    )
-    if prompt is not None:
-        msg.prompt = prompt
-    if num_speculative_tokens is not None:
-        msg.num_speculative_tokens = num_speculative_tokens
+    """The request message; a value its field cannot hold (a negative seed, max_tokens past int32, a string for a
+    number) raises InvalidArgument naming the option, as the coordinator names what it refuses."""
+    msg = coordinator_pb2.GenerateRequest()
+    options = [
+        ("request_id", msg, "request_id", request_id or ""),
+        ("prompt_token_ids", msg.prompt_token_ids, None, list(prompt_token_ids or [])),
+        ("max_tokens", msg, "max_tokens", max_tokens),
+        ("temperature", msg.sampling, "temperature", temperature),
+        ("top_p", msg.sampling, "top_p", top_p),
+        ("top_k", msg.sampling, "top_k", top_k),
+        ("seed", msg.sampling, "seed", seed),
+        ("stop", msg.stop, None, [stop] if isinstance(stop, str) else list(stop or [])),
+        ("ignore_eos", msg, "ignore_eos", ignore_eos),
+        ("prompt", msg, "prompt", prompt),
+        ("num_speculative_tokens", msg, "num_speculative_tokens", num_speculative_tokens),
+    ]
+    for name, target, field, value in options:
+        if value is None:
+            continue  # unset: the server's default
+        try:
+            if field is None:
+                target.extend(value)  # a repeated field
+            else:
+                setattr(target, field, value)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgument(f"{name}={value!r} cannot be sent: {err}") from None
     return msg
 
 

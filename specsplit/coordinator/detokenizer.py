@@ -2,9 +2,9 @@
 
 Decoding a sliding window of tokens (rather than the whole output every step) keeps the cost per
 step constant; a window whose text ends in U+FFFD is an incomplete UTF-8 sequence and is held back
-until the next token completes it. When stop strings are set, the last `max(len(stop)) - 1`
-characters are held back too, so a client never sees the beginning of a stop string that is then
-cut.
+until the next token completes it (or, at the end of the output, given as a whole decode gives it).
+When stop strings are set, the last `max(len(stop)) - 1` characters are held back too, so a client
+never sees the beginning of a stop string that is then cut.
 """
 
 from __future__ import annotations
@@ -63,7 +63,15 @@ class IncrementalDetokenizer:
         return False
 
     def flush(self) -> str:
-        """Returns whatever was held back (call when the request finishes)."""
+        """Returns whatever was held back (call when the request finishes), including the tokens of an output
+        that ends inside a UTF-8 sequence: decoded as a whole decode gives them (U+FFFD for the incomplete tail)."""
+        if not self.stopped and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) > len(prefix):
+                self.text += full[len(prefix) :]
+                self._prefix_offset = self._read_offset = len(self._ids)
+                self._apply_stop()
         return self._take(final=True)
 
     def _take(self, final: bool) -> str:

@@ -39,6 +39,7 @@ from specsplit.results import SpecStats
 from specsplit.telemetry import inject_trace_context
 
 log = logging.getLogger(__name__)
+MAX_INTERNAL_RETRIES = 3  # consecutive failed iterations after which INTERNAL fails the batch
 
 
 @dataclass
@@ -232,8 +233,13 @@ class Engine:
     async def _on_verify_error(self, output: SchedulerOutput, err: grpc.RpcError) -> None:
         code = err.code()
         log.warning("Verify failed (%s: %s); re-prefilling running requests", code.name, err.details())
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
-            # Retrying the same batch would fail the same way: fail its requests.
+        # INVALID_ARGUMENT: the verifier refused the batch, and would again. INTERNAL: a verifier going away (a
+        # stream cut by its shutdown) says so too; retried as UNAVAILABLE is, it fails the batch only when it
+        # comes back MAX_INTERNAL_RETRIES times in a row.
+        deterministic = code == grpc.StatusCode.INVALID_ARGUMENT or (
+            code == grpc.StatusCode.INTERNAL and self._num_failures >= MAX_INTERNAL_RETRIES
+        )
+        if deterministic:
             for item in output.scheduled:
                 self._fail(item.request.request_id, SpecsplitError(f"verifier: {err.details()}", code))
         now = time.monotonic()

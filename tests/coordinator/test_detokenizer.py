@@ -29,6 +29,15 @@ def test_streamed_text_equals_full_decode_and_holds_back_partial_utf8():
     assert all("\ufffd" not in x for x in deltas)
 
 
+def test_an_output_that_ends_inside_a_utf8_sequence_keeps_its_bytes_as_a_whole_decode_does():
+    """The last token leaves "你" one byte short: the held-back bytes come out at the end, as U+FFFD, as the
+    tokenizer's own decode of the whole output gives them, never dropped."""
+    data = "ok 你".encode()[:-1]
+    deltas, d = stream(data)
+    assert "".join(deltas) == d.text == ByteTokenizer().decode(list(data)) == "ok \ufffd"
+    assert all("\ufffd" not in x for x in deltas[:-1])  # only the final flush carries it
+
+
 def test_stop_string_is_cut_and_never_streamed_partially():
     deltas, d = stream(b"abc STOP def", stop=("STOP",))
     assert d.stopped and "".join(deltas) == "abc "

@@ -29,9 +29,10 @@ class FakeVerifyStream:
     """Answers each request with the token of its next position (no drafts); records, at every send and
     receive, how many tokens had been streamed to the client; fails the send of the iterations in `fail_sends`."""
 
-    def __init__(self, streamed, fail_sends=()):
+    def __init__(self, streamed, fail_sends=(), fail_receives=None):
         self.streamed = streamed
         self.fail_sends = set(fail_sends)
+        self.fail_receives = fail_receives or {}  # iteration -> the status its answer fails with
         self.events = []
         self._last = None
 
@@ -44,6 +45,9 @@ class FakeVerifyStream:
     async def receive(self):
         await asyncio.sleep(0)
         self.events.append(("receive", self._last.iteration, self.streamed()))
+        code = self.fail_receives.get(self._last.iteration)
+        if code is not None:
+            raise StreamError(code, "verifier: Internal error from Core")
         response = verifier_pb2.VerifyResponse()
         for r in self._last.requests:
             position = r.num_computed_tokens + len(r.token_ids)
@@ -54,7 +58,7 @@ class FakeVerifyStream:
         pass
 
 
-async def generate(max_tokens: int, fail_sends=()):
+async def generate(max_tokens: int, fail_sends=(), fail_receives=None):
     config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
     engine = Engine(
         Scheduler(config, eos_token_ids=[]), verifier=SimpleNamespace(VerifyStream=None), tokenizer=ByteTokenizer()
@@ -63,17 +67,19 @@ async def generate(max_tokens: int, fail_sends=()):
     queued = []  # every output put on the client's queue, consumed or not
     put = queue.put_nowait
     queue.put_nowait = lambda out: (queued.append(out), put(out))[1]
-    engine._verify_stream = stream = FakeVerifyStream(lambda: sum(len(o.token_ids) for o in queued), fail_sends)
+    engine._verify_stream = stream = FakeVerifyStream(
+        lambda: sum(len(o.token_ids) for o in queued), fail_sends, fail_receives
+    )
     engine.start()
-    tokens, reason = [], None
+    tokens, reason, error = [], None, None
     try:
         while reason is None:
             out = await asyncio.wait_for(queue.get(), 10)
             tokens += out.token_ids
-            reason = out.finish_reason
+            reason, error = out.finish_reason, out.error
     finally:
         await engine.stop()
-    return tokens, reason, stream.events
+    return (tokens, reason, stream.events) if error is None else (tokens, error, stream.events)
 
 
 def test_outputs_stream_after_the_next_request_is_sent():
@@ -96,3 +102,20 @@ def test_a_failed_send_still_delivers_the_previous_outputs_and_nothing_twice():
     assert failed == [1]  # iteration 1's token was out; iteration 2's was streamed despite the failure
     after = [(kind, it, n) for kind, it, n in events if it > 3]
     assert after[0] == ("send", 4, 2)  # re-prefilled from the coordinator's tokens, then carried on
+
+
+def test_internal_from_a_verifier_going_away_is_retried_and_loses_nothing():
+    """A stream cut by the verifier's shutdown can answer INTERNAL: the iteration is retried (re-prefilled from the
+    coordinator's tokens) as for UNAVAILABLE, and the request finishes whole."""
+    internal = grpc.StatusCode.INTERNAL
+    tokens, reason, events = asyncio.run(generate(max_tokens=5, fail_receives={3: internal, 4: internal}))
+    assert reason == "length"
+    assert tokens == [token_at(len(PROMPT) + i) for i in range(5)]
+
+
+def test_internal_that_keeps_coming_back_fails_the_request_and_invalid_argument_at_once():
+    internal, invalid = grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT
+    for fail_receives, iterations in [({i: internal for i in range(2, 40)}, 1 + 4), ({2: invalid}, 1 + 1)]:
+        tokens, error, events = asyncio.run(generate(max_tokens=5, fail_receives=fail_receives))
+        assert error.code == next(iter(fail_receives.values())) and "Internal error from Core" in str(error)
+        assert len([kind for kind, *_ in events if kind == "receive"]) == iterations  # 1 answered, then failures
