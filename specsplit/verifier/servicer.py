@@ -58,7 +58,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # One step at a time, together with handing its hidden states to the transport; the Propose
         # round trip runs outside it.
         self._lock = asyncio.Lock()
-        self._coordinator_id: str | None = None
+        self._coordinator_id: str | None = None  # whose requests the KV cache holds (the step thread's)
+        # One coordinator per verifier: the one whose stream (or socket connection) is open holds the verifier;
+        # another is refused until that stream closes (`_claim`). Event loop only: stream task -> coordinator id.
+        self._lease: str | None = None
+        self._streams: dict[asyncio.Task, str] = {}
         self.draining = asyncio.Event()
         self._last_iteration = 0
         # Async scheduling: the Propose still running (its drafts go to the worker's held drafts once answered).
@@ -140,10 +144,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return extract_trace_context(request.trace_context)
         return incoming_context(context.invocation_metadata())
 
+    def _claim(self, coordinator_id: str) -> None:
+        """Event loop, for each message: the verifier is this coordinator's unless another one holds it, i.e.
+        still has a stream (a gRPC VerifyStream or a socket connection, each its own task) open to it. A second
+        coordinator would otherwise make the verifier drop every KV cache at each switch between the two."""
+        task, holder = asyncio.current_task(), self._lease
+        held = any(cid == holder and not t.done() for t, cid in self._streams.items() if t is not task)
+        if holder not in (None, coordinator_id) and held:
+            raise FailedPrecondition(
+                f"this verifier serves coordinator {holder!r}, whose stream is open; one coordinator per verifier: "
+                "stop that one first, or give this one a verifier of its own"
+            )
+        self._lease = coordinator_id
+        if task not in self._streams:
+            task.add_done_callback(lambda done: self._streams.pop(done, None))
+        self._streams[task] = coordinator_id
+
     async def _verify(self, request: verifier_pb2.VerifyRequest, parent, rpc: str) -> verifier_pb2.VerifyResponse:
         """One iteration that came by `rpc` (stream or local); raises SpecsplitError with the
         status the caller should get."""
         received_ns = time.time_ns()
+        self._claim(request.coordinator_id)
         attrs = {
             "specsplit.iteration": request.iteration,
             "specsplit.batch_size": len(request.requests),

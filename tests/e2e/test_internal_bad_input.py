@@ -1,5 +1,7 @@
 """Bad input on the internal RPCs (Verify, Propose) is refused with INVALID_ARGUMENT or
-FAILED_PRECONDITION and a clear message, and the services keep serving."""
+FAILED_PRECONDITION and a clear message, and the services keep serving; a second coordinator is refused."""
+
+import signal
 
 import grpc
 import pytest
@@ -73,6 +75,9 @@ def _verify(cluster, msg):
 
 
 def test_bad_verify_is_refused_and_everything_keeps_serving(cluster):
+    """A second coordinator is refused while the cluster's own holds its stream to the verifier; once that one is
+    gone, the test's Verifies are the verifier's coordinator's, and the bad ones among them are refused."""
+
     def req(it, **kw):
         base = dict(
             request_id="intruder",
@@ -85,6 +90,12 @@ def test_bad_verify_is_refused_and_everything_keeps_serving(cluster):
             iteration=it, coordinator_id="test-intruder", requests=[verifier_pb2.ScheduledRequest(**{**base, **kw})]
         )
 
+    with Client(cluster.address, timeout=60) as client:  # the cluster's coordinator has its stream open
+        assert client.generate(prompt_token_ids=[3, 4], max_tokens=2, ignore_eos=True).token_ids
+    with pytest.raises(grpc.RpcError) as err:
+        _verify(cluster, req(1))
+    assert err.value.code() is Code.FAILED_PRECONDITION and "one coordinator per verifier" in err.value.details()
+    cluster.kill("coordinator", signal.SIGKILL)  # its stream closes with it
     cases = [
         (req(1, request_id="ghost", num_computed_tokens=7), Code.FAILED_PRECONDITION, "re-prefill"),
         (req(2, num_computed_tokens=-1), Code.INVALID_ARGUMENT, "negative"),
@@ -99,6 +110,7 @@ def test_bad_verify_is_refused_and_everything_keeps_serving(cluster):
     with pytest.raises(grpc.RpcError) as err:  # iterations of one coordinator must increase
         _verify(cluster, req(9))
     assert err.value.code() is Code.FAILED_PRECONDITION and "strictly increase" in err.value.details()
-    # The real coordinator's next iteration starts afresh on the verifier; clients see nothing.
+    # A coordinator started again takes the verifier over (the test's streams are closed) and starts afresh.
+    cluster.restart("coordinator")
     with Client(cluster.address, timeout=60) as client:
         assert len(client.generate(prompt_token_ids=[3, 4], max_tokens=6, ignore_eos=True).token_ids) == 6
