@@ -168,6 +168,11 @@ class DrafterClient:
     def free(self, request_ids: list[str]) -> None:
         self.pool.free(request_ids)
 
+    def free_all(self) -> None:
+        """Every request placed on a drafter and not freed yet (a new coordinator took the verifier over: the old
+        one's last finished ids may never come)."""
+        self.pool.free(list(self.pool.owner))
+
     def stats(self) -> dict[str, ReplicaStats]:
         return self.pool.stats()
 

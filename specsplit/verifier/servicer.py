@@ -192,6 +192,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         previous = None
         parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
         async with self._lock:  # the step thread uses the proposer only inside calls made under it
+            if self._coordinator_id not in (None, request.coordinator_id):  # taken over (`_check_order`):
+                self.drafter.free_all()  # before the new one's requests are placed (its ids may be the old ones')
             await proposer.prepare([r.request_id for r in request.requests])
             self.drafter.free(list(request.finished_request_ids))
             batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(

@@ -144,3 +144,37 @@ def test_kv_blocks_on_verifier_and_drafter_are_free_after_finish_and_abort(clust
             break
         time.sleep(0.1)
     assert (v_free, d_free) == (v_total, d_total)
+
+
+def test_a_coordinator_taking_the_verifier_over_leaves_no_kv_of_the_old_ones_requests(cluster):
+    """The old coordinator's last finished ids may never come (it stopped): when a new coordinator takes the
+    verifier over, the verifier frees its own KV and every request it placed on a drafter. Here the test is both
+    coordinators, one Verify stream per message, after the cluster's own coordinator is gone."""
+    import signal
+
+    from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+    def verify(coordinator_id: str, iteration: int, request_id: str | None = None, finished: tuple[str, ...] = ()):
+        msg = verifier_pb2.VerifyRequest(
+            iteration=iteration, coordinator_id=coordinator_id, finished_request_ids=list(finished)
+        )
+        if request_id is not None:  # a prefill that samples and asks for drafts: the drafter holds its MTP KV
+            msg.requests.add(
+                request_id=request_id, token_ids=[5, 6, 7, 8, 9], sample=True, num_spec_tokens=2,
+                sampling=common_pb2.SamplingParams(top_p=1.0),
+            )  # fmt: skip
+        with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
+            return next(verifier_pb2_grpc.VerifierStub(ch).VerifyStream(iter([msg]), timeout=30))
+
+    cluster.kill("coordinator", signal.SIGKILL)
+    try:
+        _, _, d_free_before, _ = _free_blocks(cluster)  # (a drafter an earlier test's faults left KV on: counted)
+        assert verify("old", 1, "left-behind").results[0].sampled_token_ids  # never finished by "old"
+        assert verify("new", 1, "fresh").results[0].sampled_token_ids  # takes over
+        verify("new", 2, finished=("fresh",))  # an iteration that only frees
+        v_free, v_total, d_free, _ = _free_blocks(cluster)
+        assert v_free == v_total and d_free >= d_free_before  # without the takeover's frees: "left-behind"'s
+    finally:
+        cluster.restart("coordinator")
+    with Client(cluster.address, timeout=60) as client:
+        assert len(client.generate(prompt_token_ids=[3, 4], max_tokens=4, ignore_eos=True).token_ids) == 4
