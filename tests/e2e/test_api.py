@@ -1,5 +1,6 @@
 """Client-facing API: health and reflection on every service, model info, abort, cancel, deadlines."""
 
+import signal
 import threading
 import time
 
@@ -9,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specsplit import AsyncClient, Client, SpecsplitError
+from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 
 @pytest.mark.parametrize(
@@ -117,8 +119,6 @@ def test_concurrent_threads_share_one_client(cluster):
 
 
 def _free_blocks(cluster) -> tuple[int, int, int, int]:
-    from specsplit.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-
     with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
         v = verifier_pb2_grpc.VerifierStub(ch)
         v_free = v.Free(verifier_pb2.FreeRequest(), timeout=10).num_free_blocks
@@ -150,9 +150,6 @@ def test_a_coordinator_taking_the_verifier_over_leaves_no_kv_of_the_old_ones_req
     """The old coordinator's last finished ids may never come (it stopped): when a new coordinator takes the
     verifier over, the verifier frees its own KV and every request it placed on a drafter. Here the test is both
     coordinators, one Verify stream per message, after the cluster's own coordinator is gone."""
-    import signal
-
-    from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 
     def verify(coordinator_id: str, iteration: int, request_id: str | None = None, finished: tuple[str, ...] = ()):
         msg = verifier_pb2.VerifyRequest(
