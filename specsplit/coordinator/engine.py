@@ -234,14 +234,22 @@ class Engine:
         code = err.code()
         log.warning("Verify failed (%s: %s); re-prefilling running requests", code.name, err.details())
         # INVALID_ARGUMENT: the verifier refused the batch, and would again. INTERNAL: a verifier going away (a
-        # stream cut by its shutdown) says so too; retried as UNAVAILABLE is, it fails the batch only when it
-        # comes back MAX_INTERNAL_RETRIES times in a row.
-        deterministic = code == grpc.StatusCode.INVALID_ARGUMENT or (
-            code == grpc.StatusCode.INTERNAL and self._num_failures >= MAX_INTERNAL_RETRIES
-        )
-        if deterministic:
-            for item in output.scheduled:
-                self._fail(item.request.request_id, SpecsplitError(f"verifier: {err.details()}", code))
+        # stream cut by its shutdown) says so too; retried as UNAVAILABLE is, it counts as a refusal only when it
+        # comes back MAX_INTERNAL_RETRIES times in a row. A refused batch fails only the request the verifier
+        # refuses alone: the scheduler runs the others apart until it is found.
+        refused = code == grpc.StatusCode.INVALID_ARGUMENT
+        if refused or (code == grpc.StatusCode.INTERNAL and self._num_failures >= MAX_INTERNAL_RETRIES):
+            request_ids = [item.request.request_id for item in output.scheduled]
+            for request_id in self.scheduler.isolate(request_ids):
+                self._fail(request_id, SpecsplitError(f"verifier: {err.details()}", code))
+            if len(request_ids) > 1:
+                log.warning(
+                    "scheduling the %d requests of the refused batch apart, to fail only the one refused",
+                    len(request_ids),
+                )
+        if refused:  # the verifier answered: it is there, nothing to wait for
+            self.scheduler.reset_all()
+            return
         now = time.monotonic()
         self._failing_since = self._failing_since or now
         self.scheduler.reset_all()  # the iteration's effect is unknown: recompute from held tokens

@@ -16,6 +16,9 @@ placeholder the verifier cannot fill counts as rejected, so the accounting is th
 
 KV blocks live in the verifier; the coordinator does their accounting here, so it can preempt
 (recompute) the newest running request when the cache is full.
+
+A batch the verifier refuses deterministically (`isolate()`) is not failed whole: its requests are scheduled apart,
+half of them at a time, until the one it refuses is alone; only that request fails.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self._to_free: list[str] = []  # requests whose KV the next iteration frees
+        # Groups of requests of a refused batch, each scheduled alone in its turn (`isolate`).
+        self._suspects: deque[set[str]] = deque()
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -76,6 +81,31 @@ class Scheduler:
             self._preempt(request)
         self.running.clear()
 
+    def isolate(self, request_ids: list[str]) -> list[str]:
+        """The verifier refused the batch of these requests and would again (INVALID_ARGUMENT). Returns the one to
+        fail when it was alone; otherwise the next iterations schedule one half of them, then the other, apart
+        from every other request, and so on down to the request the verifier refuses. Call `reset_all()` after:
+        the refused iteration's effect is unknown."""
+        if len(request_ids) <= 1:
+            return list(request_ids)  # (a group it was alone in is dropped once it finished)
+        if self._suspects:  # the group being tried: the refused part's halves go first, what it did not run after
+            rest = self._suspects.popleft() - set(request_ids)
+            if rest:
+                self._suspects.appendleft(rest)
+        half = len(request_ids) // 2
+        self._suspects.extendleft([set(request_ids[half:]), set(request_ids[:half])])
+        return []
+
+    def _suspect_group(self) -> set[str] | None:
+        """The group of suspects this iteration schedules alone, or None (no batch is being isolated)."""
+        while self._suspects:
+            group = self._suspects[0] & self.requests.keys()
+            if group:
+                self._suspects[0] = group
+                return group
+            self._suspects.popleft()  # all of it finished or aborted
+        return None
+
     def has_work(self) -> bool:
         """Anything to schedule: running or waiting requests, or KV to free."""
         return bool(self._to_free or self.running or self.waiting)
@@ -97,13 +127,14 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        group = self._suspect_group()
         free_blocks = cfg.num_blocks - sum(self._kv_blocks(r) for r in self.running)
         num_preempted = 0
         queue = list(self.running)  # FCFS, preempt from the back
         kept: list[Request] = []
         while queue:
             request = queue.pop(0)
-            if budget <= 0:
+            if budget <= 0 or (group is not None and request.request_id not in group):
                 kept.append(request)
                 continue
             item = self._plan(request, budget)
@@ -125,14 +156,16 @@ class Scheduler:
             scheduled.append(item)
             kept.append(request)
 
-        # admission: FCFS among the waiting requests
-        while self.waiting and budget > 0 and len(kept) < cfg.max_num_seqs and not num_preempted:
-            request = self.waiting[0]
+        # admission: FCFS among the waiting requests (of the suspect group, while a batch is isolated)
+        while budget > 0 and len(kept) < cfg.max_num_seqs and not num_preempted:
+            request = next((r for r in self.waiting if group is None or r.request_id in group), None)
+            if request is None:
+                break
             item = self._plan(request, budget)
             need = self._blocks(request.num_computed_tokens + len(item.token_ids))
             if need > free_blocks:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)  # the first one but while a batch is isolated
             request.status = RequestStatus.RUNNING
             if request.admitted_time is None:
                 request.admitted_time = time.monotonic()
@@ -219,6 +252,10 @@ class Scheduler:
         until a reply reports the drafter back."""
         if len(results) != len(output.scheduled):
             raise FailedPrecondition(f"verifier returned {len(results)} results for {len(output.scheduled)} requests")
+        if self._suspects:  # answered: the suspects of this batch are cleared
+            self._suspects[0] -= {item.request.request_id for item in output.scheduled}
+            if not self._suspects[0]:
+                self._suspects.popleft()
         updates = []
         for item, result in zip(output.scheduled, results):
             request = item.request

@@ -29,15 +29,18 @@ class FakeVerifyStream:
     """Answers each request with the token of its next position (no drafts); records, at every send and
     receive, how many tokens had been streamed to the client; fails the send of the iterations in `fail_sends`."""
 
-    def __init__(self, streamed, fail_sends=(), fail_receives=None):
+    def __init__(self, streamed, fail_sends=(), fail_receives=None, refuse=()):
         self.streamed = streamed
+        self.refuse = set(refuse)  # request ids whose every batch is answered INVALID_ARGUMENT
         self.fail_sends = set(fail_sends)
         self.fail_receives = fail_receives or {}  # iteration -> the status its answer fails with
         self.events = []
+        self.batch_sizes = {}  # iteration -> requests it ran
         self._last = None
 
     async def send(self, request):
         self.events.append(("send", request.iteration, self.streamed()))
+        self.batch_sizes[request.iteration] = len(request.requests)
         if request.iteration in self.fail_sends:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, "verifier went away")
         self._last = request
@@ -48,6 +51,9 @@ class FakeVerifyStream:
         code = self.fail_receives.get(self._last.iteration)
         if code is not None:
             raise StreamError(code, "verifier: Internal error from Core")
+        if self.refuse & {r.request_id for r in self._last.requests}:
+            self.events.append(("refused", self._last.iteration, self.streamed()))
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "verifier: position out of range")
         response = verifier_pb2.VerifyResponse()
         for r in self._last.requests:
             position = r.num_computed_tokens + len(r.token_ids)
@@ -79,15 +85,16 @@ async def generate(max_tokens: int, fail_sends=(), fail_receives=None):
             reason, error = out.finish_reason, out.error
     finally:
         await engine.stop()
-    return (tokens, reason, stream.events) if error is None else (tokens, error, stream.events)
+    events = [(*e, stream.batch_sizes[e[1]]) for e in stream.events]  # kind, iteration, streamed, batch size
+    return (tokens, reason, events) if error is None else (tokens, error, events)
 
 
 def test_outputs_stream_after_the_next_request_is_sent():
     tokens, reason, events = asyncio.run(generate(max_tokens=4))
     assert reason == "length"
     assert tokens == [token_at(len(PROMPT) + i) for i in range(4)]
-    sends = [(it, n) for kind, it, n in events if kind == "send"]
-    receives = [(it, n) for kind, it, n in events if kind == "receive"]
+    sends = [(it, n) for kind, it, n, _ in events if kind == "send"]
+    receives = [(it, n) for kind, it, n, _ in events if kind == "receive"]
     assert [it for it, _ in sends] == [1, 2, 3, 4, 5]  # 5: frees the finished request's KV, runs nothing
     # Iteration i's token is queued after iteration i+1's request went out and before its answer came back.
     assert [n for _, n in sends] == [0, 0, 1, 2, 3]
@@ -98,9 +105,9 @@ def test_a_failed_send_still_delivers_the_previous_outputs_and_nothing_twice():
     tokens, reason, events = asyncio.run(generate(max_tokens=5, fail_sends={3}))
     assert reason == "length"
     assert tokens == [token_at(len(PROMPT) + i) for i in range(5)]  # none lost, none repeated
-    failed = [n for kind, it, n in events if kind == "send" and it == 3]
+    failed = [n for kind, it, n, _ in events if kind == "send" and it == 3]
     assert failed == [1]  # iteration 1's token was out; iteration 2's was streamed despite the failure
-    after = [(kind, it, n) for kind, it, n in events if it > 3]
+    after = [(kind, it, n) for kind, it, n, _ in events if it > 3]
     assert after[0] == ("send", 4, 2)  # re-prefilled from the coordinator's tokens, then carried on
 
 
@@ -118,4 +125,45 @@ def test_internal_that_keeps_coming_back_fails_the_request_and_invalid_argument_
     for fail_receives, iterations in [({i: internal for i in range(2, 40)}, 1 + 4), ({2: invalid}, 1 + 1)]:
         tokens, error, events = asyncio.run(generate(max_tokens=5, fail_receives=fail_receives))
         assert error.code == next(iter(fail_receives.values())) and "Internal error from Core" in str(error)
-        assert len([kind for kind, *_ in events if kind == "receive"]) == iterations  # 1 answered, then failures
+        # 1 answered, then failures; the request is not run again (an iteration freeing its KV may follow)
+        assert len([kind for kind, _, _, size in events if kind == "receive" and size]) == iterations
+
+
+def test_a_refused_request_fails_alone_and_the_rest_of_its_batch_finishes_whole():
+    """A verifier that refuses every batch holding one request (INVALID_ARGUMENT): that request fails, the others
+    of its batch are scheduled apart from it and finish with every token."""
+
+    async def run():
+        config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
+        engine = Engine(
+            Scheduler(config, eos_token_ids=[]), verifier=SimpleNamespace(VerifyStream=None), tokenizer=ByteTokenizer()
+        )
+        ids = [f"r{i}" for i in range(6)]
+        queues = {
+            rid: engine.add_request(Request(rid, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))) for rid in ids
+        }
+        engine._verify_stream = stream = FakeVerifyStream(lambda: 0, refuse={"r4"})
+        engine.start()
+        got = {}
+        try:
+            for rid, queue in queues.items():
+                tokens, out = [], None
+                while out is None or out.finish_reason is None:
+                    out = await asyncio.wait_for(queue.get(), 10)
+                    tokens += out.token_ids
+                got[rid] = (tokens, out.finish_reason, out.error)
+        finally:
+            await engine.stop()
+        return got, stream.events, stream.batch_sizes
+
+    got, events, batch_sizes = asyncio.run(run())
+    tokens, reason, error = got.pop("r4")
+    assert (
+        reason == "error" and error.code is grpc.StatusCode.INVALID_ARGUMENT and "position out of range" in str(error)
+    )
+    assert tokens == []
+    for rid, (tokens, reason, error) in got.items():
+        assert (reason, error) == ("length", None), rid
+        assert tokens == [token_at(len(PROMPT) + i) for i in range(4)], rid
+    # Refused: the batch of six, then the half with r4 (three), its half with r4 (two), then r4 alone.
+    assert [size for kind, it, _ in events if kind == "refused" for size in [batch_sizes[it]]] == [6, 3, 2, 1]

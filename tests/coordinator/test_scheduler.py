@@ -239,3 +239,46 @@ def test_config_refuses_more_drafts_than_the_verifier_takes():
         make(k=MAX_SPECULATIVE_TOKENS + 1, budget=64)
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         make(k=-1)
+
+
+def test_a_refused_batch_is_scheduled_apart_half_at_a_time_until_the_refused_request_is_alone():
+    s = make()
+    for rid in "abcd":
+        s.add_request(req(rid))
+    ids = lambda out: [item.request.request_id for item in out.scheduled]  # noqa: E731
+    out = s.schedule()
+    assert ids(out) == list("abcd")
+    assert s.isolate(ids(out)) == []  # refused: nobody fails yet
+    s.reset_all()
+    s.add_request(req("e"))  # arrives meanwhile: waits until the suspects are sorted out
+    out = s.schedule()
+    assert ids(out) == ["a", "b"]
+    assert s.isolate(ids(out)) == []
+    s.reset_all()
+    out = s.schedule()
+    assert ids(out) == ["a"]
+    s.update_from_output(out, results(out, [[7]]))  # answered: a is cleared
+    out = s.schedule()
+    assert ids(out) == ["b"]
+    assert s.isolate(ids(out)) == ["b"]  # refused alone: the one to fail
+    s.finish_request("b", "error")
+    s.reset_all()
+    out = s.schedule()
+    assert ids(out) == ["c", "d"]  # the other half of the first refusal, alone
+    s.update_from_output(out, results(out, [[7], [7]]))
+    out = s.schedule()
+    assert sorted(ids(out)) == ["a", "c", "d", "e"]  # nothing left to isolate: one batch again
+    assert s.requests["a"].output_token_ids == [7] and s.requests["a"].num_preemptions == 3
+
+
+def test_isolation_drops_a_group_whose_requests_all_finished():
+    s = make()
+    for rid in "abcd":
+        s.add_request(req(rid))
+    out = s.schedule()
+    s.isolate([item.request.request_id for item in out.scheduled])
+    s.reset_all()
+    s.finish_request("a", "abort")
+    s.finish_request("b", "abort")
+    out = s.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["c", "d"]  # the group of a and b is gone

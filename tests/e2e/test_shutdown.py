@@ -12,6 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit import Client, SpecsplitError
 
+from .helpers import greedy_ignoring_eos, start_streams
+
+N_TOKENS = 60
+
 
 def _health(address: str) -> str:
     try:
@@ -61,3 +65,45 @@ def test_sigterm_on_a_model_service_reports_not_serving_and_exits_0(cluster, rol
     assert _health(svc.address) == "NOT_SERVING"
     # The idle persistent stream ends at once: well inside the 60 s grace the fixture gives.
     assert svc.proc.wait(15) == 0
+
+
+@pytest.mark.parametrize("rpc", ["local", "stream"])
+def test_sigterm_on_the_verifier_under_load_drains_and_a_restarted_one_loses_nothing(cluster, hf_greedy, rpc):
+    """A rolling update of the verifier: SIGTERM under six concurrent streams, on the coordinator's Unix-socket
+    VerifyStream (`local`, the default) and on gRPC's (`stream`). The verifier reports NOT_SERVING, ends its
+    streams after the step in flight and exits 0; a verifier started again takes the work over; every stream
+    completes equal to transformers' greedy output, none fails."""
+    fixture_flags = list(cluster.extra["coordinator"])
+    if rpc != "local":
+        _restart_coordinator(cluster, [*fixture_flags, "--verifier-rpc", rpc])
+    try:
+        prompts = [[3 + i, 40 + i, 7] for i in range(6)]
+        progressed = threading.Event()
+        threads, results, errors = start_streams(
+            cluster.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set()
+        )
+        assert progressed.wait(60)
+        verifier = cluster.services["verifier"]
+        verifier.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert _health(verifier.address) == "NOT_SERVING"
+        assert verifier.proc.wait(30) == 0  # drained, not killed: the streams it served were ended cleanly
+        assert "Traceback" not in (verifier.log_tail(200) or "")
+        cluster.restart("verifier")
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        for i, p in enumerate(prompts):
+            assert results[i] == greedy_ignoring_eos(hf_greedy, p, N_TOKENS), f"stream {i}"
+    finally:
+        if rpc != "local":
+            _restart_coordinator(cluster, fixture_flags)
+
+
+def _restart_coordinator(cluster, flags: list[str]) -> None:
+    """Starts the session cluster's coordinator again with these extra flags."""
+    coordinator = cluster.services["coordinator"]
+    coordinator.proc.send_signal(signal.SIGTERM)
+    assert coordinator.proc.wait(30) == 0
+    cluster.extra["coordinator"] = flags
+    cluster.restart("coordinator")
