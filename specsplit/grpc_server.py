@@ -48,6 +48,12 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # A peer that vanished without closing its connection (a node lost, a partition) is noticed within
+        # ~30 s: the server pings every 20 s and drops a connection that does not answer in 10 s. Its streams
+        # end then, e.g. a dead coordinator's VerifyStream, which holds the verifier while open.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 

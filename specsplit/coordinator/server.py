@@ -102,8 +102,14 @@ class CoordinatorConfig:
         return config
 
 
-def verifier_rpc_refusal(rpc: str, address: str, info: common_pb2.ModelInfo) -> str | None:
-    """Why this coordinator cannot use its `--verifier-rpc` with the verifier that answered `info`, or None."""
+def verifier_refusal(rpc: str, address: str, info: common_pb2.ModelInfo) -> str | None:
+    """Why this coordinator cannot use the verifier that answered `info` (held by another coordinator, or not
+    reachable by its `--verifier-rpc`), or None."""
+    if info.coordinator_id:
+        return (
+            f"the verifier {address} serves another coordinator ({info.coordinator_id}), whose stream to it is open; "
+            "one coordinator per verifier: stop that one first, or start a verifier for this one"
+        )
     if rpc == "local" and not os.path.exists(info.verify_socket):
         return (
             f"the verifier {address} serves VerifyStream on {info.verify_socket or 'no socket'!r}, which is not on "
@@ -160,7 +166,7 @@ async def serve(config: CoordinatorConfig) -> None:
     channel = peer_channel(config.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await _wait_for_model_info(stub, config.startup_timeout)
-    refusal = verifier_rpc_refusal(config.verifier_rpc, config.verifier, info)
+    refusal = verifier_refusal(config.verifier_rpc, config.verifier, info)
     if refusal:
         await channel.close()
         await server.stop(0)

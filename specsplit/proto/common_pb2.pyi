@@ -67,7 +67,7 @@ class SpecStats(_message.Message):
     def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_iterations: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_speculative_tokens", "eos_token_ids", "block_size", "num_blocks", "dtype", "hidden_size", "hidden_transport", "propose_socket", "verify_socket")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_speculative_tokens", "eos_token_ids", "block_size", "num_blocks", "dtype", "hidden_size", "hidden_transport", "propose_socket", "verify_socket", "coordinator_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class ModelInfo(_message.Message):
     HIDDEN_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -94,7 +95,8 @@ class ModelInfo(_message.Message):
     hidden_transport: str
     propose_socket: str
     verify_socket: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_transport: _Optional[str] = ..., propose_socket: _Optional[str] = ..., verify_socket: _Optional[str] = ...) -> None: ...
+    coordinator_id: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_transport: _Optional[str] = ..., propose_socket: _Optional[str] = ..., verify_socket: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -148,9 +148,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Event loop, for each message: the verifier is this coordinator's unless another one holds it, i.e.
         still has a stream (a gRPC VerifyStream or a socket connection, each its own task) open to it. A second
         coordinator would otherwise make the verifier drop every KV cache at each switch between the two."""
-        task, holder = asyncio.current_task(), self._lease
-        held = any(cid == holder and not t.done() for t, cid in self._streams.items() if t is not task)
-        if holder not in (None, coordinator_id) and held:
+        task = asyncio.current_task()
+        holder = self._holder(besides=task)
+        if holder not in (None, coordinator_id):
             raise FailedPrecondition(
                 f"this verifier serves coordinator {holder!r}, whose stream is open; one coordinator per verifier: "
                 "stop that one first, or give this one a verifier of its own"
@@ -159,6 +159,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if task not in self._streams:
             task.add_done_callback(lambda done: self._streams.pop(done, None))
         self._streams[task] = coordinator_id
+
+    def _holder(self, besides: asyncio.Task | None = None) -> str | None:
+        """The coordinator holding this verifier: the last one to claim it, while a stream of it (other than
+        `besides`) is open; None when none is."""
+        held = any(cid == self._lease and not t.done() for t, cid in self._streams.items() if t is not besides)
+        return self._lease if held else None
 
     async def _verify(self, request: verifier_pb2.VerifyRequest, parent, rpc: str) -> verifier_pb2.VerifyResponse:
         """One iteration that came by `rpc` (stream or local); raises SpecsplitError with the
@@ -267,4 +273,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context):
         await self._require_ready(context)
-        return self.model_info
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(self.model_info)
+        info.coordinator_id = self._holder() or ""
+        return info

@@ -2,11 +2,15 @@
 FAILED_PRECONDITION and a clear message, and the services keep serving; a second coordinator is refused."""
 
 import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
 
 from specsplit import Client
+from specsplit.launcher import free_port
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 Code = grpc.StatusCode
@@ -69,6 +73,11 @@ def test_bad_propose_is_refused_and_the_drafter_keeps_serving(cluster, hidden_si
     assert len(ok.drafts[0].token_ids) == 2
 
 
+def _model_info(cluster) -> common_pb2.ModelInfo:
+    with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
+        return verifier_pb2_grpc.VerifierStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
+
+
 def _verify(cluster, msg):
     with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
         return next(verifier_pb2_grpc.VerifierStub(ch).VerifyStream(iter([msg]), timeout=30))
@@ -95,7 +104,36 @@ def test_bad_verify_is_refused_and_everything_keeps_serving(cluster):
     with pytest.raises(grpc.RpcError) as err:
         _verify(cluster, req(1))
     assert err.value.code() is Code.FAILED_PRECONDITION and "one coordinator per verifier" in err.value.details()
+    holder = _model_info(cluster).coordinator_id
+    assert holder  # the verifier says who holds it; a coordinator starting against it stops with one line
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specsplit",
+            "serve",
+            "coordinator",
+            "--model",
+            cluster.model,
+            "--port",
+            str(free_port()),
+            "--verifier",
+            cluster.services["verifier"].address,
+            "--startup-timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2, second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert f"serves another coordinator ({holder})" in line and "one coordinator per verifier" in line
     cluster.kill("coordinator", signal.SIGKILL)  # its stream closes with it
+    deadline = time.monotonic() + 10
+    while _model_info(cluster).coordinator_id:  # the verifier notices the closed stream
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     cases = [
         (req(1, request_id="ghost", num_computed_tokens=7), Code.FAILED_PRECONDITION, "re-prefill"),
         (req(2, num_computed_tokens=-1), Code.INVALID_ARGUMENT, "negative"),

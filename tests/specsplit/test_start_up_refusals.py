@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specsplit.coordinator.server import verifier_rpc_refusal
+from specsplit.coordinator.server import verifier_refusal
 from specsplit.grpc_server import ServiceServer
 from specsplit.local_stream import LocalStreamServer, serve_or_exit
 from specsplit.proto import common_pb2, drafter_pb2_grpc
@@ -21,13 +21,13 @@ from specsplit.verifier.drafter_pool import DRAFTER_SERVICE
 
 def test_the_coordinator_refuses_local_rpc_against_a_verifier_whose_socket_is_elsewhere(tmp_path):
     info = common_pb2.ModelInfo(verify_socket="/run/elsewhere/verifier.sock")
-    refusal = verifier_rpc_refusal("local", "10.0.0.5:50052", info)
+    refusal = verifier_refusal("local", "10.0.0.5:50052", info)
     assert "the verifier 10.0.0.5:50052 serves VerifyStream on '/run/elsewhere/verifier.sock'" in refusal
     assert "run the coordinator beside its verifier" in refusal and "or use --verifier-rpc stream" in refusal
-    assert verifier_rpc_refusal("stream", "v:1", info) is None
+    assert verifier_refusal("stream", "v:1", info) is None
     socket = tmp_path / "verify.sock"
     socket.touch()
-    assert verifier_rpc_refusal("local", "v:1", common_pb2.ModelInfo(verify_socket=str(socket))) is None
+    assert verifier_refusal("local", "v:1", common_pb2.ModelInfo(verify_socket=str(socket))) is None
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["verify-socket", "propose-socket"])
