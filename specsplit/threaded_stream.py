@@ -54,9 +54,11 @@ class ThreadedLocalStreamServer:
         max_message_bytes: int,
         name: str = "local-stream",
         thread_init: Callable[[], None] | None = None,  # run first on every connection's thread
+        thread_exit: Callable[[], None] | None = None,  # run last on every connection's thread, once it closed
     ):
         self.path = path
         self._thread_init = thread_init
+        self._thread_exit = thread_exit
         self._parse = parse
         self._handle = handle
         self._draining = draining
@@ -132,6 +134,8 @@ class ThreadedLocalStreamServer:
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
             conn.close()
+            if self._thread_exit is not None:
+                self._thread_exit()
 
     def _next_request(self, conn: socket.socket):
         """The connection's next request; None when the client closed it, the server drains or closes

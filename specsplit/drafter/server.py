@@ -114,6 +114,7 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
             config.server.max_message_bytes,
             name="propose-socket",
             thread_init=servicer.init_thread,
+            thread_exit=servicer.connection_closed,
         )
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)

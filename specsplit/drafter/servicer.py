@@ -149,6 +149,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._queued_lock = threading.Lock()
         self._queued = 0  # Propose calls waiting or running: the autoscaler's queue depth
         self._hand_offs = 0  # device hand-offs served
+        # Each request's state was placed last through which connection (a gRPC ProposeStream's task, a socket
+        # connection's thread); a closed connection's requests are freed (`connection_closed`): a verifier that
+        # went away, or was restarted, never frees them itself. Guarded by _model_lock.
+        self._placed: dict[str, object] = {}
         self.draining = asyncio.Event()
 
         def queue_depth(_options):
@@ -174,17 +178,37 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """First call on the thread of a socket connection (co-located): the model's device becomes current."""
         use_device(self.device)
 
+    def connection_closed(self, connection: object | None = None) -> None:
+        """A connection Proposes came by closed (default: the calling socket connection's thread): the requests
+        last placed through it are freed. The verifier may come back on a new connection; a request it still
+        runs then starts its MTP state afresh here (`DrafterRunner`): drafts worse for a step, output the same."""
+        connection = connection or threading.current_thread()
+        with self._model_lock:
+            request_ids = [rid for rid, placed_by in self._placed.items() if placed_by is connection]
+            self._free(request_ids)
+        if request_ids:
+            log.info("a verifier's connection closed: freed the %d requests it had placed", len(request_ids))
+
+    def _free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._placed.pop(rid, None)
+        self.runner.free(request_ids)
+
     def _count(self, delta: int) -> None:
         with self._queued_lock:
             self._queued += delta
 
-    def _propose(self, request: drafter_pb2.ProposeRequest) -> tuple[list[ProposeItem], ProposeOutput]:
+    def _propose(
+        self, request: drafter_pb2.ProposeRequest, connection: object
+    ) -> tuple[list[ProposeItem], ProposeOutput]:
         if request.finished_request_ids:
-            self.runner.free(list(request.finished_request_ids))
+            self._free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
         try:
             items = parse_items(request, self._vocab_size)
+            for item in items:
+                self._placed[item.request_id] = connection
             device_tokens = None
             if on_device(request):
                 device_tokens = self.receiver.device_tokens(request)
@@ -206,11 +230,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def ProposeStream(self, request_iterator, context):
         await self._require_ready(context)
-        async for request in until_draining(request_iterator, self.draining):
-            try:
-                yield await self._handle(request, extract_trace_context(request.trace_context), "stream")
-            except SpecsplitError as err:
-                await context.abort(err.code, err.message)
+        connection = asyncio.current_task()
+        try:
+            async for request in until_draining(request_iterator, self.draining):
+                try:
+                    yield await self._handle(request, extract_trace_context(request.trace_context), connection)
+                except SpecsplitError as err:
+                    await context.abort(err.code, err.message)
+        finally:
+            await self._steps.run(self.connection_closed, connection)
 
     def handle_local_request(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
         """One message of a ProposeStream on the co-located drafter's socket, on its connection's thread."""
@@ -218,7 +246,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise SpecsplitError("drafter is loading its weights", grpc.StatusCode.UNAVAILABLE)
         self._count(1)
         try:
-            return self._serve_propose(request, extract_trace_context(request.trace_context), "local", time.time_ns())
+            parent = extract_trace_context(request.trace_context)
+            return self._serve_propose(request, parent, "local", time.time_ns(), threading.current_thread())
         finally:
             self._count(-1)
 
@@ -226,19 +255,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """SIGTERM: persistent streams end at their next idle moment instead of holding the grace period."""
         self.draining.set()
 
-    async def _handle(self, request: drafter_pb2.ProposeRequest, parent, rpc: str) -> drafter_pb2.ProposeResponse:
+    async def _handle(
+        self, request: drafter_pb2.ProposeRequest, parent, connection: asyncio.Task
+    ) -> drafter_pb2.ProposeResponse:
         """One Propose that came by gRPC's stream, handled on the step thread."""
         t_arrival = time.time_ns()
         self._count(1)
         try:
-            return await self._steps.run(self._serve_propose, request, parent, rpc, t_arrival)
+            return await self._steps.run(self._serve_propose, request, parent, "stream", t_arrival, connection)
         finally:
             self._count(-1)
 
     def _serve_propose(
-        self, request: drafter_pb2.ProposeRequest, parent, rpc: str, t_arrival: int
+        self, request: drafter_pb2.ProposeRequest, parent, rpc: str, t_arrival: int, connection: object
     ) -> drafter_pb2.ProposeResponse:
-        """One Propose that came by `rpc` (stream or local) at `t_arrival`, on a model thread;
+        """One Propose that came by `rpc` (stream or local) on `connection` at `t_arrival`, on a model thread;
         raises SpecsplitError with the status the caller should get."""
         if not on_device(request):  # a device hand-off queues nothing before its wait for the verifier
             self._device_claim.claim()
@@ -255,7 +286,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         with trace.use_span(span, end_on_exit=True):
             with self._model_lock, self.slow_steps.watch("propose"):
-                items, out = self._propose(request)
+                items, out = self._propose(request, connection)
             if recording:
                 t0, t1, t2 = out.stamps_ns
                 tracer.start_span("mtp_step_0", start_time=t0).end(end_time=t1)
@@ -268,7 +299,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Free(self, request, context):
         await self._require_ready(context)
-        await self._steps.run(self._locked, self.runner.free, list(request.request_ids))
+        await self._steps.run(self._locked, self._free, list(request.request_ids))
         return drafter_pb2.DrafterFreeResponse(num_free_blocks=self.runner.kv_cache.num_free_blocks)
 
     async def OpenHiddenTransport(self, request, context):

@@ -52,7 +52,7 @@ class PendingPropose:
     context: object  # what `on_answer` needs (the servicer's batch and step)
     num_reqs: int
     nbytes: int
-    num_finished: int  # frees it carried for the replica, dropped from its queue once answered
+    finished: list[str]  # frees it carried for the replica, dropped from its queue once answered
     span: trace.Span
     on_answer: Callable[[PendingPropose], None]
     sent_ns: int = 0
@@ -83,11 +83,13 @@ class DirectProposer:
     async def prepare(self, request_ids: list[str]) -> None:
         """Event loop, before a step-thread call that may send: the step's requests placed on this drafter
         in the pool (so that their frees go to it), and a connection if there is none (asking the drafter
-        for its socket's path). A failure here is left for `send` to report."""
+        for its socket's path). A failure here is left for `send` to report. No connection while the pool
+        counts the drafter out (a failed call, until a health probe finds it SERVING): requests it drafted for
+        then would have no owner in the pool, and their frees would never reach it."""
         self._loop = asyncio.get_running_loop()
         await self.client.pool.start()
         self.client.pool.assign(request_ids)
-        if self._sock is not None:
+        if self._sock is not None or not self.replica.healthy:
             return
         peer = f"drafter {self.address}"
         try:
@@ -113,7 +115,7 @@ class DirectProposer:
             ok = p.proposal.ok
             self.client.pool.record_call(self.address, p.num_reqs, None if ok else p.proposal.error)
             if ok:
-                del replica.pending_free[: p.num_finished]  # frees queued meanwhile stay
+                replica.freed(p.finished)
         return done
 
     @property
@@ -132,7 +134,7 @@ class DirectProposer:
             kind=SpanKind.CLIENT,
             attributes={"specsplit.hidden_state_bytes": plan.hidden_state_bytes},
         )
-        pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, len(finished), span, on_answer)
+        pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, finished, span, on_answer)
         transport = self.client.transport
         try:
             rows = plan.hidden_states
@@ -297,7 +299,7 @@ class PooledProposer:
             kind=SpanKind.CLIENT,
             attributes={"specsplit.hidden_state_bytes": plan.hidden_state_bytes},
         )
-        pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, 0, span, on_answer)
+        pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, [], span, on_answer)
         if not self.client.pool.targets:  # no speculation: nothing to send
             pending.future = concurrent.futures.Future()
             no_drafts = [[] for _ in plan.items]

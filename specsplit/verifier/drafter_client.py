@@ -280,7 +280,7 @@ class DrafterClient:
                 inject_trace_context(msg.trace_context)
                 resp = await self._stream(replica).call(msg)
                 self.transport.finish(transfer, ok=True)
-                del replica.pending_free[: len(finished)]  # frees queued meanwhile stay
+                replica.freed(finished)
         except (grpc.RpcError, TransportError) as err:
             if isinstance(err, grpc.RpcError):
                 error = f"{err.code().name}: {err.details()}"
@@ -373,17 +373,20 @@ class DrafterClient:
             raise TransportConfigError(str(err)) from err
 
     async def _free_on(self, replica: Replica) -> None:
+        """A replica that drafts nothing this iteration gets its frees by a Free call, after any Propose to it
+        still running (the replica's lock): a Free overtaking it would be undone by it."""
         address = replica.address
-        finished = list(replica.pending_free)
-        if not finished:
+        if not replica.pending_free:
             return
-        try:
-            msg = drafter_pb2.DrafterFreeRequest(request_ids=finished)
-            await replica.stub.Free(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
-        except grpc.RpcError as err:
-            self.pool.record_call(address, 0, f"{err.code().name}: {err.details()}")
-            return
-        del replica.pending_free[: len(finished)]
+        async with self._replica_locks[address]:
+            finished = list(replica.pending_free)
+            try:
+                msg = drafter_pb2.DrafterFreeRequest(request_ids=finished)
+                await replica.stub.Free(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+            except grpc.RpcError as err:
+                self.pool.record_call(address, 0, f"{err.code().name}: {err.details()}")
+                return
+            replica.freed(finished)
         self.pool.record_call(address, 0)
 
     async def close(self) -> None:

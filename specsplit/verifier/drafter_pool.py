@@ -96,6 +96,13 @@ class Replica:
     stats: ReplicaStats = field(default_factory=ReplicaStats)
     probe: asyncio.Task | None = None
 
+    def freed(self, request_ids: list[str]) -> None:
+        """Event loop: these frees reached the replica (a call that carried them was answered): out of the queue.
+        By id, not by count: a free sent again by a later call still unanswered, or queued meanwhile, stays."""
+        if request_ids:
+            sent = set(request_ids)
+            self.pending_free[:] = [rid for rid in self.pending_free if rid not in sent]
+
 
 class DrafterPool:
     def __init__(

@@ -1,8 +1,12 @@
 """Helpers shared by the end-to-end tests."""
 
 import threading
+import time
+
+import grpc
 
 from specsplit import Client
+from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 
 def greedy_ignoring_eos(hf_greedy, prompt: list[int], n: int) -> list[int]:
@@ -55,3 +59,42 @@ def start_streams(address: str, prompts: list[list[int]], max_tokens: int, on_pr
     for t in threads:
         t.start()
     return threads, results, errors
+
+
+def wait_idle(client: Client, timeout_s: float = 10.0) -> None:
+    """Until the coordinator has no request running or waiting; AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, pb = client.server_stats()
+        if pb.num_running == 0 and pb.num_waiting == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running: {pb}")
+
+
+def free_kv_blocks(cluster) -> tuple[int, int, int, int]:
+    """(free, total) KV cache blocks of the verifier, then of the drafter."""
+    info = common_pb2.GetModelInfoRequest()
+    with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
+        v = verifier_pb2_grpc.VerifierStub(ch)
+        v_free, v_total = (
+            v.Free(verifier_pb2.FreeRequest(), timeout=10).num_free_blocks,
+            v.GetModelInfo(info, timeout=10).num_blocks,
+        )
+    with grpc.insecure_channel(cluster.services["drafter"].address) as ch:
+        d = drafter_pb2_grpc.DrafterStub(ch)
+        d_free = d.Free(drafter_pb2.DrafterFreeRequest(), timeout=10).num_free_blocks
+        d_total = d.GetModelInfo(info, timeout=10).num_blocks
+    return v_free, v_total, d_free, d_total
+
+
+def assert_kv_all_free(cluster, timeout_s: float = 10.0) -> None:
+    """Every KV block of verifier and drafter free within timeout_s (call once no request runs)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v_free, v_total, d_free, d_total = free_kv_blocks(cluster)
+        if (v_free, d_free) == (v_total, d_total) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    held = f"verifier {v_total - v_free} of {v_total}, drafter {d_total - d_free} of {d_total}"
+    assert (v_free, d_free) == (v_total, d_total), f"KV blocks held after every request ended: {held}"

@@ -11,7 +11,7 @@ import pytest
 
 from specsplit import Client, SpecsplitError
 
-from .helpers import greedy_ignoring_eos, start_streams
+from .helpers import assert_kv_all_free, greedy_ignoring_eos, start_streams
 
 N_TOKENS = 60
 
@@ -42,6 +42,8 @@ def _sigkill_under_concurrent_streams(cluster, hf_greedy, role):
                 break
             time.sleep(0.2)
         assert out.stats.num_draft_tokens > 0
+    # Nothing is left on either cache: a restarted verifier's drafter freed what the old one had placed on it.
+    assert_kv_all_free(cluster)
 
 
 def test_no_verifier_within_the_deadline_is_unavailable_with_a_clear_message(cluster):

@@ -13,6 +13,8 @@ from specsplit import Client
 from specsplit.launcher import free_port
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+from .helpers import assert_kv_all_free
+
 Code = grpc.StatusCode
 
 
@@ -71,6 +73,7 @@ def test_bad_propose_is_refused_and_the_drafter_keeps_serving(cluster, hidden_si
     assert err.value.code() is code and message in err.value.details()
     ok = _propose(cluster, drafter_pb2.ProposeRequest(requests=[_item(request_id="fine")], hidden_states=_hidden(2, h)))
     assert len(ok.drafts[0].token_ids) == 2
+    assert_kv_all_free(cluster)  # its stream closed: the drafter freed what was placed through it
 
 
 def _model_info(cluster) -> common_pb2.ModelInfo:

@@ -13,7 +13,7 @@ import pytest
 from specsplit import Client, SpecsplitError
 from specsplit.launcher import LocalCluster
 
-from .test_api import _free_blocks, _wait_idle
+from .helpers import assert_kv_all_free, wait_idle
 
 
 def _rss_mb(pid: int) -> float:
@@ -79,14 +79,8 @@ def test_64_concurrent_streams_with_cancellations_lose_nothing_and_leak_nothing(
         f"p50 {statistics.median(lat) * 1e3:.0f} ms, p99 {lat[int(0.99 * (len(lat) - 1))] * 1e3:.0f} ms"
     )
     with Client(load_cluster.address, timeout=30) as client:
-        _wait_idle(client, 30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        v_free, v_total, d_free, d_total = _free_blocks(load_cluster)
-        if (v_free, d_free) == (v_total, d_total):
-            break
-        time.sleep(0.1)
-    assert (v_free, d_free) == (v_total, d_total)
+        wait_idle(client, 30)
+    assert_kv_all_free(load_cluster)
     growth = [_rss_mb(p) - b for p, b in zip(pids, rss_before)]
     assert max(growth) < 64, f"RSS grew by {growth} MB"
 

@@ -21,6 +21,7 @@ from specsplit.transport.grpc_bytes import GrpcSender
 from specsplit.transport.wire import tensor_from_proto
 from specsplit.verifier.direct_propose import DirectProposer, PooledProposer
 from specsplit.verifier.drafter_client import ProposeBatch
+from specsplit.verifier.drafter_pool import Replica
 from specsplit.verifier.proposal import Proposal
 
 ADDRESS = "127.0.0.1:1"
@@ -65,7 +66,7 @@ class FakeClient:
         async def start():
             pass
 
-        replica = types.SimpleNamespace(stub=types.SimpleNamespace(GetModelInfo=model_info), pending_free=[])
+        replica = Replica(ADDRESS, None, None, types.SimpleNamespace(GetModelInfo=model_info))
         self.calls: list[tuple[str, int, str | None]] = []  # the drafter pool's record of each call
 
         def record_call(address, num_reqs, error=None):
@@ -106,22 +107,26 @@ def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(soc
         direct = DirectProposer(client, ADDRESS)
         await direct.prepare(["a", "b"])  # the step's requests placed on this drafter: their frees go to it
         a = direct.send(plan(1, ["a", "b"]), "A", answered.append, None)
+        free_queue = client.pool.replicas[ADDRESS].pending_free
+        free_queue.append("late")  # queued after A went out: B carries it
         b = direct.send(plan(2, ["c"]), "B", answered.append, None)  # pipelined: A not read yet
+        free_queue.append("later")  # queued after B: no call carried it yet
         assert direct.busy
         proposal = await asyncio.to_thread(direct.wait, b)  # reads A's answer first
         done = direct.collect()
         direct.close()
         await server.close()
-        return a, b, proposal, done
+        return a, b, proposal, done, free_queue
 
-    a, b, proposal, done = run(main())
+    a, b, proposal, done, free_queue = run(main())
     assert [p.context for p in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
     assert client.calls == [(ADDRESS, 2, None), (ADDRESS, 1, None)]  # collect() counts them in the pool
     assert client.assigned == [["a", "b"]]
-    assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.num_finished == 1
+    assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.finished == ["gone"]
     assert proposal is b.proposal and proposal.ok and proposal.drafts == [[2, 1]]
     assert proposal.step0_ns == 5 and proposal.sent_ns > 0 and proposal.received_ns >= proposal.sent_ns
-    assert drafter.got == [(1, ["gone"], 2), (2, ["gone"], 1)]  # the loop drops answered frees (collect)
+    assert drafter.got == [(1, ["gone"], 2), (2, ["gone", "late"], 1)]  # B sent again what A had not confirmed
+    assert free_queue == ["later"]  # the loop drops answered frees (collect), and only those
 
 
 @pytest.mark.parametrize(
@@ -175,6 +180,31 @@ def test_no_drafter_is_a_failed_propose_and_a_drafter_back_is_found(socket_path)
     assert not lost.proposal.ok and "UNAVAILABLE" in lost.proposal.error
     assert found.proposal.ok and [p.context for p in answered] == ["lost", "found"]
     assert grpc.StatusCode.UNAVAILABLE.name in lost.proposal.error
+
+
+def test_a_drafter_the_pool_counts_out_gets_no_connection_until_a_probe_finds_it_back(socket_path):
+    """Requests a drafter drafted for while the pool counted it out would have no owner there, and their frees
+    would never reach it: its socket is not used until the pool has it healthy again."""
+    drafter, answered = FakeDrafter(), []
+    client = FakeClient(socket_path)
+
+    async def main():
+        server = await serve(socket_path, drafter)
+        client.pool.replicas[ADDRESS].healthy = False  # a failed call; the probe has not found it back
+        direct = DirectProposer(client, ADDRESS)
+        await direct.prepare(["a"])
+        out = direct.send(plan(1, ["a"]), "out", answered.append, None)
+        client.pool.replicas[ADDRESS].healthy = True  # the probe found it SERVING
+        await direct.prepare(["a"])
+        back = direct.send(plan(2, ["a"]), "back", answered.append, None)
+        await asyncio.to_thread(direct.wait, back)
+        direct.close()
+        await server.close()
+        return out, back
+
+    out, back = run(main())
+    assert not out.proposal.ok and "UNAVAILABLE" in out.proposal.error
+    assert back.proposal.ok and [iteration for iteration, *_ in drafter.got] == [2]  # the drafter saw only this one
 
 
 def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socket_path):
