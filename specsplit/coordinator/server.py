@@ -13,6 +13,7 @@ import grpc
 
 from specsplit.coordinator.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.generation_config import GRPC_DEFAULTS
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
 from specsplit.errors import UsageError
@@ -142,7 +143,7 @@ def load_tokenizer(model: str):
 
 async def serve(config: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(config.checkpoint)
-    servicer = CoordinatorServicer(tokenizer)
+    servicer = CoordinatorServicer(tokenizer, GRPC_DEFAULTS.with_generation_config(config.checkpoint))
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
     tls = load_tls(config.server.tls_dir)
     tokens = load_tokens(config.auth_token_file)

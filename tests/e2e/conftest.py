@@ -9,11 +9,15 @@ import torch
 from specsplit import Client
 from specsplit.launcher import LocalCluster
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_tokenizer import make_llama_like
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", architecture="llama", seed=1)
+    """A tiny Llama whose tokenizer adds BOS to text and has a chat template, as Llama checkpoints do."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", architecture="llama", seed=1)
+    make_llama_like(path)
+    return path
 
 
 @pytest.fixture(scope="session")
