@@ -1,8 +1,12 @@
 """Helpers shared by the end-to-end tests."""
 
 import threading
+import time
+
+import grpc
 
 from specsplit import Client
+from specsplit.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 
 def greedy_ignoring_eos(hf_greedy, prompt: list[int], n: int) -> list[int]:
@@ -55,3 +59,38 @@ def start_streams(address: str, prompts: list[list[int]], max_tokens: int, on_pr
     for t in threads:
         t.start()
     return threads, results, errors
+
+
+def wait_idle(client: Client, timeout_s: float = 10.0) -> None:
+    """Until the coordinator has no request running or waiting; AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, pb = client.server_stats()
+        if pb.num_running == 0 and pb.num_waiting == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running: {pb}")
+
+
+def free_blocks(cluster) -> tuple[int, int, int, int]:
+    """(free, total) KV blocks of the verifier, then of the drafter."""
+    with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
+        v = verifier_pb2_grpc.VerifierStub(ch)
+        v_free = v.Free(verifier_pb2.FreeRequest(), timeout=10).num_free_blocks
+        v_total = v.GetModelInfo(verifier_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
+    with grpc.insecure_channel(cluster.services["drafter"].address) as ch:
+        d = drafter_pb2_grpc.DrafterStub(ch)
+        d_free = d.Free(drafter_pb2.DrafterFreeRequest(), timeout=10).num_free_blocks
+        d_total = d.GetModelInfo(drafter_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
+    return v_free, v_total, d_free, d_total
+
+
+def wait_kv_free(cluster, timeout_s: float = 10.0) -> None:
+    """Until every KV block of verifier and drafter is free; AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v_free, v_total, d_free, d_total = free_blocks(cluster)
+        if (v_free, d_free) == (v_total, d_total) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert (v_free, d_free) == (v_total, d_total)

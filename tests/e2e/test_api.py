@@ -2,7 +2,6 @@
 
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -10,7 +9,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specsplit import AsyncClient, Client, SpecsplitError
-from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.e2e.helpers import free_blocks, wait_idle, wait_kv_free
 
 
 @pytest.mark.parametrize(
@@ -40,16 +40,6 @@ def test_model_info(cluster):
     assert info.num_speculative_tokens == 3 and info.max_model_len > 0
 
 
-def _wait_idle(client: Client, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _, pb = client.server_stats()
-        if pb.num_running == 0 and pb.num_waiting == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"requests still running: {pb}")
-
-
 def test_abort_by_id_ends_the_stream_with_abort(cluster):
     with Client(cluster.address, timeout=60) as client:
         reasons = []
@@ -61,7 +51,7 @@ def test_abort_by_id_ends_the_stream_with_abort(cluster):
                 reasons.append(delta.finish_reason)
         assert reasons == ["started", "abort"]
         assert not client.abort("to-abort")
-        _wait_idle(client)
+        wait_idle(client)
 
 
 def test_cancelling_the_stream_aborts_the_request(cluster):
@@ -69,7 +59,7 @@ def test_cancelling_the_stream_aborts_the_request(cluster):
         stream = client.stream(prompt_token_ids=[4, 5], max_tokens=400, ignore_eos=True)
         next(stream)
         stream.close()  # cancels the RPC
-        _wait_idle(client)
+        wait_idle(client)
 
 
 def test_deadline_is_honoured_and_the_request_aborted(cluster):
@@ -77,7 +67,7 @@ def test_deadline_is_honoured_and_the_request_aborted(cluster):
         with pytest.raises(SpecsplitError) as err:
             client.generate(prompt_token_ids=[4, 5], max_tokens=5000, ignore_eos=True, timeout=0.5)
         assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        _wait_idle(client)
+        wait_idle(client)
 
 
 def test_async_client_mirrors_the_blocking_one(cluster):
@@ -118,32 +108,14 @@ def test_concurrent_threads_share_one_client(cluster):
     assert all(o is not None and len(o.token_ids) == 5 for o in outs)
 
 
-def _free_blocks(cluster) -> tuple[int, int, int, int]:
-    with grpc.insecure_channel(cluster.services["verifier"].address) as ch:
-        v = verifier_pb2_grpc.VerifierStub(ch)
-        v_free = v.Free(verifier_pb2.FreeRequest(), timeout=10).num_free_blocks
-        v_total = v.GetModelInfo(verifier_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
-    with grpc.insecure_channel(cluster.services["drafter"].address) as ch:
-        d = drafter_pb2_grpc.DrafterStub(ch)
-        d_free = d.Free(drafter_pb2.DrafterFreeRequest(), timeout=10).num_free_blocks
-        d_total = d.GetModelInfo(drafter_pb2.common__pb2.GetModelInfoRequest(), timeout=10).num_blocks
-    return v_free, v_total, d_free, d_total
-
-
 def test_kv_blocks_on_verifier_and_drafter_are_free_after_finish_and_abort(cluster):
     with Client(cluster.address, timeout=60) as client:
         client.generate(prompt_token_ids=list(range(3, 60)), max_tokens=5)
         stream = client.stream(prompt_token_ids=list(range(3, 40)), max_tokens=300, ignore_eos=True)
         next(stream)
         stream.close()
-        _wait_idle(client)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        v_free, v_total, d_free, d_total = _free_blocks(cluster)
-        if v_free == v_total and d_free == d_total:
-            break
-        time.sleep(0.1)
-    assert (v_free, d_free) == (v_total, d_total)
+        wait_idle(client)
+    wait_kv_free(cluster)
 
 
 def test_a_coordinator_taking_the_verifier_over_leaves_no_kv_of_the_old_ones_requests(cluster):
@@ -165,11 +137,11 @@ def test_a_coordinator_taking_the_verifier_over_leaves_no_kv_of_the_old_ones_req
 
     cluster.kill("coordinator", signal.SIGKILL)
     try:
-        _, _, d_free_before, _ = _free_blocks(cluster)  # (a drafter an earlier test's faults left KV on: counted)
+        _, _, d_free_before, _ = free_blocks(cluster)  # (a drafter an earlier test's faults left KV on: counted)
         assert verify("old", 1, "left-behind").results[0].sampled_token_ids  # never finished by "old"
         assert verify("new", 1, "fresh").results[0].sampled_token_ids  # takes over
         verify("new", 2, finished=("fresh",))  # an iteration that only frees
-        v_free, v_total, d_free, _ = _free_blocks(cluster)
+        v_free, v_total, d_free, _ = free_blocks(cluster)
         assert v_free == v_total and d_free >= d_free_before  # without the takeover's frees: "left-behind"'s
     finally:
         cluster.restart("coordinator")
