@@ -220,6 +220,7 @@ class Engine:
         if request.first_token_time is None and new_token_ids:
             request.first_token_time = time.monotonic()
             obs.record_first_token(request)
+        obs.record_generated_tokens(len(new_token_ids))
         text_ids = new_token_ids
         if finished and new_token_ids and new_token_ids[-1] in request.sampling.stop_token_ids:
             text_ids = new_token_ids[:-1]  # a stop token's text is not output (vLLM's behaviour too)

@@ -16,6 +16,7 @@ from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, OPENAI_DEFAULTS
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
+from specsplit.coordinator.vllm_metrics import set_model_name
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
     ServerOptions,
@@ -207,8 +208,10 @@ async def serve(config: CoordinatorConfig) -> None:
     engine = Engine(Scheduler(scheduler_config, eos), stub, tokenizer, verifier_rpc=config.verifier_rpc)
     engine.start()
     servicer.ready(engine, model_info)
+    model_name = config.served_model_name or model_info.model
+    set_model_name(model_name)  # the model_name label of the vLLM-named series
     if http is not None:
-        http.api.ready(engine, model_info, config.served_model_name or model_info.model)
+        http.api.ready(engine, model_info, model_name)
     freeze_start_up_heap()
     await server.mark_serving()
     if http is not None:

@@ -200,4 +200,19 @@ def test_models_health_and_metrics(cluster, oai):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    assert "specsplit_draft_tokens_total" in text  # the coordinator's metrics, as on --metrics-port
+    for series in (
+        'vllm:num_requests_running{model_name="tiny-llama"}',
+        'vllm:num_requests_waiting{model_name="tiny-llama"}',
+        'vllm:prompt_tokens_total{model_name="tiny-llama"}',
+        'vllm:generation_tokens_total{model_name="tiny-llama"}',
+        'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"}',
+        'vllm:time_per_output_token_seconds_count{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_drafts_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-llama",position="0"}',
+        "specsplit_draft_tokens_total",
+    ):
+        assert series in text, series
+    drafts = float(text.split('vllm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
+    assert drafts > 0  # the earlier requests of the session were counted
