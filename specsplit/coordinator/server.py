@@ -219,8 +219,9 @@ async def serve(config: CoordinatorConfig) -> None:
     announce("coordinator", server.address)
 
     def on_drain() -> None:
-        if http is not None:
-            http.api.draining = True  # /health 503, new requests refused; those in flight finish
+        if http is not None:  # as gRPC: unhealthy at once, new requests refused after --shutdown-delay
+            http.api.draining = True
+            asyncio.get_running_loop().call_later(config.server.shutdown_delay, setattr, http.api, "refusing", True)
 
     async def on_stop() -> None:
         if http is not None:

@@ -103,3 +103,14 @@ def test_the_body_maps_to_one_generate_request_leaving_unset_options_unset():
     assert not msg.sampling.HasField("temperature") and not msg.sampling.HasField("top_k")  # the server's defaults
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=5)
     assert to_generate_request(chat, prompt_token_ids=[1, 2], default_max_tokens=60).max_tokens == 5
+
+
+def test_on_sigterm_health_fails_at_once_and_new_requests_after_the_delay(tokenizers):
+    api = ready_api(tokenizers[0])
+    assert call(api, "GET", "/health") == (200, {"status": "ok"})
+    api.draining = True  # SIGTERM: load balancers stop sending
+    assert call(api, "GET", "/health") == (503, {"status": "draining"})
+    assert call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"})[0] == 429  # still admitted
+    api.refusing = True  # --shutdown-delay later
+    status, body = call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"})
+    assert status == 503 and "shutting down" in body["error"]["message"]

@@ -27,7 +27,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions
 
 
 class HttpApi:
-    """The HTTP API's state: set `ready()` once the verifier answered, `draining` from SIGTERM."""
+    """The HTTP API's state: `ready()` once the verifier answered; from SIGTERM `draining` (/health 503, as gRPC's
+    health is NOT_SERVING), then after --shutdown-delay `refusing` (new requests 503; those in flight finish)."""
 
     def __init__(self, tokenizer, tokens: frozenset[str], defaults: SamplingDefaults):
         self.tokenizer = tokenizer
@@ -37,6 +38,7 @@ class HttpApi:
         self.engine = None
         self.model_info = None
         self.draining = False
+        self.refusing = False
         self.started = int(time.time())
 
     def ready(self, engine, model_info, model_name: str) -> None:
@@ -83,7 +85,7 @@ class HttpApi:
     def _serving(self, model: str | None = None):
         if self.engine is None:
             raise Unavailable("the coordinator is starting: no verifier yet")
-        if self.draining:
+        if self.refusing:
             raise Unavailable("the coordinator is shutting down")
         if model is not None and model != self.model_name:
             raise SpecsplitError(
