@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
@@ -21,8 +22,10 @@ from specsplit.coordinator.http.protocol import ChatCompletionRequest, Completio
 from specsplit.coordinator.http.responses import DONE, ResponseShape, event, usage
 from specsplit.coordinator.validation import build_requests
 from specsplit.errors import InvalidArgument, SpecsplitError, Unavailable
+from specsplit.security import bearer_token_valid
 from specsplit.telemetry import incoming_context
 
+log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions
 
 
@@ -50,6 +53,7 @@ class HttpApi:
         app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(SpecsplitError, lambda _r, err: from_specsplit_error(err))
         app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(Exception, _internal_error)
         auth = [Depends(self._authenticate)]
         app.get("/health")(self.health)
         app.get("/metrics")(metrics)
@@ -62,8 +66,7 @@ class HttpApi:
         """Bearer tokens as on gRPC (`--auth-token-file`)."""
         if not self.tokens:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token.strip() not in self.tokens:
+        if not bearer_token_valid(request.headers.get("authorization"), self.tokens):
             raise SpecsplitError("missing or invalid bearer token", grpc.StatusCode.UNAUTHENTICATED)
 
     async def health(self) -> Response:
@@ -105,7 +108,7 @@ class HttpApi:
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        engine, _ = self._serving(body.model)
+        self._serving(body.model)
         requests, prompt_tokens = [], 0
         for prompt in _prompts(body.prompt):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
@@ -118,7 +121,7 @@ class HttpApi:
         return await self._run(request, body, ResponseShape("completions", self.model_name), requests, prompt_tokens)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        engine, info = self._serving(body.model)
+        _, info = self._serving(body.model)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = chat_prompt_token_ids(
             self.tokenizer,
@@ -199,7 +202,8 @@ class _ChoicesStream(StreamingResponse):
 
 
 async def _unless_disconnected(request: Request, work):
-    """Awaits `work`, cancelling it when the client disconnects first (its finally then aborts the request)."""
+    """Awaits `work`, cancelling it when the client disconnects first (the caller's `Choices.close()` then aborts
+    the request); 499 when nobody is listening any more."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -215,7 +219,7 @@ async def _unless_disconnected(request: Request, work):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
-        return Response(status_code=499)  # nobody is listening
+        return Response(status_code=499)
     return task.result()
 
 
@@ -226,6 +230,12 @@ def _prompts(prompt) -> list[str | list[int]]:
     if not prompt:
         raise InvalidArgument("prompt is empty")
     return list(prompt)
+
+
+async def _internal_error(_request, err: Exception) -> JSONResponse:
+    """A bug: still an OpenAI error object (500), and the traceback in the log."""
+    log.exception("HTTP API: %s", err)
+    return error_response(500, f"internal error: {type(err).__name__}", "server_error")
 
 
 async def _validation_error(_request, err: RequestValidationError) -> JSONResponse:
