@@ -114,3 +114,30 @@ def test_on_sigterm_health_fails_at_once_and_new_requests_after_the_delay(tokeni
     api.refusing = True  # --shutdown-delay later
     status, body = call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"})
     assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+class Recorder(FullQueue):
+    """Records the requests the API adds, then refuses them (the test needs no tokens)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def add_request(self, request, queue=None):
+        self.requests.append(request)
+        super().add_request(request, queue)
+
+
+def test_unset_sampling_options_take_generation_config_else_openai_defaults_and_text_gets_bos(tokenizers, tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20}')
+    for defaults, expected in [
+        (OPENAI_DEFAULTS.with_generation_config(tmp_path), (0.6, 1.0, 20)),
+        (OPENAI_DEFAULTS.with_generation_config(tmp_path / "absent"), (1.0, 1.0, 0)),  # OpenAI's: temperature 1
+    ]:
+        engine = Recorder()
+        api = HttpApi(tokenizers[1], frozenset(), defaults)
+        api.ready(engine, INFO, "tiny")
+        assert call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.0})[0] == 429
+        s = engine.requests[0].sampling
+        assert (s.temperature, s.top_p, s.top_k) == expected
+        # a text prompt gets the tokenizer's special tokens: BOS first, as transformers' encode gives it
+        assert engine.requests[0].prompt_token_ids == tokenizers[1].encode("hi") and tokenizers[1].encode("hi")[0] == 0
