@@ -174,8 +174,9 @@ class LocalCluster:
 
     @property
     def http_url(self) -> str | None:
-        """The HTTP API's base URL (`http://host:port`), None when it is off."""
-        return f"http://{self.host}:{self.http_port}" if self.http_port else None
+        """The HTTP API's base URL (`http://host:port`, https with `tls_dir`), None when it is off."""
+        scheme = "https" if self.tls_dir else "http"
+        return f"{scheme}://{self.host}:{self.http_port}" if self.http_port else None
 
     def command(self, role: str, port: int, peer: str | None = None) -> list[str]:
         program = self.role_commands.get(role, [sys.executable, "-m", "specsplit", "serve", role])
