@@ -52,7 +52,7 @@ def run_k(address: str, prompts: list[list[int]], k: int, new_tokens: int) -> Sp
     def one(p):
         with Client(address, timeout=600) as client:
             s = client.generate(
-                prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k
+                prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k, temperature=0.0
             ).stats
         with lock:
             total.merge(s)

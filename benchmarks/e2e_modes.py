@@ -191,7 +191,11 @@ def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int
         try:
             with Client(address, timeout=900) as client:
                 out = client.generate(
-                    prompt_token_ids=prompts[i], max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k
+                    prompt_token_ids=prompts[i],
+                    max_tokens=new_tokens,
+                    ignore_eos=True,
+                    num_speculative_tokens=k,
+                    temperature=0.0,
                 )
             outputs[i], per_request[i] = list(out.token_ids), out.stats
         except BaseException as err:  # noqa: BLE001 (re-raised below, in the caller's thread)

@@ -27,7 +27,7 @@ PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of a tex
 def one_round(address: str, max_tokens: int) -> float:
     with Client(address, timeout=300) as client:
         t0 = time.perf_counter()
-        out = client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True)
+        out = client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         return (time.perf_counter() - t0) / out.stats.num_iterations * 1e3
 
 

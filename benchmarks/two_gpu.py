@@ -167,7 +167,7 @@ def _greedy_outputs(cluster: LocalCluster, ps: list[list[int]], new_tokens: int,
     with Client(cluster.address, timeout=900) as client:
         return [
             client.generate(
-                prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k
+                prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k, temperature=0.0
             ).token_ids
             for p in ps
         ]

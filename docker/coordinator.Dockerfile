@@ -27,10 +27,11 @@ COPY checkpoints/demo checkpoints/demo
 COPY docker/healthcheck.py healthcheck.py
 
 USER 10001:10001
-EXPOSE 50051 9464
+# 50051: the gRPC API; 8000: the OpenAI-compatible HTTP API; 9464: Prometheus metrics.
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "/opt/specsplit/healthcheck.py", "127.0.0.1:50051", "specsplit.v1.Coordinator"]
 ENTRYPOINT ["specsplit", "serve", "coordinator"]
 # Beside its verifier: it reaches it on the verifier's Unix socket, so the two share $TMPDIR (or --socket-dir).
-CMD ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", \
+CMD ["--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", "--metrics-port", "9464", \
      "--model", "/opt/specsplit/checkpoints/demo", "--verifier", "specsplit-verifier:50052"]

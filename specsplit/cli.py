@@ -35,7 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
         from specsplit.drafter.server import serve
     config = Config.from_args(args)
     setup_logging(args.role, config.server.log_level)
-    telemetry.setup(args.role, metrics_port=config.server.metrics_port)
+    http_port = getattr(config, "http_port", None)  # the coordinator's HTTP API serves /metrics
+    telemetry.setup(args.role, metrics_port=config.server.metrics_port, prometheus=http_port is not None)
     try:
         asyncio.run(serve(config))
     finally:
@@ -61,6 +62,7 @@ def up_cluster(args: argparse.Namespace):
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens),
     )
 
@@ -77,6 +79,8 @@ def _up(args: argparse.Namespace) -> int:
 
     def on_ready() -> None:
         print(f"coordinator listening on {cluster.address}", flush=True)
+        if cluster.http_url:
+            print(f"OpenAI-compatible HTTP API on {cluster.http_url}/v1", flush=True)
         print(
             f"drafter {cluster.placement.name}: hidden states verifier → drafter by {cluster.hidden_transport}",
             file=sys.stderr,
@@ -268,6 +272,12 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="Prometheus metrics: the coordinator's on this port, the verifier's and the drafter's on the next two",
     )
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the coordinator's OpenAI-compatible HTTP API on this port of --host (default: off)",
+    )
     add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=_up)
@@ -375,6 +385,8 @@ def _main(argv: list[str]) -> int:
             from specsplit.grpc_server import check_can_listen
 
             check_can_listen(args.host, args.port)
+            if args.http_port is not None:
+                check_can_listen(args.host, args.http_port, "--http-port")
         return args.func(args)
     except UsageError as err:
         return _refuse(args, err)

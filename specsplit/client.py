@@ -34,6 +34,8 @@ def _request(
     ignore_eos,
     num_speculative_tokens,
     request_id,
+    stop_token_ids,
+    n,
 ) -> coordinator_pb2.GenerateRequest:
     """The request message; a value its field cannot hold (a negative seed, max_tokens past int32, a string for a
     number) raises InvalidArgument naming the option, as the coordinator names what it refuses."""
@@ -50,6 +52,8 @@ def _request(
         ("ignore_eos", msg, "ignore_eos", ignore_eos),
         ("prompt", msg, "prompt", prompt),
         ("num_speculative_tokens", msg, "num_speculative_tokens", num_speculative_tokens),
+        ("stop_token_ids", msg.stop_token_ids, None, stop_token_ids),
+        ("n", msg, "n", n),
     ]
     for name, target, field, value in options:
         if value is None:
@@ -96,15 +100,17 @@ class Client:
         *,
         prompt_token_ids: list[int] | None = None,
         max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        stop_token_ids: list[int] | None = None,
+        n: int | None = None,
     ) -> Iterator[GenerationDelta]:
         msg = _request(
             prompt,
@@ -118,6 +124,8 @@ class Client:
             ignore_eos,
             num_speculative_tokens,
             request_id,
+            stop_token_ids,
+            n,
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
@@ -129,10 +137,14 @@ class Client:
             call.cancel()  # no-op when finished; aborts the request when the caller stops early
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        collector = Collector()
-        for d in self.stream(prompt, **kwargs):
-            collector.add(d)
-        return collector.result()
+        return self.generate_n(prompt, n=1, **kwargs)[0]
+
+    def generate_n(self, prompt: str | None = None, *, n: int, **kwargs) -> list[GenerationResult]:
+        """n independent completions of one prompt, in `index` order."""
+        collectors = [Collector() for _ in range(n)]
+        for d in self.stream(prompt, n=n, **kwargs):
+            collectors[d.index].add(d)
+        return [c.result() for c in collectors]
 
     def abort(self, request_id: str) -> bool:
         try:
@@ -179,15 +191,17 @@ class AsyncClient:
         *,
         prompt_token_ids: list[int] | None = None,
         max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        stop_token_ids: list[int] | None = None,
+        n: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         msg = _request(
             prompt,
@@ -201,6 +215,8 @@ class AsyncClient:
             ignore_eos,
             num_speculative_tokens,
             request_id,
+            stop_token_ids,
+            n,
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
@@ -212,10 +228,14 @@ class AsyncClient:
             call.cancel()
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        collector = Collector()
-        async for d in self.stream(prompt, **kwargs):
-            collector.add(d)
-        return collector.result()
+        return (await self.generate_n(prompt, n=1, **kwargs))[0]
+
+    async def generate_n(self, prompt: str | None = None, *, n: int, **kwargs) -> list[GenerationResult]:
+        """n independent completions of one prompt, in `index` order."""
+        collectors = [Collector() for _ in range(n)]
+        async for d in self.stream(prompt, n=n, **kwargs):
+            collectors[d.index].add(d)
+        return [c.result() for c in collectors]
 
     async def abort(self, request_id: str) -> bool:
         try:

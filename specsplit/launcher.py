@@ -124,11 +124,13 @@ class LocalCluster:
         verifier_device: str | None = None,
         drafter_device: str | None = None,
         metrics_port: int | None = None,
+        http_port: int | None = None,
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
         (e.g. cuda:0 and cuda:1); placement: the drafter's (`specsplit.placement`), given to both model
         servers; hidden_transport: a pooled drafter's (grpc or nccl; None: grpc); metrics_port: Prometheus
-        metrics of the coordinator on it, of verifier and drafter on the next two ports."""
+        metrics of the coordinator on it, of verifier and drafter on the next two ports; http_port: the
+        coordinator's OpenAI-compatible HTTP API on it (on `host`; None: off)."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -158,6 +160,7 @@ class LocalCluster:
         self.placement = resolved["verifier"]
         self.hidden_transport_flag = hidden_transport
         self.metrics_port = metrics_port
+        self.http_port = http_port
         self._socket_dir: str | None = None  # made by the first command that names it
 
     @property
@@ -168,6 +171,12 @@ class LocalCluster:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL (`http://host:port`, https with `tls_dir`), None when it is off."""
+        scheme = "https" if self.tls_dir else "http"
+        return f"{scheme}://{self.host}:{self.http_port}" if self.http_port else None
 
     def command(self, role: str, port: int, peer: str | None = None) -> list[str]:
         program = self.role_commands.get(role, [sys.executable, "-m", "specsplit", "serve", role])
@@ -182,6 +191,8 @@ class LocalCluster:
             cmd += ["--drafter", peer]
         if role == "coordinator":
             cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
+            if self.http_port:
+                cmd += ["--http-port", str(self.http_port)]
         if self.tls_dir:
             cmd += ["--tls-dir", self.tls_dir]
         if self.metrics_port:

@@ -96,6 +96,7 @@ class GenerationDelta:
     stats: SpecStats | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int = 0  # which of the request's n completions
 
 
 @dataclass
@@ -129,6 +130,7 @@ def delta_from_pb(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
         stats=SpecStats.from_pb(pb.spec_stats) if final else None,
         prompt_tokens=pb.usage.prompt_tokens,
         completion_tokens=pb.usage.completion_tokens,
+        index=pb.index,
     )
 
 

@@ -70,6 +70,14 @@ def load_tokens(path: str | None) -> frozenset[str]:
     return tokens
 
 
+def bearer_token_valid(authorization: str | None, tokens: frozenset[str]) -> bool:
+    """Whether an `authorization` value is `Bearer <one of tokens>` (compared in constant time); both APIs use it."""
+    if not isinstance(authorization, str) or not authorization.startswith("Bearer "):
+        return False
+    given = authorization[len("Bearer ") :].strip()
+    return any(hmac.compare_digest(given, t) for t in tokens)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without a valid `authorization: Bearer <token>` with UNAUTHENTICATED.
 
@@ -93,9 +101,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def _valid(self, metadata) -> bool:
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                given = value[len("Bearer ") :].strip()
-                return any(hmac.compare_digest(given, t) for t in self._tokens)
+            if key == "authorization":
+                return bearer_token_valid(value, self._tokens)
         return False
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -41,8 +41,11 @@ def _otlp_endpoint(signal: str) -> bool:
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"))
 
 
-def setup(service: str, *, metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
-    """Installs tracer and meter providers for this process (idempotent per process)."""
+def setup(
+    service: str, *, metrics_port: int | None = None, metrics_host: str = "0.0.0.0", prometheus: bool = False
+) -> None:
+    """Installs tracer and meter providers for this process (idempotent per process). `prometheus`: metrics in
+    prometheus_client's registry even without `metrics_port` (the coordinator's HTTP API serves them on /metrics)."""
     if _providers or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return
     from opentelemetry.sdk.resources import Resource
@@ -50,7 +53,7 @@ def setup(service: str, *, metrics_port: int | None = None, metrics_host: str = 
     name = os.environ.get("OTEL_SERVICE_NAME") or f"specsplit-{service}"
     resource = Resource.create({"service.name": name, "service.namespace": "specsplit"})
     _setup_traces(resource, name)
-    _setup_metrics(resource, metrics_port, metrics_host)
+    _setup_metrics(resource, metrics_port, metrics_host, prometheus)
 
 
 def _setup_traces(resource, name: str) -> None:
@@ -81,14 +84,14 @@ def _setup_traces(resource, name: str) -> None:
     _providers.append(provider)
 
 
-def _setup_metrics(resource, metrics_port: int | None, metrics_host: str) -> None:
+def _setup_metrics(resource, metrics_port: int | None, metrics_host: str, prometheus: bool) -> None:
     from opentelemetry import metrics
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
     kinds = _csv("OTEL_METRICS_EXPORTER")
     if not kinds:
-        kinds = (["prometheus"] if metrics_port else []) + (["otlp"] if _otlp_endpoint("METRICS") else [])
+        kinds = (["prometheus"] if metrics_port or prometheus else []) + (["otlp"] if _otlp_endpoint("METRICS") else [])
     readers = []
     for kind in kinds:
         if kind == "none":
@@ -97,9 +100,10 @@ def _setup_metrics(resource, metrics_port: int | None, metrics_host: str) -> Non
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
             from prometheus_client import start_http_server
 
-            if not metrics_port:
-                raise ValueError("the prometheus metrics exporter needs --metrics-port")
-            start_http_server(metrics_port, addr=metrics_host)
+            if not metrics_port and not prometheus:
+                raise ValueError("the prometheus metrics exporter needs --metrics-port (or --http-port)")
+            if metrics_port:
+                start_http_server(metrics_port, addr=metrics_host)
             readers.append(PrometheusMetricReader())
         elif kind == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter

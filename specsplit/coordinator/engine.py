@@ -54,10 +54,10 @@ class RequestOutput:
 
 
 class _Stream:
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer):
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, queue: asyncio.Queue[RequestOutput]):
         self.request = request
         self.detokenizer = detokenizer
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue = queue
 
 
 class Engine:
@@ -96,10 +96,16 @@ class Engine:
         obs.observe_queue(scheduler)
 
     # ---- public API used by the servicer ---------------------------------------------------------
-    def add_request(self, request: Request) -> asyncio.Queue[RequestOutput]:
+    def add_request(
+        self, request: Request, queue: asyncio.Queue[RequestOutput] | None = None
+    ) -> asyncio.Queue[RequestOutput]:
+        """Queues `request`; its outputs go to `queue` (one several requests can share: each output names its
+        request) or to a new one; returns that queue."""
         self.scheduler.add_request(request)
         stream = _Stream(
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+            request,
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop),
+            asyncio.Queue() if queue is None else queue,
         )
         self._streams[request.request_id] = stream
         self._wake()
@@ -214,7 +220,11 @@ class Engine:
         if request.first_token_time is None and new_token_ids:
             request.first_token_time = time.monotonic()
             obs.record_first_token(request)
-        text = stream.detokenizer.add_tokens(new_token_ids)
+        obs.record_generated_tokens(len(new_token_ids))
+        text_ids = new_token_ids
+        if finished and new_token_ids and new_token_ids[-1] in request.sampling.stop_token_ids:
+            text_ids = new_token_ids[:-1]  # a stop token's text is not output (vLLM's behaviour too)
+        text = stream.detokenizer.add_tokens(text_ids)
         if stream.detokenizer.stopped and not finished:
             self.scheduler.finish_request(request.request_id, "stop")
             finished = True

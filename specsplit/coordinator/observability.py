@@ -17,6 +17,8 @@ import time
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from specsplit.coordinator import vllm_metrics as vllm
+
 tracer = trace.get_tracer("specsplit.coordinator")
 meter = metrics.get_meter("specsplit.coordinator")
 
@@ -43,6 +45,7 @@ def observe_queue(scheduler) -> None:
 
     meter.create_observable_gauge("specsplit.queue_depth", [waiting], description="requests waiting")
     meter.create_observable_gauge("specsplit.running_requests", [running], description="requests running")
+    vllm.scheduler_gauges.scheduler = scheduler
 
 
 def start_request_span(request, model: str, parent_ctx) -> trace.Span:
@@ -68,10 +71,14 @@ def end_request_span(span: trace.Span | None, request, reason: str, error: Excep
     stats = request.stats
     now = time.monotonic()
     requests_total.add(1, {"finish_reason": reason})
+    model = vllm.model()
+    vllm.request_success.labels(model, reason).inc()
+    vllm.e2e_request_latency.labels(model).observe(now - request.arrival_time)
     if request.first_token_time is not None:
         n = len(request.output_token_ids)
         if n > 1:
             time_per_output_token.record((now - request.first_token_time) / (n - 1))
+            vllm.time_per_output_token.labels(model).observe((now - request.first_token_time) / (n - 1))
     if span is None:
         return
     span.set_attributes(
@@ -91,6 +98,12 @@ def end_request_span(span: trace.Span | None, request, reason: str, error: Excep
 
 def record_first_token(request) -> None:
     time_to_first_token.record(request.first_token_time - request.arrival_time)
+    vllm.time_to_first_token.labels(vllm.model()).observe(request.first_token_time - request.arrival_time)
+    vllm.prompt_tokens.labels(vllm.model()).inc(request.num_prompt_tokens)
+
+
+def record_generated_tokens(num_tokens: int) -> None:
+    vllm.generation_tokens.labels(vllm.model()).inc(num_tokens)
 
 
 def start_iteration_span(output, previous: trace.SpanContext | None, schedule_start_ns: int) -> trace.Span:
@@ -132,8 +145,13 @@ def record_verify(iteration_span: trace.Span, output, results, response) -> tupl
             drafts_total.add(1)
             draft_tokens_total.add(n_drafts)
             accepted_tokens_total.add(n_acc)
+            model = vllm.model()
+            vllm.spec_decode_num_drafts.labels(model).inc()
+            vllm.spec_decode_num_draft_tokens.labels(model).inc(n_drafts)
+            vllm.spec_decode_num_accepted_tokens.labels(model).inc(n_acc)
             for pos in range(n_drafts):  # zeros too, so every position is exported
                 accepted_per_position.add(int(pos < n_acc), {"position": pos + 1})
+                vllm.spec_decode_num_accepted_tokens_per_pos.labels(model, str(pos)).inc(int(pos < n_acc))
     iteration_span.set_attributes(
         {
             "specsplit.accepted": accepted,

@@ -25,6 +25,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end generation like EOS (also with ignore_eos)
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the server's k
 

@@ -305,6 +305,8 @@ class Scheduler:
     def _stop_reason(self, request: Request, token: int) -> str | None:
         if not request.sampling.ignore_eos and token in self.eos_token_ids:
             return "stop"
+        if token in request.sampling.stop_token_ids:
+            return "stop"
         if len(request.output_token_ids) >= request.sampling.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_model_len:

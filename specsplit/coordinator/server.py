@@ -13,14 +13,17 @@ import grpc
 
 from specsplit.coordinator.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.generation_config import GRPC_DEFAULTS, OPENAI_DEFAULTS
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
+from specsplit.coordinator.vllm_metrics import set_model_name
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
     ServerOptions,
     ServiceServer,
     add_service,
     announce,
+    check_can_listen,
     check_flag_ranges,
     freeze_start_up_heap,
     peer_channel,
@@ -59,6 +62,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
     p.add_argument("--auth-token-file", default=None, help="bearer tokens clients must present, one per line")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics) on this port of --host, beside gRPC (default: off)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the HTTP API answers to (default: the checkpoint directory's name)",
+    )
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,8 @@ class CoordinatorConfig:
     max_waiting: int
     startup_timeout: float
     auth_token_file: str | None
+    http_port: int | None = None
+    served_model_name: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CoordinatorConfig:
@@ -90,6 +107,8 @@ class CoordinatorConfig:
             max_waiting=args.max_waiting,
             startup_timeout=args.startup_timeout,
             auth_token_file=args.auth_token_file,
+            http_port=args.http_port,
+            served_model_name=args.served_model_name,
         )
         check_flag_ranges(
             config,
@@ -99,6 +118,8 @@ class CoordinatorConfig:
             max_waiting=(0, None),
             startup_timeout=(0, None),
         )
+        if config.http_port is not None:
+            check_can_listen(config.server.host, config.http_port, "--http-port")
         return config
 
 
@@ -148,7 +169,7 @@ def load_tokenizer(model: str):
 
 async def serve(config: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(config.checkpoint)
-    servicer = CoordinatorServicer(tokenizer)
+    servicer = CoordinatorServicer(tokenizer, GRPC_DEFAULTS.with_generation_config(config.checkpoint))
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
     tls = load_tls(config.server.tls_dir)
     tokens = load_tokens(config.auth_token_file)
@@ -163,6 +184,7 @@ async def serve(config: CoordinatorConfig) -> None:
     )
     add_service(server.server, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], servicer)
     await server.start()
+    http = await _start_http(config, tokenizer, tokens) if config.http_port is not None else None
     channel = peer_channel(config.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await _wait_for_model_info(stub, config.startup_timeout)
@@ -170,6 +192,8 @@ async def serve(config: CoordinatorConfig) -> None:
     if refusal:
         await channel.close()
         await server.stop(0)
+        if http is not None:
+            await http.stop()
         raise UsageError(refusal)
     k = config.num_speculative_tokens
     model_info = common_pb2.ModelInfo()
@@ -190,12 +214,42 @@ async def serve(config: CoordinatorConfig) -> None:
     engine = Engine(Scheduler(scheduler_config, eos), stub, tokenizer, verifier_rpc=config.verifier_rpc)
     engine.start()
     servicer.ready(engine, model_info)
+    model_name = config.served_model_name or model_info.model
+    set_model_name(model_name)  # the model_name label of the vLLM-named series
+    if http is not None:
+        http.api.ready(engine, model_info, model_name)
     freeze_start_up_heap()
     await server.mark_serving()
+    if http is not None:
+        announce("coordinator HTTP API", f"{config.server.host}:{config.http_port}")
     announce("coordinator", server.address)
 
+    def on_drain() -> None:
+        if http is not None:  # as gRPC: unhealthy at once, new requests refused after --shutdown-delay
+            http.api.draining = True
+            asyncio.get_running_loop().call_later(config.server.shutdown_delay, setattr, http.api, "refusing", True)
+
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         await engine.stop()
         await channel.close()
 
-    await run_until_signal(server, on_stop, grace_s=config.server.shutdown_grace, delay_s=config.server.shutdown_delay)
+    await run_until_signal(
+        server,
+        on_stop,
+        grace_s=config.server.shutdown_grace,
+        delay_s=config.server.shutdown_delay,
+        on_drain=on_drain,
+    )
+
+
+async def _start_http(config: CoordinatorConfig, tokenizer, tokens: frozenset[str]):
+    """The OpenAI-compatible HTTP API, listening (its routes answer 503 until the verifier answered)."""
+    from specsplit.coordinator.http.app import HttpApi
+    from specsplit.coordinator.http.server import HttpServer
+
+    api = HttpApi(tokenizer, tokens, OPENAI_DEFAULTS.with_generation_config(config.checkpoint))
+    http = HttpServer(api, config.server.host, config.http_port, config.server.tls_dir, config.server.shutdown_grace)
+    await http.start()
+    return http

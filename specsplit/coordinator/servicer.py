@@ -7,9 +7,10 @@ import time
 
 import grpc
 
-from specsplit.coordinator import observability as obs
 from specsplit.coordinator.engine import Engine
-from specsplit.coordinator.validation import build_request
+from specsplit.coordinator.generation import Choices
+from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
+from specsplit.coordinator.validation import build_requests
 from specsplit.errors import SpecsplitError
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.telemetry import incoming_context
@@ -18,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, defaults: SamplingDefaults = GRPC_DEFAULTS):
         self.tokenizer = tokenizer
+        self.defaults = defaults  # what unset sampling options become (generation_config.json's values)
         self.engine: Engine | None = None  # set once the verifier answered
         self.model_info: common_pb2.ModelInfo | None = None
 
@@ -35,55 +37,41 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         engine = await self._require_engine(context)
         info = self.model_info
-        req = None
         try:
-            req = build_request(
+            requests = build_requests(
                 request,
                 tokenizer=self.tokenizer,
                 vocab_size=info.vocab_size,
                 max_model_len=info.max_model_len,
                 num_speculative_tokens=info.num_speculative_tokens,
+                defaults=self.defaults,
             )
-            remaining = context.time_remaining()
-            if remaining is not None:
-                req.deadline = time.monotonic() + remaining
-            req.span = obs.start_request_span(req, info.model, incoming_context(context.invocation_metadata()))
-            queue = engine.add_request(req)
         except SpecsplitError as err:
-            if req is not None:
-                obs.end_request_span(req.span, req, "rejected", err)
             await context.abort(err.code, err.message)
-        finished = False
-        reason, error = "abort", None
-        num_completion = 0
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        parent = incoming_context(context.invocation_metadata())
+        num_completion = [0] * len(requests)
         try:
-            while True:
-                out = await queue.get()
-                if out.error is not None:
-                    finished = True
-                    reason, error = "error", out.error
-                    await context.abort(out.error.code, out.error.message)
-                if out.finish_reason is not None:
-                    finished = True
-                    reason = out.finish_reason
-                    yield coordinator_pb2.GenerateResponse(
-                        request_id=req.request_id,
-                        finish_reason=out.finish_reason,
-                        usage=coordinator_pb2.Usage(
-                            prompt_tokens=req.num_prompt_tokens, completion_tokens=num_completion
-                        ),
-                        spec_stats=req.stats.to_pb(),
-                    )
-                    return
-                num_completion += len(out.token_ids)
-                if out.token_ids or out.text:
-                    yield coordinator_pb2.GenerateResponse(
-                        request_id=req.request_id, token_ids=out.token_ids, text=out.text
-                    )
-        finally:
-            if not finished:  # cancelled by the client, deadline, or server shutdown
-                engine.abort(req.request_id)
-            obs.end_request_span(req.span, req, reason, error)
+            async with Choices(engine, requests, info.model, parent, deadline) as choices:
+                async for index, req, out in choices.outputs():
+                    if out.finish_reason is not None:
+                        yield coordinator_pb2.GenerateResponse(
+                            request_id=req.request_id,
+                            finish_reason=out.finish_reason,
+                            usage=coordinator_pb2.Usage(
+                                prompt_tokens=req.num_prompt_tokens, completion_tokens=num_completion[index]
+                            ),
+                            spec_stats=req.stats.to_pb(),
+                            index=index,
+                        )
+                    elif out.token_ids or out.text:
+                        num_completion[index] += len(out.token_ids)
+                        yield coordinator_pb2.GenerateResponse(
+                            request_id=req.request_id, token_ids=out.token_ids, text=out.text, index=index
+                        )
+        except SpecsplitError as err:
+            await context.abort(err.code, err.message)
 
     async def Abort(self, request, context):
         engine = await self._require_engine(context)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import uuid
 
+from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.errors import InvalidArgument
 from specsplit.proto import coordinator_pb2
@@ -14,6 +16,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TEMPERATURE = 100.0
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
 
 
 def build_request(
@@ -23,7 +27,11 @@ def build_request(
     vocab_size: int,
     max_model_len: int,
     num_speculative_tokens: int,
+    defaults: SamplingDefaults = GRPC_DEFAULTS,
 ) -> Request:
+    """The request `msg` asks for (one completion: `build_requests` makes its n). A text prompt is tokenized the
+    way the tokenizer does by default, special tokens included (BOS where the checkpoint has one), as
+    transformers and vLLM do."""
     has_text = msg.HasField("prompt")
     has_ids = len(msg.prompt_token_ids) > 0
     if has_text == has_ids:
@@ -33,7 +41,7 @@ def build_request(
             raise InvalidArgument("prompt is empty")
         if len(msg.prompt) > MAX_PROMPT_CHARS:
             raise InvalidArgument(f"prompt has {len(msg.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-        prompt_ids = list(tokenizer.encode(msg.prompt, add_special_tokens=False))
+        prompt_ids = list(tokenizer.encode(msg.prompt))
         if not prompt_ids:
             raise InvalidArgument("prompt encodes to no tokens")
     else:
@@ -51,27 +59,59 @@ def build_request(
     return Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
-        sampling=_sampling(msg, num_speculative_tokens),
+        sampling=_sampling(msg, num_speculative_tokens, vocab_size, defaults),
     )
 
 
-def _sampling(msg: coordinator_pb2.GenerateRequest, num_speculative_tokens: int) -> SamplingParams:
+def build_requests(msg: coordinator_pb2.GenerateRequest, **kwargs) -> list[Request]:
+    """The request's `n` independent completions (`build_request`'s arguments): ids `<id>-<i>` when n > 1; with a
+    seed, completion i samples with seed + i, else each draws its own."""
+    n = msg.n or 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidArgument(f"n must be in [1, {MAX_N}], got {n}")
+    first = build_request(msg, **kwargs)
+    if n == 1:
+        return [first]
+    seeded = msg.sampling.HasField("seed")
+    requests = []
+    for i in range(n):
+        seed = (first.sampling.seed + i) & (2**63 - 1) if seeded else random.getrandbits(63)
+        requests.append(
+            Request(
+                request_id=f"{first.request_id}-{i}",
+                prompt_token_ids=list(first.prompt_token_ids),
+                sampling=dataclasses.replace(first.sampling, seed=seed),
+            )
+        )
+    return requests
+
+
+def _sampling(
+    msg: coordinator_pb2.GenerateRequest, num_speculative_tokens: int, vocab_size: int, defaults: SamplingDefaults
+) -> SamplingParams:
     if msg.max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be > 0, got {msg.max_tokens}")
     s = msg.sampling
-    temperature = s.temperature
+    temperature = s.temperature if s.HasField("temperature") else defaults.temperature
     if not math.isfinite(temperature) or temperature < 0 or temperature > MAX_TEMPERATURE:
         raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE}], got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else defaults.top_p
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
+    top_k = s.top_k if s.HasField("top_k") else defaults.top_k
+    if top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {top_k}")
     stop = tuple(msg.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if any(not x or len(x) > MAX_STOP_LEN for x in stop):
         raise InvalidArgument(f"stop strings must be 1 to {MAX_STOP_LEN} characters long")
+    stop_token_ids = tuple(msg.stop_token_ids)
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_token_ids)}")
+    bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"stop_token_ids must be in the vocabulary [0, {vocab_size}), got {bad[0]}")
     k = None
     if msg.HasField("num_speculative_tokens"):
         k = msg.num_speculative_tokens
@@ -84,9 +124,10 @@ def _sampling(msg: coordinator_pb2.GenerateRequest, num_speculative_tokens: int)
         max_tokens=msg.max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
-        top_k=int(s.top_k),
+        top_k=int(top_k),
         seed=int(seed),
         stop=stop,
+        stop_token_ids=stop_token_ids,
         ignore_eos=msg.ignore_eos,
         num_speculative_tokens=k,
     )

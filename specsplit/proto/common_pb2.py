@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"Z\n\nDraftProbs\x12\'\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x16\n\x0enum_iterations\x18\x05 \x01(\x03\"\xbf\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x18\n\x10hidden_transport\x18\x0b \x01(\t\x12\x16\n\x0epropose_socket\x18\x0c \x01(\t\x12\x15\n\rverify_socket\x18\r \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x0e \x01(\t\"\x15\n\x13GetModelInfoRequest*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"Z\n\nDraftProbs\x12\'\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x16\n\x0enum_iterations\x18\x05 \x01(\x03\"\xbf\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x18\n\x10hidden_transport\x18\x0b \x01(\t\x12\x16\n\x0epropose_socket\x18\x0c \x01(\t\x12\x15\n\rverify_socket\x18\r \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x0e \x01(\t\"\x15\n\x13GetModelInfoRequest*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=798
-  _globals['_DTYPE']._serialized_end=920
+  _globals['_DTYPE']._serialized_start=835
+  _globals['_DTYPE']._serialized_end=957
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=103
-  _globals['_SAMPLINGPARAMS']._serialized_start=105
-  _globals['_SAMPLINGPARAMS']._serialized_end=215
-  _globals['_DRAFTPROBS']._serialized_start=217
-  _globals['_DRAFTPROBS']._serialized_end=307
-  _globals['_SPECSTATS']._serialized_start=310
-  _globals['_SPECSTATS']._serialized_end=451
-  _globals['_MODELINFO']._serialized_start=454
-  _globals['_MODELINFO']._serialized_end=773
-  _globals['_GETMODELINFOREQUEST']._serialized_start=775
-  _globals['_GETMODELINFOREQUEST']._serialized_end=796
+  _globals['_SAMPLINGPARAMS']._serialized_start=106
+  _globals['_SAMPLINGPARAMS']._serialized_end=252
+  _globals['_DRAFTPROBS']._serialized_start=254
+  _globals['_DRAFTPROBS']._serialized_end=344
+  _globals['_SPECSTATS']._serialized_start=347
+  _globals['_SPECSTATS']._serialized_end=488
+  _globals['_MODELINFO']._serialized_start=491
+  _globals['_MODELINFO']._serialized_end=810
+  _globals['_GETMODELINFOREQUEST']._serialized_start=812
+  _globals['_GETMODELINFOREQUEST']._serialized_end=833
 # @@protoc_insertion_point(module_scope)

@@ -129,6 +129,17 @@ def test_ignore_eos_keeps_generating():
     assert not out.scheduled[0].request.is_finished
 
 
+def test_a_stop_token_id_stops_like_eos_even_with_ignore_eos():
+    s = make()
+    s.add_request(req("a", prompt_len=3, max_tokens=20, stop_token_ids=(52,), ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, results(out, [[50]]))
+    out = s.schedule()
+    s.update_from_output(out, results(out, [[51, 52, 53, 54]]))  # accepted 51, 52, 53; 54 the bonus token
+    r = out.scheduled[0].request
+    assert r.output_token_ids == [50, 51, 52] and r.finish_reason == "stop" and r.is_finished
+
+
 def test_requests_join_and_leave_between_iterations_within_max_num_seqs():
     s = make(max_num_seqs=2)
     for rid in "abc":

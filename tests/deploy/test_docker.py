@@ -43,7 +43,8 @@ def test_each_image_runs_its_service_as_a_non_root_user_with_a_health_check(role
     assert entry == [f'["specsplit", "serve", "{role}"]']
     (health,) = [a for i, a in ins if i == "HEALTHCHECK"]
     assert f"127.0.0.1:{ROLES[role]}" in health and f"specsplit.v1.{role.capitalize()}" in health
-    assert f"EXPOSE {ROLES[role]} 9464" in dockerfile(role)
+    http = " 8000" if role == "coordinator" else ""  # the coordinator's OpenAI-compatible HTTP API
+    assert f"EXPOSE {ROLES[role]}{http} 9464" in dockerfile(role)
 
 
 def test_the_coordinator_image_has_no_torch_and_the_workers_default_to_cuda():

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,7 +108,7 @@ class ReplayedImage:
         env.pop("PIP_NO_CACHE_DIR", None)  # the replay may reuse pip's cache; the installed files are the same
         return env
 
-    def entry_command(self, ports: dict[str, int], metrics_port: int) -> list[str]:
+    def entry_command(self, ports: dict[str, int], metrics_port: int, http_port: int) -> list[str]:
         (entry,) = [json.loads(a) for i, a in self.ins if i == "ENTRYPOINT"]
         (cmd,) = [json.loads(a) for i, a in self.ins if i == "CMD"]
         argv = [*entry, *cmd]
@@ -120,6 +121,8 @@ class ReplayedImage:
                 a = str(ports[self.role])
             elif prev == "--metrics-port":
                 a = str(metrics_port)
+            elif prev == "--http-port":
+                a = str(http_port)
             for role, port in ROLES.items():
                 a = a.replace(f"dns:///specsplit-{role}:{port}", f"127.0.0.1:{ports[role]}")
                 a = a.replace(f"specsplit-{role}:{port}", f"127.0.0.1:{ports[role]}")
@@ -155,13 +158,14 @@ def test_each_image_installs_only_its_role(images):
 
 def test_the_images_entry_points_serve_the_demo_checkpoint(images, tmp_path):
     ports = {role: _free_port() for role in ROLES}
+    http_port = _free_port()
     procs: dict[str, subprocess.Popen] = {}
     logs = {role: open(tmp_path / f"{role}.log", "w") for role in ROLES}  # noqa: SIM115 (closed below)
     try:
         for role in ("drafter", "verifier", "coordinator"):  # as Kubernetes would start them, in any order
             image = images[role]
             procs[role] = subprocess.Popen(
-                image.entry_command(ports, _free_port()),
+                image.entry_command(ports, _free_port(), http_port),
                 cwd=tmp_path,  # outside the checkout: only what the image installed can be imported
                 env=image.environ(),
                 stdout=logs[role],
@@ -185,6 +189,15 @@ def test_the_images_entry_points_serve_the_demo_checkpoint(images, tmp_path):
             result = client.generate("def read_lines(path):\n", max_tokens=16, ignore_eos=True)
         assert result.completion_tokens == 16
         assert result.stats.num_draft_tokens > 0  # the drafter image drafted
+        # the coordinator image serves the OpenAI-compatible HTTP API too (its CMD's --http-port)
+        body = {"model": "demo", "prompt": "def read_lines(path):\n", "max_tokens": 4, "ignore_eos": True}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
     finally:
         for p in procs.values():
             if p.poll() is None:

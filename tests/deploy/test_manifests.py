@@ -137,6 +137,30 @@ def test_every_container_runs_a_command_the_cli_accepts_with_the_overlays_placem
         assert resolved["verifier"].name == "pooled" and resolved["verifier"].hidden_transport == "grpc"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_openai_compatible_http_api_is_served_and_exposed_on_8000(overlay):
+    """The coordinator serves the HTTP API by default in every overlay and in the image (`serve` and `up` leave it
+    off unless given --http-port): its container runs --http-port 8000, names that port, and the client Service
+    carries it."""
+    docs = render(overlay)
+    coordinators = [(n, c) for n, c in specsplit_containers(docs) if parsed(c, docs).command == "up"]
+    coordinators += [
+        (n, c) for n, c in specsplit_containers(docs) if getattr(parsed(c, docs), "role", "") == "coordinator"
+    ]
+    assert len(coordinators) == 1
+    _, container = coordinators[0]
+    assert parsed(container, docs).http_port == 8000
+    assert {"name": "http", "containerPort": 8000} in container["ports"]
+    service = by_kind(docs, "Service")["specsplit-coordinator"]
+    assert {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"} in service["spec"]["ports"]
+    cmd = dockerfile_exec_form("coordinator", "CMD")
+    assert cmd[cmd.index("--http-port") + 1] == "8000"
+    assert (
+        parse_args(["up"]).http_port is None
+        and parse_args(["serve", "coordinator", "--model", "m", "--verifier", "v:1"]).http_port is None
+    )
+
+
 def test_kubernetes_uses_the_same_placement_defaults_as_up_and_serve():
     assert DEFAULT_PLACEMENT == "colocated"
     assert parse_args(["up", "--model", "m"]).placement == DEFAULT_PLACEMENT
@@ -187,7 +211,7 @@ def test_containers_have_probes_limits_non_root_and_graceful_shutdown(overlay):
         args, spec = parsed(c, docs), pod(docs, name)
         role = "coordinator" if args.command == "up" else args.role
         service = f"specsplit.v1.{role.capitalize()}"
-        ports = {p["containerPort"] for p in c["ports"]}
+        ports = {p["containerPort"] for p in c["ports"]} - {getattr(args, "http_port", None)}  # HTTP: its own test
         if args.command == "up":
             assert ports == {args.port, *(args.metrics_port + o for o in METRICS_PORT_OFFSETS.values())}
         else:
@@ -354,7 +378,7 @@ def test_network_policies_open_the_coordinator_to_clients_and_drafters_to_the_se
         name.removeprefix("specsplit-"): dep["spec"]["template"]["metadata"]["labels"]
         for name, dep in by_kind(docs, "Deployment").items()
     }
-    grpc_ports = {"server": [50051, 50052, 50053], "drafter": [50053], "otel-collector": []}
+    grpc_ports = {"server": [50051, 8000, 50052, 50053], "drafter": [50053], "otel-collector": []}
     allowed = {
         (src, dst, port)
         for src in [*pods, None]
@@ -362,7 +386,7 @@ def test_network_policies_open_the_coordinator_to_clients_and_drafters_to_the_se
         for port in grpc_ports[dst]
         if _allowed(policies, pods.get(src), pods[dst], port)
     }
-    expected = {(src, "server", 50051) for src in [*pods, None]}  # clients, from anywhere
+    expected = {(src, "server", port) for src in [*pods, None] for port in (50051, 8000)}  # clients, from anywhere
     if PLACEMENT[overlay] == "pooled":
         expected.add(("server", "drafter", 50053))  # the verifier's ProposeStream
     assert allowed == expected
@@ -372,7 +396,7 @@ def test_network_policies_open_the_coordinator_to_clients_and_drafters_to_the_se
         for p in c["ports"]:
             is_metrics = p["name"].startswith("metrics")
             assert _allowed(policies, {}, dst, p["containerPort"], src_ns=monitoring) == (
-                is_metrics or p["containerPort"] == 50051
+                is_metrics or p["containerPort"] in (50051, 8000)
             )
             if is_metrics:
                 assert not _allowed(policies, {}, dst, p["containerPort"], src_ns=default)

@@ -7,13 +7,17 @@ import pytest
 import torch
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.launcher import LocalCluster, free_port
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_tokenizer import make_llama_like
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", architecture="llama", seed=1)
+    """A tiny Llama whose tokenizer adds BOS to text and has a chat template, as Llama checkpoints do."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", architecture="llama", seed=1)
+    make_llama_like(path)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +54,7 @@ def session_cluster(tiny_checkpoint, tmp_path_factory):
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", *DRAIN],
         verifier_args=DRAIN,
         drafter_args=DRAIN,
+        http_port=free_port(),  # the OpenAI-compatible HTTP API (test_openai_api.py)
     ) as c:
         yield c
 

@@ -73,7 +73,8 @@ def test_text_prompt_streams_text_and_stats(cluster, hf_greedy, tiny_checkpoint)
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     with Client(cluster.address, timeout=60) as client:
         out = client.generate("def add(a, b):", max_tokens=12)
-    ids = tok.encode("def add(a, b):", add_special_tokens=False)
+    ids = tok.encode("def add(a, b):")  # the tokenizer's default: BOS first, as transformers and vLLM add it
+    assert ids[0] == tok.bos_token_id
     assert out.token_ids == hf_greedy(ids, 12)
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason in ("length", "stop")

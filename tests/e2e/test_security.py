@@ -1,4 +1,9 @@
-"""Mutual TLS between services, TLS + bearer tokens on the client API, message size limits."""
+"""Mutual TLS between services, TLS + bearer tokens on the client APIs (gRPC and HTTP), message size limits."""
+
+import http.client
+import json
+import ssl
+import urllib.parse
 
 import grpc
 import pytest
@@ -6,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit import Client, SpecsplitError
-from specsplit.launcher import LocalCluster
+from specsplit.launcher import LocalCluster, free_port
 from specsplit.proto import common_pb2, verifier_pb2_grpc
 
 from .certs import make_ca, make_leaf, write_tls_dir
@@ -38,6 +43,7 @@ def secure_cluster(tiny_checkpoint, pki):
         log_dir=pki["root"] / "logs",
         tls_dir=pki["tls_dir"],
         coordinator_args=["--auth-token-file", str(tokens), "--max-message-mb", "1"],
+        http_port=free_port(),
     ) as c:
         yield c
 
@@ -66,6 +72,31 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_cluster, pki, token):
         # probes need no token
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_http_api_without_the_token_is_401_and_with_it_serves_over_tls(secure_cluster, pki, token):
+    """The HTTP API takes the gRPC API's --auth-token-file and --tls-dir: HTTPS, bearer tokens on /v1 (probes and
+    scrapers need none)."""
+    context = ssl.create_default_context(cadata=pki["ca"].decode())
+    url = urllib.parse.urlsplit(secure_cluster.http_url)
+
+    def call(method: str, path: str, auth: str | None, body: dict | None = None) -> tuple[int, dict | str]:
+        conn = http.client.HTTPSConnection(url.hostname, url.port, context=context, timeout=60)
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {auth}"} if auth else {})}
+        conn.request(method, path, json.dumps(body) if body else None, headers)
+        resp = conn.getresponse()
+        data = resp.read().decode()
+        conn.close()
+        return resp.status, json.loads(data) if data.startswith("{") else data
+
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    status, data = call("POST", "/v1/completions", token, body)
+    assert status == 401 and data["error"]["type"] == "authentication_error"
+    assert call("GET", "/v1/models", token)[0] == 401
+    assert call("GET", "/health", None) == (200, {"status": "ok"})
+    status, data = call("POST", "/v1/completions", TOKEN, body)
+    assert status == 200 and data["usage"]["completion_tokens"] == 4
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_coordinator(secure_cluster):

@@ -212,9 +212,17 @@ def test_a_port_in_use_is_refused():
         port = taken.getsockname()[1]
         up = refusal("up", "--port", str(port))
         serve = refusal("serve", "coordinator", "--model", str(DEMO), "--verifier", "127.0.0.1:1", "--port", str(port))
+        http_up = refusal("up", "--port", "0", "--http-port", str(port))
+        http_serve = refusal(
+            "serve", "coordinator", "--model", str(DEMO), "--verifier", "127.0.0.1:1", "--port", "0", "--http-port",
+            str(port),
+        )  # fmt: skip
     in_use = f"127.0.0.1:{port} is in use; stop what listens there or give another --port (0: any free port)"
     assert up == f"specsplit up: {in_use}"
     assert serve == f"specsplit serve coordinator: {in_use}"
+    http_in_use = f"127.0.0.1:{port} is in use; stop what listens there or give another --http-port"
+    assert http_up == f"specsplit up: {http_in_use}"
+    assert http_serve == f"specsplit serve coordinator: {http_in_use}"
 
 
 @pytest.mark.parametrize("flag", list(BAD_FLAGS))

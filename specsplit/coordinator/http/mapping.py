@@ -1,0 +1,70 @@
+"""An OpenAI request body → the coordinator's GenerateRequest: the one place the HTTP API's options become the
+coordinator's, validated afterwards by `validation.build_requests` as the gRPC API's are (same refusals, same
+words). An option the coordinator gains (logprobs, penalties, min_tokens) is added here."""
+
+from __future__ import annotations
+
+from specsplit.coordinator.http.errors import BadOption
+from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
+from specsplit.proto import coordinator_pb2
+
+# OpenAI options the verifier's sampler cannot honour yet: (name, the value that means "off").
+NOT_SUPPORTED_YET = (
+    ("logprobs", None),
+    ("top_logprobs", None),
+    ("min_tokens", 0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("logit_bias", None),
+    ("best_of", None),
+    ("echo", False),
+    ("suffix", None),
+    ("tools", None),
+    ("response_format", None),
+)
+
+
+def to_generate_request(
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    prompt: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    default_max_tokens: int,
+) -> coordinator_pb2.GenerateRequest:
+    """The GenerateRequest for one prompt of `body` (text or ids); InvalidArgument naming the option for one this
+    server does not support yet or a value the request cannot carry (BadOption). Unset sampling options stay unset: the
+    server's defaults (generation_config.json, else OpenAI's) fill them."""
+    for name, off in NOT_SUPPORTED_YET:
+        value = getattr(body, name, off)
+        if value is not None and value != off and not (name == "logprobs" and value is False):
+            raise BadOption(f"{name} is not supported yet by this server (got {value!r})", param=name)
+    msg = coordinator_pb2.GenerateRequest()
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    options = [
+        ("prompt", msg, "prompt", prompt),
+        ("prompt", msg.prompt_token_ids, None, prompt_token_ids),
+        ("max_tokens", msg, "max_tokens", default_max_tokens if max_tokens is None else max_tokens),
+        ("temperature", msg.sampling, "temperature", body.temperature),
+        ("top_p", msg.sampling, "top_p", body.top_p),
+        ("top_k", msg.sampling, "top_k", None if body.top_k in (None, -1) else body.top_k),  # vLLM: -1 is off
+        ("seed", msg.sampling, "seed", body.seed),
+        ("stop", msg.stop, None, stop),
+        ("stop_token_ids", msg.stop_token_ids, None, body.stop_token_ids),
+        ("ignore_eos", msg, "ignore_eos", body.ignore_eos),
+        ("n", msg, "n", body.n),
+    ]
+    for name, target, field, value in options:
+        if value is None:
+            continue
+        try:
+            if field is None:
+                target.extend(value)
+            else:
+                setattr(target, field, value)
+        except (TypeError, ValueError) as err:
+            raise BadOption(f"{name}={value!r} is out of range: {err}", param=name) from None
+    return msg

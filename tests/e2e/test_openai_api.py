@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP API of the session cluster's coordinator, through the official `openai` client and raw
+HTTP: completions and chat completions, whole and streamed, equal to the gRPC API's and transformers' greedy output;
+n, seed and stop_token_ids on both APIs; errors as OpenAI error objects; a client that disconnects aborts its
+request everywhere; /v1/models, /health, /metrics."""
+
+import http.client
+import json
+import socket
+import time
+import urllib.parse
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from specsplit import Client
+
+from .helpers import assert_kv_all_free, greedy_ignoring_eos, wait_idle
+
+PROMPT = "def add(a, b):"
+MESSAGES = [{"role": "user", "content": "Write a haiku about tests."}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture
+def oai(cluster):
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def _post(cluster, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    url = urllib.parse.urlsplit(cluster.http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    status, data = resp.status, json.loads(resp.read())
+    conn.close()
+    return status, data
+
+
+def test_completions_greedy_equals_grpc_and_transformers_whole_and_streamed(cluster, oai, tok, hf_greedy):
+    ids = tok.encode(PROMPT)  # BOS first: the tokenizer's default, on both APIs
+    assert ids[0] == tok.bos_token_id
+    with Client(cluster.address, timeout=60) as client:
+        grpc_out = client.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    assert grpc_out.token_ids == greedy_ignoring_eos(hf_greedy, ids, 12)
+    kw = dict(model=oai.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0)
+    whole = oai.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == grpc_out.text and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 12)
+    assert whole.choices[0].model_extra["spec_decode_stats"]["num_draft_tokens"] > 0  # speculation ran
+    chunks = list(oai.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == grpc_out.text
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+
+
+def test_chat_uses_the_checkpoint_template_and_equals_grpc_whole_and_streamed(cluster, oai, tok, hf_greedy):
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    expected = hf_greedy(ids, 10)
+    with Client(cluster.address, timeout=60) as client:
+        grpc_out = client.generate(prompt_token_ids=ids, max_tokens=10)
+    assert grpc_out.token_ids == expected
+    model = oai.models.list().data[0].id
+    whole = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == grpc_out.text
+    assert choice.finish_reason == grpc_out.finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), len(grpc_out.token_ids))
+    chunks = list(
+        oai.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == grpc_out.text
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == len(grpc_out.token_ids)
+    assert all(c.usage is None for c in body)  # include_usage: usage only on the last chunk, null before
+
+
+def test_n_and_seed_give_the_same_samples_on_both_apis(cluster, oai):
+    """n = 2 sampled completions with a seed: the HTTP API's choices are the gRPC API's, index for index (a
+    request's noise depends only on its seed and positions), and the two differ (choice i samples with seed + i)."""
+    with Client(cluster.address, timeout=60) as client:
+        grpc_outs = client.generate_n(
+            prompt_token_ids=[5, 6, 7], n=2, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True
+        )
+    assert grpc_outs[0].token_ids != grpc_outs[1].token_ids
+    out = oai.completions.create(
+        model=oai.models.list().data[0].id,
+        prompt=[5, 6, 7],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    by_index = {c.index: c.text for c in out.choices}
+    assert [by_index[0], by_index[1]] == [grpc_outs[0].text, grpc_outs[1].text]
+    assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == 3
+
+
+def test_stop_token_ids_end_generation_on_both_apis(cluster, oai, tok, hf_greedy):
+    """Stopping on a token id keeps the greedy tokens up to and including it (finish_reason stop), and its text
+    is not output."""
+    prompt = [5, 6, 7]
+    greedy = greedy_ignoring_eos(hf_greedy, prompt, 12)
+    stop_id = greedy[4]
+    cut = greedy.index(stop_id)
+    with Client(cluster.address, timeout=60) as client:
+        out = client.generate(prompt_token_ids=prompt, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    assert out.token_ids == greedy[: cut + 1] and out.finish_reason == "stop"
+    assert out.text == tok.decode(greedy[:cut], skip_special_tokens=True)
+    http_out = oai.completions.create(
+        model=oai.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
+    assert http_out.choices[0].text == out.text and http_out.choices[0].finish_reason == "stop"
+    assert http_out.usage.completion_tokens == cut + 1
+
+
+@pytest.mark.parametrize(
+    "body, status, param, says",
+    [
+        ({"temperature": -1}, 400, None, "temperature must be in [0, 100.0], got -1.0"),  # validation.py's words
+        ({"prompt": [10**6]}, 400, None, "outside the vocabulary"),
+        ({"logprobs": 2}, 400, "logprobs", "logprobs is not supported yet"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported yet"),
+        ({"max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+        ({"max_tokens": 2**40}, 400, "max_tokens", "out of range"),
+        ({"n": 17}, 400, None, "n must be in [1, 16]"),
+        ({"model": "gpt-5"}, 404, None, "the model 'gpt-5' does not exist"),
+    ],
+)
+def test_bad_requests_are_openai_errors(cluster, body, status, param, says):
+    got, data = _post(cluster, "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, **body})
+    assert got == status, data
+    assert set(data["error"]) == {"message", "type", "param", "code"}
+    assert says in data["error"]["message"] and data["error"]["param"] == param
+    assert data["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_raises_its_errors(oai):
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature must be in"):
+        oai.completions.create(model=oai.models.list().data[0].id, prompt="x", max_tokens=2, temperature=-3)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_aborts_its_request_everywhere(cluster, stream):
+    """480 tokens take seconds; the request leaves the coordinator within moments of the disconnect and every KV
+    block on verifier and drafter is free again."""
+    url = urllib.parse.urlsplit(cluster.http_url)
+    body = {"model": "tiny-llama", "prompt": [4, 5], "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    with Client(cluster.address, timeout=60) as client:
+        deadline = time.monotonic() + 30
+        while client.server_stats()[1].num_running == 0:  # generating
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if stream:
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200")  # tokens are coming
+        sock.close()
+        t0 = time.monotonic()
+        wait_idle(client, timeout_s=3.0)
+        assert time.monotonic() - t0 < 3.0
+    assert_kv_all_free(cluster)
+
+
+def test_models_health_and_metrics(cluster, oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["tiny-llama"] and models[0].model_extra["max_model_len"] > 0
+    url = urllib.parse.urlsplit(cluster.http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert (resp.status, json.loads(resp.read())) == (200, {"status": "ok"})
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    for series in (
+        'vllm:num_requests_running{model_name="tiny-llama"}',
+        'vllm:num_requests_waiting{model_name="tiny-llama"}',
+        'vllm:prompt_tokens_total{model_name="tiny-llama"}',
+        'vllm:generation_tokens_total{model_name="tiny-llama"}',
+        'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"}',
+        'vllm:time_per_output_token_seconds_count{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_drafts_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"}',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-llama",position="0"}',
+        "specsplit_draft_tokens_total",
+    ):
+        assert series in text, series
+    drafts = float(text.split('vllm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
+    assert drafts > 0  # the earlier requests of the session were counted
