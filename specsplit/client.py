@@ -36,6 +36,7 @@ def _request(
     request_id,
     stop_token_ids,
     n,
+    options: dict,
 ) -> coordinator_pb2.GenerateRequest:
     """The request message; a value its field cannot hold (a negative seed, max_tokens past int32, a string for a
     number) raises InvalidArgument naming the option, as the coordinator names what it refuses."""
@@ -54,6 +55,7 @@ def _request(
         ("num_speculative_tokens", msg, "num_speculative_tokens", num_speculative_tokens),
         ("stop_token_ids", msg.stop_token_ids, None, stop_token_ids),
         ("n", msg, "n", n),
+        *((name, msg.sampling, name, options.get(name)) for name in LOGITS_OPTIONS),
     ]
     for name, target, field, value in options:
         if value is None:
@@ -66,6 +68,16 @@ def _request(
         except (TypeError, ValueError) as err:
             raise InvalidArgument(f"{name}={value!r} cannot be sent: {err}") from None
     return msg
+
+
+LOGITS_OPTIONS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logprobs")
+
+
+def _logits_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(LOGITS_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
+    return options
 
 
 def _channel(api, address: str, tls_ca: str | bytes | None, token: str | None):
@@ -111,7 +123,10 @@ class Client:
         timeout: float | None = None,
         stop_token_ids: list[int] | None = None,
         n: int | None = None,
+        **options,
     ) -> Iterator[GenerationDelta]:
+        """Streams the request's deltas. `options`: repetition_penalty, presence_penalty, frequency_penalty,
+        min_tokens, logprobs (the target's log-probability of each token and of the top N; on each delta)."""
         msg = _request(
             prompt,
             prompt_token_ids,
@@ -126,6 +141,7 @@ class Client:
             request_id,
             stop_token_ids,
             n,
+            _logits_options(options),
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:
@@ -202,7 +218,9 @@ class AsyncClient:
         timeout: float | None = None,
         stop_token_ids: list[int] | None = None,
         n: int | None = None,
+        **options,
     ) -> AsyncIterator[GenerationDelta]:
+        """As `Client.stream`."""
         msg = _request(
             prompt,
             prompt_token_ids,
@@ -217,6 +235,7 @@ class AsyncClient:
             request_id,
             stop_token_ids,
             n,
+            _logits_options(options),
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
         try:

@@ -85,6 +85,25 @@ class SpecStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probability of one emitted token and the most likely tokens at its position (raw logits:
+    before temperature, penalties, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+    @classmethod
+    def from_pb(cls, token_id: int, pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+        return cls(token_id, pb.logprob, tuple(zip(pb.top_token_ids, pb.top_logprobs, strict=True)))
+
+    def to_pb(self) -> common_pb2.TokenLogprobs:
+        return common_pb2.TokenLogprobs(
+            logprob=self.logprob, top_token_ids=[t for t, _ in self.top], top_logprobs=[lp for _, lp in self.top]
+        )
+
+
 @dataclass
 class GenerationDelta:
     """One streamed message: new tokens and text; the last one has finish_reason and stats."""
@@ -97,6 +116,7 @@ class GenerationDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     index: int = 0  # which of the request's n completions
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids, when the request asked for logprobs
 
 
 @dataclass
@@ -108,6 +128,7 @@ class GenerationResult:
     stats: SpecStats
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids, when the request asked
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +152,7 @@ def delta_from_pb(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
         prompt_tokens=pb.usage.prompt_tokens,
         completion_tokens=pb.usage.completion_tokens,
         index=pb.index,
+        logprobs=[TokenLogprobs.from_pb(t, lp) for t, lp in zip(pb.token_ids, pb.logprobs)] if pb.logprobs else None,
     )
 
 
@@ -140,11 +162,13 @@ class Collector:
     def __init__(self):
         self.token_ids: list[int] = []
         self.text: list[str] = []
+        self.logprobs: list[TokenLogprobs] = []
         self.last: GenerationDelta | None = None
 
     def add(self, d: GenerationDelta) -> None:
         self.token_ids.extend(d.token_ids)
         self.text.append(d.text)
+        self.logprobs.extend(d.logprobs or ())
         self.last = d
 
     def result(self) -> GenerationResult:
@@ -159,4 +183,5 @@ class Collector:
             last.stats or SpecStats(),
             last.prompt_tokens,
             last.completion_tokens,
+            self.logprobs or None,
         )

@@ -35,7 +35,7 @@ from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.verify_stream import VerifyStream, local_verify_stream
 from specsplit.errors import SpecsplitError, Unavailable
 from specsplit.proto import coordinator_pb2, verifier_pb2_grpc
-from specsplit.results import SpecStats
+from specsplit.results import SpecStats, TokenLogprobs
 from specsplit.telemetry import inject_trace_context
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None = None
     error: SpecsplitError | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids, when the request asked
 
 
 class _Stream:
@@ -169,7 +170,7 @@ class Engine:
         """Runs one iteration; streams `outputs` (the previous one's) once its request is sent; returns
         this iteration's outputs, still to be streamed."""
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
-            request = wire.verify_request(output, self.coordinator_id)
+            request = wire.verify_request(output, self.coordinator_id, self.scheduler.eos_token_ids)
             inject_trace_context(request.trace_context)
             t_sent = time.time_ns()
             stream = self._verify_stream
@@ -210,10 +211,12 @@ class Engine:
         if updates:
             with obs.tracer.start_as_current_span("stream_outputs"):
                 for update in updates:
-                    self._emit(update.request, update.new_token_ids, update.finished)
+                    self._emit(update.request, update.new_token_ids, update.finished, update.new_logprobs)
         return []
 
-    def _emit(self, request: Request, new_token_ids: list[int], finished: bool) -> None:
+    def _emit(
+        self, request: Request, new_token_ids: list[int], finished: bool, logprobs: list[TokenLogprobs] | None = None
+    ) -> None:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
@@ -230,7 +233,7 @@ class Engine:
             finished = True
         if finished:
             text += stream.detokenizer.flush()
-        stream.queue.put_nowait(RequestOutput(request.request_id, new_token_ids, text))
+        stream.queue.put_nowait(RequestOutput(request.request_id, new_token_ids, text, logprobs=logprobs))
         if finished:
             self._streams.pop(request.request_id, None)
             self._finish_stream(stream, request.finish_reason or "stop")

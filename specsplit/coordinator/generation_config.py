@@ -1,6 +1,6 @@
 """Sampling defaults: the API's own, overridden by the checkpoint's `generation_config.json` (as vLLM applies it).
 
-A request that leaves temperature, top_p or top_k unset gets the checkpoint's value where
+A request that leaves temperature, top_p, top_k or repetition_penalty unset gets the checkpoint's value where
 `generation_config.json` sets one (vLLM's `generation_config="auto"`; `do_sample` is ignored, as vLLM ignores
 it), else the API's default: greedy on the gRPC API (temperature 0, as before), OpenAI's temperature 1 on the
 HTTP API.
@@ -24,6 +24,7 @@ class SamplingDefaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
 
     def with_generation_config(self, checkpoint: str | Path) -> SamplingDefaults:
         """These defaults with the values `checkpoint`/generation_config.json sets (a missing or unreadable file,
@@ -37,7 +38,7 @@ class SamplingDefaults:
             log.warning("ignoring %s: %s", path, err)
             return self
         found = {}
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("repetition_penalty", float)):
             value = config.get(name) if isinstance(config, dict) else None
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 found[name] = kind(value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specsplit.coordinator.request import Request
+from specsplit.results import TokenLogprobs
 
 DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling): its id is known only there
 
@@ -53,6 +54,7 @@ class VerifyResult:
     sampled_token_ids: list[int]
     num_rejected: int  # counts the placeholders the verifier could not fill as rejected
     num_draft_tokens: int = 0  # drafts the verifier ran: of the placeholders, those it had drafts for
+    logprobs: list[TokenLogprobs] | None = None  # one per sampled token, when the request asked
 
 
 @dataclass
@@ -62,3 +64,4 @@ class StepUpdate:
     request: Request
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked

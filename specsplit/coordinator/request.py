@@ -26,6 +26,12 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # end generation like EOS (also with ignore_eos)
+    # Applied by the verifier to the target's logits (specsplit/verifier/logits_processors.py), vLLM's semantics.
+    repetition_penalty: float = 1.0  # on prompt and output tokens; 1 = off
+    presence_penalty: float = 0.0  # on output tokens; 0 = off
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # output tokens before EOS or a stop token can be sampled
+    logprobs: int | None = None  # None: none; N: the target's log-probability of each token and of the top N
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the server's k
 

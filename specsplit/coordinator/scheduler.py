@@ -296,6 +296,8 @@ class Scheduler:
                     self.finish_request(request.request_id, reason)
                     update.finished = True
                     break
+            if result.logprobs is not None:  # those of the tokens taken (a stop drops the rest)
+                update.new_logprobs = result.logprobs[: len(update.new_token_ids)]
             if not update.finished:
                 # update_draft_token_ids: placeholders for the drafts the verifier keeps.
                 request.spec_token_ids = [DRAFT_PLACEHOLDER] * (item.num_spec_tokens if drafter_ok else 0)

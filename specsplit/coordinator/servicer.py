@@ -68,7 +68,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     elif out.token_ids or out.text:
                         num_completion[index] += len(out.token_ids)
                         yield coordinator_pb2.GenerateResponse(
-                            request_id=req.request_id, token_ids=out.token_ids, text=out.text, index=index
+                            request_id=req.request_id,
+                            token_ids=out.token_ids,
+                            text=out.text,
+                            index=index,
+                            logprobs=[lp.to_pb() for lp in out.logprobs or ()],
                         )
         except SpecsplitError as err:
             await context.abort(err.code, err.message)

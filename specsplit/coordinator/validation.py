@@ -18,6 +18,8 @@ MAX_TEMPERATURE = 100.0
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's, vLLM's)
 
 
 def build_request(
@@ -120,6 +122,20 @@ def _sampling(
                 f"num_speculative_tokens must be in [0, {num_speculative_tokens}] (the server's k), got {k}"
             )
     seed = (s.seed if s.HasField("seed") else random.getrandbits(64)) & (2**63 - 1)
+    repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else defaults.repetition_penalty
+    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise InvalidArgument(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+            raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    if not 0 <= s.min_tokens <= msg.max_tokens:
+        raise InvalidArgument(f"min_tokens must be in [0, max_tokens={msg.max_tokens}], got {s.min_tokens}")
+    if s.end_token_ids:
+        raise InvalidArgument("end_token_ids is set by the coordinator; use stop_token_ids")
+    logprobs = s.logprobs if s.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     return SamplingParams(
         max_tokens=msg.max_tokens,
         temperature=float(temperature),
@@ -130,4 +146,9 @@ def _sampling(
         stop_token_ids=stop_token_ids,
         ignore_eos=msg.ignore_eos,
         num_speculative_tokens=k,
+        repetition_penalty=float(repetition_penalty),
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        min_tokens=int(s.min_tokens),
+        logprobs=logprobs,
     )

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from specsplit.coordinator.iteration import SchedulerOutput, VerifyResult
+from specsplit.coordinator.request import SamplingParams
 from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.results import TokenLogprobs
 
 
-def verify_request(output: SchedulerOutput, coordinator_id: str) -> verifier_pb2.VerifyRequest:
-    """The iteration's message; draft placeholders go as `num_held_drafts` (the verifier holds the drafts)."""
+def verify_request(
+    output: SchedulerOutput, coordinator_id: str, eos_token_ids: frozenset[int] = frozenset()
+) -> verifier_pb2.VerifyRequest:
+    """The iteration's message; draft placeholders go as `num_held_drafts` (the verifier holds the drafts).
+    `eos_token_ids`: the model's, which min_tokens keeps from being sampled (with each request's stop_token_ids)."""
     msg = verifier_pb2.VerifyRequest(
         iteration=output.iteration,
         finished_request_ids=output.finished_request_ids,
@@ -23,10 +28,24 @@ def verify_request(output: SchedulerOutput, coordinator_id: str) -> verifier_pb2
             num_held_drafts=held,
             sample=item.sample,
             next_token_id=item.next_token_id,
-            sampling=common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+            sampling=_sampling(s, eos_token_ids),
             num_spec_tokens=item.num_spec_tokens,
+            num_prompt_tokens=len(item.request.prompt_token_ids),
         )
     return msg
+
+
+def _sampling(s: SamplingParams, eos_token_ids: frozenset[int]) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    if s.repetition_penalty != 1.0:
+        pb.repetition_penalty = s.repetition_penalty
+    pb.presence_penalty, pb.frequency_penalty = s.presence_penalty, s.frequency_penalty
+    if s.min_tokens:
+        pb.min_tokens = s.min_tokens
+        pb.end_token_ids.extend(sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else eos_token_ids)))
+    if s.logprobs is not None:
+        pb.logprobs = s.logprobs
+    return pb
 
 
 def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
@@ -36,6 +55,9 @@ def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
             sampled_token_ids=list(r.sampled_token_ids),
             num_rejected=r.num_rejected,
             num_draft_tokens=r.num_draft_tokens,
+            logprobs=[TokenLogprobs.from_pb(t, lp) for t, lp in zip(r.sampled_token_ids, r.logprobs)]
+            if r.logprobs
+            else None,
         )
         for r in response.results
     ]

@@ -21,6 +21,7 @@ from specsplit.coordinator.wire import verify_request
 from specsplit.drafter.device_propose import can_propose_on_device
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK, propose_response
+from specsplit.results import TokenLogprobs
 from specsplit.transport.base import DeviceTokens
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.worker import VerifierWorker
@@ -59,7 +60,8 @@ class EngineCore:
         output = scheduler.schedule()
         t1 = time.time_ns()
         self.free(output.finished_request_ids)
-        request = verify_request(output, "in-process")  # the coordinator's message, as the services send it
+        # The coordinator's message, as the services send it.
+        request = verify_request(output, "in-process", scheduler.eos_token_ids)
         batch, launched, unfilled = self.verifier.launch(request)  # with the previous propose's drafts
         drafter = self.drafter
         items = self._device_items(batch) if drafter is not None and launched is not None else None
@@ -92,9 +94,16 @@ class EngineCore:
                 response = propose_response(items, proposal, 0)
                 probs = [d.draft_probs if d.HasField("draft_probs") else None for d in response.drafts]
             self.verifier.keep(batch, step, proposal.drafts, probs)
+        logprobs = step.logprobs or [None] * batch.num_reqs
         results = [
-            VerifyResult(rid, step.sampled_token_ids[i], step.num_rejected[i] + unfilled[i], batch.num_draft_tokens[i])
-            for i, rid in enumerate(batch.req_ids)
+            VerifyResult(
+                rid,
+                step.sampled_token_ids[i],
+                step.num_rejected[i] + unfilled[i],
+                batch.num_draft_tokens[i],
+                None if lps is None else [TokenLogprobs.from_pb(*t) for t in zip(step.sampled_token_ids[i], lps)],
+            )
+            for i, (rid, lps) in enumerate(zip(batch.req_ids, logprobs))
         ]
         t2 = time.time_ns()
         updates = scheduler.update_from_output(output, results, drafter_ok=drafter is not None)

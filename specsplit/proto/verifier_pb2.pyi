@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScheduledRequest(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "token_ids", "num_draft_tokens", "sample", "next_token_id", "sampling", "num_spec_tokens", "draft_probs", "num_held_drafts")
+    __slots__ = ("request_id", "num_computed_tokens", "token_ids", "num_draft_tokens", "sample", "next_token_id", "sampling", "num_spec_tokens", "draft_probs", "num_held_drafts", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class ScheduledRequest(_message.Message):
     NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +30,8 @@ class ScheduledRequest(_message.Message):
     num_spec_tokens: int
     draft_probs: _common_pb2.DraftProbs
     num_held_drafts: int
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., num_held_drafts: _Optional[int] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., num_held_drafts: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context")
@@ -53,16 +55,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifiedRequest(_message.Message):
-    __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "num_draft_tokens")
+    __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "num_draft_tokens", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_rejected: int
     num_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyTiming(_message.Message):
     __slots__ = ("prepare_ns", "forward_ns", "sample_ns", "propose_ns", "received_ns", "replied_ns", "propose_sent_ns", "propose_received_ns", "drafter_received_ns", "drafter_replied_ns", "step0_ns", "later_steps_ns", "drafts_wait_ns")

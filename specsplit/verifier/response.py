@@ -36,11 +36,13 @@ def verify_response(
             later_steps_ns=proposal.later_steps_ns,
         ),
     )
+    logprobs = step.logprobs or [None] * batch.num_reqs
     for i, rid in enumerate(batch.req_ids):
         response.results.add(
             request_id=rid,
             sampled_token_ids=step.sampled_token_ids[i],
             num_rejected=step.num_rejected[i] + unfilled[i],
             num_draft_tokens=batch.num_draft_tokens[i],
+            logprobs=logprobs[i],
         )
     return response

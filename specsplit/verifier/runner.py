@@ -20,7 +20,9 @@ from specsplit.models.cuda_graphs import resolve_step_path
 from specsplit.models.kv_cache import KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.target import TargetModel
 from specsplit.models.warm_up import warm_up_eager
+from specsplit.proto import common_pb2
 from specsplit.verifier.input_batch import InputBatch
+from specsplit.verifier.logits_processors import LaunchedLogprobs, LogitsPlan, apply, logprobs_to_host, take_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class StepOutput:
     hidden_states: torch.Tensor  # [num_rows, hidden_size]
     # Wall-clock stamps (time.time_ns): start, inputs prepared, forward done, sampling done.
     stamps_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # Per request, the target's log-probabilities of its sampled tokens (None: not asked; None for all: nobody).
+    logprobs: list[list[common_pb2.TokenLogprobs] | None] | None = None
 
     @property
     def prepare_ns(self) -> int:
@@ -154,9 +158,12 @@ class VerifierRunner:
             return StepOutput([], [], [], [], hidden, stamps_ns=(t0, t0, t0, t0))
         return self.finish(self.launch(batch, prepared))
 
-    def launch(self, batch: InputBatch, prepared: Prepared | None = None) -> LaunchedStep:
+    def launch(
+        self, batch: InputBatch, prepared: Prepared | None = None, logits_plan: LogitsPlan | None = None
+    ) -> LaunchedStep:
         """The step of a batch with requests, queued on the device: forward and rejection sampling,
-        without waiting for them (`finish` does). A device hand-off sends the Propose in between."""
+        without waiting for them (`finish` does). A device hand-off sends the Propose in between.
+        `logits_plan`: the requests' penalties, min_tokens and logprobs (`logits_processors.py`)."""
         t0 = time.time_ns()
         if prepared is None or not prepared.matches(batch):
             prepared = self.prepare(batch.req_ids, batch.num_computed_tokens, batch.num_new_tokens)
@@ -170,6 +177,10 @@ class VerifierRunner:
             hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
         t2 = time.time_ns()
+        logprobs = None
+        if logits_plan is not None:
+            logprobs = take_logprobs(logits, logits_plan)  # the raw target's, before the processing
+            apply(logits, logits_plan)
         out = rejection_sample(
             logits,
             batch.draft_token_ids,
@@ -184,7 +195,10 @@ class VerifierRunner:
             max_num_draft=batch.max_num_draft,
             all_greedy=batch.all_greedy,
         )
-        return LaunchedStep(batch, hidden, out.sampled, out.num_sampled, (t0, t1, t2))
+        chosen = None
+        if logprobs is not None:
+            chosen = logprobs.chosen(out.sampled, _sampling_slots(batch))
+        return LaunchedStep(batch, hidden, out.sampled, out.num_sampled, (t0, t1, t2), logprobs, chosen)
 
     @staticmethod
     def finish(launched: LaunchedStep, with_rows: bool = True) -> StepOutput:
@@ -194,7 +208,12 @@ class VerifierRunner:
         sampled, num_sampled = _to_host(launched.sampled, launched.num_sampled)
         t3 = time.time_ns()
         stamps = (*launched.stamps_ns, t3)
-        return step_output(launched.batch, sampled, num_sampled, launched.hidden, stamps, with_rows)
+        step = step_output(launched.batch, sampled, num_sampled, launched.hidden, stamps, with_rows)
+        if launched.logprobs is not None:
+            batch = launched.batch
+            slots = _sampling_slots(batch)
+            step.logprobs = logprobs_to_host(launched.logprobs, launched.chosen, num_sampled, slots, batch.num_reqs)
+        return step
 
 
 @dataclass
@@ -206,6 +225,13 @@ class LaunchedStep:
     sampled: torch.Tensor  # [num_sampling, max_num_draft + 1] on the device, padding past num_sampled
     num_sampled: torch.Tensor  # [num_sampling] on the device
     stamps_ns: tuple[int, int, int]  # start, prepared, forward queued
+    logprobs: LaunchedLogprobs | None = None  # of the requests that asked for log-probabilities
+    chosen: torch.Tensor | None = None  # [rows of those requests] log-probability of the token each row emitted
+
+
+def _sampling_slots(batch: InputBatch) -> dict[int, int]:
+    """Batch index -> the request's row in the sampler's output (sampling requests only)."""
+    return {i: j for j, i in enumerate(batch.sampling_indices)}
 
 
 def step_output(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from specsplit.errors import FailedPrecondition
 from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.step_upload import StepUpload
 from specsplit.proto import common_pb2, verifier_pb2
@@ -24,6 +25,7 @@ from specsplit.verifier.input_batch import (
     upload_input_batch,
     with_held_drafts,
 )
+from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, plan_logits
 from specsplit.verifier.runner import LaunchedStep, Prepared, StepOutput, VerifierRunner
 
 
@@ -49,6 +51,8 @@ class VerifierWorker:
         self.vocab_size, self.max_model_len, self.device = vocab_size, max_model_len, device
         self.held = HeldDrafts()
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
+        # The tokens each request with penalties ran, drafts included (`logits_processors.py`).
+        self._histories: dict[str, list[int]] = {}
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -59,11 +63,14 @@ class VerifierWorker:
         ids = list(request_ids)
         self.runner.free(ids)
         self.held.free(ids)
+        for rid in ids:
+            self._histories.pop(rid, None)
 
     def free_all(self) -> None:
         """A new coordinator: every request's KV blocks and held drafts."""
         self.runner.free_all()
         self.held.clear()
+        self._histories.clear()
 
     def plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
         """While the drafts are still on their way: the step's batch planned with placeholder drafts and its KV
@@ -102,10 +109,43 @@ class VerifierWorker:
                 max_model_len=self.max_model_len,
                 num_cached_tokens=self.kv_cache.num_tokens,
             )
+        logits_plan = self._logits_plan(request, planned)
         batch = upload_input_batch(planned, vocab_size=self.vocab_size, device=self.device, upload=self._upload)
         if not batch.num_reqs:
             return batch, None, unfilled
-        return batch, self.runner.launch(batch, early.prepared if early is not None else None), unfilled
+        prepared = early.prepared if early is not None else None
+        return batch, self.runner.launch(batch, prepared, logits_plan), unfilled
+
+    def _logits_plan(self, request: verifier_pb2.VerifyRequest, planned: PlannedBatch) -> LogitsPlan | None:
+        """The step's penalties, min_tokens and logprobs (None: no request uses any), with the history of each
+        request with penalties: its tokens up to its last one (the chunks of its prompt, then what each step ran
+        and the next one's num_computed_tokens kept)."""
+        options = [LogitsOptions.of(r.sampling) for r in request.requests]  # batch order is the message's
+        if not any(options):
+            return None
+        histories = {}
+        for i, (r, o) in enumerate(zip(request.requests, options)):
+            if o is None or not o.penalized:
+                continue
+            nc, tokens = planned.num_computed_tokens[i], planned.token_ids[i]
+            history = self._histories.get(r.request_id, [])
+            if len(history) < nc:
+                raise FailedPrecondition(
+                    f"request {r.request_id!r}: num_computed_tokens {nc} but this verifier knows {len(history)} of its "
+                    "tokens for its penalties (restarted?); re-prefill it"
+                )
+            # Kept with the drafts: the next step's num_computed_tokens says which of them were accepted.
+            self._histories[r.request_id] = history = history[:nc] + tokens
+            histories[i] = history[: len(history) - planned.num_draft_tokens[i]]
+        return plan_logits(
+            planned.sampling_indices,
+            planned.num_drafts,
+            planned.token_ids,
+            planned.num_computed_tokens,
+            options,
+            [r.num_prompt_tokens for r in request.requests],
+            histories,
+        )
 
     def finish(self, batch: InputBatch, launched: LaunchedStep | None, with_rows: bool = True) -> StepOutput:
         """Waits for a launched step's sampled tokens (`with_rows=False`: without the drafter's hidden-state rows,

@@ -128,16 +128,16 @@ class Recorder(FullQueue):
 
 
 def test_unset_sampling_options_take_generation_config_else_openai_defaults_and_text_gets_bos(tokenizers, tmp_path):
-    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20}')
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}')
     for defaults, expected in [
-        (OPENAI_DEFAULTS.with_generation_config(tmp_path), (0.6, 1.0, 20)),
-        (OPENAI_DEFAULTS.with_generation_config(tmp_path / "absent"), (1.0, 1.0, 0)),  # OpenAI's: temperature 1
+        (OPENAI_DEFAULTS.with_generation_config(tmp_path), (0.6, 1.0, 20, 1.1)),
+        (OPENAI_DEFAULTS.with_generation_config(tmp_path / "absent"), (1.0, 1.0, 0, 1.0)),  # OpenAI's: temperature 1
     ]:
         engine = Recorder()
         api = HttpApi(tokenizers[1], frozenset(), defaults)
         api.ready(engine, INFO, "tiny")
         assert call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.0})[0] == 429
         s = engine.requests[0].sampling
-        assert (s.temperature, s.top_p, s.top_k) == expected
+        assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == pytest.approx(expected)
         # a text prompt gets the tokenizer's special tokens: BOS first, as transformers' encode gives it
         assert engine.requests[0].prompt_token_ids == tokenizers[1].encode("hi") and tokenizers[1].encode("hi")[0] == 0

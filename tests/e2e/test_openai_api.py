@@ -140,8 +140,10 @@ def test_stop_token_ids_end_generation_on_both_apis(cluster, oai, tok, hf_greedy
     [
         ({"temperature": -1}, 400, None, "temperature must be in [0, 100.0], got -1.0"),  # validation.py's words
         ({"prompt": [10**6]}, 400, None, "outside the vocabulary"),
-        ({"logprobs": 2}, 400, "logprobs", "logprobs is not supported yet"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported yet"),
+        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias", "logit_bias is not supported yet"),
+        ({"logprobs": 21}, 400, None, "logprobs must be in [0, 20], got 21"),
+        ({"presence_penalty": 2.5}, 400, None, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"min_tokens": 3}, 400, None, "min_tokens must be in [0, max_tokens=2], got 3"),
         ({"max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
         ({"max_tokens": 2**40}, 400, "max_tokens", "out of range"),
         ({"n": 17}, 400, None, "n must be in [1, 16]"),

@@ -112,7 +112,7 @@ class _Runner:
         self.calls.append(("prepare", list(num_new)))
         return Prepared(list(req_ids), list(num_computed), list(num_new), plan=None, use_kernel=False)
 
-    def launch(self, batch, prepared):
+    def launch(self, batch, prepared, logits_plan=None):
         self.calls.append(("launch", batch.num_new_tokens, prepared is not None and prepared.matches(batch)))
         return "launched"
 

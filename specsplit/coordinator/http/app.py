@@ -118,7 +118,9 @@ class HttpApi:
             built = self._build(msg)
             requests += built
             prompt_tokens += built[0].num_prompt_tokens
-        return await self._run(request, body, ResponseShape("completions", self.model_name), requests, prompt_tokens)
+        return await self._run(
+            request, body, ResponseShape("completions", self.model_name, self.tokenizer), requests, prompt_tokens
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         _, info = self._serving(body.model)
@@ -131,7 +133,9 @@ class HttpApi:
         )
         msg = to_generate_request(body, prompt_token_ids=ids, default_max_tokens=max(1, info.max_model_len - len(ids)))
         requests = self._build(msg)
-        return await self._run(request, body, ResponseShape("chat", self.model_name), requests, len(ids))
+        return await self._run(
+            request, body, ResponseShape("chat", self.model_name, self.tokenizer), requests, len(ids)
+        )
 
     async def _run(self, request: Request, body, shape: ResponseShape, requests: list, prompt_tokens: int) -> Response:
         choices = Choices(self.engine, requests, self.model_name, incoming_context(request.headers.items()))
@@ -155,13 +159,19 @@ async def metrics() -> Response:
 async def _collect(choices: Choices, shape: ResponseShape, prompt_tokens: int) -> Response:
     n = len(choices.requests)
     texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list | None] = [None] * n
     reasons: list[str | None] = [None] * n
     completion_tokens = 0
     async for i, _, out in choices.outputs():
         texts[i].append(out.text)
+        if out.logprobs is not None:
+            logprobs[i] = (logprobs[i] or []) + out.logprobs
         completion_tokens += len(out.token_ids)
         reasons[i] = out.finish_reason or reasons[i]
-    body = [shape.choice(i, "".join(texts[i]), reasons[i], choices.requests[i].stats) for i in range(n)]
+    for i, req in enumerate(choices.requests):
+        if req.sampling.logprobs is not None and logprobs[i] is None:
+            logprobs[i] = []  # asked for, no token came
+    body = [shape.choice(i, "".join(texts[i]), reasons[i], choices.requests[i].stats, logprobs[i]) for i in range(n)]
     return JSONResponse(shape.response(body, usage(prompt_tokens, completion_tokens)))
 
 
@@ -175,8 +185,8 @@ async def _events(choices: Choices, shape: ResponseShape, prompt_tokens: int, in
             completion_tokens += len(out.token_ids)
             role = shape.chat and i not in started
             started.add(i)
-            if out.text or role:
-                yield shape.chunk(i, out.text, role=role, with_usage=include_usage)
+            if out.text or role or out.logprobs:
+                yield shape.chunk(i, out.text, role=role, with_usage=include_usage, logprobs=out.logprobs)
             if out.finish_reason is not None:
                 yield shape.chunk(i, "", out.finish_reason, stats=req.stats, with_usage=include_usage)
         if include_usage:

@@ -1,6 +1,6 @@
 """An OpenAI request body → the coordinator's GenerateRequest: the one place the HTTP API's options become the
 coordinator's, validated afterwards by `validation.build_requests` as the gRPC API's are (same refusals, same
-words). An option the coordinator gains (logprobs, penalties, min_tokens) is added here."""
+words). An option the coordinator gains is added here."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ from specsplit.coordinator.http.errors import BadOption
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
 from specsplit.proto import coordinator_pb2
 
-# OpenAI options the verifier's sampler cannot honour yet: (name, the value that means "off").
+# OpenAI options this server does not honour: (name, the value that means "off").
 NOT_SUPPORTED_YET = (
-    ("logprobs", None),
-    ("top_logprobs", None),
-    ("min_tokens", 0),
-    ("presence_penalty", 0.0),
-    ("frequency_penalty", 0.0),
-    ("repetition_penalty", 1.0),
     ("logit_bias", None),
     ("best_of", None),
     ("echo", False),
@@ -37,7 +31,7 @@ def to_generate_request(
     server's defaults (generation_config.json, else OpenAI's) fill them."""
     for name, off in NOT_SUPPORTED_YET:
         value = getattr(body, name, off)
-        if value is not None and value != off and not (name == "logprobs" and value is False):
+        if value is not None and value != off:
             raise BadOption(f"{name} is not supported yet by this server (got {value!r})", param=name)
     msg = coordinator_pb2.GenerateRequest()
     max_tokens = body.max_tokens
@@ -56,6 +50,11 @@ def to_generate_request(
         ("stop_token_ids", msg.stop_token_ids, None, body.stop_token_ids),
         ("ignore_eos", msg, "ignore_eos", body.ignore_eos),
         ("n", msg, "n", body.n),
+        ("repetition_penalty", msg.sampling, "repetition_penalty", body.repetition_penalty),
+        ("presence_penalty", msg.sampling, "presence_penalty", body.presence_penalty),
+        ("frequency_penalty", msg.sampling, "frequency_penalty", body.frequency_penalty),
+        ("min_tokens", msg.sampling, "min_tokens", body.min_tokens),
+        ("logprobs", msg.sampling, "logprobs", _logprobs(body)),
     ]
     for name, target, field, value in options:
         if value is None:
@@ -68,3 +67,19 @@ def to_generate_request(
         except (TypeError, ValueError) as err:
             raise BadOption(f"{name}={value!r} is out of range: {err}", param=name) from None
     return msg
+
+
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many top alternatives per token, or None: completions take `logprobs: N`; chat takes `logprobs: true`
+    with `top_logprobs: N` (0 if unset), as OpenAI defines them."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs not in (None, False, True):
+            raise BadOption(f"logprobs must be true or false on chat completions, got {body.logprobs!r}", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadOption("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None:
+        raise BadOption("top_logprobs is a chat completions option; completions take logprobs: N", "top_logprobs")
+    if isinstance(body.logprobs, bool):
+        raise BadOption(f"logprobs must be an integer on completions, got {body.logprobs!r}", param="logprobs")
+    return body.logprobs

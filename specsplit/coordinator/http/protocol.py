@@ -30,13 +30,14 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Not supported yet (the verifier's sampler does not have them): refused when set to anything but the default.
-    logprobs: int | bool | None = None
+    # The target's log-probabilities: completions `logprobs: N`; chat `logprobs: true` and `top_logprobs: N`.
+    logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_tokens: int | None = None  # vLLM's extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    # Not supported: refused when set to anything but the default.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     echo: bool = False

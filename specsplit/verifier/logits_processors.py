@@ -1,0 +1,228 @@
+"""The target's logits of a step, per request, before rejection sampling: repetition, presence and frequency
+penalties and min_tokens applied (vLLM's semantics), and the log-probabilities of the tokens it emits taken.
+
+Verification against the processed target keeps speculation lossless with these options. A request's rows are its
+last token's, then one per draft; row r predicts the token after the request's tokens so far and drafts[:r], and is
+processed as if those drafts had been emitted: the sampler verifies every draft against the distribution
+target-only decoding would use at that position. The drafter proposes from its unprocessed MTP head; its drafts
+are only accepted less often.
+
+Terms: a request's *history* is every token before its next one (prompt, then output, its last token included);
+its first `num_prompt_tokens` are the prompt. Log-probabilities are the raw target's (log-softmax of the logits
+before penalties, temperature, top-k and top-p: vLLM's default `raw_logprobs`).
+
+A step where no request uses any of this runs none of it (`plan_logits` returns None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.proto import common_pb2
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class LogitsOptions:
+    """One request's options that touch its logits (from its SamplingParams)."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    end_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens output tokens are out
+    logprobs: int | None = None  # None: none; N: the emitted token's and the top N
+
+    @classmethod
+    def of(cls, sp: common_pb2.SamplingParams) -> LogitsOptions | None:
+        """The options of `sp`, or None when it uses none of them (the common case: nothing to do)."""
+        if not (
+            sp.HasField("repetition_penalty") or sp.presence_penalty or sp.frequency_penalty or sp.min_tokens
+        ) and not sp.HasField("logprobs"):
+            return None
+        options = cls(
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            min_tokens=sp.min_tokens,
+            end_token_ids=tuple(sp.end_token_ids),
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        )
+        return options if options.penalized or options.min_tokens or options.logprobs is not None else None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class RequestRows:
+    """A sampling request's rows in the step's logits and what processing them needs."""
+
+    index: int  # the request's index in the batch
+    first_row: int  # its last token's row; its drafts' rows follow
+    drafts: list[int]  # the drafts it verifies (one row each after the first)
+    history: list[int]  # its tokens before its last token's row's prediction (penalties only; else empty)
+    num_prompt_tokens: int
+    num_before: int  # tokens before the position its first row predicts (prompt + output so far)
+    options: LogitsOptions
+
+
+@dataclass
+class LogitsPlan:
+    """The step's requests with options (`plan_logits`)."""
+
+    requests: list[RequestRows]
+
+    @property
+    def logprob_requests(self) -> list[RequestRows]:
+        return [r for r in self.requests if r.options.logprobs is not None]
+
+
+@dataclass
+class LaunchedLogprobs:
+    """Log-probabilities of a launched step, on the device until `to_host`."""
+
+    requests: list[RequestRows]
+    logprobs: torch.Tensor  # [R, V] float32 log-softmax of the raw rows
+    top_values: torch.Tensor | None  # [R, N] of the most likely tokens (N the most any request asked), or None
+    top_ids: torch.Tensor | None
+
+    def chosen(self, sampled: torch.Tensor, sampling_slot: dict[int, int]) -> torch.Tensor:
+        """[R] the log-probability of the token each row emitted (`sampled`: the sampler's [num_sampling,
+        max_num_draft + 1] output, padded past num_sampled with a negative id; `sampling_slot`: each request's
+        row in it). Rows past a request's emitted tokens get a value of an arbitrary token; `to_host` drops them."""
+        slots, offsets = [], []
+        for req in self.requests:
+            slots += [sampling_slot[req.index]] * (len(req.drafts) + 1)
+            offsets += range(len(req.drafts) + 1)
+        device = sampled.device
+        tokens = sampled[torch.tensor(slots, device=device), torch.tensor(offsets, device=device)].clamp(min=0)
+        return self.logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def plan_logits(
+    sampling_indices: list[int],  # batch index of each sampling request, in the sampler's order
+    num_drafts: list[int],  # per sampling request
+    token_ids: list[list[int]],  # per request of the batch
+    num_computed_tokens: list[int],  # per request of the batch
+    options: list[LogitsOptions | None],  # per request of the batch
+    num_prompt_tokens: list[int],  # per request of the batch
+    histories: dict[int, list[int]],  # batch index -> history, for the requests with penalties
+) -> LogitsPlan | None:
+    """Which rows of the step's logits need processing, and how; None when none does."""
+    requests, row = [], 0
+    for j, i in enumerate(sampling_indices):
+        d = num_drafts[j]
+        if options[i] is not None:
+            tokens = token_ids[i]
+            num_before = num_computed_tokens[i] + len(tokens) - d
+            drafts = tokens[len(tokens) - d :]
+            history = histories.get(i, [])
+            requests.append(RequestRows(i, row, drafts, history, num_prompt_tokens[i], num_before, options[i]))
+        row += d + 1
+    return LogitsPlan(requests) if requests else None
+
+
+def take_logprobs(logits: torch.Tensor, plan: LogitsPlan) -> LaunchedLogprobs | None:
+    """The raw rows' log-softmax (and top alternatives) of the requests that asked; before `apply`."""
+    requests = plan.logprob_requests
+    if not requests:
+        return None
+    rows = [r.first_row + k for r in requests for k in range(len(r.drafts) + 1)]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, rows_t).float(), dim=-1)  # [R, V]
+    n = max(r.options.logprobs for r in requests)
+    top_values = top_ids = None
+    if n > 0:
+        top_values, top_ids = logprobs.topk(min(n, logprobs.shape[1]), dim=-1)
+    return LaunchedLogprobs(requests, logprobs, top_values, top_ids)
+
+
+def apply(logits: torch.Tensor, plan: LogitsPlan) -> None:
+    """Penalties and min_tokens, in place on `logits` ([num_logits, V], the step's sampling rows)."""
+    penalized = [r for r in plan.requests if r.options.penalized]
+    if penalized:
+        _apply_penalties(logits, penalized)
+    masked_rows, masked_ids = [], []
+    for r in plan.requests:
+        o = r.options
+        if not o.min_tokens or not o.end_token_ids:
+            continue
+        for k in range(len(r.drafts) + 1):
+            if r.num_before + k - r.num_prompt_tokens < o.min_tokens:  # output tokens before this row's
+                masked_rows += [r.first_row + k] * len(o.end_token_ids)
+                masked_ids += o.end_token_ids
+    if masked_rows:
+        device = logits.device
+        logits[torch.tensor(masked_rows, device=device), torch.tensor(masked_ids, device=device)] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[RequestRows]) -> None:
+    """vLLM's order and formulas: repetition (on prompt and output tokens: a positive logit divided by the
+    penalty, a negative one multiplied), then frequency (minus penalty x the token's count in the output) and
+    presence (minus penalty if it is in the output at all)."""
+    device, vocab = logits.device, logits.shape[1]
+    rows, count_rows, count_ids, prompt_rows, prompt_ids = [], [], [], [], []
+    rep, freq, pres = [], [], []
+    for r in requests:
+        output = r.history[r.num_prompt_tokens :]
+        prompt = r.history[: r.num_prompt_tokens]
+        for k in range(len(r.drafts) + 1):
+            n = len(rows)
+            rows.append(r.first_row + k)
+            seen = output + r.drafts[:k]  # the output before this row's token
+            count_rows += [n] * len(seen)
+            count_ids += seen
+            prompt_rows += [n] * len(prompt)
+            prompt_ids += prompt
+            rep.append(r.options.repetition_penalty)
+            freq.append(r.options.frequency_penalty)
+            pres.append(r.options.presence_penalty)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    x = logits.index_select(0, rows_t).float()  # [R, V]
+    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
+    if count_ids:
+        index = (torch.tensor(count_rows, device=device), torch.tensor(count_ids, device=device))
+        counts.index_put_(index, torch.ones(len(count_ids), device=device), accumulate=True)
+    in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    if prompt_ids:
+        in_prompt[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_ids, device=device)] = True
+    rep_t = torch.tensor(rep, device=device)[:, None]
+    seen = in_prompt | (counts > 0)
+    penalty = torch.where(seen, rep_t, torch.ones_like(rep_t))
+    x = torch.where(x > 0, x / penalty, x * penalty)
+    x -= torch.tensor(freq, device=device)[:, None] * counts
+    x -= torch.tensor(pres, device=device)[:, None] * (counts > 0).float()
+    logits.index_copy_(0, rows_t, x.to(logits.dtype))
+
+
+def logprobs_to_host(
+    launched: LaunchedLogprobs,
+    chosen: torch.Tensor,  # [R] `LaunchedLogprobs.chosen`
+    num_sampled: list[int],  # per sampling request
+    sampling_slot: dict[int, int],  # batch index -> sampling request
+    num_reqs: int,
+) -> list[list[common_pb2.TokenLogprobs] | None]:
+    """Per request of the batch: one TokenLogprobs per emitted token (None where none was asked)."""
+    chosen_h = chosen.tolist()
+    values = launched.top_values.tolist() if launched.top_values is not None else None
+    ids = launched.top_ids.tolist() if launched.top_ids is not None else None
+    out: list[list[common_pb2.TokenLogprobs] | None] = [None] * num_reqs
+    row = 0
+    for r in launched.requests:
+        n_top = r.options.logprobs
+        emitted = num_sampled[sampling_slot[r.index]]
+        entries = []
+        for k in range(emitted):
+            entry = common_pb2.TokenLogprobs(logprob=chosen_h[row + k])
+            if n_top and values is not None:
+                entry.top_token_ids.extend(ids[row + k][:n_top])
+                entry.top_logprobs.extend(values[row + k][:n_top])
+            entries.append(entry)
+        out[r.index] = entries
+        row += len(r.drafts) + 1
+    return out
