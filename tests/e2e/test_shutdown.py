@@ -14,7 +14,7 @@ from specsplit import Client, SpecsplitError
 
 from .helpers import greedy_ignoring_eos, start_streams
 
-N_TOKENS = 60
+N_TOKENS = 40
 
 
 def _health(address: str) -> str:
@@ -69,7 +69,7 @@ def test_sigterm_on_a_model_service_reports_not_serving_and_exits_0(cluster, rol
 
 @pytest.mark.parametrize("rpc", ["local", "stream"])
 def test_sigterm_on_the_verifier_under_load_drains_and_a_restarted_one_loses_nothing(cluster, hf_greedy, rpc):
-    """A rolling update of the verifier: SIGTERM under six concurrent streams, on the coordinator's Unix-socket
+    """A rolling update of the verifier: SIGTERM under four concurrent streams, on the coordinator's Unix-socket
     VerifyStream (`local`, the default) and on gRPC's (`stream`). The verifier reports NOT_SERVING, ends its
     streams after the step in flight and exits 0; a verifier started again takes the work over; every stream
     completes equal to transformers' greedy output, none fails."""
@@ -77,7 +77,7 @@ def test_sigterm_on_the_verifier_under_load_drains_and_a_restarted_one_loses_not
     if rpc != "local":
         _restart_coordinator(cluster, [*fixture_flags, "--verifier-rpc", rpc])
     try:
-        prompts = [[3 + i, 40 + i, 7] for i in range(6)]
+        prompts = [[3 + i, 40 + i, 7] for i in range(4)]
         progressed = threading.Event()
         threads, results, errors = start_streams(
             cluster.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set()
@@ -88,6 +88,7 @@ def test_sigterm_on_the_verifier_under_load_drains_and_a_restarted_one_loses_not
         time.sleep(0.3)
         assert _health(verifier.address) == "NOT_SERVING"
         assert verifier.proc.wait(30) == 0  # drained, not killed: the streams it served were ended cleanly
+        assert any(t.is_alive() for t in threads)  # streams outlived it: the restarted verifier finishes them
         assert "Traceback" not in (verifier.log_tail(200) or "")
         cluster.restart("verifier")
         for t in threads:

@@ -81,9 +81,13 @@ def hf_model(checkpoint):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_target(checkpoint)
+
+
 @pytest.fixture
-def worker(checkpoint):
-    model = load_target(checkpoint)
+def worker(model):
     runner = VerifierRunner(model, model.make_kv_cache(64, 4), sampler_backend="reference")
     return VerifierWorker(runner, vocab_size=model.config.vocab_size, max_model_len=256, device="cpu")
 
@@ -165,7 +169,7 @@ def test_logprobs_of_each_emitted_token_are_the_targets(worker, hf_model):
         assert list(entry.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
-def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(checkpoint, hf_model):
+def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(model, hf_model):
     """Temperature 1, all three penalties, a one-hot draft after the prompt: the token emitted at the draft's position
     (the draft accepted, or one drawn from the residual) follows the processed target (chi-square over 2,000 seeded
     requests: each token expected 5 times or more, the prompt's tokens together, the rest; the last 4 prompt tokens
@@ -173,7 +177,6 @@ def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(c
     so presence and frequency apply). Sampled from the unprocessed target, it fails."""
     from scipy.stats import chisquare
 
-    model = load_target(checkpoint)
     runner = VerifierRunner(model, model.make_kv_cache(512, 4), sampler_backend="reference")
     worker = VerifierWorker(runner, vocab_size=model.config.vocab_size, max_model_len=256, device="cpu")
     o = LogitsOptions(repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4)
