@@ -98,6 +98,11 @@ class TokenLogprobs:
     def from_pb(cls, token_id: int, pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
         return cls(token_id, pb.logprob, tuple(zip(pb.top_token_ids, pb.top_logprobs, strict=True)))
 
+    @classmethod
+    def of_tokens(cls, token_ids, pbs) -> list[TokenLogprobs] | None:
+        """One per token of `token_ids` from its message in `pbs`; None when there are none (not asked)."""
+        return [cls.from_pb(t, pb) for t, pb in zip(token_ids, pbs)] if pbs else None
+
     def to_pb(self) -> common_pb2.TokenLogprobs:
         return common_pb2.TokenLogprobs(
             logprob=self.logprob, top_token_ids=[t for t, _ in self.top], top_logprobs=[lp for _, lp in self.top]
@@ -152,7 +157,7 @@ def delta_from_pb(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
         prompt_tokens=pb.usage.prompt_tokens,
         completion_tokens=pb.usage.completion_tokens,
         index=pb.index,
-        logprobs=[TokenLogprobs.from_pb(t, lp) for t, lp in zip(pb.token_ids, pb.logprobs)] if pb.logprobs else None,
+        logprobs=TokenLogprobs.of_tokens(pb.token_ids, pb.logprobs),
     )
 
 

@@ -55,9 +55,7 @@ def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
             sampled_token_ids=list(r.sampled_token_ids),
             num_rejected=r.num_rejected,
             num_draft_tokens=r.num_draft_tokens,
-            logprobs=[TokenLogprobs.from_pb(t, lp) for t, lp in zip(r.sampled_token_ids, r.logprobs)]
-            if r.logprobs
-            else None,
+            logprobs=TokenLogprobs.of_tokens(r.sampled_token_ids, r.logprobs),
         )
         for r in response.results
     ]

@@ -101,7 +101,7 @@ class EngineCore:
                 step.sampled_token_ids[i],
                 step.num_rejected[i] + unfilled[i],
                 batch.num_draft_tokens[i],
-                None if lps is None else [TokenLogprobs.from_pb(*t) for t in zip(step.sampled_token_ids[i], lps)],
+                None if lps is None else TokenLogprobs.of_tokens(step.sampled_token_ids[i], lps) or [],
             )
             for i, (rid, lps) in enumerate(zip(batch.req_ids, logprobs))
         ]

@@ -22,8 +22,6 @@ import torch
 
 from specsplit.proto import common_pb2
 
-MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
-
 
 @dataclass(frozen=True)
 class LogitsOptions:
