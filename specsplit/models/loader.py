@@ -3,6 +3,8 @@
 Models are constructed on the meta device (no random init), then each parameter is read from its
 safetensors shard, checked against the expected shape, cast and assigned. With
 `load_format="dummy"` only config.json is read and the weights are random (`specsplit.models.dummy_weights`).
+A tensor-parallel rank's model holds its shard only: each sharded parameter reads its slice of the checkpoint
+tensor (`specsplit.models.parallel_layers.Shard`), on the host, before moving to the device.
 Every model returned has its projections fused (`specsplit.models.layers.fuse_projections`: q/k/v → qkv_proj,
 gate/up → gate_up_proj), so its parameter names differ from the checkpoint's there.
 """
@@ -24,6 +26,7 @@ from specsplit.models.deepseek_v3.config import ARCHITECTURES as DEEPSEEK_V3_ARC
 from specsplit.models.dummy_weights import init_dummy_weights
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
+from specsplit.models.parallel_layers import shard_of
 from specsplit.models.target import TargetModel
 
 ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
@@ -116,6 +119,7 @@ def _fill(
             dtype=dtype,
             device=device,
             param_dtype=lambda name: _param_dtype(model, name, dtype),
+            shard=lambda name: shard_of(model, name),
         )
     else:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
@@ -178,6 +182,9 @@ def _load(
             for tensor_name, param_names in tensors.items():
                 got = tuple(f.get_slice(tensor_name).get_shape())
                 want = tuple(expected[param_names[0]].shape)
+                shard = shard_of(model, param_names[0])
+                if shard is not None:
+                    want = shard.full_shape(want)
                 if got != want:
                     raise ValueError(
                         f"tensor {tensor_name!r} in {str(path)!r} has shape {got}, "
@@ -186,7 +193,9 @@ def _load(
     for file, tensors in by_file.items():
         with safetensors.safe_open(str(file), framework="pt") as f:
             for tensor_name, param_names in tensors.items():
-                tensor = f.get_tensor(tensor_name).to(device=device, dtype=_param_dtype(model, param_names[0], dtype))
+                shard = shard_of(model, param_names[0])
+                tensor = f.get_tensor(tensor_name) if shard is None else shard.take(f.get_slice(tensor_name))
+                tensor = tensor.to(device=device, dtype=_param_dtype(model, param_names[0], dtype))
                 param = nn.Parameter(tensor, requires_grad=False)
                 for param_name in param_names:  # one Parameter for tied names
                     _set_parameter(model, param_name, param)
