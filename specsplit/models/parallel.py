@@ -123,6 +123,12 @@ def broadcast_from_first(obj: object = None) -> object:
     return box[0]
 
 
+def wait_for_ranks() -> None:
+    """Returns once every rank has called it (over the control group): e.g. every rank ready to serve."""
+    if _state.size > 1:
+        dist.barrier(group=_state.control_group)
+
+
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """(start, size) of part `index` when `total` is cut into `parts` equal pieces; `total` must divide."""
     if total % parts:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
     add_placement_arguments(p)
+    tp = p.add_argument_group("tensor parallelism (specsplit/verifier/ranks.py)")
+    tp.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks, one process per device: rank r on the r-th CUDA device after --device (or all on cpu)",
+    )
+    tp.add_argument(
+        "--tensor-parallel-address",
+        default="127.0.0.1:0",
+        help="HOST:PORT of the ranks' rendezvous, hosted by rank 0 (port 0: any free port)",
+    )
+    tp.add_argument(
+        "--tensor-parallel-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for every rank to join at start-up (and for any collective to complete)",
+    )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
         "--transport-address",
@@ -75,6 +95,9 @@ class VerifierConfig:
     transport_address: str  # nccl: the rendezvous this verifier hosts
     transport_timeout: float
     transport_connect_timeout: float
+    tensor_parallel_size: int = 1
+    tensor_parallel_address: str = "127.0.0.1:0"
+    tensor_parallel_timeout: float = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> VerifierConfig:
@@ -92,6 +115,9 @@ class VerifierConfig:
             transport_address=args.transport_address,
             transport_timeout=args.transport_timeout,
             transport_connect_timeout=args.transport_connect_timeout,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_address=args.tensor_parallel_address,
+            tensor_parallel_timeout=args.tensor_parallel_timeout,
         )
         check_flag_ranges(
             config,
@@ -101,8 +127,19 @@ class VerifierConfig:
             drafter_timeout=(0, None),
             transport_timeout=(0, None),
             transport_connect_timeout=(0, None),
+            tensor_parallel_size=(1, None),
+            tensor_parallel_timeout=(0, None),
         )
         return config
+
+
+def serving_max_model_len(config: VerifierConfig, model_config) -> int:
+    """The longest sequence served: the model's context, --max-model-len, and the KV cache's room."""
+    return min(
+        model_config.max_position_embeddings,
+        config.max_model_len or model_config.max_position_embeddings,
+        config.num_blocks * config.block_size,
+    )
 
 
 def model_info(
@@ -133,6 +170,7 @@ async def serve(config: VerifierConfig) -> None:
     from specsplit.models.loader import load_target
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+    from specsplit.verifier.ranks import end_followers
     from specsplit.verifier.runner import VerifierRunner
     from specsplit.verifier.servicer import VerifierServicer
     from specsplit.verifier.worker import VerifierWorker
@@ -180,6 +218,32 @@ async def serve(config: VerifierConfig) -> None:
     dtype = getattr(torch, model_options.dtype)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
+    followers = None
+    if config.tensor_parallel_size > 1:
+
+        async def rank_lost(rank: int, code: int | None) -> None:
+            log.error(
+                "tensor-parallel rank %d exited (code %s): NOT_SERVING, the other ranks stopped, exiting 1 "
+                "(a restarted verifier serves again)",
+                rank,
+                code,
+            )
+            await server.set_not_serving()
+            followers.kill()
+            await server.stop(1.0)
+            await local.close()
+            sockets.remove()
+            logging.shutdown()
+            os._exit(1)  # not a drain: the step thread may be stuck in a collective with the lost rank
+
+        try:
+            followers = await loop.run_in_executor(
+                None, start_ranks, config, lambda r, c: asyncio.run_coroutine_threadsafe(rank_lost(r, c), loop)
+            )
+        except UsageError:
+            await local.close()
+            sockets.remove()
+            raise
     try:
         with checkpoint_mistakes(model_options.checkpoint):
             model = await loop.run_in_executor(
@@ -197,11 +261,7 @@ async def serve(config: VerifierConfig) -> None:
         raise
     model_config = model.config
     kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
-    max_model_len = min(
-        model_config.max_position_embeddings,
-        config.max_model_len or model_config.max_position_embeddings,
-        config.num_blocks * config.block_size,
-    )
+    max_model_len = serving_max_model_len(config, model_config)
     info = model_info(config, model_config, max_model_len, local.path)
     if config.drafter:
         try:
@@ -223,12 +283,18 @@ async def serve(config: VerifierConfig) -> None:
             max_model_len=max_model_len,
         ),
     )
+    if followers is not None:
+        from specsplit.models.parallel import wait_for_ranks
+
+        await loop.run_in_executor(None, wait_for_ranks)  # every rank loaded and warmed up
     device = model_options.device
     worker = VerifierWorker(runner, vocab_size=info.vocab_size, max_model_len=max_model_len, device=device)
     servicer.ready(worker, info)
     freeze_start_up_heap()
     await server.mark_serving()
     announce("verifier", server.address)
+    if followers is not None:
+        log.info("tensor parallel: %d ranks, from %s on", config.tensor_parallel_size, model_options.device)
     log.info(
         "serving %s (%s) on %s, KV cache %d blocks x %d tokens, drafter %s (hidden states by %s), VerifyStream "
         "also on %s",
@@ -246,6 +312,9 @@ async def serve(config: VerifierConfig) -> None:
         await local.close()
         sockets.remove()
         await drafter.close()
+        if followers is not None:
+            await loop.run_in_executor(None, end_followers)
+            followers.stop()
 
     await run_until_signal(
         server,
@@ -254,3 +323,37 @@ async def serve(config: VerifierConfig) -> None:
         delay_s=config.server.shutdown_delay,
         on_drain=servicer.drain,
     )
+
+
+def start_ranks(config: VerifierConfig, on_exit):
+    """Rank 0's start of a tensor-parallel verifier (blocking): the followers spawned and the group joined
+    (`specsplit.verifier.ranks`); `on_exit(rank, code)` runs when a follower exits. UsageError for a checkpoint
+    tensor parallelism does not serve, or a group not formed in time."""
+    from specsplit.launcher import free_port
+    from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
+    from specsplit.verifier.ranks import Followers, backend_for, rank_device
+
+    size, checkpoint = config.tensor_parallel_size, config.model.checkpoint
+    config_json = Path(checkpoint) / "config.json"
+    if config_json.is_file() and "quantization_config" in json.loads(config_json.read_text()):
+        raise UsageError(
+            f"--tensor-parallel-size {size}: checkpoint {checkpoint!r} is quantized (quantization_config in "
+            "config.json) and quantized weights are not sharded yet; serve it with --tensor-parallel-size 1"
+        )
+    host, _, port = config.tensor_parallel_address.rpartition(":")
+    address = f"{host}:{port if port != '0' else free_port(host)}"
+    followers = Followers(config, address)
+    followers.start(on_exit)
+    try:
+        init_tensor_parallel(
+            0,
+            size,
+            address,
+            backend=backend_for(config.model.device),
+            timeout_s=config.tensor_parallel_timeout,
+            device=rank_device(config.model.device, 0),
+        )
+    except TensorParallelStartError as err:
+        followers.kill()
+        raise UsageError(f"{err}; check that every rank's device is free and the address is reachable") from err
+    return followers

@@ -1,0 +1,135 @@
+"""A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
+greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3; sampled output follows the target
+distribution (chi-square). The ranks are spawned CPU processes joined over gloo."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specsplit import Client
+from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import greedy_ignoring_eos
+from tests.e2e.test_lossless_greedy import prompts
+from tests.fixtures.tiny import write_tiny_checkpoint
+
+MAX_TOKENS = 12
+
+
+def tp_cluster(path, logs, size: int = 2) -> LocalCluster:
+    return LocalCluster(
+        path,
+        num_speculative_tokens=3,
+        log_dir=logs,
+        verifier_args=["--tensor-parallel-size", str(size)],
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_tp(tiny_checkpoint, tmp_path_factory):
+    with tp_cluster(tiny_checkpoint, tmp_path_factory.mktemp("logs-tp-llama")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", architecture="qwen3", seed=2)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy_of(model):
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt_ids) :].tolist()
+
+    return generate
+
+
+def greedy_outputs(address: str, ps: list[list[int]], k: int) -> dict[int, list[int]]:
+    outs, errors = {}, []
+
+    def run(i):
+        try:
+            with Client(address, timeout=120) as client:
+                out = client.generate(
+                    prompt_token_ids=ps[i], max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True
+                )
+                outs[i] = (out.token_ids, out.stats.num_draft_tokens)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return outs
+
+
+def check_greedy(address: str, hf_greedy) -> None:
+    for k in (1, 3):
+        ps = prompts(5, seed=k)  # up to 17 tokens
+        outs = greedy_outputs(address, ps, k)
+        assert sum(drafted for _, drafted in outs.values()) > 0  # the drafter's drafts were verified
+        for i, p in enumerate(ps):
+            assert outs[i][0] == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, i)
+
+
+def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
+    check_greedy(llama_tp.address, hf_greedy)
+
+
+def test_qwen3_tp2_greedy_equals_transformers_generate(qwen3, tmp_path_factory):
+    path, model = qwen3
+    with tp_cluster(path, tmp_path_factory.mktemp("logs-tp-qwen3")) as c:
+        check_greedy(c.address, hf_greedy_of(model))
+
+
+def test_sampled_generation_through_tp2_follows_the_target_distribution(llama_tp, tiny_checkpoint):
+    """Token 2 of N sampled generations (temperature 0.4, k = 3: drafted from token 1 on) against its exact
+    marginal under transformers' model of the checkpoint; chi-square, false-failure rate 1e-3."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ids, n, workers = [11, 42, 7], 240, 8
+    T = 0.4  # the tiny model's distributions are flat: sharper, several tokens get expected counts >= 5
+    seconds, drafted = [], [0]
+    lock = threading.Lock()
+
+    def worker(w):
+        with Client(llama_tp.address, timeout=300) as client:
+            for seed in range(w, n, workers):
+                out = client.generate(prompt_token_ids=ids, max_tokens=4, temperature=T, seed=seed, ignore_eos=True)
+                with lock:
+                    seconds.append(out.token_ids[1])
+                    drafted[0] += out.stats.num_draft_tokens
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(seconds) == n and drafted[0] > 0
+
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double() / T, -1)
+        support = torch.nonzero(p1 > 1e-7).flatten()
+        logits2 = model(torch.tensor([ids + [int(t)] for t in support])).logits[:, -1].double()
+        p2_given = torch.softmax(logits2 / T, -1)
+        p2 = (p1[support, None] * p2_given).sum(0)
+    counts = np.bincount(seconds, minlength=p2.numel()).astype(float)
+    expected = p2.numpy() * n
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    assert len(obs) > 2  # a distribution, not one token
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
