@@ -1,7 +1,7 @@
 """A tensor-parallel target's logits equal the one-device model's within fp32 rounding: TP 2 and 4 over
 gloo (spawned CPU ranks), GQA with KV heads split (TP 2) and replicated (TP 4 > 2 KV heads), tied and
 untied vocab-parallel embeddings with a vocabulary the ranks do not divide, qkv biases (Qwen2), q/k norms
-(Qwen3), checkpoint weights and dummy weights."""
+(Qwen3), checkpoint weights and dummy weights; DeepSeek-V3's MLA and expert-parallel MoE."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from specsplit.models.layers import local_heads
 from specsplit.models.loader import load_target
 from specsplit.models.parallel_layers import Shard
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.models.tensor_parallel_ranks import run_ranks
 
 # (new tokens of request a, of request b) per step: prefill chunks, then a verify step of 1 + 3 tokens.
@@ -45,10 +46,20 @@ def all_step_logits(cases: list[tuple[str, str]]) -> list:
     return [step_logits(path, load_format) for path, load_format in cases]
 
 
+@pytest.fixture(scope="module")
+def cases(checkpoint_dir, tmp_path_factory) -> list[tuple[str, str]]:
+    """(checkpoint, load format) of every case: CASES, and DeepSeek-V3 (MLA heads split, 8 experts split across
+    the ranks with the router replicated, one dense layer), with and without q_lora."""
+    paths = [(str(checkpoint_dir(arch, **kwargs)), load_format) for arch, kwargs, load_format in CASES]
+    for q_lora_rank in (32, None):
+        path = tmp_path_factory.mktemp(f"tiny-deepseek-{q_lora_rank}")
+        paths.append((str(write_tiny_deepseek_checkpoint(path, q_lora_rank=q_lora_rank)), "auto"))
+    return paths
+
+
 @pytest.mark.parametrize("size", [2, 4])
-def test_tp_logits_equal_one_device(checkpoint_dir, size):
-    """One group of ranks runs every case (spawning ranks costs seconds each)."""
-    cases = [(str(checkpoint_dir(arch, **kwargs)), load_format) for arch, kwargs, load_format in CASES]
+def test_tp_logits_equal_one_device(cases, size):
+    """One group of ranks runs every case (starting ranks costs seconds each)."""
     for (path, load_format), logits in zip(cases, run_ranks(size, all_step_logits, cases)):
         reference = torch.from_numpy(step_logits(path, load_format))
         torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-5, atol=1e-5, msg=f"{path} TP {size}")

@@ -8,6 +8,11 @@ MoE(x) = Σ_{e ∈ topk(x)} w_e(x) · expert_e(x) + shared_experts(x), with the 
     topk   = the `num_experts_per_tok` best `choice` among experts of kept groups
     w_e    = s_e / Σ_topk s (if norm_topk_prob) × routed_scaling_factor
 
+Tensor-parallel (`specsplit.models.parallel`): the experts are split across the ranks (expert parallel:
+rank r holds experts [r E/N, (r+1) E/N), with their checkpoint indices), the router is replicated, so
+every rank routes every token alike and runs its own experts' pairs; the shared experts and the dense MLP
+are column/row-parallel. One all-reduce sums a MoE layer's routed and shared partial outputs.
+
 Parameter names equal the checkpoint's (`gate.weight`, `gate.e_score_correction_bias`,
 `experts.{e}.{gate,up,down}_proj.weight`, `shared_experts.*`). The router stays in float32 whatever
 the model dtype (`Router.keep_in_float32`), as transformers keeps it.
@@ -20,20 +25,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.models.deepseek_v3.config import DeepseekV3Config
+from specsplit.models.parallel import all_reduce, tp_rank, tp_size
+from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases: the dense MLP, each expert and the shared experts."""
+    """down(silu(gate(x)) * up(x)), no biases: the dense MLP, each expert and the shared experts.
+    `parallel`: gate/up column-parallel and down row-parallel, whose partial output the dense MLP all-reduces
+    itself (`reduce`) and the shared experts leave to their MoE; experts are whole on their rank."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *, parallel: bool = False, reduce: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        column, row = (column_parallel_linear, row_parallel_linear) if parallel else (nn.Linear, nn.Linear)
+        self.gate_proj = column(hidden_size, intermediate_size, False)
+        self.up_proj = column(hidden_size, intermediate_size, False)
+        self.down_proj = row(intermediate_size, hidden_size, False)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(out) if self.reduce else out
 
 
 class Router(nn.Module):
@@ -71,8 +83,19 @@ class MoE(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config)
-        self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(config.n_routed_experts))
-        self.shared_experts = SwiGLU(hidden, inter * config.n_shared_experts) if config.n_shared_experts else None
+        num_experts = config.n_routed_experts
+        if num_experts % tp_size():
+            raise ValueError(f"{num_experts} routed experts do not divide into {tp_size()} tensor-parallel ranks")
+        per_rank = num_experts // tp_size()
+        self.first_expert = tp_rank() * per_rank
+        # This rank's experts, keyed by their checkpoint index (`experts.{e}.…`, as the checkpoint names them).
+        self.experts = nn.ModuleDict(
+            {str(e): SwiGLU(hidden, inter) for e in range(self.first_expert, self.first_expert + per_rank)}
+        )
+        self.num_experts = num_experts
+        self.shared_experts = (
+            SwiGLU(hidden, inter * config.n_shared_experts, parallel=True) if config.n_shared_experts else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
@@ -81,11 +104,12 @@ class MoE(nn.Module):
         # Group the (token, slot) pairs by expert: one host sync per layer for the per-expert counts.
         flat_ids = topk_ids.flatten()
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         tokens = order // topk_ids.shape[1]  # token of each pair, in expert order
         pair_weights = topk_weights.flatten()[order]
-        start = 0
-        for expert, count in zip(self.experts, counts):
+        start = sum(counts[: self.first_expert])  # the pairs of this rank's experts start here
+        for index, expert in enumerate(self.experts.values(), self.first_expert):
+            count = counts[index]
             if count:
                 rows = tokens[start : start + count]
                 y = expert(x[rows]) * pair_weights[start : start + count, None]
@@ -93,4 +117,4 @@ class MoE(nn.Module):
                 start += count
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out)
