@@ -1,10 +1,15 @@
 """A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
 greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3; sampled output follows the target
-distribution (chi-square). The ranks are spawned CPU processes joined over gloo."""
+distribution (chi-square); a rank killed mid-generation stops the verifier, whose restart loses nothing. The
+ranks are spawned CPU processes joined over gloo."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +18,7 @@ from scipy import stats
 
 from specsplit import Client
 from specsplit.launcher import LocalCluster
-from tests.e2e.helpers import greedy_ignoring_eos
+from tests.e2e.helpers import greedy_ignoring_eos, start_streams
 from tests.e2e.test_lossless_greedy import prompts
 from tests.fixtures.tiny import write_tiny_checkpoint
 
@@ -133,3 +138,61 @@ def test_sampled_generation_through_tp2_follows_the_target_distribution(llama_tp
     obs, exp = obs[exp > 0], exp[exp > 0]
     assert len(obs) > 2  # a distribution, not one token
     assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def followers_of(pid: int) -> list[int]:
+    """The tensor-parallel follower processes `pid` spawned (not multiprocessing's resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(_stat(int(entry))[1])
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, ..."""
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if _stat(pid)[0] == "Z":  # exited, not yet reaped
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_rank_killed_stops_the_verifier_and_a_restart_loses_nothing(llama_tp, hf_greedy):
+    """Rank 1 SIGKILLed mid-generation: rank 0 exits 1 with one line; restarted, every stream completes as
+    transformers' greedy (nothing lost or repeated). Then rank 0 SIGKILLed: its follower exits."""
+    verifier = llama_tp.services["verifier"]
+    (follower,) = followers_of(verifier.proc.pid)
+    ps = [[3 + i, 40 + i, 7] for i in range(4)]
+    progressed = threading.Event()
+    threads, results, errors = start_streams(llama_tp.address, ps, 40, lambda n: n >= 6 and progressed.set())
+    assert progressed.wait(60)
+    os.kill(follower, signal.SIGKILL)
+    assert verifier.proc.wait(timeout=30) == 1
+    assert "tensor-parallel rank 1 exited" in verifier.log_tail(200)
+    llama_tp.restart("verifier")
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    for i, p in enumerate(ps):
+        assert results[i] == greedy_ignoring_eos(hf_greedy, p, 40), f"stream {i}"
+
+    verifier = llama_tp.services["verifier"]
+    (follower,) = followers_of(verifier.proc.pid)
+    llama_tp.kill("verifier", signal.SIGKILL)
+    assert wait_gone(follower, 10)

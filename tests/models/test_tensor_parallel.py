@@ -5,9 +5,13 @@ untied vocab-parallel embeddings with a vocabulary the ranks do not divide, qkv 
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 import pytest
 import torch
 
+from specsplit.launcher import free_port
 from specsplit.models.layers import local_heads
 from specsplit.models.loader import load_target
 from specsplit.models.parallel_layers import Shard
@@ -92,3 +96,25 @@ def test_shard_pads_the_vocabulary_past_its_end():
     assert Shard(0, 3, 3, 5).take(full).tolist() == [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]
     assert Shard(1, 1, 1, 2).take(full).tolist() == [[1.0], [3.0], [5.0], [7.0], [9.0]]
     assert Shard(0, 0, 5, 5, zero=True).take(full).abs().sum() == 0
+
+
+def _join_alone(address: str, results) -> None:
+    from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
+
+    t0 = time.monotonic()
+    try:
+        init_tensor_parallel(0, 2, address, backend="gloo", timeout_s=2)
+        results.put(("joined", 0.0))
+    except TensorParallelStartError as err:
+        results.put((str(err), time.monotonic() - t0))
+
+
+def test_a_rank_that_never_joins_fails_start_up_within_the_timeout_with_one_line():
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_join_alone, args=(f"127.0.0.1:{free_port()}", results))
+    proc.start()
+    message, seconds = results.get(timeout=60)
+    proc.join(10)
+    assert message.startswith("tensor-parallel group of 2 ranks at 127.0.0.1:") and "within 2 s" in message
+    assert "\n" not in message and seconds < 10
