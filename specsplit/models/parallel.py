@@ -41,6 +41,8 @@ class TensorParallelState:
 
 
 _state = TensorParallelState(rank=0, size=1, device_group=None, control_group=None)
+# Benchmarks only (`time_collectives`): called around every device collective, else None.
+_collective_timer = None
 
 
 def tp_rank() -> int:
@@ -95,10 +97,21 @@ def destroy_tensor_parallel() -> None:
     _state = TensorParallelState(0, 1, None, None)
 
 
+def time_collectives(timer) -> None:
+    """Benchmarks: `timer` (a context manager factory, e.g. CUDA events) wraps every device collective from now
+    on; None stops. Eager steps only (a CUDA graph's replay runs what was captured)."""
+    global _collective_timer
+    _collective_timer = timer
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks, in place (a row-parallel layer's partial outputs)."""
     if _state.size > 1:
-        dist.all_reduce(x, group=_state.device_group)
+        if _collective_timer is None:
+            dist.all_reduce(x, group=_state.device_group)
+        else:
+            with _collective_timer():
+                dist.all_reduce(x, group=_state.device_group)
     return x
 
 
@@ -109,7 +122,11 @@ def gather_last_dim_to_first(x: torch.Tensor, full_size: int) -> torch.Tensor | 
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_state.size)] if _state.rank == 0 else None
-    dist.gather(x, parts, dst=0, group=_state.device_group)
+    if _collective_timer is None:
+        dist.gather(x, parts, dst=0, group=_state.device_group)
+    else:
+        with _collective_timer():
+            dist.gather(x, parts, dst=0, group=_state.device_group)
     if parts is None:
         return None
     return torch.cat(parts, dim=-1)[..., :full_size]
@@ -127,11 +144,3 @@ def wait_for_ranks() -> None:
     """Returns once every rank has called it (over the control group): e.g. every rank ready to serve."""
     if _state.size > 1:
         dist.barrier(group=_state.control_group)
-
-
-def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, size) of part `index` when `total` is cut into `parts` equal pieces; `total` must divide."""
-    if total % parts:
-        raise ValueError(f"{total} does not divide into {parts} tensor-parallel ranks")
-    size = total // parts
-    return index * size, size
