@@ -102,7 +102,7 @@ def follower_main(config, rank: int, address: str) -> None:
         runner = VerifierRunner(
             model,
             kv_cache,
-            "reference" if options.eager else "auto",
+            "reference",  # a follower never samples: no sampler kernels to warm up
             **step_path,
             max_model_len=serving_max_model_len(config, model.config),
         )

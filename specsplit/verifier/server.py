@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from specsplit.grpc_server import (
 )
 from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
-from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
+from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
 from specsplit.placement import Placement, add_placement_arguments, resolve_placement
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
@@ -164,6 +163,7 @@ def model_info(
 async def serve(config: VerifierConfig) -> None:
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=False)  # before torch loads: a plain mistake is told at once
+    check_tensor_parallel(model_options, config.tensor_parallel_size)
     import torch
 
     from specsplit.models.device import device_executor, use_device
@@ -256,6 +256,8 @@ async def serve(config: VerifierConfig) -> None:
                 ),
             )
     except UsageError:
+        if followers is not None:
+            followers.kill()
         await local.close()
         sockets.remove()
         raise
@@ -268,6 +270,8 @@ async def serve(config: VerifierConfig) -> None:
             example = torch.zeros(1, model_config.hidden_size, dtype=dtype, device=model_options.device)
             await drafter.open_transport(example, config.transport_connect_timeout, info)
         except TransportConfigError:
+            if followers is not None:
+                followers.kill()
             await drafter.close()
             await local.close()
             sockets.remove()
@@ -327,19 +331,13 @@ async def serve(config: VerifierConfig) -> None:
 
 def start_ranks(config: VerifierConfig, on_exit):
     """Rank 0's start of a tensor-parallel verifier (blocking): the followers spawned and the group joined
-    (`specsplit.verifier.ranks`); `on_exit(rank, code)` runs when a follower exits. UsageError for a checkpoint
-    tensor parallelism does not serve, or a group not formed in time."""
+    (`specsplit.verifier.ranks`); `on_exit(rank, code)` runs when a follower exits. UsageError for a group not
+    formed in time."""
     from specsplit.launcher import free_port
     from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
     from specsplit.verifier.ranks import Followers, backend_for, rank_device
 
-    size, checkpoint = config.tensor_parallel_size, config.model.checkpoint
-    config_json = Path(checkpoint) / "config.json"
-    if config_json.is_file() and "quantization_config" in json.loads(config_json.read_text()):
-        raise UsageError(
-            f"--tensor-parallel-size {size}: checkpoint {checkpoint!r} is quantized (quantization_config in "
-            "config.json) and quantized weights are not sharded yet; serve it with --tensor-parallel-size 1"
-        )
+    size = config.tensor_parallel_size
     host, _, port = config.tensor_parallel_address.rpartition(":")
     address = f"{host}:{port if port != '0' else free_port(host)}"
     followers = Followers(config, address)
