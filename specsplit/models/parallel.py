@@ -53,10 +53,6 @@ def tp_size() -> int:
     return _state.size
 
 
-def is_first_rank() -> bool:
-    return _state.rank == 0
-
-
 def init_tensor_parallel(
     rank: int, size: int, address: str, *, backend: str, timeout_s: float, device: torch.device | str = "cpu"
 ) -> None:
