@@ -1,7 +1,8 @@
 """A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
-greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3; sampled output follows the target
-distribution (chi-square); a rank killed mid-generation stops the verifier, whose restart loses nothing. The
-ranks are spawned CPU processes joined over gloo."""
+greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3 (DeepSeek-V3's sharding:
+tests/models/test_tensor_parallel.py); sampled output follows the target distribution (chi-square); a rank
+killed mid-generation stops the verifier, whose restart loses nothing. The ranks are spawned CPU processes
+joined over gloo."""
 
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def test_a_rank_killed_stops_the_verifier_and_a_restart_loses_nothing(llama_tp, 
     (follower,) = followers_of(verifier.proc.pid)
     ps = [[3 + i, 40 + i, 7] for i in range(4)]
     progressed = threading.Event()
-    threads, results, errors = start_streams(llama_tp.address, ps, 40, lambda n: n >= 6 and progressed.set())
+    threads, results, errors = start_streams(llama_tp.address, ps, 30, lambda n: n >= 6 and progressed.set())
     assert progressed.wait(60)
     os.kill(follower, signal.SIGKILL)
     assert verifier.proc.wait(timeout=30) == 1
@@ -190,7 +191,7 @@ def test_a_rank_killed_stops_the_verifier_and_a_restart_loses_nothing(llama_tp, 
         t.join(240)
     assert not errors, errors
     for i, p in enumerate(ps):
-        assert results[i] == greedy_ignoring_eos(hf_greedy, p, 40), f"stream {i}"
+        assert results[i] == greedy_ignoring_eos(hf_greedy, p, 30), f"stream {i}"
 
     verifier = llama_tp.services["verifier"]
     (follower,) = followers_of(verifier.proc.pid)
