@@ -26,19 +26,23 @@ from tests.fixtures.tiny import write_tiny_checkpoint
 MAX_TOKENS = 12
 
 
-def tp_cluster(path, logs, size: int = 2) -> LocalCluster:
+def tp_cluster(path, logs, size: int = 2, **placement) -> LocalCluster:
     return LocalCluster(
         path,
         num_speculative_tokens=3,
         log_dir=logs,
         verifier_args=["--tensor-parallel-size", str(size)],
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        **placement,
     )
 
 
 @pytest.fixture(scope="module")
 def llama_tp(tiny_checkpoint, tmp_path_factory):
-    with tp_cluster(tiny_checkpoint, tmp_path_factory.mktemp("logs-tp-llama")) as c:
+    """A pooled drafter taking rank 0's hidden states by the nccl transport (gloo here): a process group of its
+    own beside the ranks' (the Qwen3 cluster runs the default co-located placement)."""
+    logs = tmp_path_factory.mktemp("logs-tp-llama")
+    with tp_cluster(tiny_checkpoint, logs, placement="pooled", hidden_transport="nccl") as c:
         yield c
 
 
