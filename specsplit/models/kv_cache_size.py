@@ -58,17 +58,11 @@ def blocks_from_memory(
 ) -> KVCacheSize:
     """floor((fraction × total − peak without the probe cache) / block_bytes) blocks; UsageError (one line)
     when the weights alone exceed the share or the rest holds fewer tokens than one `max_model_len` request."""
-    if not 0 < fraction <= 1:
-        raise UsageError(f"--gpu-memory-utilization {fraction} is out of range; give a fraction in (0, 1]")
     if block_bytes < 1 or block_size < 1:
         raise ValueError(f"block_bytes and block_size must be >= 1, got {block_bytes}, {block_size}")
+    check_weights_fit(fraction, use.total, use.weights)
     share = fraction * use.total
     flag = f"--gpu-memory-utilization {fraction:g}"
-    if use.weights > share:
-        raise UsageError(
-            f"the weights alone take {use.weights / GIB:.2f} GiB, more than {flag} of {use.total / GIB:.2f} GiB "
-            f"({share / GIB:.2f} GiB); raise {flag.split()[0]}, use a device with more memory, or a smaller dtype"
-        )
     without_cache = use.peak - use.probe_cache
     num_blocks = max(0, int((share - without_cache) // block_bytes))
     needed = -(-max_model_len // block_size)
@@ -87,6 +81,19 @@ def blocks_from_memory(
         f"from {flag}: {used:.2f} of {share / GIB:.2f} GiB (weights {use.weights / GIB:.2f} GiB, peak without "
         f"the cache {without_cache / GIB:.2f} GiB)",
     )
+
+
+def check_weights_fit(fraction: float, total: int, weights: int) -> None:
+    """UsageError (one line) when the weights alone take more than `fraction` of `total` bytes."""
+    if not 0 < fraction <= 1:
+        raise UsageError(f"--gpu-memory-utilization {fraction} is out of range; give a fraction in (0, 1]")
+    share = fraction * total
+    if weights > share:
+        raise UsageError(
+            f"the weights alone take {weights / GIB:.2f} GiB, more than --gpu-memory-utilization {fraction:g} of "
+            f"{total / GIB:.2f} GiB ({share / GIB:.2f} GiB); raise --gpu-memory-utilization, use a device with more "
+            "memory, or a smaller dtype"
+        )
 
 
 def given_blocks(num_blocks: int, block_size: int, block_bytes: int, on_cuda: bool) -> KVCacheSize:

@@ -33,6 +33,7 @@ from specsplit.models.kv_cache_size import (
     KVCacheSize,
     MemoryUse,
     blocks_from_memory,
+    check_weights_fit,
     given_blocks,
 )
 from specsplit.models.warm_up import EAGER_WARM_UP_STEPS
@@ -121,13 +122,15 @@ def size_kv_cache(
     elif baseline is None:
         raise ValueError("sizing the KV cache from memory needs a CUDA device and its baseline")
     else:
+        f = GPU_MEMORY_UTILIZATION if fraction is None else fraction
+        weights = baseline.weights()
+        check_weights_fit(f, baseline.total, weights)  # before seconds of graph capture
         probe = make_cache(probe_blocks(block_size))
         runner = make_runner(probe)
-        use = MemoryUse(baseline.total, baseline.weights(), baseline.peak(), cache_bytes(probe))
+        use = MemoryUse(baseline.total, weights, baseline.peak(), cache_bytes(probe))
         del runner, probe
         gc.collect()  # the graphs and the probe cache, before the allocator lets their memory go
         torch.cuda.empty_cache()
-        f = GPU_MEMORY_UTILIZATION if fraction is None else fraction
         size = blocks_from_memory(f, use, block_bytes, block_size, max_model_len)
     cache = make_cache(size.num_blocks)
     runner = make_runner(cache)
