@@ -11,7 +11,7 @@ weights, activations, graph pools, allocator slack) plus what grew outside torch
 Triton modules, graph objects: the device's used memory minus torch's, before and after). The device's free
 memory is not used: another process on the device (a co-located drafter) holds some of it. The CUDA context
 created before the baseline (a few hundred MiB) is outside F, as in vLLM. A device's free memory also moves when
-another process loads beside this one, so co-located services take turns measuring (`DeviceMemoryLock`).
+another process loads beside this one, so co-located services take turns measuring (`device_memory_lock`).
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ class DeviceBaseline:
         """What torch allocated since the baseline: the weights, once they are loaded (call it then)."""
         return torch.cuda.memory_allocated(self.device) - self.allocated
 
+    def forget_loading(self) -> None:
+        """Lets go of what loading the weights held only for a while, so that the peak counts the weights and
+        then the steps', not the loader's (call it once they are loaded)."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def peak(self) -> int:
         """This process's peak since the baseline: torch's peak reserved memory, plus what grew outside torch."""
         torch.cuda.synchronize(self.device)
@@ -125,6 +132,7 @@ def size_kv_cache(
         f = GPU_MEMORY_UTILIZATION if fraction is None else fraction
         weights = baseline.weights()
         check_weights_fit(f, baseline.total, weights)  # before seconds of graph capture
+        baseline.forget_loading()
         probe = make_cache(probe_blocks(block_size))
         runner = make_runner(probe)
         use = MemoryUse(baseline.total, weights, baseline.peak(), cache_bytes(probe))

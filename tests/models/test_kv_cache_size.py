@@ -118,6 +118,9 @@ class _FakeBaseline:
     def weights(self) -> int:
         return self._weights
 
+    def forget_loading(self) -> None:
+        self.live = []
+
     def peak(self) -> int:
         return self._weights + self._workspace + sum(cache_bytes(c) for c in self.live)
 
