@@ -96,6 +96,18 @@ def check_weights_fit(fraction: float, total: int, weights: int) -> None:
         )
 
 
+def check_free(fraction: float, total: int, free: int) -> None:
+    """UsageError (one line) when less than `fraction` of `total` bytes was free as this server started: other
+    processes on the device hold more than 1 - F of it (two servers on one device whose F's add up past 1)."""
+    share = fraction * total
+    if free < share:
+        raise UsageError(
+            f"--gpu-memory-utilization {fraction:g} asks for {share / GIB:.2f} GiB of the device, but only "
+            f"{free / GIB:.2f} GiB were free at start-up (other processes hold the rest); lower it so that the shares "
+            "of the processes on the device add up below 1"
+        )
+
+
 def given_blocks(num_blocks: int, block_size: int, block_bytes: int, on_cuda: bool) -> KVCacheSize:
     """--num-blocks as given (on CUDA it overrides sizing from memory)."""
     source = "--num-blocks (overrides --gpu-memory-utilization)" if on_cuda else "--num-blocks"

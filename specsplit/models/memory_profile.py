@@ -33,6 +33,7 @@ from specsplit.models.kv_cache_size import (
     KVCacheSize,
     MemoryUse,
     blocks_from_memory,
+    check_free,
     check_weights_fit,
     given_blocks,
 )
@@ -130,6 +131,7 @@ def size_kv_cache(
         raise ValueError("sizing the KV cache from memory needs a CUDA device and its baseline")
     else:
         f = GPU_MEMORY_UTILIZATION if fraction is None else fraction
+        check_free(f, baseline.total, baseline.free)
         weights = baseline.weights()
         check_weights_fit(f, baseline.total, weights)  # before seconds of graph capture
         baseline.forget_loading()

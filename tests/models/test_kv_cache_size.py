@@ -16,6 +16,7 @@ from specsplit.models.kv_cache_size import (
     GIB,
     MemoryUse,
     blocks_from_memory,
+    check_free,
     given_blocks,
     service_shares,
 )
@@ -80,6 +81,17 @@ def test_two_services_on_one_device_stay_within_their_shares():
     assert d.num_tokens >= v.num_tokens  # one MTP layer per token: the drafter holds what the verifier schedules
 
 
+def test_a_share_larger_than_the_free_memory_at_start_up_is_refused_in_one_line():
+    """Two servers on one device whose F's add up past 1: the second finds less than its share free."""
+    check_free(0.1, 100 * GIB, free=11 * GIB)  # the drafter after a verifier of 0.8 and two contexts
+    with pytest.raises(UsageError) as refused:
+        check_free(0.9, 100 * GIB, free=12 * GIB)
+    assert str(refused.value) == (
+        "--gpu-memory-utilization 0.9 asks for 90.00 GiB of the device, but only 12.00 GiB were free at start-up "
+        "(other processes hold the rest); lower it so that the shares of the processes on the device add up below 1"
+    )
+
+
 def test_up_splits_its_share_only_between_services_on_one_cuda_device():
     assert service_shares(None, {"verifier": "cpu", "drafter": "cpu"}) == {}
     assert service_shares(0.95, {"verifier": "cuda:0", "drafter": "cuda:1"}) == {"verifier": 0.95, "drafter": 0.95}
@@ -114,6 +126,7 @@ class _FakeBaseline:
 
     def __init__(self, total: int, weights: int, workspace: int):
         self.total, self._weights, self._workspace, self.live = total, weights, workspace, []
+        self.free = total
 
     def weights(self) -> int:
         return self._weights
