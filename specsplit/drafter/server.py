@@ -106,6 +106,7 @@ def _load_and_size(config: DrafterConfig, step_path: dict):
             fraction=options.gpu_memory_utilization,
             max_model_len=mtp.config.max_position_embeddings,
             baseline=baseline,
+            max_model_len_flag=None,  # the model's context length: the drafter has no flag for it
         )
     return mtp, runner
 

@@ -55,6 +55,7 @@ def blocks_from_memory(
     block_bytes: int,
     block_size: int,
     max_model_len: int,  # tokens one request may hold: the cache must hold at least one such request
+    max_model_len_flag: str | None = "--max-model-len",  # the flag that lowers it, if the server has one
 ) -> KVCacheSize:
     """floor((fraction × total − peak without the probe cache) / block_bytes) blocks; UsageError (one line)
     when the weights alone exceed the share or the rest holds fewer tokens than one `max_model_len` request."""
@@ -70,8 +71,8 @@ def blocks_from_memory(
         raise UsageError(
             f"{flag} of {use.total / GIB:.2f} GiB leaves {max(0.0, share - without_cache) / GIB:.2f} GiB after "
             f"weights and workspace ({without_cache / GIB:.2f} GiB): {num_blocks} KV cache blocks of {block_size} "
-            f"tokens, fewer than the {needed} one request of --max-model-len {max_model_len} needs; raise "
-            f"{flag.split()[0]} or lower --max-model-len"
+            f"tokens, fewer than the {needed} one request of max_model_len {max_model_len} needs; raise "
+            f"{flag.split()[0]}" + (f" or lower {max_model_len_flag}" if max_model_len_flag else "")
         )
     used = (without_cache + num_blocks * block_bytes) / GIB
     return KVCacheSize(

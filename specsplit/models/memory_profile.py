@@ -121,6 +121,7 @@ def size_kv_cache(
     fraction: float | None,  # --gpu-memory-utilization; None: GPU_MEMORY_UTILIZATION
     max_model_len: int,  # the cache must hold one request this long
     baseline: DeviceBaseline | None,  # taken before the weights loaded; None: not on CUDA
+    max_model_len_flag: str | None = "--max-model-len",  # the server's flag that lowers max_model_len, if any
 ) -> tuple[PagedBlocks, Runner, KVCacheSize]:
     """The cache, its runner and how it was sized (logged); UsageError (one line) when the weights or one
     `max_model_len` request do not fit the share."""
@@ -141,7 +142,7 @@ def size_kv_cache(
         del runner, probe
         gc.collect()  # the graphs and the probe cache, before the allocator lets their memory go
         torch.cuda.empty_cache()
-        size = blocks_from_memory(f, use, block_bytes, block_size, max_model_len)
+        size = blocks_from_memory(f, use, block_bytes, block_size, max_model_len, max_model_len_flag)
     cache = make_cache(size.num_blocks)
     runner = make_runner(cache)
     log.info(size.describe())

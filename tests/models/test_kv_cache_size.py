@@ -56,7 +56,10 @@ def test_a_share_too_small_for_one_max_length_request_is_refused_in_one_line():
         blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=32768)
     message = str(refused.value)
     assert "\n" not in message
-    assert "1024 KV cache blocks of 16 tokens, fewer than the 2048 one request of --max-model-len 32768" in message
+    assert "1024 KV cache blocks of 16 tokens, fewer than the 2048 one request of max_model_len 32768 needs" in message
+    assert message.endswith("raise --gpu-memory-utilization or lower --max-model-len")
+    with pytest.raises(UsageError, match=r"needs; raise --gpu-memory-utilization$"):  # the drafter: no such flag
+        blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=32768, max_model_len_flag=None)
     assert blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=16384).num_blocks == 1024
 
 
