@@ -1,15 +1,18 @@
 """A model server's KV cache, sized on CUDA from `--gpu-memory-utilization` (`specsplit.models.kv_cache_size`).
 
 The order at start-up (`size_kv_cache`): the weights load; a runner is built on a small probe cache, which
-captures its CUDA graphs and runs its warm-up (the rejection sampler's kernels, eager steps as large as a step
-gets), so the process's peak is seen; that runner and its cache go; the real cache gets what is left of the
-share; the real runner captures its graphs against it and warms up again. Graphs bake in the cache's address,
-so they are captured twice (the second capture reuses the compiled kernels).
+captures its CUDA graphs (steps of up to 512 tokens) and runs its warm-up (the rejection sampler's kernels, eager
+steps of 16 × 128 and 1 × 1,024 tokens: `EAGER_WARM_UP_STEPS`), so the process's peak is seen (a coordinator whose
+--max-num-batched-tokens is past 1,024 makes larger eager steps than were measured); that runner and its cache
+go; the real cache gets what is left of the share; the real runner captures its graphs against it and warms up
+again. Graphs bake in the cache's address, so they are captured twice (the second capture reuses the compiled
+kernels).
 
 What this process uses is measured from its own side: torch's peak reserved memory (its caching allocator:
 weights, activations, graph pools, allocator slack) plus what grew outside torch since the baseline (cuBLAS,
 Triton modules, graph objects: the device's used memory minus torch's, before and after). The device's free
-memory is not used: another process on the device (a co-located drafter) holds some of it. The CUDA context
+memory is not used for the size: another process on the device (a co-located drafter) holds some of it; it is
+only checked to hold the share at start-up. The CUDA context
 created before the baseline (a few hundred MiB) is outside F, as in vLLM. A device's free memory also moves when
 another process loads beside this one, so co-located services take turns measuring (`device_memory_lock`).
 """
