@@ -1,4 +1,5 @@
-"""DeepSeek-V3 feed-forward blocks: the dense SwiGLU MLP and the mixture of experts.
+"""DeepSeek-V3's feed-forward blocks, which GLM-4.5 (`Glm4MoeForCausalLM`) shares: the SwiGLU MLP
+and the mixture of experts.
 
 MoE(x) = Σ_{e ∈ topk(x)} w_e(x) · expert_e(x) + shared_experts(x), with the router of DeepSeek-V3
 (`topk_method: noaux_tc`, `scoring_func: sigmoid`):
@@ -15,11 +16,25 @@ the model dtype (`Router.keep_in_float32`), as transformers keeps it.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specsplit.models.deepseek_v3.config import DeepseekV3Config
+
+class MoEConfig(Protocol):
+    """The fields of a model configuration the MoE reads (`DeepseekV3Config`, `Glm4MoeConfig`)."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 class SwiGLU(nn.Module):
@@ -39,7 +54,7 @@ class SwiGLU(nn.Module):
 class Router(nn.Module):
     keep_in_float32 = ("weight", "e_score_correction_bias")
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         num_experts = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
@@ -67,7 +82,7 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config)
