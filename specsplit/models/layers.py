@@ -106,7 +106,8 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention with optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+    """GQA self-attention with optional qkv bias (Qwen2, GLM-4.5), per-head q/k RMSNorm (Qwen3, GLM-4.5
+    where configured) and partial rotary (GLM-4.5: the rotary tables cover part of each head)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -140,7 +141,7 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, rotary_dim]
         kv_cache: PagedKVCache,
         cache_layer: int,
         attn: AttentionMetadata,

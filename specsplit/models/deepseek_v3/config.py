@@ -79,6 +79,10 @@ class DeepseekV3Config:
         return self.qk_rope_head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
     def kv_cache_dim(self) -> int:
         """Cached values per token and layer: the latent and the RoPE key, nothing per head."""
         return self.kv_lora_rank + self.qk_rope_head_dim
