@@ -106,8 +106,7 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention with optional qkv bias (Qwen2, GLM-4.5), per-head q/k RMSNorm (Qwen3, GLM-4.5
-    where configured) and partial rotary (GLM-4.5: the rotary tables cover part of each head)."""
+    """GQA self-attention with optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -79,7 +79,7 @@ def load_mtp(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
-) -> MTPModule:
+) -> MTPModule | DeepseekV3MTP:
     """MTP layer 0 plus the shared embedding and LM head (see `specsplit.models.mtp_layout` for the names)."""
     path = _checkpoint_dir(path)
     config = load_config(path)
