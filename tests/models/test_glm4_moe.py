@@ -318,3 +318,25 @@ def test_later_draft_steps_reuse_the_layer_on_its_own_output(mtp_setup):
     full_x = torch.cat([tokens[pairs + 1], draft])
     expected = ref.logits(full_h, full_x, torch.arange(1, 9))[-1:]
     torch.testing.assert_close(mtp.compute_logits(step1), expected, atol=ATOL, rtol=0)
+
+
+def test_dummy_bf16_greedy_does_not_depend_on_the_batch(checkpoint):
+    """What a `--load-format dummy` benchmark relies on to compare target-only with speculative output: the
+    residual stream stays the token embedding, so routing and argmax are the same in any batch; and tokens
+    spread over the experts as real ones do (the benchmark must read most expert weights at batch 32)."""
+    model = load_target(checkpoint(), load_format="dummy", dtype=torch.bfloat16)
+    prompts = _prompts(model.config.vocab_size, [17, 5, 30], seed=3)
+
+    def forward(group: list[torch.Tensor]) -> torch.Tensor:
+        cache = model.make_kv_cache(num_blocks=32, block_size=4)
+        attn = cache.prepare_step([f"r{i}" for i in range(len(group))], [len(p) for p in group])
+        positions = torch.cat([torch.arange(len(p)) for p in group])
+        with torch.no_grad():
+            return model.compute_logits(model(torch.cat(group), positions, cache, attn))
+
+    together = forward(prompts)
+    assert torch.isfinite(together).all()
+    assert torch.equal(together.argmax(-1), torch.cat([forward([p]) for p in prompts]).argmax(-1))
+    with torch.no_grad():
+        chosen, _ = model.layers[1].mlp.gate(model.embed_tokens(torch.cat(prompts)).float())
+    assert chosen.unique().numel() == model.config.n_routed_experts  # 52 tokens × 2 reach all 8 experts
