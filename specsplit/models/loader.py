@@ -22,19 +22,30 @@ from specsplit.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, checkp
 from specsplit.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target
 from specsplit.models.deepseek_v3.config import ARCHITECTURES as DEEPSEEK_V3_ARCHITECTURES
 from specsplit.models.dummy_weights import init_dummy_weights
+from specsplit.models.glm4_moe import Glm4MoeConfig, Glm4MoeMTP, Glm4MoeTarget
+from specsplit.models.glm4_moe.config import ARCHITECTURES as GLM4_MOE_ARCHITECTURES
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
 from specsplit.models.target import TargetModel
 
-ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
+ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES + GLM4_MOE_ARCHITECTURES
+# Each model family: its configuration record → (target class, MTP class).
+FAMILIES = {
+    ModelConfig: (TargetModel, MTPModule),
+    DeepseekV3Config: (DeepseekV3Target, DeepseekV3MTP),
+    Glm4MoeConfig: (Glm4MoeTarget, Glm4MoeMTP),
+}
 
 
-def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
+def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config | Glm4MoeConfig:
     """The configuration of a checkpoint, as the record of its model family (chosen as
     `checkpoint_architecture` says, among every architecture specsplit implements)."""
     path = _checkpoint_dir(path)
-    if checkpoint_architecture(path, read_config_json(path), ARCHITECTURES) in DEEPSEEK_V3_ARCHITECTURES:
+    architecture = checkpoint_architecture(path, read_config_json(path), ARCHITECTURES)
+    if architecture in DEEPSEEK_V3_ARCHITECTURES:
         return DeepseekV3Config.from_pretrained(path)
+    if architecture in GLM4_MOE_ARCHITECTURES:
+        return Glm4MoeConfig.from_pretrained(path)
     return ModelConfig.from_pretrained(path)
 
 
@@ -52,7 +63,7 @@ def load_target(
     path = _checkpoint_dir(path)
     config = load_config(path)
     with torch.device("meta"):
-        model = DeepseekV3Target(config) if isinstance(config, DeepseekV3Config) else TargetModel(config)
+        model = FAMILIES[type(config)][0](config)
     tied = config.tie_word_embeddings
 
     def candidates(name: str) -> list[str]:
@@ -78,7 +89,7 @@ def load_mtp(
             "in config.json); it cannot serve as a drafter"
         )
     with torch.device("meta"):
-        model = DeepseekV3MTP(config) if isinstance(config, DeepseekV3Config) else MTPModule(config)
+        model = FAMILIES[type(config)][1](config)
 
     def candidates(name: str) -> list[str]:
         return model.layout.checkpoint_candidates(config, name)
