@@ -16,6 +16,10 @@ from specsplit.errors import UsageError
 GPU_MEMORY_UTILIZATION = 0.9  # a model server's default F on CUDA, vLLM's
 COLOCATED_DRAFTER_SHARE = 0.1  # of the device, a co-located drafter's F; its verifier gets the rest of `up`'s F
 CPU_NUM_BLOCKS = 1024  # --num-blocks on a CPU device when none is given
+# Of a share, what the cache leaves free: the allocations that come after the profile (the CUDA graphs captured
+# again on the real cache, the allocator's rounding) overshot a share by 28 MiB of 35 GiB on the H200
+# (tests/gpu/test_memory_sizing_cuda.py) with no headroom; 1/200 of it is 179 MiB there.
+HEADROOM = 1 / 200
 GIB = 1 << 30
 
 
@@ -57,15 +61,16 @@ def blocks_from_memory(
     max_model_len: int,  # tokens one request may hold: the cache must hold at least one such request
     max_model_len_flag: str | None = "--max-model-len",  # the flag that lowers it, if the server has one
 ) -> KVCacheSize:
-    """floor((fraction × total − peak without the probe cache) / block_bytes) blocks; UsageError (one line)
-    when the weights alone exceed the share or the rest holds fewer tokens than one `max_model_len` request."""
+    """floor((fraction × total × (1 − HEADROOM) − peak without the probe cache) / block_bytes) blocks; UsageError
+    (one line) when the weights alone exceed the share or the rest holds fewer tokens than one `max_model_len`
+    request."""
     if block_bytes < 1 or block_size < 1:
         raise ValueError(f"block_bytes and block_size must be >= 1, got {block_bytes}, {block_size}")
     check_weights_fit(fraction, use.total, use.weights)
     share = fraction * use.total
     flag = f"--gpu-memory-utilization {fraction:g}"
     without_cache = use.peak - use.probe_cache
-    num_blocks = max(0, int((share - without_cache) // block_bytes))
+    num_blocks = max(0, int((share * (1 - HEADROOM) - without_cache) // block_bytes))
     needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         raise UsageError(

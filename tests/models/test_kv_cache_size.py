@@ -14,6 +14,7 @@ from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.kv_cache_size import (
     COLOCATED_DRAFTER_SHARE,
     GIB,
+    HEADROOM,
     MemoryUse,
     blocks_from_memory,
     check_free,
@@ -28,15 +29,15 @@ MIB = 1 << 20
 def test_the_cache_gets_what_the_share_leaves_after_the_peak_without_the_probe_cache():
     use = MemoryUse(total=80 * GIB, weights=16 * GIB, peak=20 * GIB, probe_cache=256 * MIB)
     size = blocks_from_memory(0.9, use, block_bytes=2 * MIB, block_size=16, max_model_len=32768)
-    # (0.9 * 80 GiB - (20 GiB - 256 MiB)) / 2 MiB = (73728 - 20224) MiB / 2 MiB
-    assert size.num_blocks == (73728 - 20224) // 2 == 26752
-    assert size.num_tokens == 26752 * 16
-    assert (20 * GIB - 256 * MIB) + size.num_blocks * 2 * MIB <= 0.9 * 80 * GIB
+    # (0.9 * 80 GiB * (1 - 1/200) - (20 GiB - 256 MiB)) / 2 MiB = (73359.36 - 20224) MiB / 2 MiB
+    assert size.num_blocks == int((73728 * 199 / 200 - 20224) // 2) == 26567
+    assert size.num_tokens == 26567 * 16
+    assert (20 * GIB - 256 * MIB) + size.num_blocks * 2 * MIB <= 0.9 * 80 * GIB * (1 - HEADROOM)
 
 
 def test_a_partial_block_is_not_given():
     use = MemoryUse(total=1000, weights=100, peak=300, probe_cache=0)
-    assert blocks_from_memory(0.5, use, block_bytes=60, block_size=1, max_model_len=1).num_blocks == 3  # 200 // 60
+    assert blocks_from_memory(0.5, use, block_bytes=60, block_size=1, max_model_len=1).num_blocks == 3  # 197.5 // 60
 
 
 def test_weights_alone_past_the_share_are_refused_in_one_line():
@@ -50,17 +51,17 @@ def test_weights_alone_past_the_share_are_refused_in_one_line():
 
 
 def test_a_share_too_small_for_one_max_length_request_is_refused_in_one_line():
-    # 10 GiB share - 9 GiB peak = 1 GiB = 1024 blocks of 1 MiB x 16 tokens = 16384 tokens < 32768
+    # 10 GiB share (- 1/200) - 9 GiB peak = 972.8 MiB = 972 blocks of 1 MiB x 16 tokens = 15552 tokens < 32768
     use = MemoryUse(total=10 * GIB, weights=8 * GIB, peak=9 * GIB, probe_cache=0)
     with pytest.raises(UsageError) as refused:
         blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=32768)
     message = str(refused.value)
     assert "\n" not in message
-    assert "1024 KV cache blocks of 16 tokens, fewer than the 2048 one request of max_model_len 32768 needs" in message
+    assert "972 KV cache blocks of 16 tokens, fewer than the 2048 one request of max_model_len 32768 needs" in message
     assert message.endswith("raise --gpu-memory-utilization or lower --max-model-len")
     with pytest.raises(UsageError, match=r"needs; raise --gpu-memory-utilization$"):  # the drafter: no such flag
         blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=32768, max_model_len_flag=None)
-    assert blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=16384).num_blocks == 1024
+    assert blocks_from_memory(1.0, use, block_bytes=MIB, block_size=16, max_model_len=15552).num_blocks == 972
 
 
 def test_a_peak_past_the_share_leaves_no_blocks_and_is_refused():
@@ -160,7 +161,7 @@ def test_start_up_sizes_from_a_probe_runner_then_builds_the_runner_on_the_real_c
         make_cache, make_runner, block_size=4, num_blocks=None, fraction=0.5, max_model_len=64, baseline=baseline
     )
     probe = probe_blocks(4)
-    expected = (50_000 - 30_000) // block_bytes  # the probe cache's bytes are not workspace
+    expected = int((50_000 * (1 - HEADROOM) - 30_000) // block_bytes)  # the probe cache is not workspace
     assert events == [("cache", 1), ("cache", probe), ("runner", probe), ("cache", expected), ("runner", expected)]
     assert cache.num_blocks == size.num_blocks == expected and runner == ("runner", cache)
     assert "from --gpu-memory-utilization 0.5" in size.describe()
