@@ -21,6 +21,7 @@ from specsplit.models.config import (
     read_config_json,
     rope_parameters,
 )
+from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -64,6 +65,7 @@ class DeepseekV3Config:
     num_nextn_predict_layers: int
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "bfloat16"
+    quantization: Fp8BlockQuantization | None = None  # block-scaled FP8 linears (None: unquantized)
 
     @property
     def has_mtp(self) -> bool:
@@ -93,6 +95,7 @@ class DeepseekV3Config:
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
         _check_supported(raw)
+        quantization = read_quantization(raw, path)
         hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
         return cls(
@@ -127,6 +130,7 @@ class DeepseekV3Config:
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             eos_token_ids=_read_eos_token_ids(path, raw),
             torch_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            quantization=quantization,
         )
 
 
@@ -141,9 +145,6 @@ def _check_supported(raw: dict[str, Any]) -> None:
     for key, (value, allowed) in unsupported.items():
         if value not in allowed:
             raise ValueError(f"unsupported {key}={value!r} for DeepSeek-V3; supported: {list(allowed)}")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method")
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported; dequantize to bf16 first")
     experts, groups = raw.get("n_routed_experts"), raw.get("n_group") or 1
     if experts is None or experts % groups or experts // groups < 2:
         raise ValueError(f"n_routed_experts={experts} must split into n_group={groups} groups of >= 2 experts")
