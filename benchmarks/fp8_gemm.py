@@ -57,7 +57,8 @@ HBM_BYTES_PER_S = 4.8e12
 TOLERANCE = 1e-2
 TARGET = 1.6
 # The sweep: (block_n, num_warps, num_stages) tiles, block_m = M padded to 16..64 (and 128 from M = 128), each
-# unsplit and with K split for about 2 and 4 programs per SM where N alone gives fewer.
+# unsplit and with K split for about 2 and 4 programs per SM where N alone gives fewer; from M = 16 each with x
+# quantized in the kernel and in a launch before it (`prequantize`).
 TILES = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 4, 4)]
 TINY_TILES = [(32, 4, 2)]
 TINY_NUM_SMS = 4
@@ -78,12 +79,14 @@ def candidates(n: int, k: int, m: int, num_sms: int, tiny: bool, quick: bool) ->
             splits = {1} | {
                 effective_split(k, BLOCK[1], cdiv(p * num_sms, programs))[0] for p in (2, 4) if programs < p * num_sms
             }
-            configs |= {Fp8GemmConfig(block_m, block_n, s, warps, stages) for s in splits}
+            for pre in (False, True) if m >= 16 else (False,):
+                configs |= {Fp8GemmConfig(block_m, block_n, s, warps, stages, pre) for s in splits}
     return sorted(configs, key=dataclasses.astuple)
 
 
 def describe(c) -> str:
-    return f"{c.block_m}x{c.block_n} split {c.split_k} w{c.num_warps} s{c.num_stages}"
+    pre = " prequantized" if c.prequantize else ""
+    return f"{c.block_m}x{c.block_n} split {c.split_k} w{c.num_warps} s{c.num_stages}{pre}"
 
 
 def bench_shape(name: str, n: int, k: int, args, num_sms: int, bench) -> list:

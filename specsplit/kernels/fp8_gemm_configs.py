@@ -21,6 +21,10 @@ class Fp8GemmConfig:
     split_k: int  # K slices (whole scale groups each), one program each; > 1 adds a reduction launch
     num_warps: int = 4
     num_stages: int = 3
+    # Quantize x in a launch of its own (once) instead of in every program over N (each re-quantizing its rows):
+    # the in-kernel way saves a launch, but its work grows with M x N / BLOCK_N and passes the weight read's time
+    # at M of about 64.
+    prequantize: bool = False
 
 
 CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {}
@@ -39,12 +43,12 @@ def effective_split(k: int, group: int, split_k: int) -> tuple[int, int]:
 
 def default_config(n: int, k: int, m: int, num_sms: int) -> Fp8GemmConfig:
     """64-wide tiles of N, M padded to 16..64 rows; K split (in whole groups of 128) until the grid has
-    about two programs per SM."""
+    about two programs per SM; x quantized in its own launch above 32 rows."""
     block_m = min(64, max(16, m_bucket(m)))
     block_n = 64
     programs = cdiv(n, block_n) * cdiv(m, block_m)
     split_k = effective_split(k, 128, cdiv(2 * num_sms, programs))[0] if programs < 2 * num_sms else 1
-    return Fp8GemmConfig(block_m, block_n, split_k, num_warps=4, num_stages=3)
+    return Fp8GemmConfig(block_m, block_n, split_k, num_warps=4, num_stages=3, prequantize=m > 32)
 
 
 def config_for(n: int, k: int, m: int, num_sms: int) -> Fp8GemmConfig:

@@ -60,11 +60,12 @@ def quantize_activations(
     x: torch.Tensor,  # [M, K]
     group: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x_fp8 [M, K] e4m3, x_scale [M, ceil(K / group)] fp32
-    """Dynamic per-token, per-group quantization: x ≈ x_fp8 * x_scale per group of `group` along K."""
+    """Dynamic per-token, per-group quantization: x ≈ x_fp8 * x_scale per group of `group` along K (x times
+    the scale's reciprocal, rounded to nearest even: what the kernel computes, bit for bit)."""
     m, k = x.shape
     xf = F.pad(x.float(), (0, cdiv(k, group) * group - k))
     scale = xf.view(m, -1, group).abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / FP8_MAX
-    q = (xf / scale.repeat_interleave(group, 1)).clamp(-FP8_MAX, FP8_MAX)
+    q = (xf * (1.0 / scale).repeat_interleave(group, 1)).clamp(-FP8_MAX, FP8_MAX)
     return q[:, :k].to(FP8_DTYPE), scale
 
 

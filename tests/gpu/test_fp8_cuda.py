@@ -22,9 +22,13 @@ import json
 import pytest
 import torch
 
-from specsplit.kernels.fp8_gemm import w8a8_block_linear
+from specsplit.kernels.fp8_gemm import quantize_activations_triton, w8a8_block_linear
 from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig
-from specsplit.kernels.fp8_reference import quantize_weight_blockwise, w8a8_block_linear_reference
+from specsplit.kernels.fp8_reference import (
+    quantize_activations,
+    quantize_weight_blockwise,
+    w8a8_block_linear_reference,
+)
 from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.loader import load_mtp, load_target
 from tests.fixtures.fp8 import write_fp8_checkpoint
@@ -79,7 +83,14 @@ def test_kernel_equals_reference_on_model_shapes(name):
 
 @pytest.mark.parametrize(
     "config",
-    [Fp8GemmConfig(16, 64, 1), Fp8GemmConfig(16, 32, 7, 4, 4), Fp8GemmConfig(64, 128, 3), Fp8GemmConfig(128, 64, 1)],
+    [
+        Fp8GemmConfig(16, 64, 1),
+        Fp8GemmConfig(16, 32, 7, 4, 4),
+        Fp8GemmConfig(64, 128, 3),
+        Fp8GemmConfig(128, 64, 1),
+        Fp8GemmConfig(32, 64, 1, prequantize=True),
+        Fp8GemmConfig(16, 64, 5, prequantize=True),
+    ],
 )
 def test_kernel_configurations_and_bias(config):
     n, k = 1000, 1408  # N not a multiple of any tile, K of 11 groups
@@ -89,6 +100,14 @@ def test_kernel_configurations_and_bias(config):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         y = w8a8_block_linear(x, w, s, bias, 128, 128, config)
         _assert_equals_reference(y, w8a8_block_linear_reference(x, w, s, bias, 128, 128))
+
+
+def test_activation_quantization_equals_the_reference_bit_for_bit():
+    x = torch.randn(256, 7168, device="cuda") * torch.logspace(-3, 3, 7168, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, scale = quantize_activations_triton(x.to(dtype), 128)
+        want_q, want_scale = quantize_activations(x.to(dtype), 128)
+        assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_kernel_replays_in_a_cuda_graph():

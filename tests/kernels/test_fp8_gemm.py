@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels.fp8_gemm import w8a8_block_linear
+from specsplit.kernels.fp8_gemm import quantize_activations_triton, w8a8_block_linear
 from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig, default_config, effective_split
 from specsplit.kernels.fp8_reference import (
     FP8_DTYPE,
@@ -36,6 +36,8 @@ CASES = {  # name: (M, N, K, block (rows per scale, group along K), config)
     "row-scales": (17, 96, 64, (1, 32), Fp8GemmConfig(16, 32, 1)),
     "small-blocks": (5, 130, 256, (64, 64), Fp8GemmConfig(16, 32, 3)),
     "m-tiles": (40, 48, 96, (16, 32), Fp8GemmConfig(16, 16, 1)),
+    "prequantized": (40, 48, 96, (16, 32), Fp8GemmConfig(32, 16, 1, prequantize=True)),
+    "prequantized-split": (3, 200, 300, (128, 128), Fp8GemmConfig(16, 64, 2, prequantize=True)),
 }
 
 
@@ -57,6 +59,16 @@ def test_kernel_equals_reference_in_16_bits_within_one_rounding(dtype):
     assert got.dtype == dtype and got.shape == (m, n)
     ulp = 2.0 ** (torch.frexp(want.float().abs()).exponent - 1) * torch.finfo(dtype).eps
     assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 300), (17, 64), (5, 256)])
+def test_activation_quantization_kernel_equals_the_reference_bit_for_bit(shape):
+    x = _randn(*shape, seed=5) * torch.logspace(-3, 3, shape[1])  # every magnitude, to the subnormals
+    group = 128 if shape[1] >= 128 else 32
+    for dtype in (torch.float32, torch.bfloat16):
+        q, scale = quantize_activations_triton(x.to(dtype), group)
+        want_q, want_scale = quantize_activations(x.to(dtype), group)
+        assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_kernel_takes_leading_dimensions_and_the_default_config():
@@ -92,7 +104,8 @@ def test_activation_quantization_is_per_token_and_group():
     assert ((back - x).abs() <= x.abs() * 2.0**-4 + 1e-6).all()
 
 
-def test_default_config_splits_k_for_few_programs():
+def test_default_config_splits_k_for_few_programs_and_prequantizes_many_rows():
     config = default_config(576, 7168, 1, 132)  # DeepSeek-V3's kv_a_proj: 9 tiles of N
     assert config.split_k > 1 and effective_split(7168, 128, config.split_k)[0] * 9 >= 132
     assert default_config(37888, 4096, 1, 132).split_k == 1
+    assert not config.prequantize and default_config(576, 7168, 64, 132).prequantize
