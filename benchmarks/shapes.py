@@ -9,6 +9,9 @@ vocabulary 152064, untied head) plus one MTP layer in the DeepSeek-V3 layout of 
 detokenize. Its vocabulary (4096) is smaller than the model's; that is harmless because benchmarks
 send token ids (validated against the model's vocabulary) and the detokenizer skips ids it does not
 know, so text is incomplete but ids, speed and losslessness are what is measured.
+
+qwen2-7b-fp8 is the same with DeepSeek-V3's block-scaled FP8 quantization_config: dummy weights are
+then quantized to e4m3 with [128, 128] block scales and the linears run the W8A8 kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ SHAPES = {
         rope_theta=1000000.0,
     ),
 }
+
+SHAPES["qwen2-7b-fp8"] = dict(
+    SHAPES["qwen2-7b"],
+    quantization_config={
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+)
 
 
 def write_shape(name: str, path: str | Path) -> Path:
