@@ -2,7 +2,8 @@
 GLM-4.5-Air and DeepSeek-V3: the Triton W8A8 kernel (`specsplit/kernels/fp8_gemm.py`, over a small grid of launch
 configurations) against bf16 cuBLAS (`F.linear`) and bf16 through our Triton GEMV (M <= 32).
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py                      # H200: ~3-5 minutes; results under $OUT
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py                      # H200: ~5-8 minutes; results under $OUT
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --shapes glm45air.qkv,dsv3.kv_a_proj   # a part of it
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --quick              # the default configuration only
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --device cpu --tiny  # smoke check: interpreter, no timing
 

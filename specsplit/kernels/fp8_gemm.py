@@ -60,8 +60,9 @@ def _round_to_e4m3_grid(v):
 def _quantize_group(x, EMULATE_CAST: tl.constexpr):
     """x: [R, GROUP_K] fp32 → e4m3 [R, GROUP_K] and fp32 scales [R]: each row times 448 / its largest magnitude
     (the reciprocal of the scale, both correctly rounded as torch computes them), rounded to nearest even."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), _SCALE_FLOOR), _E4M3_MAX)
-    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _SCALE_FLOOR)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32))
+    inverse = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     q = tl.clamp(x * inverse[:, None], -_E4M3_MAX, _E4M3_MAX)
     if EMULATE_CAST:
         q = _round_to_e4m3_grid(q)
@@ -169,8 +170,8 @@ def _check(x, weight, scale_inv, bias, scale_block_n: int, block_k: int) -> None
     want = (cdiv(n, scale_block_n), cdiv(k, block_k))
     if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
         raise ValueError(f"scale_inv must be fp32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"the scale group along K must be a power of two >= 16, got {block_k}")
+    if block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"the scale group along K must be a power of two >= 32 (FP8 tl.dot's least K), got {block_k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
 

@@ -43,11 +43,13 @@ def effective_split(k: int, group: int, split_k: int) -> tuple[int, int]:
 
 def default_config(n: int, k: int, m: int, num_sms: int) -> Fp8GemmConfig:
     """64-wide tiles of N, M padded to 16..64 rows; K split (in whole groups of 128) until the grid has
-    about two programs per SM; x quantized in its own launch above 32 rows."""
+    about four programs per SM (a weight read needs many loads in flight: at M <= 32 Triton feeds the MMA
+    from registers, so nothing pipelines the loads but the programs resident on an SM); x quantized in its
+    own launch above 32 rows."""
     block_m = min(64, max(16, m_bucket(m)))
     block_n = 64
     programs = cdiv(n, block_n) * cdiv(m, block_m)
-    split_k = effective_split(k, 128, cdiv(2 * num_sms, programs))[0] if programs < 2 * num_sms else 1
+    split_k = effective_split(k, 128, cdiv(4 * num_sms, programs))[0] if programs < 4 * num_sms else 1
     return Fp8GemmConfig(block_m, block_n, split_k, num_warps=4, num_stages=3, prequantize=m > 32)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 SUPPORTED_QUANTIZATION = (
     "unquantized weights, or block-scaled FP8 (quant_method 'fp8' with weight_block_size [bn, bk], bk a power "
-    "of two >= 16, fmt 'e4m3', activation_scheme 'dynamic')"
+    "of two >= 32, fmt 'e4m3', activation_scheme 'dynamic')"
 )
 
 
@@ -51,7 +51,7 @@ def read_quantization(raw: dict[str, Any], path: pathlib.Path) -> Fp8BlockQuanti
         not isinstance(block, list)
         or len(block) != 2
         or not all(isinstance(b, int) and b > 0 for b in block)
-        or block[1] < 16
+        or block[1] < 32
         or block[1] & (block[1] - 1)
     ):
         raise refuse(f"FP8 weight_block_size {block!r}")

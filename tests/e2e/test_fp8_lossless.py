@@ -36,7 +36,7 @@ def _write(kind: str, root):
         src = write_tiny_deepseek_checkpoint(
             root / "src", seed=1, num_hidden_layers=1, first_k_dense_replace=0, mtp_mimics_target=True
         )
-        block = (16, 16)
+        block = (16, 32)
     return write_fp8_checkpoint(src, root / "fp8", root / "dequantized", block)
 
 

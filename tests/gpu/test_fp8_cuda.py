@@ -141,7 +141,7 @@ def checkpoints(tmp_path_factory):
     deepseek = write_tiny_deepseek_checkpoint(root / "dsv3-src", seed=1)
     return {
         "qwen3": write_fp8_checkpoint(qwen3, root / "qwen3-fp8", root / "qwen3-deq", (24, 32)),
-        "deepseek_v3": write_fp8_checkpoint(deepseek, root / "dsv3-fp8", root / "dsv3-deq", (16, 16)),
+        "deepseek_v3": write_fp8_checkpoint(deepseek, root / "dsv3-fp8", root / "dsv3-deq", (16, 32)),
     }
 
 

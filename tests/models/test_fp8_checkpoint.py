@@ -159,6 +159,7 @@ REFUSED = {
     "fp8 static activations": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
     "fp8 e5m2": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"},
     "fp8 odd group": {"quant_method": "fp8", "weight_block_size": [128, 100]},
+    "fp8 group of 16": {"quant_method": "fp8", "weight_block_size": [16, 16]},
 }
 
 
