@@ -9,8 +9,9 @@ published checkpoints) at a time: it loads x's [BLOCK_M, bk] tile, takes each ro
 quantizes the tile to e4m3, loads W's [bk, BLOCK_N] e4m3 tile and runs `tl.dot` on FP8 tensor cores,
 then scales the group's fp32 sum by x's row scales and W's block scales. With `prequantize` (the default
 above 32 rows, `fp8_gemm_configs.py`) a first launch quantizes x once and the programs load e4m3 rows
-and their scales instead: the in-kernel quantization is repeated by every program over N. Programs over M come first in
-the grid, so the programs sharing a weight tile run together (L2 serves the re-reads at M > BLOCK_M).
+and their scales instead: the in-kernel quantization is repeated by every program over N. Programs over
+M come first in the grid, so the programs sharing a weight tile run together (L2 serves the re-reads at
+M > BLOCK_M).
 
 Where N / BLOCK_N programs would leave SMs idle, K is split in whole groups: fp32 partial sums go to a
 [SPLIT_K, M, N] scratch and the GEMV's fixed-order split-K sum adds them (results the same run to run,
