@@ -6,7 +6,6 @@ normalises the differences between Llama, Qwen2, Qwen3 and MiMo into one flat, f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -14,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
-
-from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -92,7 +89,6 @@ class ModelConfig:
     num_nextn_predict_layers: int  # MTP layers shipped in the checkpoint (0 = none)
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
-    quantization: Fp8BlockQuantization | None = None  # block-scaled FP8 linears (None: unquantized)
 
     @property
     def has_mtp(self) -> bool:
@@ -104,15 +100,13 @@ class ModelConfig:
         path = pathlib.Path(path)
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, SUPPORTED_ARCHITECTURES)
-        quantization = read_quantization(raw, path)
         if architecture == "MiMoForCausalLM":
             hf = transformers.Qwen2Config(**{k: v for k, v in raw.items() if k not in _MIMO_ONLY_KEYS})
             model_type = "mimo"
         else:
             hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
             model_type = hf.model_type
-        config = _from_hf_config(hf, architecture, model_type, raw, _read_eos_token_ids(path, raw))
-        return dataclasses.replace(config, quantization=quantization)
+        return _from_hf_config(hf, architecture, model_type, raw, _read_eos_token_ids(path, raw))
 
 
 def _from_hf_config(

@@ -29,7 +29,7 @@ from specsplit.models.dummy_weights import init_dummy_weights
 from specsplit.models.fp8_linear import dequantize_fp8_linears, quantize_linears, use_fp8_linears
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
-from specsplit.models.quantization import Fp8BlockQuantization
+from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 from specsplit.models.target import TargetModel
 
 ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
@@ -37,11 +37,22 @@ ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
 
 def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
     """The configuration of a checkpoint, as the record of its model family (chosen as
-    `checkpoint_architecture` says, among every architecture specsplit implements)."""
+    `checkpoint_architecture` says, among every architecture specsplit implements); a quantization
+    specsplit does not implement is refused here, for every family (`load_quantization`)."""
     path = _checkpoint_dir(path)
-    if checkpoint_architecture(path, read_config_json(path), ARCHITECTURES) in DEEPSEEK_V3_ARCHITECTURES:
+    raw = read_config_json(path)
+    architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
+    read_quantization(raw, path)
+    if architecture in DEEPSEEK_V3_ARCHITECTURES:
         return DeepseekV3Config.from_pretrained(path)
     return ModelConfig.from_pretrained(path)
+
+
+def load_quantization(path: str | pathlib.Path) -> Fp8BlockQuantization | None:
+    """The checkpoint's block-scaled FP8 quantization, None if unquantized; ValueError (one line) for
+    every other `quantization_config`."""
+    path = _checkpoint_dir(path)
+    return read_quantization(read_config_json(path), path)
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -67,7 +78,8 @@ def load_target(
     def candidates(name: str) -> list[str]:
         return ["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else [name]
 
-    _fill(model, path, config.quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
+    quantization = load_quantization(path)
+    _fill(model, path, quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
     return fuse_projections(model).eval()
 
 
@@ -94,7 +106,8 @@ def load_mtp(
     def candidates(name: str) -> list[str]:
         return model.layout.checkpoint_candidates(config, name)
 
-    _fill(model, path, config.quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
+    quantization = load_quantization(path)
+    _fill(model, path, quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
     return fuse_projections(model).eval()
 
 

@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 
 from specsplit.models.fp8_linear import Fp8Linear
-from specsplit.models.loader import load_config, load_mtp, load_target
+from specsplit.models.loader import load_config, load_mtp, load_quantization, load_target
 from tests.fixtures.fp8 import write_fp8_checkpoint
 
 BLOCK = (24, 32)
@@ -55,10 +55,10 @@ def _tokens(vocab_size: int, n: int = 12) -> torch.Tensor:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
 
-def test_config_reads_the_block_size(checkpoints):
-    quantization = load_config(checkpoints[0]).quantization
+def test_the_block_size_is_read(checkpoints):
+    quantization = load_quantization(checkpoints[0])
     assert (quantization.block_n, quantization.block_k) == BLOCK
-    assert load_config(checkpoints[1]).quantization is None
+    assert load_quantization(checkpoints[1]) is None
 
 
 def test_cpu_load_equals_the_dequantized_checkpoint_exactly(checkpoints):

@@ -21,7 +21,6 @@ from specsplit.models.config import (
     read_config_json,
     rope_parameters,
 )
-from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -65,7 +64,6 @@ class DeepseekV3Config:
     num_nextn_predict_layers: int
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "bfloat16"
-    quantization: Fp8BlockQuantization | None = None  # block-scaled FP8 linears (None: unquantized)
 
     @property
     def has_mtp(self) -> bool:
@@ -95,7 +93,6 @@ class DeepseekV3Config:
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
         _check_supported(raw)
-        quantization = read_quantization(raw, path)
         hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
         return cls(
@@ -130,7 +127,6 @@ class DeepseekV3Config:
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             eos_token_ids=_read_eos_token_ids(path, raw),
             torch_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-            quantization=quantization,
         )
 
 
