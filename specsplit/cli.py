@@ -63,6 +63,7 @@ def up_cluster(args: argparse.Namespace):
         drafter_device=args.drafter_device,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens),
     )
 
@@ -266,6 +267,13 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     up.add_argument("--verifier-device", default=None, help="pins the verifier, e.g. cuda:0 (default: --device)")
     up.add_argument("--drafter-device", default=None, help="pins the drafter, e.g. cuda:1 (default: --device)")
     add_placement_arguments(up, sockets=False)
+    up.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: the share of each device verifier and drafter may use together, their KV caches getting what "
+        "weights and workspace leave (default 0.9); a drafter on the verifier's device takes 0.1 of it. Not on the CPU",
+    )
     up.add_argument(
         "--metrics-port",
         type=int,

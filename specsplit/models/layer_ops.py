@@ -79,8 +79,8 @@ def rms_norm(
 def apply_rotary_qk(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
+    cos: torch.Tensor,  # [T, rotary_dim]
+    sin: torch.Tensor,  # [T, rotary_dim]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (the kernel rotates the given tensors in place)
     if use_triton(q) and not _needs_grad(q, k) and rotary_kernel_supports(q, k, cos, sin):
         return apply_rotary_qk_triton(q, k, cos, sin)
@@ -91,8 +91,8 @@ def apply_rotary_qk_and_write_kv(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
+    cos: torch.Tensor,  # [T, rotary_dim]
+    sin: torch.Tensor,  # [T, rotary_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T], -1 = skip

@@ -143,7 +143,7 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, rotary_dim]
         kv_cache: PagedKVCache,
         cache_layer: int,
         attn: AttentionMetadata,

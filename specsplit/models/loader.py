@@ -27,15 +27,23 @@ from specsplit.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, Deepse
 from specsplit.models.deepseek_v3.config import ARCHITECTURES as DEEPSEEK_V3_ARCHITECTURES
 from specsplit.models.dummy_weights import init_dummy_weights
 from specsplit.models.fp8_linear import dequantize_fp8_linears, quantize_linears, use_fp8_linears
+from specsplit.models.glm4_moe import Glm4MoeConfig, Glm4MoeMTP, Glm4MoeTarget
+from specsplit.models.glm4_moe.config import ARCHITECTURES as GLM4_MOE_ARCHITECTURES
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
 from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 from specsplit.models.target import TargetModel
 
-ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES
+ARCHITECTURES = SUPPORTED_ARCHITECTURES + DEEPSEEK_V3_ARCHITECTURES + GLM4_MOE_ARCHITECTURES
+# Each model family: its configuration record → (target class, MTP class).
+FAMILIES = {
+    ModelConfig: (TargetModel, MTPModule),
+    DeepseekV3Config: (DeepseekV3Target, DeepseekV3MTP),
+    Glm4MoeConfig: (Glm4MoeTarget, Glm4MoeMTP),
+}
 
 
-def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
+def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config | Glm4MoeConfig:
     """The configuration of a checkpoint, as the record of its model family (chosen as
     `checkpoint_architecture` says, among every architecture specsplit implements); a quantization
     specsplit does not implement is refused here, for every family (`load_quantization`)."""
@@ -45,6 +53,8 @@ def load_config(path: str | pathlib.Path) -> ModelConfig | DeepseekV3Config:
     read_quantization(raw, path)
     if architecture in DEEPSEEK_V3_ARCHITECTURES:
         return DeepseekV3Config.from_pretrained(path)
+    if architecture in GLM4_MOE_ARCHITECTURES:
+        return Glm4MoeConfig.from_pretrained(path)
     return ModelConfig.from_pretrained(path)
 
 
@@ -72,7 +82,7 @@ def load_target(
     path = _checkpoint_dir(path)
     config = load_config(path)
     with torch.device("meta"):
-        model = DeepseekV3Target(config) if isinstance(config, DeepseekV3Config) else TargetModel(config)
+        model = FAMILIES[type(config)][0](config)
     tied = config.tie_word_embeddings
 
     def candidates(name: str) -> list[str]:
@@ -101,7 +111,7 @@ def load_mtp(
             "in config.json); it cannot serve as a drafter"
         )
     with torch.device("meta"):
-        model = DeepseekV3MTP(config) if isinstance(config, DeepseekV3Config) else MTPModule(config)
+        model = FAMILIES[type(config)][1](config)
 
     def candidates(name: str) -> list[str]:
         return model.layout.checkpoint_candidates(config, name)

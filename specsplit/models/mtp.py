@@ -38,6 +38,7 @@ class SharedHead(nn.Module):
 class MTPModule(nn.Module):
     # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`).
     supports_attention_kernel = True
+    supports_cuda_graphs = True  # no host sync in the forward (the MoE has one: models/moe.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -21,6 +21,11 @@ def check_model_server(model: ModelOptions, *, drafter: bool) -> None:
     """The checkpoint and device both model servers take; `drafter`: the checkpoint must have MTP layers."""
     check_checkpoint(model.checkpoint, model.load_format, drafter=drafter)
     check_device(model.device)
+    if model.gpu_memory_utilization is not None and model.device.startswith("cpu"):
+        raise UsageError(
+            f"--gpu-memory-utilization sizes the KV cache from CUDA device memory, not on --device {model.device}; "
+            "there give --num-blocks (default 1024) or leave both out"
+        )
 
 
 def check_checkpoint(model: str, load_format: str, *, drafter: bool) -> None:

@@ -75,7 +75,12 @@ class DeepseekV3Config:
 
     @property
     def head_dim(self) -> int:
-        """The rotary dimension (what `specsplit.models.rotary` calls head_dim; transformers does the same)."""
+        """The rotary dimension (transformers calls it head_dim in DeepSeek-V3's config too)."""
+        return self.qk_rope_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """What `specsplit.models.rotary` computes frequencies for: only the RoPE part of each head."""
         return self.qk_rope_head_dim
 
     @property
