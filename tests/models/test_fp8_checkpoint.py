@@ -28,6 +28,8 @@ import torch
 from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.loader import load_config, load_mtp, load_quantization, load_target
 from tests.fixtures.fp8 import write_fp8_checkpoint
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 
 BLOCK = (24, 32)
 
@@ -182,3 +184,29 @@ def test_fp8_tensors_without_an_fp8_config_are_refused(checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"is F8_E4M3 but not a block-scaled FP8 linear weight"):
         load_target(path)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_moe_families_load_fp8_target_and_mtp(tmp_path, family):
+    """DeepSeek-V3 (MLA, MoE) and GLM-4.5 (GQA with bias, MoE): CPU load = the dequantized checkpoint exactly,
+    target and MTP layer; the W8A8 path keeps experts in FP8 (MLA's kv_b_proj dequantized, its weight is read
+    directly) and its logits stay within the activation tolerance on average (quantized activations may flip a
+    token's experts, a discrete change, so no bound on the largest error)."""
+    writer = write_tiny_deepseek_checkpoint if family == "deepseek_v3" else write_tiny_glm4_moe_checkpoint
+    fp8_dir, dequantized_dir = write_fp8_checkpoint(
+        writer(tmp_path / "src", seed=1), tmp_path / "f", tmp_path / "d", (16, 32)
+    )
+    for load in (load_target, load_mtp):
+        want = dict(load(dequantized_dir).named_parameters())
+        got = dict(load(fp8_dir).named_parameters())
+        assert got.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in got.items())
+    model = load_target(fp8_dir, keep_fp8=True)
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp.experts[0].down_proj, Fp8Linear) and isinstance(
+        layer.mlp.shared_experts.up_proj, Fp8Linear
+    )
+    if family == "deepseek_v3":
+        assert not isinstance(layer.self_attn.kv_b_proj, Fp8Linear) and isinstance(layer.self_attn.q_b_proj, Fp8Linear)
+    tokens = _tokens(model.config.vocab_size)
+    got, want = _logits(model, tokens), _logits(load_target(dequantized_dir), tokens)
+    assert 0 < (got - want).abs().mean() < 0.1 * want.std()
