@@ -14,6 +14,7 @@ every row keeps the scale it had.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -120,10 +121,16 @@ def use_fp8_linears(model: nn.Module, names: list[str], block_n: int, block_k: i
         _replace(model, name, layer)
 
 
-def quantize_linears(model: nn.Module, names: list[str], block_n: int, block_k: int) -> None:
-    """Replaces the loaded nn.Linear modules `names` by their blockwise FP8 quantization (dummy weights)."""
+def quantize_linears(
+    model: nn.Module, names: list[str], block_n: int, block_k: int, weight_of: Callable[[str], torch.Tensor]
+) -> None:
+    """Replaces the nn.Linear modules `names` (weights still on the meta device, biases filled) by the
+    blockwise FP8 quantization of `weight_of(name)`, one at a time: dummy weights in FP8 never hold more
+    than one linear's weight in the compute dtype."""
     for name in names:
-        _replace(model, name, Fp8Linear.quantize(model.get_submodule(name), block_n, block_k))
+        linear = model.get_submodule(name)
+        linear.weight = nn.Parameter(weight_of(name), requires_grad=False)
+        _replace(model, name, Fp8Linear.quantize(linear, block_n, block_k))
 
 
 def dequantize_fp8_linears(model: nn.Module, dtype: torch.dtype, keep_fp8: bool) -> None:

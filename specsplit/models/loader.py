@@ -25,7 +25,7 @@ from specsplit.kernels.fp8_reference import FP8_DTYPE
 from specsplit.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, checkpoint_architecture, read_config_json
 from specsplit.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MTP, DeepseekV3Target
 from specsplit.models.deepseek_v3.config import ARCHITECTURES as DEEPSEEK_V3_ARCHITECTURES
-from specsplit.models.dummy_weights import init_dummy_weights
+from specsplit.models.dummy_weights import init_dummy_weights, random_tensor
 from specsplit.models.fp8_linear import dequantize_fp8_linears, quantize_linears, use_fp8_linears
 from specsplit.models.glm4_moe import Glm4MoeConfig, Glm4MoeMTP, Glm4MoeTarget
 from specsplit.models.glm4_moe.config import ARCHITECTURES as GLM4_MOE_ARCHITECTURES
@@ -150,16 +150,23 @@ def _fill(
             use_fp8_linears(model, names, quantization.block_n, quantization.block_k)
         _load(model, path, index, candidates, dtype=dtype, device=device)
     elif load_format == "dummy":
+        fp8_names = _fp8_linears_of_dummy(model, quantization) if quantization is not None else []
+        fp8_weights = {f"{name}.weight" for name in fp8_names}
         init_dummy_weights(
             model,
             lambda name: _shared_name(candidates(name)),
             dtype=dtype,
             device=device,
             param_dtype=lambda name: _param_dtype(model, name, dtype),
+            skip=fp8_weights.__contains__,
         )
-        if quantization is not None:
-            names = _fp8_linears_of_dummy(model, quantization)
-            quantize_linears(model, names, quantization.block_n, quantization.block_k)
+        if fp8_names:  # drawn and quantized one at a time: the peak is the FP8 model, not the bf16 one
+
+            def weight_of(name: str) -> torch.Tensor:
+                shape = tuple(model.get_submodule(name).weight.shape)
+                return random_tensor(candidates(f"{name}.weight")[0], shape, dtype, device)
+
+            quantize_linears(model, fp8_names, quantization.block_n, quantization.block_k, weight_of)
     else:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     if quantization is not None:
