@@ -14,6 +14,10 @@ smoke run. The tokenizer is the demo checkpoint's: the coordinator needs one to
 detokenize. Its vocabulary (4096) is smaller than the model's; that is harmless because benchmarks
 send token ids (validated against the model's vocabulary) and the detokenizer skips ids it does not
 know, so text is incomplete but ids, speed and losslessness are what is measured.
+
+qwen2-7b-fp8 and glm-4.5-air-fp8 are those with DeepSeek-V3's block-scaled FP8 quantization_config:
+the dummy weights are quantized to e4m3 with [128, 128] block scales as they are drawn (one linear at a
+time, so GLM-4.5-Air's ~110 GB of FP8 weights load on one H200) and the linears run the W8A8 kernel.
 """
 
 from __future__ import annotations
@@ -112,6 +116,11 @@ SHAPES = {
         rope_theta=1000000.0,
     ),
 }
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+for _name in ("qwen2-7b", "glm-4.5-air"):
+    SHAPES[f"{_name}-fp8"] = dict(SHAPES[_name], quantization_config=FP8)
+FAMILY["glm-4.5-air-fp8"] = GLM4_MOE
 
 
 def write_shape(name: str, path: str | Path) -> Path:

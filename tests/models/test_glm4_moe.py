@@ -167,7 +167,7 @@ def test_missing_architectures_reads_glm_through_model_type(checkpoint, tmp_path
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "per-tensor FP8"),
         ({"n_group": 3}, "groups of >= 2 experts"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ],

@@ -103,9 +103,6 @@ def _check_supported(raw: dict[str, Any]) -> None:
     """Reject what this code does not implement, rather than computing garbage."""
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (only 'silu' is implemented)")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method")
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported; dequantize to bf16 first")
     experts, groups = raw.get("n_routed_experts"), raw.get("n_group") or 1
     if experts is None or experts % groups or experts // groups < 2:
         raise ValueError(f"n_routed_experts={experts} must split into n_group={groups} groups of >= 2 experts")
