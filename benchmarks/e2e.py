@@ -57,6 +57,8 @@ from specsplit.launcher import LocalCluster  # noqa: E402
 from specsplit.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
 
 PROMPT_LEN = 64
+ENGINE_NUM_BLOCKS = 4096  # the in-process engine's KV cache without --num-blocks (room for any batch here)
+UP_SHARE = 0.9  # what `specsplit up` lets its services use of a GPU by default
 
 
 def make_prompts(model: Path, count: int, vocab_size: int) -> list[list[int]]:
@@ -105,7 +107,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=3, help="median over this many runs per cell; they go round the cells"
     )
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (verifier and drafter)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks of every verifier and drafter, an exact count (default: the services size theirs from "
+        "device memory as `specsplit up` does, the in-process engine has 4096; on the CPU the services have 1024)",
+    )
     p.add_argument(
         "--placement",
         default="colocated",
@@ -129,6 +137,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def services_memory_share(device: str, num_blocks: int | None) -> float | None:
+    """The services' `--gpu-memory-utilization` (`up`'s, split between verifier and drafter on one device): what
+    `up` would use less what this process holds on the GPU (the in-process engine, after its largest run, plus its
+    CUDA context, taken as 1 GiB); None on the CPU or with --num-blocks."""
+    if not device.startswith("cuda") or num_blocks is not None:
+        return None
+    total = torch.cuda.mem_get_info(device)[1]
+    held = (torch.cuda.max_memory_reserved(device) + (1 << 30)) / total
+    share = round(UP_SHARE - held, 3)
+    print(f"[services: --gpu-memory-utilization {share} ({UP_SHARE} less this process's {held:.3f})]", file=sys.stderr)
+    if share <= 0.2:
+        sys.exit(f"the in-process engine holds {held:.2f} of the GPU: too little is left for the services")
+    return share
+
+
 def main() -> None:
     args = parse_args()
     t_begin = time.monotonic()
@@ -136,10 +159,17 @@ def main() -> None:
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model
     max_k, max_batch = max(args.ks), max(args.batches)
     engine = InProcessEngine(
-        str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
+        str(model),
+        args.device,
+        getattr(torch, args.dtype),
+        args.load_format,
+        args.num_blocks or ENGINE_NUM_BLOCKS,
+        max_batch,
+        max_k,
     )
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
+    services_share = services_memory_share(args.device, args.num_blocks)
     role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.alpha is not None:
         oracle = Oracle([p + o for p, o in zip(all_prompts, reference)], engine.target.config.vocab_size)
@@ -167,7 +197,7 @@ def main() -> None:
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
                     ],
                     verifier_args=[
-                        *["--num-blocks", str(args.num_blocks)],
+                        *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),
                         *["--tensor-parallel-size", str(args.verifier_tp)],
                     ],
                     drafter_device=(
@@ -175,7 +205,8 @@ def main() -> None:
                         if args.verifier_tp > 1 and placement == "pooled" and args.device.startswith("cuda")
                         else None
                     ),
-                    drafter_args=["--num-blocks", str(args.num_blocks)],
+                    drafter_args=[] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)],
+                    gpu_memory_utilization=services_share,
                 )
             )
             for placement in [args.placement]

@@ -45,5 +45,7 @@ EXPOSE 50053 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "/opt/specsplit/healthcheck.py", "127.0.0.1:50053", "specsplit.v1.Drafter"]
 ENTRYPOINT ["specsplit", "serve", "drafter"]
+# On a GPU it takes --gpu-memory-utilization of it (default 0.9); beside its verifier on one GPU give it 0.1 and
+# the verifier 0.8 (docs/deployment.md).
 CMD ["--host", "0.0.0.0", "--port", "50053", "--metrics-port", "9464", \
      "--model", "/opt/specsplit/checkpoints/demo"]

@@ -47,5 +47,7 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
 ENTRYPOINT ["specsplit", "serve", "verifier"]
 # The default placement, colocated: one drafter beside this verifier (same GPU, a shared $TMPDIR for the
 # sockets, as the coordinator's); docker/k8s/overlays/pooled passes --placement=pooled and a dns:/// name.
+# On a GPU, verifier and drafter each take --gpu-memory-utilization of it (default 0.9): on one GPU give them
+# shares that add up below 1, e.g. 0.8 here and 0.1 to the drafter (docs/deployment.md).
 CMD ["--host", "0.0.0.0", "--port", "50052", "--metrics-port", "9464", "--drafter", "specsplit-drafter:50053", \
      "--model", "/opt/specsplit/checkpoints/demo"]

@@ -64,6 +64,7 @@ def up_cluster(args: argparse.Namespace):
         verifier_args=["--tensor-parallel-size", str(args.verifier_tp)] if args.verifier_tp != 1 else None,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens),
     )
 
@@ -274,6 +275,13 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         "--tensor-parallel-size)",
     )
     add_placement_arguments(up, sockets=False)
+    up.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: the share of each device verifier and drafter may use together, their KV caches getting what "
+        "weights and workspace leave (default 0.9); a drafter on the verifier's device takes 0.1 of it. Not on the CPU",
+    )
     up.add_argument(
         "--metrics-port",
         type=int,

@@ -11,6 +11,11 @@ grpc bytes or nccl). The coordinator always reaches its verifier on the verifier
 every service's socket lives in one short directory of this cluster's, removed at stop(). Only the
 coordinator listens on `host`; verifier and drafter bind to loopback.
 
+On CUDA each model server sizes its KV cache from its share of its device (`--gpu-memory-utilization`): a
+drafter on its verifier's device takes 0.1 of it, the verifier the rest of `up`'s share (0.9 by default), so
+the two add up below 1. Two services on one device measure their memory in turn, not in parallel (a lock in
+the socket directory: `specsplit.models.memory_profile`).
+
 The services end with the process that started them, however it ends: on Linux each child asks the kernel
 for SIGTERM when its parent's starting thread exits (`prctl(PR_SET_PDEATHSIG)`), so a SIGKILLed `up` leaves
 no service holding its ports, and the last service to leave the socket directory removes it. Start a
@@ -34,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.models.kv_cache_size import service_shares
 from specsplit.placement import resolve_placement
 
 log = logging.getLogger(__name__)
@@ -125,12 +131,15 @@ class LocalCluster:
         drafter_device: str | None = None,
         metrics_port: int | None = None,
         http_port: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
         (e.g. cuda:0 and cuda:1); placement: the drafter's (`specsplit.placement`), given to both model
         servers; hidden_transport: a pooled drafter's (grpc or nccl; None: grpc); metrics_port: Prometheus
         metrics of the coordinator on it, of verifier and drafter on the next two ports; http_port: the
-        coordinator's OpenAI-compatible HTTP API on it (on `host`; None: off)."""
+        coordinator's OpenAI-compatible HTTP API on it (on `host`; None: off); gpu_memory_utilization: the share of
+        each CUDA device the model servers on it may use together (None: 0.9), split between a verifier and a
+        drafter on one device (`specsplit.models.kv_cache_size.service_shares`); UsageError when given for the CPU."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -158,6 +167,8 @@ class LocalCluster:
                 "or both on the CPU, or use placement pooled"
             )
         self.placement = resolved["verifier"]
+        model_servers = {role: d for role, d in self.devices.items() if with_drafter or role == "verifier"}
+        self.memory_shares = service_shares(gpu_memory_utilization, model_servers)
         self.hidden_transport_flag = hidden_transport
         self.metrics_port = metrics_port
         self.http_port = http_port
@@ -185,6 +196,8 @@ class LocalCluster:
         if role in ("verifier", "drafter"):
             cmd += ["--device", self.devices[role], "--dtype", self.dtype, "--load-format", self.load_format]
             cmd += ["--placement", self.placement.name, "--socket-dir", self.socket_dir]
+            if role in self.memory_shares:
+                cmd += ["--gpu-memory-utilization", f"{self.memory_shares[role]:g}"]
             if self.hidden_transport_flag is not None:
                 cmd += ["--hidden-transport", self.hidden_transport_flag]
         if role == "verifier" and peer:

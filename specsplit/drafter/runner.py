@@ -105,7 +105,8 @@ class DrafterRunner:
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
 
             def eager_step(ids, positions, attn):
-                previous = torch.zeros(ids.numel(), mtp.config.hidden_size, dtype=kv_cache.k.dtype, device=ids.device)
+                dtype = mtp.eh_proj.weight.dtype  # a latent (MLA) cache has no `k`
+                previous = torch.zeros(ids.numel(), mtp.config.hidden_size, dtype=dtype, device=ids.device)
                 return mtp.compute_logits(mtp(ids, previous, positions, kv_cache, attn)[-1:])
 
             steps, seconds = warm_up_eager(kv_cache, eager_step)

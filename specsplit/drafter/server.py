@@ -35,7 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
     add_model_arguments(p)
     add_placement_arguments(p)
-    p.add_argument("--num-blocks", type=int, default=1024, help="MTP KV cache blocks")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="MTP KV cache blocks (default: on CUDA from --gpu-memory-utilization, which this overrides; on the "
+        "CPU 1024); hold at least as many tokens as the verifier's cache, or requests past that go without drafts",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per MTP KV cache block")
     p.add_argument(
         "--draft-top-k",
@@ -54,7 +60,7 @@ class DrafterConfig:
     model: ModelOptions
     placement: Placement
     socket_dir: str | None  # None: a private directory under $TMPDIR
-    num_blocks: int
+    num_blocks: int | None  # None: from --gpu-memory-utilization on CUDA, 1024 on the CPU
     block_size: int
     draft_top_k: int
 
@@ -74,17 +80,45 @@ class DrafterConfig:
         return config
 
 
+def _load_and_size(config: DrafterConfig, step_path: dict):
+    """On the device's thread: the MTP module loaded, then its KV cache sized (`--num-blocks`, or on CUDA from
+    `--gpu-memory-utilization`: room for one request of the model's context length at least) and its runner
+    built on it. Returns (module, runner)."""
+    import torch
+
+    from specsplit.drafter.runner import DrafterRunner
+    from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
+    from specsplit.models.loader import load_mtp
+    from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
+
+    options = config.model
+    on_cuda = torch.device(options.device).type == "cuda"
+    num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
+    with device_memory_lock(config.socket_dir if on_cuda else None):
+        baseline = DeviceBaseline.take(options.device) if on_cuda else None
+        dtype = getattr(torch, options.dtype)
+        mtp = load_mtp(options.checkpoint, dtype=dtype, device=options.device, load_format=options.load_format)
+        _, runner, _ = size_kv_cache(
+            lambda n: mtp.make_kv_cache(n, config.block_size),
+            lambda cache: DrafterRunner(mtp, cache, config.draft_top_k, **step_path),
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            fraction=options.gpu_memory_utilization,
+            max_model_len=mtp.config.max_position_embeddings,
+            baseline=baseline,
+            max_model_len_flag=None,  # the model's context length: the drafter has no flag for it
+        )
+    return mtp, runner
+
+
 async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> None:
     """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
     `benchmarks/forced_drafter.py`)."""
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=True)  # before torch loads: a plain mistake is told at once
-    import torch
 
-    from specsplit.drafter.runner import DrafterRunner
     from specsplit.drafter.servicer import DrafterServicer
     from specsplit.models.device import device_executor, use_device
-    from specsplit.models.loader import load_mtp
     from specsplit.transport import make_receiver
 
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -118,19 +152,12 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
         )
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
-    dtype = getattr(torch, model_options.dtype)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
     try:
         with checkpoint_mistakes(model_options.checkpoint):
-            mtp = await loop.run_in_executor(
-                None,
-                lambda: load_mtp(
-                    model_options.checkpoint,
-                    dtype=dtype,
-                    device=model_options.device,
-                    load_format=model_options.load_format,
-                ),
+            mtp, runner = await loop.run_in_executor(  # graphs captured: seconds
+                None, lambda: _load_and_size(config, step_path)
             )
     except UsageError:
         if local is not None:
@@ -145,21 +172,11 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
         max_model_len=model_config.max_position_embeddings,
         eos_token_ids=model_config.eos_token_ids,
         block_size=config.block_size,
-        num_blocks=config.num_blocks,
+        num_blocks=runner.kv_cache.num_blocks,
         dtype=model_options.dtype,
         hidden_size=model_config.hidden_size,
         hidden_transport=placement.hidden_transport,
         propose_socket=local.path if local else "",
-    )
-    cache = mtp.make_kv_cache(config.num_blocks, config.block_size)
-    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
-        None,
-        lambda: DrafterRunner(
-            mtp,
-            cache,
-            config.draft_top_k,
-            **step_path,
-        ),
     )
     servicer.ready(
         wrap_runner(runner) if wrap_runner else runner,

@@ -29,6 +29,7 @@ MODEL_TYPE_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mimo": "MiMoForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 # Keys of a MiMo config.json that transformers' Qwen2Config must not see (MiMo = Qwen2 + MTP layers;
@@ -89,10 +90,16 @@ class ModelConfig:
     num_nextn_predict_layers: int  # MTP layers shipped in the checkpoint (0 = none)
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+    partial_rotary_factor: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: 0.5)
 
     @property
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE rotates the first `rotary_dim` of each head's `head_dim` values (transformers' rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
@@ -150,17 +157,20 @@ def _from_hf_config(
     )
 
 
-def rope_parameters(hf: Any, supported: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
+def rope_parameters(
+    hf: Any, supported: tuple[str, ...], partial_rotary: bool = False
+) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` or 4.x fields, for the rope
     types in `supported`; fills the defaults transformers derives (llama3's original context, YaRN's
-    factor when only the context lengths are given)."""
+    factor when only the context lengths are given). A `partial_rotary_factor` other than 1 is refused
+    unless `partial_rotary` (the family reads it with `partial_rotary_factor`)."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in supported:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(supported)}")
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+    if params.pop("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     if rope_type == "default":
         return float(theta), None
@@ -169,6 +179,12 @@ def rope_parameters(hf: Any, supported: tuple[str, ...]) -> tuple[float, dict[st
     if rope_type == "yarn" and params.get("factor") is None:
         params["factor"] = hf.max_position_embeddings / params["original_max_position_embeddings"]
     return float(theta), {"rope_type": rope_type, **params}
+
+
+def partial_rotary_factor(hf: Any) -> float:
+    """transformers 5 keeps it in `rope_parameters`, 4.x as a top-level field."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0)
 
 
 def _read_eos_token_ids(path: pathlib.Path, raw: dict[str, Any]) -> list[int]:

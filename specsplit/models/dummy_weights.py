@@ -35,7 +35,8 @@ def init_dummy_weights(
     device: torch.device | str,
     param_dtype: Callable[[str], torch.dtype],
     seed: int = 0,
-    shard=lambda name: None,
+    shard=lambda param_name: None,
+    skip: Callable[[str], bool] = lambda param_name: False,
 ) -> None:
     """Replaces every parameter of a meta-device `model` by a seeded random tensor on `device`.
 
@@ -43,20 +44,25 @@ def init_dummy_weights(
     one name (tied embeddings) share one tensor. `param_dtype(param_name)` is the dtype to use.
     `shard(param_name)`: the slice a tensor-parallel rank keeps (`parallel_layers.Shard`, None: all), cut from
     the whole tensor, so every rank's slices are those of the one-device model.
+    Parameters `skip` names stay on the meta device (the loader draws FP8 linears' weights one at a
+    time with `random_tensor`, quantizing each before the next).
     """
     made: dict[str, nn.Parameter] = {}
     for param_name, param in list(model.named_parameters(remove_duplicate=False)):
+        if skip(param_name):
+            continue
         name = checkpoint_name(param_name)
         if name not in made:
             part = shard(param_name)
             shape = tuple(param.shape) if part is None else part.full_shape(tuple(param.shape))
-            tensor = _random(name, shape, param_dtype(param_name), device, seed)
+            tensor = random_tensor(name, shape, param_dtype(param_name), device, seed)
             made[name] = nn.Parameter(tensor if part is None else part.take(tensor).contiguous(), requires_grad=False)
         module_name, _, leaf = param_name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, made[name])
 
 
-def _random(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, seed: int) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:
+    """The dummy value of checkpoint tensor `name`."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith("bias") or len(shape) < 2:

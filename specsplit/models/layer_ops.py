@@ -16,7 +16,8 @@ The linears (`linear`) run the Triton GEMV of `specsplit/kernels/gemv.py` for st
 default only for the shapes `benchmarks/gemv.py` measured on the H200** (`specsplit/kernels/gemv_configs.py`;
 there it beat cuBLAS on most (shape, tokens) entries, the others keep `F.linear`); `enable_gemv(True)`
 (the servers' `--gemv`) also runs unmeasured shapes with a default launch, `enable_gemv(False)`
-(`--no-gemv`) keeps cuBLAS everywhere. Everything off CUDA keeps `F.linear`.
+(`--no-gemv`) keeps cuBLAS everywhere. Everything off CUDA keeps `F.linear`. A block-scaled FP8 linear
+(`specsplit.models.fp8_linear.Fp8Linear`) runs its own forward: the Triton W8A8 kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from specsplit.kernels.gemv import linear as gemv_linear
 from specsplit.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from specsplit.kernels.rotary import apply_rotary_qk_triton, kv_write_supported, rotary_kernel_supports
 from specsplit.kernels.silu_mul import silu_mul_reference, silu_mul_triton
+from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.rotary import apply_rotary
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -77,8 +79,8 @@ def rms_norm(
 def apply_rotary_qk(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
+    cos: torch.Tensor,  # [T, rotary_dim]
+    sin: torch.Tensor,  # [T, rotary_dim]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (the kernel rotates the given tensors in place)
     if use_triton(q) and not _needs_grad(q, k) and rotary_kernel_supports(q, k, cos, sin):
         return apply_rotary_qk_triton(q, k, cos, sin)
@@ -89,8 +91,8 @@ def apply_rotary_qk_and_write_kv(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
+    cos: torch.Tensor,  # [T, rotary_dim]
+    sin: torch.Tensor,  # [T, rotary_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T], -1 = skip
@@ -114,9 +116,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (silu_mul_triton if kernel else silu_mul_reference)(gate_up)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear) -> torch.Tensor:
     # x: [T, in_features] → [T, out_features]; `layer(x)` unless the GEMV is on
     # (specsplit.kernels.gemv.linear still keeps F.linear for shapes, token counts or dtypes it does not serve)
-    if use_gemv(x):
+    if use_gemv(x) and not isinstance(layer, Fp8Linear):
         return gemv_linear(x, layer.weight, layer.bias, measured_only=_gemv_mode == "measured")
     return layer(x)

@@ -15,6 +15,7 @@ from torch import nn
 
 from specsplit.models.attention import paged_attention
 from specsplit.models.config import ModelConfig
+from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, linear, rms_norm, silu_mul
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
@@ -61,10 +62,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-def _concat_linears(*linears: nn.Linear) -> nn.Linear:
+def _concat_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
     """One Linear whose output rows are the given layers' rows, in order (a new tensor; the caller
-    drops the originals, so the weights stay single)."""
+    drops the originals, so the weights stay single); FP8 layers keep each row's scale."""
     first = linears[0]
+    if isinstance(first, Fp8Linear):
+        return Fp8Linear.concat(*linears)
     with torch.device("meta"):
         fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
     fused.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=first.weight.requires_grad)
@@ -162,7 +165,7 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, rotary_dim]
         kv_cache: PagedKVCache,
         cache_layer: int,
         attn: AttentionMetadata,

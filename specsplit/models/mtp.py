@@ -38,6 +38,7 @@ class SharedHead(nn.Module):
 class MTPModule(nn.Module):
     # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`).
     supports_attention_kernel = True
+    supports_cuda_graphs = True  # no host sync in the forward (the MoE has one: models/moe.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -64,7 +65,7 @@ class MTPModule(nn.Module):
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A one-layer cache for the MTP block, in the weights' dtype and on their device."""
-        weight = self.eh_proj.weight
+        weight = self.embed_tokens.weight  # never FP8 (eh_proj may be)
         return PagedKVCache(
             num_layers=1,
             num_kv_heads=self.config.num_key_value_heads,

@@ -136,6 +136,16 @@ def broadcast_from_first(obj: object = None) -> object:
     return box[0]
 
 
+def min_over_ranks(value: int) -> int:
+    """The least of every rank's `value` (each rank calls it), over the control group: e.g. the KV cache's
+    blocks, sized from each rank's device memory, which must be one count on every rank."""
+    if _state.size == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=_state.control_group)
+    return int(box.item())
+
+
 def wait_for_ranks() -> None:
     """Returns once every rank has called it (over the control group): e.g. every rank ready to serve."""
     if _state.size > 1:

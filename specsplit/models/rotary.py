@@ -14,8 +14,8 @@ from specsplit.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, on the host."""
-    dim = config.head_dim
+    """[rotary_dim // 2] float32 inverse frequencies, on the host."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -54,7 +54,7 @@ class RotaryEmbedding:
         self._inv_freq = rope_inv_freq(config)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] int64 → cos, sin: [T, head_dim] in `dtype`
+        # positions: [T] int64 → cos, sin: [T, rotary_dim] in `dtype`
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self._inv_freq[None, :]
@@ -63,7 +63,10 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, num_heads, head_dim], cos/sin: [T, head_dim] → [T, num_heads, head_dim]
+    # x: [T, num_heads, head_dim], cos/sin: [T, rotary_dim] → [T, num_heads, head_dim]
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:  # partial rotary (GLM-4.5): rotate-half on the first rotary_dim, the rest passes
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -26,6 +26,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "sampler's torch reference (an escape hatch; by default on CUDA the Triton kernels and graphs run)",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        help="CUDA: the fraction of the device's memory this server may use (weights, CUDA graphs, workspace "
+        "and the KV cache, which gets the rest); default 0.9; two servers on one device need shares that add "
+        "up below 1. Not on --device cpu. --num-blocks overrides it",
+    )
+    p.add_argument(
         "--slow-step-s",
         type=_seconds,
         default=DEFAULT_SLOW_STEP_S,
@@ -41,6 +49,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """`--model` and `add_model_arguments`' values."""
@@ -51,6 +66,7 @@ class ModelOptions:
     load_format: str  # auto: the checkpoint's safetensors; dummy: seeded random weights
     eager: bool
     slow_step_s: float  # 0: off
+    gpu_memory_utilization: float | None = None  # CUDA: the device's share this server may use; None: 0.9
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelOptions:
@@ -61,6 +77,7 @@ class ModelOptions:
             load_format=args.load_format,
             eager=args.eager,
             slow_step_s=args.slow_step_s,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
 
 

@@ -21,6 +21,11 @@ def check_model_server(model: ModelOptions, *, drafter: bool) -> None:
     """The checkpoint and device both model servers take; `drafter`: the checkpoint must have MTP layers."""
     check_checkpoint(model.checkpoint, model.load_format, drafter=drafter)
     check_device(model.device)
+    if model.gpu_memory_utilization is not None and model.device.startswith("cpu"):
+        raise UsageError(
+            f"--gpu-memory-utilization sizes the KV cache from CUDA device memory, not on --device {model.device}; "
+            "there give --num-blocks (default 1024) or leave both out"
+        )
 
 
 def check_checkpoint(model: str, load_format: str, *, drafter: bool) -> None:
@@ -94,16 +99,21 @@ def check_device(device: str) -> None:
 
 def check_tensor_parallel(model: ModelOptions, size: int) -> None:
     """`--tensor-parallel-size`: the checkpoint's heads, KV heads, MLP and experts split into `size` ranks, an
-    unquantized checkpoint (quantized weights are not sharded yet), and a CUDA device for every rank."""
+    unquantized checkpoint (quantized weights are not sharded yet: the loader's reading of quantization_config,
+    `load_quantization`), and a CUDA device for every rank."""
     if size == 1:
         return
+    from specsplit.models.loader import load_quantization
+
     flag = f"--tensor-parallel-size {size}"
-    raw = json.loads((pathlib.Path(model.checkpoint) / "config.json").read_text())
-    if "quantization_config" in raw:
+    with checkpoint_mistakes(model.checkpoint):
+        quantization = load_quantization(model.checkpoint)
+    if quantization is not None:
         raise UsageError(
-            f"{flag}: checkpoint {model.checkpoint!r} is quantized (quantization_config in config.json) and "
+            f"{flag}: checkpoint {model.checkpoint!r} is quantized (block-scaled FP8, its quantization_config) and "
             "quantized weights are not sharded yet; serve it with --tensor-parallel-size 1"
         )
+    raw = json.loads((pathlib.Path(model.checkpoint) / "config.json").read_text())
     heads = raw.get("num_attention_heads", 0)
     kv_heads = raw.get("num_key_value_heads") or heads
     splits = {

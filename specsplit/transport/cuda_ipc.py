@@ -249,7 +249,10 @@ class CudaIpcReceiver(HiddenStatesReceiver):
         them for every slot and its GPU is this drafter's; otherwise the hand-offs stay off."""
         self.device_hand_off = False
         offered = len(request.token_buffers) == len(request.event_handles) == len(request.buffers)
-        if not offered or index != self.device.index or request.slot_tokens <= 0:
+        # The verifier's GPU by its UUID, not by index: a drafter on a bare `cuda` (the current device, as
+        # `specsplit up` starts it) has no index to compare.
+        same_gpu = request.device_uuid == device_uuid(self.device)
+        if not offered or not same_gpu or request.slot_tokens <= 0:
             return
         try:
             tokens = [open_shared(b, index, torch.int64) for b in request.token_buffers]

@@ -349,6 +349,14 @@ class DrafterClient:
         refusal = model_mismatch(model, info, replica.address) if model is not None else None
         if refusal:
             raise TransportConfigError(refusal)
+        if model is not None and info.num_blocks * info.block_size < model.num_blocks * model.block_size:
+            log.warning(
+                "drafter %s holds %d tokens of MTP KV cache, fewer than this verifier's %d: requests past that go "
+                "without drafts; give the drafter a larger --gpu-memory-utilization or --num-blocks",
+                replica.address,
+                info.num_blocks * info.block_size,
+                model.num_blocks * model.block_size,
+            )
         if self.rpc == "local" and not os.path.exists(info.propose_socket):
             raise TransportConfigError(
                 f"a co-located drafter shares its verifier's host: drafter {replica.address} serves ProposeStream on "

@@ -72,11 +72,9 @@ def follower_main(config, rank: int, address: str) -> None:
     """A follower process: `config` is rank 0's VerifierConfig. Exits 1 on any failure (rank 0 sees it)."""
     from specsplit.grpc_server import setup_logging
     from specsplit.models.device import use_device
-    from specsplit.models.loader import load_target
     from specsplit.models.parallel import init_tensor_parallel, wait_for_ranks
     from specsplit.models.serve_options import apply_eager_option
-    from specsplit.verifier.runner import VerifierRunner
-    from specsplit.verifier.server import serving_max_model_len
+    from specsplit.verifier.server import _load_and_size
 
     # Rank 0 alone decides when to stop (a Ctrl-C or SIGTERM to the group must not cut a step short).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -95,17 +93,8 @@ def follower_main(config, rank: int, address: str) -> None:
             device=device,
         )
         use_device(device)
-        step_path = apply_eager_option(options.eager)
-        dtype = getattr(torch, options.dtype)
-        model = load_target(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
-        kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
-        runner = VerifierRunner(
-            model,
-            kv_cache,
-            "reference",  # a follower never samples: no sampler kernels to warm up
-            **step_path,
-            max_model_len=serving_max_model_len(config, model.config),
-        )
+        # Loaded and sized as rank 0 does, in step with it (the warm-up's collectives, one block count).
+        _, _, runner, _ = _load_and_size(config, apply_eager_option(options.eager), rank)
         wait_for_ranks()  # rank 0 reports SERVING once every rank is ready
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", rank, config.tensor_parallel_size, device)
         steps = follow(runner)

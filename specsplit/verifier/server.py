@@ -39,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "none: no speculation",
     )
     add_model_arguments(p)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: on CUDA from --gpu-memory-utilization, which this overrides; on the CPU 1024)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
@@ -87,7 +92,7 @@ class VerifierConfig:
     placement: Placement
     socket_dir: str | None  # None: a private directory under $TMPDIR
     drafter: str | None  # replicas, comma-separated; None: no speculation
-    num_blocks: int
+    num_blocks: int | None  # None: from --gpu-memory-utilization on CUDA, 1024 on the CPU
     block_size: int
     max_model_len: int | None  # None: the model's context length
     drafter_timeout: float
@@ -132,19 +137,11 @@ class VerifierConfig:
         return config
 
 
-def serving_max_model_len(config: VerifierConfig, model_config) -> int:
-    """The longest sequence served: the model's context, --max-model-len, and the KV cache's room."""
-    return min(
-        model_config.max_position_embeddings,
-        config.max_model_len or model_config.max_position_embeddings,
-        config.num_blocks * config.block_size,
-    )
-
-
 def model_info(
-    config: VerifierConfig, model_config, max_model_len: int, verify_socket: str = ""
+    config: VerifierConfig, model_config, max_model_len: int, num_blocks: int, verify_socket: str = ""
 ) -> common_pb2.ModelInfo:
-    """What GetModelInfo answers: the target `model_config` as this verifier serves it."""
+    """What GetModelInfo answers: the target `model_config` as this verifier serves it, with its KV cache's
+    `num_blocks`."""
     return common_pb2.ModelInfo(
         model=Path(config.model.checkpoint).resolve().name,
         architecture=model_config.architecture,
@@ -153,11 +150,59 @@ def model_info(
         num_speculative_tokens=0,
         eos_token_ids=model_config.eos_token_ids,
         block_size=config.block_size,
-        num_blocks=config.num_blocks,
+        num_blocks=num_blocks,
         dtype=config.model.dtype,
         hidden_size=model_config.hidden_size,
         verify_socket=verify_socket,
     )
+
+
+def _load_and_size(config: VerifierConfig, step_path: dict, rank: int = 0):
+    """On the device's thread: the target loaded, then its KV cache sized (`--num-blocks`, or on CUDA from
+    `--gpu-memory-utilization`) and its runner built on it. Returns (model, cache, runner, max_model_len).
+    Tensor-parallel: every rank runs it on its own device (`rank`; the followers from `ranks.follower_main`),
+    in step, since the runners' warm-up forwards take part in collectives; a cache sized from memory gets the
+    least of the ranks' block counts (`parallel.min_over_ranks`), as rank 0's block plans index every rank's."""
+    import torch
+
+    from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
+    from specsplit.models.loader import load_target
+    from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
+    from specsplit.models.parallel import min_over_ranks
+    from specsplit.verifier.ranks import rank_device
+    from specsplit.verifier.runner import VerifierRunner
+
+    options = config.model
+    device = rank_device(options.device, rank)
+    on_cuda = torch.device(device).type == "cuda"
+    num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
+    # A co-located drafter shares rank 0's device only.
+    with device_memory_lock(config.socket_dir if on_cuda and rank == 0 else None):
+        baseline = DeviceBaseline.take(device) if on_cuda else None
+        dtype = getattr(torch, options.dtype)
+        model = load_target(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
+        limit = model.config.max_position_embeddings
+        max_model_len = min(limit, config.max_model_len or limit)
+        if num_blocks is not None:  # a given count caps the context, as it always has
+            max_model_len = min(max_model_len, num_blocks * config.block_size)
+        kv_cache, runner, _ = size_kv_cache(
+            lambda n: model.make_kv_cache(n, config.block_size),
+            lambda cache: VerifierRunner(
+                model,
+                cache,
+                # a follower never samples: no sampler kernels to warm up
+                "reference" if options.eager or rank else "auto",
+                **step_path,
+                max_model_len=max_model_len,
+            ),
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            fraction=options.gpu_memory_utilization,
+            max_model_len=max_model_len,
+            baseline=baseline,
+            agree=min_over_ranks,
+        )
+    return model, kv_cache, runner, max_model_len
 
 
 async def serve(config: VerifierConfig) -> None:
@@ -167,11 +212,9 @@ async def serve(config: VerifierConfig) -> None:
     import torch
 
     from specsplit.models.device import device_executor, use_device
-    from specsplit.models.loader import load_target
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
     from specsplit.verifier.ranks import end_followers
-    from specsplit.verifier.runner import VerifierRunner
     from specsplit.verifier.servicer import VerifierServicer
     from specsplit.verifier.worker import VerifierWorker
 
@@ -215,7 +258,6 @@ async def serve(config: VerifierConfig) -> None:
     )
     # Opened now: a bad path fails before minutes of loading.
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
-    dtype = getattr(torch, model_options.dtype)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
     followers = None
@@ -246,14 +288,8 @@ async def serve(config: VerifierConfig) -> None:
             raise
     try:
         with checkpoint_mistakes(model_options.checkpoint):
-            model = await loop.run_in_executor(
-                None,
-                lambda: load_target(
-                    model_options.checkpoint,
-                    dtype=dtype,
-                    device=model_options.device,
-                    load_format=model_options.load_format,
-                ),
+            model, kv_cache, runner, max_model_len = await loop.run_in_executor(  # graphs captured: seconds
+                None, lambda: _load_and_size(config, step_path)
             )
     except UsageError:
         if followers is not None:
@@ -262,11 +298,10 @@ async def serve(config: VerifierConfig) -> None:
         sockets.remove()
         raise
     model_config = model.config
-    kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
-    max_model_len = serving_max_model_len(config, model_config)
-    info = model_info(config, model_config, max_model_len, local.path)
+    info = model_info(config, model_config, max_model_len, kv_cache.num_blocks, local.path)
     if config.drafter:
         try:
+            dtype = getattr(torch, model_options.dtype)
             example = torch.zeros(1, model_config.hidden_size, dtype=dtype, device=model_options.device)
             await drafter.open_transport(example, config.transport_connect_timeout, info)
         except TransportConfigError:
@@ -277,16 +312,6 @@ async def serve(config: VerifierConfig) -> None:
             sockets.remove()
             await server.stop(0)
             raise
-    runner = await loop.run_in_executor(  # captures the CUDA graphs: seconds
-        None,
-        lambda: VerifierRunner(
-            model,
-            kv_cache,
-            "reference" if model_options.eager else "auto",
-            **step_path,
-            max_model_len=max_model_len,
-        ),
-    )
     if followers is not None:
         from specsplit.models.parallel import wait_for_ranks
 
@@ -305,7 +330,7 @@ async def serve(config: VerifierConfig) -> None:
         model_options.checkpoint,
         model_config.architecture,
         model_options.device,
-        config.num_blocks,
+        kv_cache.num_blocks,
         config.block_size,
         placement.name,
         placement.hidden_transport,

@@ -15,6 +15,7 @@ from deploy_tools import K8S, OVERLAYS, by_kind, dockerfile_exec_form, kustomize
 
 from specsplit.cli import parse_args
 from specsplit.launcher import METRICS_PORT_OFFSETS, LocalCluster
+from specsplit.models.kv_cache_size import service_shares
 from specsplit.placement import DEFAULT_PLACEMENT, PLACEMENTS, resolve_placement
 from specsplit.verifier.drafter_pool import parse_targets
 
@@ -278,6 +279,18 @@ def test_colocated_pod_has_exactly_one_gpu_for_its_three_services():
     assert gpus(container) == 1 and container["image"].endswith("-cuda")
     assert sum(gpus(c) for name in by_kind(docs, "Deployment") for c in pod(docs, name)["containers"]) == 1
     assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", "/tmp"}
+
+
+def test_verifier_and_drafter_on_one_gpu_take_shares_that_add_up_below_1():
+    """The co-located pod's `up` splits its --gpu-memory-utilization between the two model servers on its one GPU;
+    a pooled model server has a GPU of its own and takes the default."""
+    (container,) = pod(render("colocated"), SERVER)["containers"]
+    args = parse_args(argv(container, render("colocated")))
+    shares = service_shares(args.gpu_memory_utilization, {"verifier": args.device, "drafter": args.device})
+    assert shares == {"verifier": 0.8, "drafter": 0.1} and sum(shares.values()) < 1
+    docs = render("pooled")
+    for c in (by_name(pod(docs, SERVER)["containers"])["verifier"], pod(docs, DRAFTER)["containers"][0]):
+        assert gpus(c) == 1 and parsed(c, docs).gpu_memory_utilization is None  # 0.9 of its own GPU
 
 
 def test_pooled_overlay_gives_the_verifier_and_each_drafter_a_gpu_and_the_coordinator_none():

@@ -20,6 +20,7 @@ from specsplit.models.layer_ops import enable_layer_kernels
 from specsplit.models.loader import load_target
 from specsplit.models.rotary import apply_rotary
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 from tests.gpu.model_steps import decode_steps
 
 pytestmark = pytest.mark.gpu
@@ -76,13 +77,14 @@ def test_silu_mul_kernel_matches_the_torch_op(dtype, tokens, size, gen):
 
 @DTYPES
 @pytest.mark.parametrize(
-    ("tokens", "heads", "kv_heads", "head_dim"), [(1, 28, 4, 128), (33, 8, 2, 64), (256, 32, 8, 128)]
-)
-def test_rotary_kernel_matches_the_torch_op_on_strided_views(dtype, tokens, heads, kv_heads, head_dim, gen):
+    ("tokens", "heads", "kv_heads", "head_dim", "rotary_dim"),
+    [(1, 28, 4, 128, 128), (33, 8, 2, 64, 64), (256, 32, 8, 128, 128), (1, 96, 8, 128, 64), (37, 96, 8, 128, 64)],
+)  # the last two: GLM-4.5-Air's heads, RoPE on half of each
+def test_rotary_kernel_matches_the_torch_op_on_strided_views(dtype, tokens, heads, kv_heads, head_dim, rotary_dim, gen):
     qkv = _randn(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided views, as in the model
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    angle = torch.rand(tokens, head_dim // 2, device="cuda", generator=gen) * 6.28
+    angle = torch.rand(tokens, rotary_dim // 2, device="cuda", generator=gen) * 6.28
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     ref_q, ref_k = apply_rotary(q.clone(), cos, sin), apply_rotary(k.clone(), cos, sin)
     got_q, got_k = apply_rotary_qk_triton(q, k, cos, sin)
@@ -90,23 +92,30 @@ def test_rotary_kernel_matches_the_torch_op_on_strided_views(dtype, tokens, head
     assert _rel(got_k, ref_k) <= TOL[dtype]
 
 
-@pytest.mark.parametrize(("model", "tol"), [("tiny qwen3 fp32", 1e-3), ("tiny qwen2 fp32", 1e-3), ("demo bf16", 0.25)])
+@pytest.mark.parametrize(
+    ("model", "tol"),
+    [("tiny qwen3 fp32", 1e-3), ("tiny qwen2 fp32", 1e-3), ("tiny glm4_moe fp32", 1e-3), ("demo bf16", 0.25)],
+)
 def test_whole_model_logits_with_layer_kernels_match_the_torch_ops(model, tol, tmp_path, layer_kernels_restored):
     dev = torch.device("cuda")
     if model == "demo bf16":
         target = load_target(DEMO, dtype=torch.bfloat16, device=dev)
+    elif model == "tiny glm4_moe fp32":  # partial rotary, q/k norm, MoE: Triton attention, no CUDA graphs
+        checkpoint = write_tiny_glm4_moe_checkpoint(tmp_path / "glm", use_qk_norm=True, max_position_embeddings=256)
+        target = load_target(checkpoint, device=dev)
     else:
         arch = model.split()[1]
         checkpoint = write_tiny_checkpoint(tmp_path / arch, architecture=arch, max_position_embeddings=256)
         target = load_target(checkpoint, device=dev)
     logits = {}
+    paths = ("kernel", "graphs") if target.supports_cuda_graphs else ("kernel",)
     for on in (False, True):
         enable_layer_kernels(on)
-        for path in ("kernel", "graphs"):
+        for path in paths:
             cache = target.make_kv_cache(64, 16)
             runner = CudaGraphRunner(target, cache, max_model_len=256, max_num_tokens=8) if path == "graphs" else None
             logits[on, path] = decode_steps(target, cache, path, runner)
-    for path in ("kernel", "graphs"):
+    for path in paths:
         a, b = logits[True, path], logits[False, path]
         err = max((x - y).abs().max().item() for x, y in zip(a, b))
         same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))

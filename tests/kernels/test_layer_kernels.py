@@ -72,28 +72,34 @@ def _rope(positions: torch.Tensor, dim: int, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# T, heads, kv heads, head_dim, rotary_dim (< head_dim: partial rotary, GLM-4.5's half and an odd share)
+ROTARY_SHAPES = [(5, 7, 1, 24, 24), (3, 28, 4, 128, 128), (1, 6, 2, 10, 10), (3, 12, 2, 128, 64), (2, 5, 1, 24, 10)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 7, 1, 24), (3, 28, 4, 128), (1, 6, 2, 10)])  # T, heads, kv heads, dim
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
 def test_rotary_kernel_equals_reference_in_place(dtype, shape):
-    num_tokens, heads, kv_heads, dim = shape
+    num_tokens, heads, kv_heads, dim, rotary_dim = shape
     qkv, q, k = _qkv_views(num_tokens, heads, kv_heads, dim, dtype, seed=7)
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
-    cos, sin = _rope(torch.arange(num_tokens) * 37 + 3, dim, dtype)
+    q_pass, k_pass = q[..., rotary_dim:].clone(), k[..., rotary_dim:].clone()
+    cos, sin = _rope(torch.arange(num_tokens) * 37 + 3, rotary_dim, dtype)
     expected_q, expected_k = apply_rotary_qk_reference(q, k, cos, sin)
     out_q, out_k = apply_rotary_qk_triton(q, k, cos, sin)
     assert out_q is q and out_k is k  # rotated in place, inside the fused qkv buffer
     torch.testing.assert_close(q, expected_q, **TOLERANCE[dtype])
     torch.testing.assert_close(k, expected_k, **TOLERANCE[dtype])
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+    assert torch.equal(q[..., rotary_dim:], q_pass) and torch.equal(k[..., rotary_dim:], k_pass)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 7, 1, 24), (3, 28, 4, 128)])  # T, heads, kv heads, dim
+@pytest.mark.parametrize("shape", [(5, 7, 1, 24, 24), (3, 28, 4, 128, 128), (4, 12, 2, 128, 64)])
 def test_rotary_kernel_writes_the_rotated_k_and_v_into_their_cache_slots(dtype, shape):
-    num_tokens, heads, kv_heads, dim = shape
+    num_tokens, heads, kv_heads, dim, rotary_dim = shape
     qkv, q, k = _qkv_views(num_tokens, heads, kv_heads, dim, dtype, seed=9)
     v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
-    cos, sin = _rope(torch.arange(num_tokens) * 11 + 1, dim, dtype)
+    cos, sin = _rope(torch.arange(num_tokens) * 11 + 1, rotary_dim, dtype)
     num_blocks, block_size = 3, 4
     k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 7.0, dtype=dtype)
     v_cache = k_cache.clone()
@@ -112,9 +118,10 @@ def test_rotary_kernel_writes_the_rotated_k_and_v_into_their_cache_slots(dtype, 
     assert torch.equal(v_cache, expected_v_cache)
 
 
-def test_rotary_reference_is_the_model_rotary():
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rotary_reference_is_the_model_rotary(rotary_dim):
     _, q, k = _qkv_views(4, 6, 2, 16, torch.bfloat16, seed=8)
-    cos, sin = _rope(torch.tensor([0, 5, 9, 400]), 16, torch.bfloat16)
+    cos, sin = _rope(torch.tensor([0, 5, 9, 400]), rotary_dim, torch.bfloat16)
     ref_q, ref_k = apply_rotary_qk_reference(q, k, cos, sin)
     assert torch.equal(ref_q, apply_rotary(q, cos, sin)) and torch.equal(ref_k, apply_rotary(k, cos, sin))
 

@@ -10,7 +10,7 @@ import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from specsplit.models.deepseek_v3.config import DeepseekV3Config
-from specsplit.models.deepseek_v3.moe import MoE, Router
+from specsplit.models.moe import MoE, Router
 
 ATOL = 1e-5
 

@@ -14,8 +14,8 @@ import safetensors.torch
 import torch
 import transformers
 
-from specsplit.models.deepseek_v3.moe import MoE
 from specsplit.models.loader import load_mtp, load_target
+from specsplit.models.moe import MoE
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 ATOL = 1e-4

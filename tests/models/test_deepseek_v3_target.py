@@ -218,7 +218,7 @@ def test_config_reads_mla_moe_and_yarn_fields(checkpoint):
     [
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"topk_method": "group_limited_greedy"}, "topk_method"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "per-tensor FP8"),
         ({"n_group": 3}, "groups of >= 2 experts"),
     ],
 )

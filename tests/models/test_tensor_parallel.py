@@ -1,7 +1,9 @@
 """A tensor-parallel target's logits equal the one-device model's within fp32 rounding: TP 2 and 4 over
 gloo (spawned CPU ranks), GQA with KV heads split (TP 2) and replicated (TP 4 > 2 KV heads), tied and
 untied vocab-parallel embeddings with a vocabulary the ranks do not divide, qkv biases (Qwen2), q/k norms
-(Qwen3), checkpoint weights and dummy weights; DeepSeek-V3's MLA and expert-parallel MoE."""
+(Qwen3), checkpoint weights and dummy weights; DeepSeek-V3's MLA and expert-parallel MoE; GLM-4.5's GQA with
+partial rotary, qkv biases and q/k norms, beside the same MoE. The ranks agree on the least of their values
+(the KV cache's blocks sized from each rank's memory)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from specsplit.models.layers import local_heads
 from specsplit.models.loader import load_target
 from specsplit.models.parallel_layers import Shard
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 from tests.models.tensor_parallel_ranks import run_ranks
 
 # (new tokens of request a, of request b) per step: prefill chunks, then a verify step of 1 + 3 tokens.
@@ -52,12 +55,15 @@ def all_step_logits(cases: list[tuple[str, str]]) -> list:
 
 @pytest.fixture(scope="module")
 def cases(checkpoint_dir, tmp_path_factory) -> list[tuple[str, str]]:
-    """(checkpoint, load format) of every case: CASES, and DeepSeek-V3 (MLA heads split, 8 experts split across
-    the ranks with the router replicated, one dense layer), with and without q_lora."""
+    """(checkpoint, load format) of every case: CASES, DeepSeek-V3 (MLA heads split, 8 experts split across
+    the ranks with the router replicated, one dense layer), with and without q_lora, and GLM-4.5 (GQA, one
+    dense layer, 8 experts split), from its checkpoint and from dummy weights."""
     paths = [(str(checkpoint_dir(arch, **kwargs)), load_format) for arch, kwargs, load_format in CASES]
     for q_lora_rank in (32, None):
         path = tmp_path_factory.mktemp(f"tiny-deepseek-{q_lora_rank}")
         paths.append((str(write_tiny_deepseek_checkpoint(path, q_lora_rank=q_lora_rank)), "auto"))
+    glm = write_tiny_glm4_moe_checkpoint(tmp_path_factory.mktemp("tiny-glm4-moe"), use_qk_norm=True)
+    paths += [(str(glm), "auto"), (str(glm), "dummy")]
     return paths
 
 
@@ -67,6 +73,16 @@ def test_tp_logits_equal_one_device(cases, size):
     for (path, load_format), logits in zip(cases, run_ranks(size, all_step_logits, cases)):
         reference = torch.from_numpy(step_logits(path, load_format))
         torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-5, atol=1e-5, msg=f"{path} TP {size}")
+
+
+def _least_blocks() -> int:
+    from specsplit.models.parallel import min_over_ranks, tp_rank
+
+    return min_over_ranks([900, 700, 800, 1000][tp_rank()])
+
+
+def test_ranks_agree_on_the_least_block_count():
+    assert run_ranks(4, _least_blocks) == 700
 
 
 def test_local_heads_split_and_replicate():

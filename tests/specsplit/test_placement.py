@@ -172,3 +172,17 @@ def test_up_serves_each_services_metrics_on_its_own_port():
     cluster = up_cluster(parse_args(["up"]))
     assert "--metrics-port" not in cluster.command("verifier", 1)
     cluster.stop()
+
+
+def test_up_gives_a_verifier_and_a_drafter_on_one_gpu_shares_that_add_up_below_1():
+    def shares(*argv: str) -> dict[str, list[str]]:
+        cluster = up_cluster(parse_args(["up", *argv]))
+        found = {role: flags(cluster.command(role, 1), "--gpu-memory-utilization") for role in ("verifier", "drafter")}
+        cluster.stop()
+        return found
+
+    assert shares() == {"verifier": [None], "drafter": [None]}  # the CPU: --num-blocks' default
+    assert shares("--device", "cuda") == {"verifier": ["0.8"], "drafter": ["0.1"]}
+    assert shares("--device", "cuda:0", "--gpu-memory-utilization", "0.6") == {"verifier": ["0.5"], "drafter": ["0.1"]}
+    pooled = ["--placement", "pooled", "--verifier-device", "cuda:0", "--drafter-device", "cuda:1"]
+    assert shares(*pooled) == {"verifier": ["0.9"], "drafter": ["0.9"]}

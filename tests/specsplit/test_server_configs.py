@@ -66,7 +66,7 @@ def test_the_verifiers_defaults_are_the_command_lines():
         placement=Placement("colocated", "grpc"),
         socket_dir=None,
         drafter=None,
-        num_blocks=1024,
+        num_blocks=None,  # on CUDA from --gpu-memory-utilization, on the CPU 1024
         block_size=16,
         max_model_len=None,
         drafter_timeout=30.0,
@@ -83,7 +83,7 @@ def test_the_drafters_defaults_are_the_command_lines():
         model=model_defaults(),
         placement=Placement("colocated", "grpc"),
         socket_dir=None,
-        num_blocks=1024,
+        num_blocks=None,  # on CUDA from --gpu-memory-utilization, on the CPU 1024
         block_size=16,
         draft_top_k=16,
     )

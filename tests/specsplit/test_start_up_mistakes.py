@@ -60,6 +60,15 @@ def checkpoint(directory: Path, **changes) -> Path:
 BAD_FLAGS = {
     "dtype": (["serve", "drafter", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     "num-blocks": (["serve", "drafter", "--num-blocks", "0"], "--num-blocks 0 is out of range; give a value >= 1"),
+    "gpu-memory-utilization": (
+        ["serve", "drafter", "--gpu-memory-utilization", "1.5"],
+        "argument --gpu-memory-utilization: must be a fraction in (0, 1], got 1.5",
+    ),
+    "gpu-memory-utilization on the cpu": (
+        ["serve", "verifier", "--gpu-memory-utilization", "0.5"],
+        "--gpu-memory-utilization sizes the KV cache from CUDA device memory, not on --device cpu; there give "
+        "--num-blocks",
+    ),
     "port": (["serve", "verifier", "--port", "70000"], "--port 70000 is not a port number; give one in 0-65535"),
     "shutdown-grace": (
         ["serve", "verifier", "--shutdown-grace", "nan"],
@@ -232,6 +241,14 @@ def test_a_bad_flag_value_is_refused(slow, flag):
     assert line.startswith(f"specsplit {argv[0]} {argv[1]}: ") and says in line
 
 
+def test_up_refuses_a_gpu_memory_share_on_the_cpu():
+    line = refusal("up", "--port", "0", "--gpu-memory-utilization", "0.5")
+    assert line == (
+        "specsplit up: --gpu-memory-utilization sizes the KV caches from CUDA device memory, not on --device cpu; "
+        "leave it out on the CPU"
+    )
+
+
 def test_debug_logging_shows_the_traceback_above_the_line(tmp_path):
     out = run("serve", "verifier", "--model", str(tmp_path / "missing"), "--log-level", "debug")
     assert out.returncode == 2 and "Traceback (most recent call last)" in out.stderr
@@ -251,12 +268,13 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
     return lines
 
 
-def test_a_verifier_refuses_a_drafter_of_another_model(tmp_path):
+def test_a_drafter_logs_its_given_kv_cache_size_and_a_verifier_refuses_it_for_another_model(tmp_path):
     other = checkpoint(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=4000)
+    drafter_log = tmp_path / "drafter.log"
     drafter = subprocess.Popen(
-        [sys.executable, "-m", "specsplit", "serve", "drafter", "--model", str(DEMO), "--log-level", "warning"],
+        [sys.executable, "-m", "specsplit", "serve", "drafter", "--model", str(DEMO), "--num-blocks", "40"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=drafter_log.open("w"),
         text=True,
     )
     try:
@@ -277,3 +295,8 @@ def test_a_verifier_refuses_a_drafter_of_another_model(tmp_path):
         f"specsplit serve verifier: drafter {address} serves another model than this verifier ('demo', "
         "vocab_size 4096 vs 4000, hidden_size 320 vs 256); start both from the same checkpoint (--model)"
     )
+    # The demo's MTP cache: 1 layer x K and V x 5 KV heads x head_dim 64 x float32 = 2,560 bytes a token.
+    kv_lines = [line for line in drafter_log.read_text().splitlines() if "KV cache: " in line]
+    assert len(kv_lines) == 1 and kv_lines[0].endswith(
+        "KV cache: 40 blocks × 16 tokens = 640 tokens (0.00153 GiB), --num-blocks"
+    ), kv_lines

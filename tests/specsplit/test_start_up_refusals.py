@@ -90,3 +90,28 @@ def test_the_verifier_refuses_a_drafter_that_cannot_serve_its_flags(rpc, transpo
             await server.server.stop(0)
 
     asyncio.run(body())
+
+
+def test_the_verifier_warns_of_a_drafter_holding_fewer_tokens_than_itself(caplog):
+    """Not a refusal: the requests past the drafter's cache go without drafts (lossless, slower)."""
+    ours = common_pb2.ModelInfo(num_blocks=100, block_size=16)
+
+    async def warnings(drafter_blocks: int) -> list[str]:
+        server = ServiceServer("drafter", "127.0.0.1", 0, [DRAFTER_SERVICE])
+        info = common_pb2.ModelInfo(num_blocks=drafter_blocks, block_size=16)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(InfoOnlyDrafter(info), server.server)
+        await server.start()
+        await server.mark_serving()
+        client = DrafterClient(server.address, 2.0, transport=SimpleNamespace(name="grpc", close=lambda: None))
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="specsplit.verifier.drafter_client"):
+                await client.open_transport(None, wait_s=5.0, model=ours)
+        finally:
+            await client.close()
+            await server.server.stop(0)
+        return [r.getMessage() for r in caplog.records if "MTP KV cache" in r.getMessage()]
+
+    assert asyncio.run(warnings(100)) == []
+    (line,) = asyncio.run(warnings(50))
+    assert "holds 800 tokens of MTP KV cache, fewer than this verifier's 1600: requests past that go" in line

@@ -61,6 +61,11 @@ def test_a_quantized_checkpoint_is_refused(tmp_path):
         check_tensor_parallel(options(path), 2)
     assert "\n" not in str(err.value)
     check_tensor_parallel(options(path), 1)  # one device: not this check's business
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4}  # refused for any size, in one line too
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match="quant_method 'awq'.* is not supported") as err:
+        check_tensor_parallel(options(path), 2)
+    assert "\n" not in str(err.value)
 
 
 def test_too_few_gpus_are_refused(llama, monkeypatch):

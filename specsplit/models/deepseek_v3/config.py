@@ -75,7 +75,12 @@ class DeepseekV3Config:
 
     @property
     def head_dim(self) -> int:
-        """The rotary dimension (what `specsplit.models.rotary` calls head_dim; transformers does the same)."""
+        """The rotary dimension (transformers calls it head_dim in DeepSeek-V3's config too)."""
+        return self.qk_rope_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """What `specsplit.models.rotary` computes frequencies for: only the RoPE part of each head."""
         return self.qk_rope_head_dim
 
     @property
@@ -141,9 +146,6 @@ def _check_supported(raw: dict[str, Any]) -> None:
     for key, (value, allowed) in unsupported.items():
         if value not in allowed:
             raise ValueError(f"unsupported {key}={value!r} for DeepSeek-V3; supported: {list(allowed)}")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method")
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported; dequantize to bf16 first")
     experts, groups = raw.get("n_routed_experts"), raw.get("n_group") or 1
     if experts is None or experts % groups or experts // groups < 2:
         raise ValueError(f"n_routed_experts={experts} must split into n_group={groups} groups of >= 2 experts")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from specsplit.models.deepseek_v3.config import DeepseekV3Config
 from specsplit.models.deepseek_v3.mla import MLAttention
-from specsplit.models.deepseek_v3.moe import MoE, SwiGLU
 from specsplit.models.layers import PreNormBlock, RMSNorm
+from specsplit.models.moe import MoE, SwiGLU
 
 
 class DeepseekV3DecoderLayer(PreNormBlock):

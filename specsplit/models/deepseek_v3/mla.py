@@ -54,6 +54,10 @@ def absorbed_break_even(config: DeepseekV3Config) -> int:
 
 
 class MLAttention(nn.Module):
+    # kv_b_proj's weight is split and absorbed into the attention (`mla_paged_attention`), never called:
+    # an FP8 checkpoint's is dequantized at load (`specsplit.models.fp8_linear`).
+    dequantized_linears = ("kv_b_proj",)
+
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         if config.num_attention_heads % tp_size():

@@ -35,7 +35,7 @@ class DeepseekV3MTP(MTPModule):
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> LatentKVCache:
         """A one-layer latent cache for the MTP block, in the weights' dtype and on their device."""
-        weight = self.eh_proj.weight
+        weight = self.embed_tokens.weight  # never FP8 (eh_proj may be)
         return LatentKVCache(
             num_layers=1,
             latent_dim=self.config.kv_cache_dim,

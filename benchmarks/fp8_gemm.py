@@ -1,0 +1,260 @@
+"""Block-scaled FP8 linears vs bf16 on one GPU, at decode and verify sizes (M = 1..256 tokens), for the linears of
+GLM-4.5-Air and DeepSeek-V3: the Triton W8A8 kernel (`specsplit/kernels/fp8_gemm.py`, over a small grid of launch
+configurations) against bf16 cuBLAS (`F.linear`) and bf16 through our Triton GEMV (M <= 32).
+
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py                      # H200: ~5-8 minutes; results under $OUT
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --shapes glm45air.qkv,dsv3.kv_a_proj   # a part of it
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --quick              # the default configuration only
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py --device cpu --tiny  # smoke check: interpreter, no timing
+
+A time is the mean of `triton.testing.do_bench_cudagraph` over calls that cycle through copies of the weight
+(>= 512 MB in all) so that no call finds its weight in L2, as in a model where every layer has its own. Bytes per
+call: the weight (1 byte per element in FP8 plus its fp32 block scales; 2 in bf16), x and y in bf16; "% roofline"
+is those bytes over the time against 4.8 TB/s (the H200's HBM3e). Every FP8 configuration's output is checked
+against the torch reference (`w8a8_block_linear_reference`: max |diff| <= 1e-2 of max |y|, bf16 output) and for
+being the same on a second call; one that fails is reported, not timed, and makes the exit status 1.
+
+Printed: a row per (shape, M) with the bf16 times, the best FP8 time, its speed-up over the faster bf16 path and
+over cuBLAS, % of roofline; the `CONFIGS` entries to paste into `specsplit/kernels/fp8_gemm_configs.py`; and how
+many rows where the weight read dominates (bf16 weight >= 4x the bytes of x and y) reach the 1.6x target. With
+`$OUT` (or --out DIR) set, fp8_gemm.md and fp8_gemm.json are written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# name: (N, K) of the linears as specsplit runs them (q/k/v and gate/up fused; DeepSeek-V3's kv_b_proj is
+# dequantized at load and so not here).
+SHAPES = {
+    "glm45air.qkv": (14336, 4096),  # 96 heads + 2 x 8 KV heads, of 128
+    "glm45air.o_proj": (4096, 12288),
+    "glm45air.expert.gate_up": (2816, 4096),  # moe_intermediate 1408 (and the shared expert)
+    "glm45air.expert.down": (4096, 1408),
+    "glm45air.dense.gate_up": (21888, 4096),  # the first (dense) layer's MLP, intermediate 10944
+    "glm45air.dense.down": (4096, 10944),
+    "dsv3.q_a_proj": (1536, 7168),
+    "dsv3.q_b_proj": (24576, 1536),  # 128 heads x 192
+    "dsv3.kv_a_proj": (576, 7168),  # latent 512 + rope 64
+    "dsv3.o_proj": (7168, 16384),
+    "dsv3.expert.gate_up": (4096, 7168),  # moe_intermediate 2048 (and the shared expert)
+    "dsv3.expert.down": (7168, 2048),
+    "dsv3.dense.gate_up": (36864, 7168),  # the first three layers' MLP, intermediate 18432
+    "dsv3.dense.down": (7168, 18432),
+}
+TINY_SHAPES = {"odd": (200, 300), "split": (96, 512)}
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BLOCK = (128, 128)
+FLUSH_BYTES = 512 * 2**20
+HBM_BYTES_PER_S = 4.8e12
+TOLERANCE = 1e-2
+TARGET = 1.6
+# The sweep: (block_n, num_warps, num_stages) tiles, block_m = M padded to 16..64 (and 128 from M = 128), each
+# unsplit and with K split for about 2 and 4 programs per SM where N alone gives fewer; from M = 16 each with x
+# quantized in the kernel and in a launch before it (`prequantize`).
+TILES = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 4, 4)]
+TINY_TILES = [(32, 4, 2)]
+TINY_NUM_SMS = 4
+
+
+def candidates(n: int, k: int, m: int, num_sms: int, tiny: bool, quick: bool) -> list:
+    from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig, default_config, effective_split
+    from specsplit.kernels.gemv_configs import cdiv
+
+    default = default_config(n, k, m, num_sms)
+    if quick:
+        return [default]
+    block_ms = {min(64, max(16, 1 << (m - 1).bit_length()))} | ({128} if m >= 128 else set())
+    configs = {default}
+    for block_m in sorted(block_ms):
+        for block_n, warps, stages in TINY_TILES if tiny else TILES:
+            programs = cdiv(n, block_n) * cdiv(m, block_m)
+            splits = {1} | {
+                effective_split(k, BLOCK[1], cdiv(p * num_sms, programs))[0] for p in (2, 4) if programs < p * num_sms
+            }
+            for pre in (False, True) if m >= 16 else (False,):
+                configs |= {Fp8GemmConfig(block_m, block_n, s, warps, stages, pre) for s in splits}
+    return sorted(configs, key=dataclasses.astuple)
+
+
+def describe(c) -> str:
+    pre = " prequantized" if c.prequantize else ""
+    return f"{c.block_m}x{c.block_n} split {c.split_k} w{c.num_warps} s{c.num_stages}{pre}"
+
+
+def bench_shape(name: str, n: int, k: int, args, num_sms: int, bench) -> list:
+    """A row per M of one shape: bf16 cuBLAS and GEMV times, every FP8 candidate's error and time."""
+    import torch
+    import torch.nn.functional as F
+
+    from specsplit.kernels.fp8_gemm import w8a8_block_linear
+    from specsplit.kernels.fp8_reference import quantize_weight_blockwise, w8a8_block_linear_reference
+    from specsplit.kernels.gemv import gemv
+    from specsplit.kernels.gemv_configs import MAX_M
+    from specsplit.kernels.gemv_configs import config_for as gemv_config_for
+
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w16 = (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+    w8, scale = quantize_weight_blockwise(w16, *BLOCK)
+    copies8 = 1 if bench is None else -(-FLUSH_BYTES // (n * k))
+    copies16 = 1 if bench is None else -(-FLUSH_BYTES // (2 * n * k))
+    fp8_weights = [(w8.clone(), scale.clone()) for _ in range(copies8)]
+    bf16_weights = [w16.clone() for _ in range(copies16)]
+    scale_bytes = scale.numel() * 4
+    rows = []
+    for m in args.m:
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        ref = w8a8_block_linear_reference(x.float(), w8, scale, None, *BLOCK)
+        ref_scale = ref.abs().max().item()
+        io_bytes = (m * k + m * n) * 2
+        row = dict(shape=name, n=n, k=k, m=m, bytes_fp8=n * k + scale_bytes + io_bytes, bytes_bf16=2 * n * k + io_bytes)
+        if bench is not None:
+            row["cublas_us"] = bench(lambda x=x: [F.linear(x, w) for w in bf16_weights]) * 1e3 / copies16
+            gemv_config = gemv_config_for(n, k, m, num_sms) if m <= MAX_M else None
+            row["gemv_us"] = (
+                bench(lambda x=x, c=gemv_config: [gemv(x, w, None, c) for w in bf16_weights]) * 1e3 / copies16
+                if gemv_config is not None
+                else None
+            )
+        row["configs"] = []
+        for c in candidates(n, k, m, num_sms, args.tiny, args.quick):
+            measured = dict(config=dataclasses.asdict(c), ok=False, err=None, us=None)
+            row["configs"].append(measured)
+            try:  # a configuration that does not compile or launch here is reported, not fatal
+                y = w8a8_block_linear(x, w8, scale, None, *BLOCK, c)
+                measured["err"] = (y.float() - ref).abs().max().item() / ref_scale
+                same = torch.equal(y, w8a8_block_linear(x, w8, scale, None, *BLOCK, c))
+                measured["ok"] = measured["err"] <= TOLERANCE and same
+                if measured["ok"] and bench is not None:
+
+                    def calls(c=c, x=x) -> list:
+                        return [w8a8_block_linear(x, w_, s_, None, *BLOCK, c) for w_, s_ in fp8_weights]
+
+                    measured["us"] = bench(calls) * 1e3 / copies8
+            except Exception as e:
+                measured["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if not measured["ok"]:
+                print(f"  FAILED {name} M={m} {describe(c)}: {measured}", flush=True)
+        timed = [r for r in row["configs"] if r["us"] is not None]
+        row["best"] = min(timed, key=lambda r: r["us"]) if timed else None
+        rows.append(row)
+        line = f"  {name} M={m}: {len(row['configs'])} configs"
+        if row["best"]:
+            b, bf16 = row["best"], _bf16_us(row)
+            line += f"; bf16 {bf16:.1f} µs, fp8 {b['us']:.1f} µs ({describe(_config(b))}), {bf16 / b['us']:.2f}x"
+        print(line, flush=True)
+    return rows
+
+
+def _bf16_us(row: dict) -> float:
+    return min(t for t in (row["cublas_us"], row["gemv_us"]) if t is not None)
+
+
+def _config(measured: dict):
+    from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig
+
+    return Fp8GemmConfig(**measured["config"])
+
+
+def weight_bound(row: dict) -> bool:
+    """The bf16 weight is at least 4x the bytes of x and y: its read dominates."""
+    return 2 * row["n"] * row["k"] >= 4 * (row["bytes_bf16"] - 2 * row["n"] * row["k"])
+
+
+def report(rows: list, device: str) -> str:
+    from specsplit.kernels.fp8_gemm_configs import m_bucket
+
+    lines = [
+        f"# FP8 (block-scaled W8A8, Triton) vs bf16 linears — {device}",
+        "",
+        "`PYTHONPATH=$PWD python3 benchmarks/fp8_gemm.py`; µs per call, weights not in L2; roofline 4.8 TB/s.",
+        "",
+        "| linear | N x K | M | cuBLAS bf16 µs | GEMV bf16 µs | FP8 µs | FP8 vs best bf16 | FP8 vs cuBLAS "
+        "| FP8 % roofline | bf16 % roofline | FP8 config |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        b = r["best"]
+        if b is None:
+            continue
+        bf16 = _bf16_us(r)
+        gemv = f"{r['gemv_us']:.1f}" if r["gemv_us"] is not None else "-"
+        lines.append(
+            f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['cublas_us']:.1f} | {gemv} | {b['us']:.1f} "
+            f"| {bf16 / b['us']:.2f}x | {r['cublas_us'] / b['us']:.2f}x "
+            f"| {100 * r['bytes_fp8'] / b['us'] / 1e-6 / HBM_BYTES_PER_S:.0f} % "
+            f"| {100 * r['bytes_bf16'] / bf16 / 1e-6 / HBM_BYTES_PER_S:.0f} % | {describe(_config(b))} |"
+        )
+    bound = [r for r in rows if r["best"] and weight_bound(r)]
+    hit = [r for r in bound if _bf16_us(r) / r["best"]["us"] >= TARGET]
+    lines += ["", f"Weight-bound rows (bf16 weight >= 4x the activation bytes) at >= {TARGET}x the best bf16: "]
+    lines[-1] += f"{len(hit)} of {len(bound)}."
+    lines += ["", "```python", "CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {  # benchmarks/fp8_gemm.py"]
+    for r in rows:
+        if r["best"] is not None:
+            lines.append(f"    # {r['shape']}: fp8 {r['best']['us']:.1f} µs, bf16 {_bf16_us(r):.1f} µs")
+            lines.append(f"    ({r['n']}, {r['k']}, {m_bucket(r['m'])}): {_config(r['best'])!r},")
+    lines += ["}", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, correctness only (with --device cpu)")
+    p.add_argument("--quick", action="store_true", help="time the default configuration only")
+    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="rows of x (tokens per step), comma-separated")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of " + ", ".join(SHAPES))
+    p.add_argument("--rep", type=int, default=10, help="ms of CUDA-graph replay per timing")
+    p.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="directory for fp8_gemm.md/json ($OUT)")
+    args = p.parse_args(argv)
+    args.m = [int(m) for m in args.m.split(",")]
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on CPU tensors
+    import torch
+    import triton.testing
+
+    from specsplit.kernels.gemv import num_sms
+
+    cuda = args.device.startswith("cuda")
+    if cuda and torch.cuda.get_device_capability(args.device) < (8, 9):
+        print("FP8 tensor cores need compute capability >= 8.9 (Ada, Hopper)", file=sys.stderr)
+        return 2
+    bench = (lambda fn: triton.testing.do_bench_cudagraph(fn, rep=args.rep)) if cuda and not args.tiny else None
+    sms = TINY_NUM_SMS if args.tiny else num_sms(torch.device(args.device))
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    device_name = torch.cuda.get_device_name(args.device) if cuda else "cpu (Triton interpreter)"
+    print(f"{device_name}, {sms} SMs; M in {args.m}", flush=True)
+    start, rows = time.perf_counter(), []
+    for name, (n, k) in shapes.items():
+        print(f"{name}: {n} x {k}", flush=True)
+        rows += bench_shape(name, n, k, args, sms, bench)
+        if cuda:
+            torch.cuda.empty_cache()
+        print(f"  {time.perf_counter() - start:.0f} s so far", flush=True)
+    failed = sum(not c["ok"] for r in rows for c in r["configs"])
+    text = report(rows, device_name) if bench is not None else ""
+    print("\n" + text, flush=True)
+    print(f"{failed} configurations failed their check; {time.perf_counter() - start:.0f} s", flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fp8_gemm.json").write_text(json.dumps(dict(device=device_name, num_sms=sms, rows=rows), indent=2))
+        if text:
+            (out / "fp8_gemm.md").write_text(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
