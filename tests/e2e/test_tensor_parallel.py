@@ -32,7 +32,7 @@ def tp_cluster(path, logs, size: int = 2, **placement) -> LocalCluster:
         num_speculative_tokens=3,
         log_dir=logs,
         verifier_args=["--tensor-parallel-size", str(size)],
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        coordinator_args=["--max-num-seqs", "10", "--max-num-batched-tokens", "64"],
         **placement,
     )
 
@@ -63,35 +63,39 @@ def hf_greedy_of(model):
     return generate
 
 
-def greedy_outputs(address: str, ps: list[list[int]], k: int) -> dict[int, list[int]]:
+def greedy_outputs(address: str, jobs: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """(tokens, drafted) of one greedy Generate per (prompt, k), all at once."""
     outs, errors = {}, []
 
     def run(i):
+        prompt, k = jobs[i]
         try:
             with Client(address, timeout=120) as client:
                 out = client.generate(
-                    prompt_token_ids=ps[i], max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True
+                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True
                 )
                 outs[i] = (out.token_ids, out.stats.num_draft_tokens)
         except BaseException as err:  # surfaced below
             errors.append(err)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors
-    return outs
+    return [outs[i] for i in range(len(jobs))]
 
 
 def check_greedy(address: str, hf_greedy) -> None:
-    for k in (1, 3):
-        ps = prompts(5, seed=k)  # up to 17 tokens
-        outs = greedy_outputs(address, ps, k)
-        assert sum(drafted for _, drafted in outs.values()) > 0  # the drafter's drafts were verified
-        for i, p in enumerate(ps):
-            assert outs[i][0] == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, i)
+    """k 1 and 3 served at once, in the same batches: 5 prompts each (up to 17 tokens)."""
+    ks = (1, 3)
+    jobs = [(p, k) for k in ks for p in prompts(5, seed=k)]
+    outs = greedy_outputs(address, jobs)
+    for k in ks:  # each k's drafts were verified
+        assert sum(drafted for (_, job_k), (_, drafted) in zip(jobs, outs) if job_k == k) > 0, k
+    for (p, k), (tokens, _) in zip(jobs, outs):
+        assert tokens == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, p)
 
 
 def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
