@@ -101,6 +101,9 @@ def test_up_splits_its_share_only_between_services_on_one_cuda_device():
     assert service_shares(0.95, {"verifier": "cuda:0", "drafter": "cuda:1"}) == {"verifier": 0.95, "drafter": 0.95}
     assert service_shares(0.5, {"verifier": "cuda:0"}) == {"verifier": 0.5}  # no drafter
     assert service_shares(0.7, {"verifier": "cuda", "drafter": "cuda:0"}) == {"verifier": 0.6, "drafter": 0.1}
+    # a tensor-parallel verifier on cuda:0 and cuda:1: a drafter on rank 1's device shares it, one on cuda:2 not
+    assert service_shares(0.9, {"verifier": "cuda", "drafter": "cuda:1"}, 2) == {"verifier": 0.8, "drafter": 0.1}
+    assert service_shares(0.9, {"verifier": "cuda:0", "drafter": "cuda:2"}, 2) == {"verifier": 0.9, "drafter": 0.9}
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization sizes the KV caches from CUDA .* --device cpu"):
         service_shares(0.5, {"verifier": "cpu", "drafter": "cpu"})
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization 0.1: a drafter on the verifier's device"):
