@@ -1,8 +1,8 @@
 """A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
-greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3 (DeepSeek-V3's sharding:
-tests/models/test_tensor_parallel.py); sampled output follows the target distribution (chi-square); a rank
-killed mid-generation stops the verifier, whose restart loses nothing. The ranks are spawned CPU processes
-joined over gloo."""
+greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3 at once (DeepSeek-V3's and
+GLM-4.5's sharding: tests/models/test_tensor_parallel.py); sampled output follows the target distribution
+(chi-square); a rank killed mid-generation stops the verifier, whose restart loses nothing. The ranks are
+spawned CPU processes joined over gloo."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from specsplit.models.serve_options import ModelOptions
 from specsplit.models.start_up_checks import check_tensor_parallel
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 
 
 def options(path, device: str = "cpu") -> ModelOptions:
@@ -47,6 +48,13 @@ def test_kv_heads_that_cannot_be_replicated_evenly_are_refused(tmp_path):
 
 def test_experts_that_do_not_split_are_refused(tmp_path):
     path = write_tiny_deepseek_checkpoint(tmp_path, n_routed_experts=6, n_group=3, topk_group=1, num_attention_heads=4)
+    check_tensor_parallel(options(path), 2)
+    with pytest.raises(UsageError, match=r"n_routed_experts \(6\) does not divide into 4 ranks"):
+        check_tensor_parallel(options(path), 4)
+
+
+def test_glm4_moe_splits_like_the_others(tmp_path):  # 4 heads, 2 KV heads, dense MLP 128, 6 experts
+    path = write_tiny_glm4_moe_checkpoint(tmp_path, n_routed_experts=6, n_group=3, topk_group=1)
     check_tensor_parallel(options(path), 2)
     with pytest.raises(UsageError, match=r"n_routed_experts \(6\) does not divide into 4 ranks"):
         check_tensor_parallel(options(path), 4)
