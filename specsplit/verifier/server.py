@@ -173,7 +173,7 @@ def _load_and_size(config: VerifierConfig, step_path: dict, rank: int = 0):
     from specsplit.verifier.runner import VerifierRunner
 
     options = config.model
-    device = rank_device(options.device, rank)
+    device = rank_device(options.device, rank) if rank else options.device
     on_cuda = torch.device(device).type == "cuda"
     num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
     # A co-located drafter shares rank 0's device only.
