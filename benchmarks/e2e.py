@@ -25,6 +25,9 @@ random-weight models whose own drafts mean nothing.
     # Qwen2-7B shape, random weights built on the GPU, forced acceptance (about 6 minutes on an H200)
     python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda \\
         --dtype bfloat16 --batches 1 8 32 64 --ks 1 2 3 --new-tokens 64 --repeats 3 --out e2e_7b.json
+    # a tensor-parallel verifier on cuda:0-1, its pooled drafter on cuda:2 (target-only and in-process on cuda:0)
+    python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda --dtype bfloat16 \\
+        --verifier-tp 2 --placement pooled --batches 1 8 32 --ks 1 3 --new-tokens 64 --out e2e_tp2.json
     # CPU smoke run
     python benchmarks/e2e.py --shape qwen2-tiny --load-format dummy --alpha 0.8 --batches 1 --ks 1 --new-tokens 8
 """
@@ -120,6 +123,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hidden-transport", default=None, choices=POOLED_TRANSPORTS, help="the pooled drafter's (default grpc)"
     )
+    p.add_argument(
+        "--verifier-tp",
+        type=int,
+        default=1,
+        help="(b)'s verifier tensor-parallel on this many ranks (cuda:0 ..; a pooled drafter on the next GPU); "
+        "(a) and (c) stay on one device",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
@@ -186,7 +196,15 @@ def main() -> None:
                         *["--max-num-seqs", str(max_batch)],
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
                     ],
-                    verifier_args=[] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)],
+                    verifier_args=[
+                        *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),
+                        *["--tensor-parallel-size", str(args.verifier_tp)],
+                    ],
+                    drafter_device=(
+                        f"cuda:{args.verifier_tp}"
+                        if args.verifier_tp > 1 and placement == "pooled" and args.device.startswith("cuda")
+                        else None
+                    ),
                     drafter_args=[] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)],
                     gpu_memory_utilization=services_share,
                 )

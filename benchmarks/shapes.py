@@ -57,6 +57,18 @@ SHAPES = {
         max_position_embeddings=32768,
         rope_theta=1000000.0,
     ),
+    # Qwen2-72B's layout: a target that needs tensor parallelism (145 GB of bf16 weights; benchmarks/tp_step.py).
+    "qwen2-72b": dict(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
     # The same architecture, small enough for a CPU smoke run of the benchmark.
     "qwen2-tiny": dict(
         hidden_size=128,

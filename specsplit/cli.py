@@ -61,6 +61,7 @@ def up_cluster(args: argparse.Namespace):
         hidden_transport=args.hidden_transport,
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
+        verifier_args=["--tensor-parallel-size", str(args.verifier_tp)] if args.verifier_tp != 1 else None,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -266,6 +267,13 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
     )
     up.add_argument("--verifier-device", default=None, help="pins the verifier, e.g. cuda:0 (default: --device)")
     up.add_argument("--drafter-device", default=None, help="pins the drafter, e.g. cuda:1 (default: --device)")
+    up.add_argument(
+        "--verifier-tp",
+        type=int,
+        default=1,
+        help="the verifier's tensor-parallel ranks, on the devices from --verifier-device on (its "
+        "--tensor-parallel-size)",
+    )
     add_placement_arguments(up, sockets=False)
     up.add_argument(
         "--gpu-memory-utilization",

@@ -98,7 +98,8 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, logits = self._forward(bucket)
-        return hidden[:num_tokens], logits[:num_tokens]
+        # logits: None on a tensor-parallel follower (gathered to the first rank only)
+        return hidden[:num_tokens], None if logits is None else logits[:num_tokens]
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, bucket: int) -> None:
         """The step's inputs into the static buffers: one multi-tensor copy per dtype (a launch each, not

@@ -35,12 +35,15 @@ def init_dummy_weights(
     device: torch.device | str,
     param_dtype: Callable[[str], torch.dtype],
     seed: int = 0,
+    shard=lambda param_name: None,
     skip: Callable[[str], bool] = lambda param_name: False,
 ) -> None:
     """Replaces every parameter of a meta-device `model` by a seeded random tensor on `device`.
 
     `checkpoint_name(param_name)` names the tensor a parameter would load from; parameters sharing
     one name (tied embeddings) share one tensor. `param_dtype(param_name)` is the dtype to use.
+    `shard(param_name)`: the slice a tensor-parallel rank keeps (`parallel_layers.Shard`, None: all), cut from
+    the whole tensor, so every rank's slices are those of the one-device model.
     Parameters `skip` names stay on the meta device (the loader draws FP8 linears' weights one at a
     time with `random_tensor`, quantizing each before the next).
     """
@@ -50,8 +53,10 @@ def init_dummy_weights(
             continue
         name = checkpoint_name(param_name)
         if name not in made:
-            tensor = random_tensor(name, tuple(param.shape), param_dtype(param_name), device, seed)
-            made[name] = nn.Parameter(tensor, requires_grad=False)
+            part = shard(param_name)
+            shape = tuple(param.shape) if part is None else part.full_shape(tuple(param.shape))
+            tensor = random_tensor(name, shape, param_dtype(param_name), device, seed)
+            made[name] = nn.Parameter(tensor if part is None else part.take(tensor).contiguous(), requires_grad=False)
         module_name, _, leaf = param_name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, made[name])
 

@@ -18,6 +18,8 @@ from specsplit.models.config import ModelConfig
 from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, linear, rms_norm, silu_mul
+from specsplit.models.parallel import all_reduce, tp_rank, tp_size
+from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 from specsplit.models.rotary import RotaryEmbedding
 
 __all__ = [
@@ -86,14 +88,15 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Tensor-parallel: gate and up column-parallel, down row-parallel
+    (its partial sums all-reduced)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = column_parallel_linear(hidden, inter, bias)
+        self.up_proj = column_parallel_linear(hidden, inter, bias)
+        self.down_proj = row_parallel_linear(inter, hidden, bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections, replacing gate and up
 
     def fuse_projections(self) -> None:
@@ -104,23 +107,42 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
         if self.gate_up_proj is None:
-            return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
-        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
+            return all_reduce(linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj))
+        return all_reduce(linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj))
+
+
+def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """Tensor-parallel: (query heads, KV heads, index of the first KV head) of this rank. Query heads split
+    equally; KV heads too while there are at least as many as ranks, else each is replicated on the
+    `size // num_kv_heads` ranks whose query heads use it."""
+    size, rank = tp_size(), tp_rank()
+    if num_heads % size:
+        raise ValueError(f"{num_heads} attention heads do not divide into {size} tensor-parallel ranks")
+    if num_kv_heads >= size:
+        if num_kv_heads % size:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide into {size} tensor-parallel ranks")
+        return num_heads // size, num_kv_heads // size, rank * (num_kv_heads // size)
+    if size % num_kv_heads:
+        raise ValueError(f"{size} tensor-parallel ranks are not a multiple of {num_kv_heads} KV heads")
+    return num_heads // size, 1, rank // (size // num_kv_heads)
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention with optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+    """GQA self-attention with optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Tensor-parallel:
+    each rank its query heads and their KV heads (`local_heads`), q/k/v column-parallel, o_proj row-parallel."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        d = self.head_dim = config.head_dim
+        heads = local_heads(config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads, first_kv = heads
         hidden, qkv_bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        q_full, kv_full = config.num_attention_heads * d, config.num_key_value_heads * d
+        q_rows, kv_rows = (tp_rank() * self.num_heads * d, self.num_heads * d), (first_kv * d, self.num_kv_heads * d)
+        self.q_proj = column_parallel_linear(hidden, q_full, qkv_bias, start=q_rows[0], size=q_rows[1])
+        self.k_proj = column_parallel_linear(hidden, kv_full, qkv_bias, start=kv_rows[0], size=kv_rows[1])
+        self.v_proj = column_parallel_linear(hidden, kv_full, qkv_bias, start=kv_rows[0], size=kv_rows[1])
+        self.o_proj = row_parallel_linear(q_full, hidden, config.o_proj_bias, start=q_rows[0], size=q_rows[1])
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -161,7 +183,7 @@ class SelfAttention(nn.Module):
         else:
             (q, k), written = apply_rotary_qk(q, k, *rope), False
         out = paged_attention(q, k, v, k_cache, v_cache, attn, kv_written=written)
-        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj)
+        return all_reduce(linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj))
 
 
 class PreNormBlock(nn.Module):

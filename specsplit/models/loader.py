@@ -3,9 +3,12 @@
 Models are constructed on the meta device (no random init), then each parameter is read from its
 safetensors shard, checked against the expected shape, cast and assigned. With
 `load_format="dummy"` only config.json is read and the weights are random (`specsplit.models.dummy_weights`).
+A tensor-parallel rank's model holds its shard only: each sharded parameter reads its slice of the checkpoint
+tensor (`specsplit.models.parallel_layers.Shard`), on the host, before moving to the device.
 A block-scaled FP8 checkpoint (`specsplit.models.quantization`) loads each linear with a `weight_scale_inv`
 beside its weight as an `Fp8Linear` (`specsplit.models.fp8_linear`): kept in FP8 on CUDA, dequantized to
 `dtype` elsewhere; with dummy weights and an FP8 config.json the random linears are quantized the same way.
+(Tensor parallelism refuses quantized checkpoints: `specsplit.models.start_up_checks`.)
 Every model returned has its projections fused (`specsplit.models.layers.fuse_projections`: q/k/v → qkv_proj,
 gate/up → gate_up_proj), so its parameter names differ from the checkpoint's there.
 """
@@ -31,6 +34,7 @@ from specsplit.models.glm4_moe import Glm4MoeConfig, Glm4MoeMTP, Glm4MoeTarget
 from specsplit.models.glm4_moe.config import ARCHITECTURES as GLM4_MOE_ARCHITECTURES
 from specsplit.models.layers import fuse_projections
 from specsplit.models.mtp import MTPModule
+from specsplit.models.parallel_layers import shard_of
 from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 from specsplit.models.target import TargetModel
 
@@ -158,6 +162,7 @@ def _fill(
             dtype=dtype,
             device=device,
             param_dtype=lambda name: _param_dtype(model, name, dtype),
+            shard=lambda name: shard_of(model, name),
             skip=fp8_weights.__contains__,
         )
         if fp8_names:  # drawn and quantized one at a time: the peak is the FP8 model, not the bf16 one
@@ -263,6 +268,9 @@ def _load(
             for tensor_name, param_names in tensors.items():
                 got = tuple(f.get_slice(tensor_name).get_shape())
                 want = tuple(expected[param_names[0]].shape)
+                shard = shard_of(model, param_names[0])
+                if shard is not None:
+                    want = shard.full_shape(want)
                 if got != want:
                     raise ValueError(
                         f"tensor {tensor_name!r} in {str(path)!r} has shape {got}, "
@@ -272,7 +280,9 @@ def _load(
     for file, tensors in by_file.items():
         with safetensors.safe_open(str(file), framework="pt") as f:
             for tensor_name, param_names in tensors.items():
-                tensor = f.get_tensor(tensor_name).to(device=device, dtype=_param_dtype(model, param_names[0], dtype))
+                shard = shard_of(model, param_names[0])
+                tensor = f.get_tensor(tensor_name) if shard is None else shard.take(f.get_slice(tensor_name))
+                tensor = tensor.to(device=device, dtype=_param_dtype(model, param_names[0], dtype))
                 param = nn.Parameter(tensor, requires_grad=False)
                 for param_name in param_names:  # one Parameter for tied names
                     _set_parameter(model, param_name, param)

@@ -20,6 +20,7 @@ another process loads beside this one, so co-located services take turns measuri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import logging
@@ -125,9 +126,12 @@ def size_kv_cache(
     max_model_len: int,  # the cache must hold one request this long
     baseline: DeviceBaseline | None,  # taken before the weights loaded; None: not on CUDA
     max_model_len_flag: str | None = "--max-model-len",  # the server's flag that lowers max_model_len, if any
+    agree: Callable[[int], int] | None = None,  # a block count sized from memory → the one every rank uses
 ) -> tuple[PagedBlocks, Runner, KVCacheSize]:
     """The cache, its runner and how it was sized (logged); UsageError (one line) when the weights or one
-    `max_model_len` request do not fit the share."""
+    `max_model_len` request do not fit the share. `agree` (a tensor-parallel verifier: the least over its
+    ranks, `parallel.min_over_ranks`) is called by every rank that sizes from memory, once it has its own
+    count: the first rank's block plans index every rank's cache, so all hold the same number of blocks."""
     block_bytes = cache_bytes(make_cache(1))
     if num_blocks is not None:
         size = given_blocks(num_blocks, block_size, block_bytes, on_cuda=baseline is not None)
@@ -146,6 +150,11 @@ def size_kv_cache(
         gc.collect()  # the graphs and the probe cache, before the allocator lets their memory go
         torch.cuda.empty_cache()
         size = blocks_from_memory(f, use, block_bytes, block_size, max_model_len, max_model_len_flag)
+        if agree is not None:
+            agreed = agree(size.num_blocks)  # <= this rank's: it fits here too, and holds max_model_len
+            if agreed != size.num_blocks:
+                source = f"{size.source}; the least over the tensor-parallel ranks (this rank's: {size.num_blocks})"
+                size = dataclasses.replace(size, num_blocks=agreed, source=source)
     cache = make_cache(size.num_blocks)
     runner = make_runner(cache)
     log.info(size.describe())

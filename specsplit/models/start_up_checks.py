@@ -95,3 +95,49 @@ def check_device(device: str) -> None:
         raise UsageError(
             f"--device {device} but this process sees {count} CUDA device(s); give cuda:0 to cuda:{count - 1}"
         )
+
+
+def check_tensor_parallel(model: ModelOptions, size: int) -> None:
+    """`--tensor-parallel-size`: the checkpoint's heads, KV heads, MLP and experts split into `size` ranks, an
+    unquantized checkpoint (quantized weights are not sharded yet: the loader's reading of quantization_config,
+    `load_quantization`), and a CUDA device for every rank."""
+    if size == 1:
+        return
+    from specsplit.models.loader import load_quantization
+
+    flag = f"--tensor-parallel-size {size}"
+    with checkpoint_mistakes(model.checkpoint):
+        quantization = load_quantization(model.checkpoint)
+    if quantization is not None:
+        raise UsageError(
+            f"{flag}: checkpoint {model.checkpoint!r} is quantized (block-scaled FP8, its quantization_config) and "
+            "quantized weights are not sharded yet; serve it with --tensor-parallel-size 1"
+        )
+    raw = json.loads((pathlib.Path(model.checkpoint) / "config.json").read_text())
+    heads = raw.get("num_attention_heads", 0)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    splits = {
+        "num_attention_heads": heads,
+        "intermediate_size": raw.get("intermediate_size", 0),
+        "n_routed_experts": raw.get("n_routed_experts") or 0,
+        "moe_intermediate_size x n_shared_experts": (raw.get("moe_intermediate_size") or 0)
+        * (raw.get("n_shared_experts") or 0),
+    }
+    if kv_heads >= size:
+        splits["num_key_value_heads"] = kv_heads
+    for name, value in splits.items():
+        if value % size:
+            raise UsageError(f"{flag}: the checkpoint's {name} ({value}) does not divide into {size} ranks")
+    if kv_heads < size and size % kv_heads:
+        raise UsageError(
+            f"{flag}: the checkpoint's {kv_heads} KV heads cannot be replicated evenly over {size} ranks; give a "
+            f"multiple of {kv_heads}"
+        )
+    import torch
+
+    device = torch.device(model.device)
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise UsageError(
+            f"{flag} from --device {model.device} needs {size} CUDA devices from there, this process sees "
+            f"{torch.cuda.device_count()}; give a smaller size or check CUDA_VISIBLE_DEVICES"
+        )

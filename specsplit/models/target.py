@@ -12,21 +12,24 @@ from torch import nn
 from specsplit.models.config import ModelConfig
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import linear
-from specsplit.models.layers import DecoderLayer, RMSNorm, check_token_inputs
+from specsplit.models.layers import DecoderLayer, RMSNorm, check_token_inputs, local_heads
+from specsplit.models.parallel_layers import VocabParallelEmbedding, gather_logits, lm_head
 from specsplit.models.rotary import RotaryEmbedding
 
 
 class _DecoderStack(nn.Module):
     def __init__(self, config, make_layer) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
     """Embedding, decoder layers, final norm, LM head. Other families (models/deepseek_v3) subclass
-    it and override `_make_layer`, `_make_rotary` and `make_kv_cache`."""
+    it and override `_make_layer`, `_make_rotary` and `make_kv_cache`. Built in a tensor-parallel process
+    (`specsplit.models.parallel`), it holds this rank's shard: vocab-parallel embedding and head, the
+    layers' heads and MLP columns split, the cache this rank's KV heads."""
 
     # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`), hence CUDA graphs.
     supports_attention_kernel = True
@@ -36,7 +39,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = _DecoderStack(config, self._make_layer)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = self._make_rotary()
@@ -64,7 +67,7 @@ class TargetModel(nn.Module):
         weight = self.embed_tokens.weight
         return PagedKVCache(
             num_layers=self.config.num_hidden_layers,
-            num_kv_heads=self.config.num_key_value_heads,
+            num_kv_heads=local_heads(self.config.num_attention_heads, self.config.num_key_value_heads)[1],
             head_dim=self.config.head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
@@ -87,6 +90,6 @@ class TargetModel(nn.Module):
             x, residual = layer.forward_deferred(x, residual, rope, kv_cache, i, attn)
         return self.norm.add_and_norm(x, residual)[0] if residual is not None else self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] → [N, vocab] float32
-        return linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, hidden] → [N, vocab] float32 (tensor-parallel: on the first rank; None on the others)
+        return gather_logits(linear(hidden, self.lm_head).float(), self.config.vocab_size)

@@ -17,10 +17,12 @@ from specsplit.errors import ResourceExhausted
 from specsplit.kernels.rejection import rejection_sample
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.cuda_graphs import resolve_step_path
-from specsplit.models.kv_cache import KVCacheFull, PagedKVCache, StepPlan
+from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
+from specsplit.models.parallel import broadcast_from_first, tp_size
 from specsplit.models.target import TargetModel
 from specsplit.models.warm_up import warm_up_eager
 from specsplit.proto import common_pb2
+from specsplit.verifier.forward_step import ForwardStep
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.logits_processors import LaunchedLogprobs, LogitsPlan, apply, logprobs_to_host, take_logprobs
 
@@ -167,15 +169,11 @@ class VerifierRunner:
         t0 = time.time_ns()
         if prepared is None or not prepared.matches(batch):
             prepared = self.prepare(batch.req_ids, batch.num_computed_tokens, batch.num_new_tokens)
-        cache = self.kv_cache
-        attn = cache.upload_step(prepared.plan, use_kernel=prepared.use_kernel)
+        if tp_size() > 1:  # the followers run the same forward (`follower.py`)
+            broadcast_from_first(ForwardStep.of(batch, prepared.plan, prepared.use_kernel))
+        attn = self.kv_cache.upload_step(prepared.plan, use_kernel=prepared.use_kernel)
         t1 = time.time_ns()
-        if self.graphs is not None and self.graphs.can_run(attn):
-            hidden, all_logits = self.graphs.run(batch.input_ids, batch.positions, attn)  # [T, H], [T, V]
-            logits = all_logits[batch.logits_indices]  # [num_logits, V]
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, cache, attn)  # [T, H]
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, V]
+        hidden, logits = self.forward(batch.input_ids, batch.positions, attn, batch.logits_indices)
         t2 = time.time_ns()
         logprobs = None
         if logits_plan is not None:
@@ -199,6 +197,20 @@ class VerifierRunner:
         if logprobs is not None:
             chosen = logprobs.chosen(out.sampled, _sampling_slots(batch))
         return LaunchedStep(batch, hidden, out.sampled, out.num_sampled, (t0, t1, t2), logprobs, chosen)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits] int64: the rows the sampler reads
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # hidden [T, H], logits [num_logits, V] (None off rank 0)
+        """The target forward of a step: a CUDA graph's replay where one fits, else eager."""
+        if self.graphs is not None and self.graphs.can_run(attn):
+            hidden, all_logits = self.graphs.run(input_ids, positions, attn)  # [T, H], [T, V]
+            return hidden, None if all_logits is None else all_logits[logits_indices]
+        hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [T, H]
+        return hidden, self.model.compute_logits(hidden[logits_indices])
 
     @staticmethod
     def finish(launched: LaunchedStep, with_rows: bool = True) -> StepOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from specsplit.grpc_server import (
 )
 from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
-from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
+from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
 from specsplit.placement import Placement, add_placement_arguments, resolve_placement
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
@@ -48,6 +49,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
     add_placement_arguments(p)
+    tp = p.add_argument_group("tensor parallelism (specsplit/verifier/ranks.py)")
+    tp.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks, one process per device: rank r on the r-th CUDA device after --device (or all on cpu)",
+    )
+    tp.add_argument(
+        "--tensor-parallel-address",
+        default="127.0.0.1:0",
+        help="HOST:PORT of the ranks' rendezvous, hosted by rank 0 (port 0: any free port)",
+    )
+    tp.add_argument(
+        "--tensor-parallel-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for every rank to join at start-up (and for any collective to complete)",
+    )
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
         "--transport-address",
@@ -80,6 +99,9 @@ class VerifierConfig:
     transport_address: str  # nccl: the rendezvous this verifier hosts
     transport_timeout: float
     transport_connect_timeout: float
+    tensor_parallel_size: int = 1
+    tensor_parallel_address: str = "127.0.0.1:0"
+    tensor_parallel_timeout: float = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> VerifierConfig:
@@ -97,6 +119,9 @@ class VerifierConfig:
             transport_address=args.transport_address,
             transport_timeout=args.transport_timeout,
             transport_connect_timeout=args.transport_connect_timeout,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_address=args.tensor_parallel_address,
+            tensor_parallel_timeout=args.tensor_parallel_timeout,
         )
         check_flag_ranges(
             config,
@@ -106,6 +131,8 @@ class VerifierConfig:
             drafter_timeout=(0, None),
             transport_timeout=(0, None),
             transport_connect_timeout=(0, None),
+            tensor_parallel_size=(1, None),
+            tensor_parallel_timeout=(0, None),
         )
         return config
 
@@ -130,23 +157,30 @@ def model_info(
     )
 
 
-def _load_and_size(config: VerifierConfig, step_path: dict):
+def _load_and_size(config: VerifierConfig, step_path: dict, rank: int = 0):
     """On the device's thread: the target loaded, then its KV cache sized (`--num-blocks`, or on CUDA from
-    `--gpu-memory-utilization`) and its runner built on it. Returns (model, cache, runner, max_model_len)."""
+    `--gpu-memory-utilization`) and its runner built on it. Returns (model, cache, runner, max_model_len).
+    Tensor-parallel: every rank runs it on its own device (`rank`; the followers from `ranks.follower_main`),
+    in step, since the runners' warm-up forwards take part in collectives; a cache sized from memory gets the
+    least of the ranks' block counts (`parallel.min_over_ranks`), as rank 0's block plans index every rank's."""
     import torch
 
     from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
     from specsplit.models.loader import load_target
     from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
+    from specsplit.models.parallel import min_over_ranks
+    from specsplit.verifier.ranks import rank_device
     from specsplit.verifier.runner import VerifierRunner
 
     options = config.model
-    on_cuda = torch.device(options.device).type == "cuda"
+    device = rank_device(options.device, rank) if rank else options.device
+    on_cuda = torch.device(device).type == "cuda"
     num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
-    with device_memory_lock(config.socket_dir if on_cuda else None):
-        baseline = DeviceBaseline.take(options.device) if on_cuda else None
+    # A co-located drafter shares rank 0's device only.
+    with device_memory_lock(config.socket_dir if on_cuda and rank == 0 else None):
+        baseline = DeviceBaseline.take(device) if on_cuda else None
         dtype = getattr(torch, options.dtype)
-        model = load_target(options.checkpoint, dtype=dtype, device=options.device, load_format=options.load_format)
+        model = load_target(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
         limit = model.config.max_position_embeddings
         max_model_len = min(limit, config.max_model_len or limit)
         if num_blocks is not None:  # a given count caps the context, as it always has
@@ -156,7 +190,8 @@ def _load_and_size(config: VerifierConfig, step_path: dict):
             lambda cache: VerifierRunner(
                 model,
                 cache,
-                "reference" if options.eager else "auto",
+                # a follower never samples: no sampler kernels to warm up
+                "reference" if options.eager or rank else "auto",
                 **step_path,
                 max_model_len=max_model_len,
             ),
@@ -165,6 +200,7 @@ def _load_and_size(config: VerifierConfig, step_path: dict):
             fraction=options.gpu_memory_utilization,
             max_model_len=max_model_len,
             baseline=baseline,
+            agree=min_over_ranks,
         )
     return model, kv_cache, runner, max_model_len
 
@@ -172,11 +208,13 @@ def _load_and_size(config: VerifierConfig, step_path: dict):
 async def serve(config: VerifierConfig) -> None:
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=False)  # before torch loads: a plain mistake is told at once
+    check_tensor_parallel(model_options, config.tensor_parallel_size)
     import torch
 
     from specsplit.models.device import device_executor, use_device
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+    from specsplit.verifier.ranks import end_followers
     from specsplit.verifier.servicer import VerifierServicer
     from specsplit.verifier.worker import VerifierWorker
 
@@ -222,12 +260,40 @@ async def serve(config: VerifierConfig) -> None:
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
+    followers = None
+    if config.tensor_parallel_size > 1:
+
+        async def rank_lost(rank: int, code: int | None) -> None:
+            log.error(
+                "tensor-parallel rank %d exited (code %s): NOT_SERVING, the other ranks stopped, exiting 1 "
+                "(a restarted verifier serves again)",
+                rank,
+                code,
+            )
+            await server.set_not_serving()
+            followers.kill()
+            await server.stop(1.0)
+            await local.close()
+            sockets.remove()
+            logging.shutdown()
+            os._exit(1)  # not a drain: the step thread may be stuck in a collective with the lost rank
+
+        try:
+            followers = await loop.run_in_executor(
+                None, start_ranks, config, lambda r, c: asyncio.run_coroutine_threadsafe(rank_lost(r, c), loop)
+            )
+        except UsageError:
+            await local.close()
+            sockets.remove()
+            raise
     try:
         with checkpoint_mistakes(model_options.checkpoint):
             model, kv_cache, runner, max_model_len = await loop.run_in_executor(  # graphs captured: seconds
                 None, lambda: _load_and_size(config, step_path)
             )
     except UsageError:
+        if followers is not None:
+            followers.kill()
         await local.close()
         sockets.remove()
         raise
@@ -239,17 +305,25 @@ async def serve(config: VerifierConfig) -> None:
             example = torch.zeros(1, model_config.hidden_size, dtype=dtype, device=model_options.device)
             await drafter.open_transport(example, config.transport_connect_timeout, info)
         except TransportConfigError:
+            if followers is not None:
+                followers.kill()
             await drafter.close()
             await local.close()
             sockets.remove()
             await server.stop(0)
             raise
+    if followers is not None:
+        from specsplit.models.parallel import wait_for_ranks
+
+        await loop.run_in_executor(None, wait_for_ranks)  # every rank loaded and warmed up
     device = model_options.device
     worker = VerifierWorker(runner, vocab_size=info.vocab_size, max_model_len=max_model_len, device=device)
     servicer.ready(worker, info)
     freeze_start_up_heap()
     await server.mark_serving()
     announce("verifier", server.address)
+    if followers is not None:
+        log.info("tensor parallel: %d ranks, from %s on", config.tensor_parallel_size, model_options.device)
     log.info(
         "serving %s (%s) on %s, KV cache %d blocks x %d tokens, drafter %s (hidden states by %s), VerifyStream "
         "also on %s",
@@ -267,6 +341,9 @@ async def serve(config: VerifierConfig) -> None:
         await local.close()
         sockets.remove()
         await drafter.close()
+        if followers is not None:
+            await loop.run_in_executor(None, end_followers)
+            followers.stop()
 
     await run_until_signal(
         server,
@@ -275,3 +352,31 @@ async def serve(config: VerifierConfig) -> None:
         delay_s=config.server.shutdown_delay,
         on_drain=servicer.drain,
     )
+
+
+def start_ranks(config: VerifierConfig, on_exit):
+    """Rank 0's start of a tensor-parallel verifier (blocking): the followers spawned and the group joined
+    (`specsplit.verifier.ranks`); `on_exit(rank, code)` runs when a follower exits. UsageError for a group not
+    formed in time."""
+    from specsplit.launcher import free_port
+    from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
+    from specsplit.verifier.ranks import Followers, backend_for, rank_device
+
+    size = config.tensor_parallel_size
+    host, _, port = config.tensor_parallel_address.rpartition(":")
+    address = f"{host}:{port if port != '0' else free_port(host)}"
+    followers = Followers(config, address)
+    followers.start(on_exit)
+    try:
+        init_tensor_parallel(
+            0,
+            size,
+            address,
+            backend=backend_for(config.model.device),
+            timeout_s=config.tensor_parallel_timeout,
+            device=rank_device(config.model.device, 0),
+        )
+    except TensorParallelStartError as err:
+        followers.kill()
+        raise UsageError(f"{err}; check that every rank's device is free and the address is reachable") from err
+    return followers

@@ -20,9 +20,9 @@ from specsplit.placement import DEFAULT_PLACEMENT, PLACEMENTS, resolve_placement
 from specsplit.verifier.drafter_pool import parse_targets
 
 # overlay -> the drafter placement it deploys
-PLACEMENT = {"colocated": "colocated", "pooled": "pooled", "cpu-demo": "pooled"}
+PLACEMENT = {"colocated": "colocated", "pooled": "pooled", "pooled-tp": "pooled", "cpu-demo": "pooled"}
 POOLED = [o for o, p in PLACEMENT.items() if p == "pooled"]
-GPU = {"colocated", "pooled"}
+GPU = {"colocated", "pooled", "pooled-tp"}
 # 1.27: the oldest release with native gRPC probes (GA); and the newest.
 K8S_VERSIONS = ["1.27", kubernetes_validate.latest_version()]
 SERVER, DRAFTER = "specsplit-server", "specsplit-drafter"
@@ -301,6 +301,20 @@ def test_pooled_overlay_gives_the_verifier_and_each_drafter_a_gpu_and_the_coordi
     assert gpus(drafter) == 1
     assert server["verifier"]["image"].endswith("-cuda") and drafter["image"].endswith("-cuda")
     assert gpus(pod(docs, "specsplit-otel-collector")["containers"][0]) == 0
+
+
+def test_tp_overlay_gives_the_verifier_a_gpu_per_rank_shm_for_nccl_and_each_drafter_its_own_gpu():
+    docs = render("pooled-tp")
+    server = by_name(pod(docs, SERVER)["containers"])
+    args = parsed(server["verifier"], docs)
+    assert args.tensor_parallel_size > 1 and gpus(server["verifier"]) == args.tensor_parallel_size
+    assert gpus(server["coordinator"]) == 0
+    (drafter,) = pod(docs, DRAFTER)["containers"]
+    assert gpus(drafter) == 1
+    (shm,) = [v for v in pod(docs, SERVER)["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"].endswith("Gi")
+    assert int(shm["emptyDir"]["sizeLimit"][:-2]) >= 16  # NCCL's buffers for 8 ranks
+    assert "/dev/shm" in {m["mountPath"] for m in server["verifier"]["volumeMounts"]}
 
 
 def test_cpu_demo_has_no_gpu_and_uses_local_images():

@@ -153,7 +153,7 @@ def test_fp8_model_on_cuda_runs_the_kernel_and_matches_the_reference(checkpoints
     assert linears and all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in linears)
     if kind == "deepseek_v3":
         assert not isinstance(model.model.layers[0].self_attn.kv_b_proj, Fp8Linear)  # read directly: dequantized
-        assert isinstance(model.model.layers[1].mlp.experts[0].gate_proj, Fp8Linear)
+        assert isinstance(model.model.layers[1].mlp.experts["0"].gate_proj, Fp8Linear)
     tokens = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     got = _logits(model, tokens.cuda()).cpu()
     reference = _logits(load_target(fp8, keep_fp8=True), tokens)  # the W8A8 torch reference, on the CPU

@@ -100,9 +100,9 @@ def _hf_moe_with_our_weights(moe: MoE, config: DeepseekV3Config) -> DeepseekV3Mo
         hf.gate.weight.copy_(moe.gate.weight)
         hf.gate.e_score_correction_bias.copy_(moe.gate.e_score_correction_bias)
         hf.experts.gate_up_proj.copy_(
-            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in moe.experts])
+            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in moe.experts.values()])
         )
-        hf.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in moe.experts]))
+        hf.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in moe.experts.values()]))
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(hf.shared_experts, name).weight.copy_(getattr(moe.shared_experts, name).weight)
     return hf

@@ -202,7 +202,7 @@ def test_moe_families_load_fp8_target_and_mtp(tmp_path, family):
         assert got.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in got.items())
     model = load_target(fp8_dir, keep_fp8=True)
     layer = model.model.layers[1]
-    assert isinstance(layer.mlp.experts[0].down_proj, Fp8Linear) and isinstance(
+    assert isinstance(layer.mlp.experts["0"].down_proj, Fp8Linear) and isinstance(
         layer.mlp.shared_experts.up_proj, Fp8Linear
     )
     if family == "deepseek_v3":

@@ -101,6 +101,9 @@ def test_up_splits_its_share_only_between_services_on_one_cuda_device():
     assert service_shares(0.95, {"verifier": "cuda:0", "drafter": "cuda:1"}) == {"verifier": 0.95, "drafter": 0.95}
     assert service_shares(0.5, {"verifier": "cuda:0"}) == {"verifier": 0.5}  # no drafter
     assert service_shares(0.7, {"verifier": "cuda", "drafter": "cuda:0"}) == {"verifier": 0.6, "drafter": 0.1}
+    # a tensor-parallel verifier on cuda:0 and cuda:1: a drafter on rank 1's device shares it, one on cuda:2 not
+    assert service_shares(0.9, {"verifier": "cuda", "drafter": "cuda:1"}, 2) == {"verifier": 0.8, "drafter": 0.1}
+    assert service_shares(0.9, {"verifier": "cuda:0", "drafter": "cuda:2"}, 2) == {"verifier": 0.9, "drafter": 0.9}
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization sizes the KV caches from CUDA .* --device cpu"):
         service_shares(0.5, {"verifier": "cpu", "drafter": "cpu"})
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization 0.1: a drafter on the verifier's device"):
@@ -165,6 +168,41 @@ def test_start_up_sizes_from_a_probe_runner_then_builds_the_runner_on_the_real_c
     assert events == [("cache", 1), ("cache", probe), ("runner", probe), ("cache", expected), ("runner", expected)]
     assert cache.num_blocks == size.num_blocks == expected and runner == ("runner", cache)
     assert "from --gpu-memory-utilization 0.5" in size.describe()
+
+
+def test_tensor_parallel_ranks_build_the_cache_of_the_least_count_the_ranks_agree_on():
+    def sized(agree, give=None):
+        baseline = _FakeBaseline(total=100_000, weights=20_000, workspace=10_000)
+        made, asked = [], []
+
+        def make_cache(n):
+            made.append(n)
+            cache = PagedKVCache(1, 1, 4, n, 4, torch.float32, "cpu")
+            baseline.live = [cache]
+            return cache
+
+        def agreeing(n):
+            asked.append(n)
+            return agree(n)
+
+        cache, _, size = size_kv_cache(
+            make_cache,
+            lambda c: c,
+            block_size=4,
+            num_blocks=give,
+            fraction=0.5,
+            max_model_len=64,
+            baseline=baseline,
+            agree=agreeing,
+        )
+        return made[-1], cache.num_blocks, size, asked
+
+    own = sized(lambda n: n)[1]
+    built, blocks, size, asked = sized(lambda n: n - 10)  # another rank has 10 blocks fewer
+    assert asked == [own] and built == blocks == size.num_blocks == own - 10
+    assert f"the least over the tensor-parallel ranks (this rank's: {own})" in size.describe()
+    built, blocks, size, asked = sized(lambda n: n - 10, give=12)  # --num-blocks: one count everywhere already
+    assert asked == [] and built == blocks == 12
 
 
 def test_a_given_block_count_overrides_without_measuring(caplog):

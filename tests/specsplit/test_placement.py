@@ -119,6 +119,19 @@ def test_a_pooled_cluster_passes_its_transport():
     assert LocalCluster("ckpt", device="cuda:0", placement="pooled").hidden_transport == "grpc"
 
 
+def test_up_with_a_tensor_parallel_verifier_splits_the_share_of_the_device_its_drafter_is_on():
+    """--verifier-tp 2 from cuda:0: a pooled drafter on cuda:1 shares rank 1's device, one on cuda:2 has its own."""
+    args = ["up", "--device", "cuda:0", "--verifier-tp", "2", "--placement", "pooled"]
+    assert up_cluster(parse_args([*args, "--drafter-device", "cuda:1"])).memory_shares == {
+        "verifier": 0.8,
+        "drafter": 0.1,
+    }
+    assert up_cluster(parse_args([*args, "--drafter-device", "cuda:2"])).memory_shares == {
+        "verifier": 0.9,
+        "drafter": 0.9,
+    }
+
+
 def test_a_colocated_drafter_on_another_kind_of_device_is_refused():
     with pytest.raises(ValueError, match="put both on CUDA devices or both on the CPU, or use placement pooled"):
         LocalCluster("ckpt", verifier_device="cuda:0", drafter_device="cpu")

@@ -19,4 +19,7 @@ class DeepseekV3DecoderLayer(PreNormBlock):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config) if config.is_moe_layer(layer) else SwiGLU(config.hidden_size, config.intermediate_size)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, parallel=True, reduce=True)

@@ -19,6 +19,10 @@ per context token and head to up-project, whatever the number of queries. Reques
 `absorb_max_query_len` new tokens (that break-even by default: 170 for DeepSeek-V3, 32 for the
 tiny test config) take the absorbed path.
 
+Tensor-parallel: the heads split across the ranks (q_proj / q_b_proj and kv_b_proj column-parallel by
+head, o_proj row-parallel, its partial output all-reduced); the down-projections, their norms and the
+latent cache are replicated (every rank caches the whole latent: it is per token, not per head).
+
 Like `specsplit.models.attention.paged_attention`, this reference loops over requests; a fused kernel replaces
 `mla_paged_attention`.
 """
@@ -34,6 +38,8 @@ from specsplit.models.deepseek_v3.latent_cache import LatentKVCache
 from specsplit.models.deepseek_v3.rotary import apply_rotary, softmax_scale
 from specsplit.models.kv_cache import AttentionMetadata
 from specsplit.models.layers import RMSNorm
+from specsplit.models.parallel import all_reduce, tp_rank, tp_size
+from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 
 # DeepSeek's reference code and transformers build q_a_layernorm and kv_a_layernorm with RMSNorm's
 # default eps, not config.rms_norm_eps (equal in every published DeepSeek config).
@@ -54,7 +60,12 @@ class MLAttention(nn.Module):
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        if config.num_attention_heads % tp_size():
+            raise ValueError(
+                f"{config.num_attention_heads} attention heads do not divide into {tp_size()} tensor-parallel ranks"
+            )
+        self.num_heads = heads = config.num_attention_heads // tp_size()  # this rank's
+        first = tp_rank() * heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.qk_head_dim = config.qk_head_dim
@@ -63,16 +74,22 @@ class MLAttention(nn.Module):
         self.absorb_max_query_len = absorbed_break_even(config)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_lora = config.q_lora_rank is not None
+        all_heads, qk, kv = config.num_attention_heads, self.qk_head_dim, self.nope_dim + self.v_head_dim
         if not self.q_lora:
-            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = column_parallel_linear(hidden, all_heads * qk, False, start=first * qk, size=heads * qk)
         else:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = column_parallel_linear(
+                config.q_lora_rank, all_heads * qk, False, start=first * qk, size=heads * qk
+            )
         self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = column_parallel_linear(
+            config.kv_lora_rank, all_heads * kv, False, start=first * kv, size=heads * kv
+        )
+        v = self.v_head_dim
+        self.o_proj = row_parallel_linear(all_heads * v, hidden, bias, start=first * v, size=heads * v)
 
     def forward(
         self,
@@ -103,7 +120,7 @@ class MLAttention(nn.Module):
             self.scale,
             self.absorb_max_query_len,
         )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
+        return all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim)))
 
 
 def mla_paged_attention(

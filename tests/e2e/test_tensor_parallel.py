@@ -1,0 +1,207 @@
+"""A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
+greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3 at once (DeepSeek-V3's and
+GLM-4.5's sharding: tests/models/test_tensor_parallel.py); sampled output follows the target distribution
+(chi-square); a rank killed mid-generation stops the verifier, whose restart loses nothing. The ranks are
+spawned CPU processes joined over gloo."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specsplit import Client
+from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import greedy_ignoring_eos, start_streams
+from tests.e2e.test_lossless_greedy import prompts
+from tests.fixtures.tiny import write_tiny_checkpoint
+
+MAX_TOKENS = 12
+
+
+def tp_cluster(path, logs, size: int = 2, **placement) -> LocalCluster:
+    return LocalCluster(
+        path,
+        num_speculative_tokens=3,
+        log_dir=logs,
+        verifier_args=["--tensor-parallel-size", str(size)],
+        coordinator_args=["--max-num-seqs", "10", "--max-num-batched-tokens", "64"],
+        **placement,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_tp(tiny_checkpoint, tmp_path_factory):
+    """A pooled drafter taking rank 0's hidden states by the nccl transport (gloo here): a process group of its
+    own beside the ranks' (the Qwen3 cluster runs the default co-located placement)."""
+    logs = tmp_path_factory.mktemp("logs-tp-llama")
+    with tp_cluster(tiny_checkpoint, logs, placement="pooled", hidden_transport="nccl") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", architecture="qwen3", seed=2)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy_of(model):
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt_ids) :].tolist()
+
+    return generate
+
+
+def greedy_outputs(address: str, jobs: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """(tokens, drafted) of one greedy Generate per (prompt, k), all at once."""
+    outs, errors = {}, []
+
+    def run(i):
+        prompt, k = jobs[i]
+        try:
+            with Client(address, timeout=120) as client:
+                out = client.generate(
+                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True
+                )
+                outs[i] = (out.token_ids, out.stats.num_draft_tokens)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return [outs[i] for i in range(len(jobs))]
+
+
+def check_greedy(address: str, hf_greedy) -> None:
+    """k 1 and 3 served at once, in the same batches: 5 prompts each (up to 17 tokens)."""
+    ks = (1, 3)
+    jobs = [(p, k) for k in ks for p in prompts(5, seed=k)]
+    outs = greedy_outputs(address, jobs)
+    for k in ks:  # each k's drafts were verified
+        assert sum(drafted for (_, job_k), (_, drafted) in zip(jobs, outs) if job_k == k) > 0, k
+    for (p, k), (tokens, _) in zip(jobs, outs):
+        assert tokens == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, p)
+
+
+def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
+    check_greedy(llama_tp.address, hf_greedy)
+
+
+def test_qwen3_tp2_greedy_equals_transformers_generate(qwen3, tmp_path_factory):
+    path, model = qwen3
+    with tp_cluster(path, tmp_path_factory.mktemp("logs-tp-qwen3")) as c:
+        check_greedy(c.address, hf_greedy_of(model))
+
+
+def test_sampled_generation_through_tp2_follows_the_target_distribution(llama_tp, tiny_checkpoint):
+    """Token 2 of N sampled generations (temperature 0.4, k = 3: drafted from token 1 on) against its exact
+    marginal under transformers' model of the checkpoint; chi-square, false-failure rate 1e-3."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ids, n, workers = [11, 42, 7], 240, 8
+    T = 0.4  # the tiny model's distributions are flat: sharper, several tokens get expected counts >= 5
+    seconds, drafted = [], [0]
+    lock = threading.Lock()
+
+    def worker(w):
+        with Client(llama_tp.address, timeout=300) as client:
+            for seed in range(w, n, workers):
+                out = client.generate(prompt_token_ids=ids, max_tokens=4, temperature=T, seed=seed, ignore_eos=True)
+                with lock:
+                    seconds.append(out.token_ids[1])
+                    drafted[0] += out.stats.num_draft_tokens
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(seconds) == n and drafted[0] > 0
+
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double() / T, -1)
+        support = torch.nonzero(p1 > 1e-7).flatten()
+        logits2 = model(torch.tensor([ids + [int(t)] for t in support])).logits[:, -1].double()
+        p2_given = torch.softmax(logits2 / T, -1)
+        p2 = (p1[support, None] * p2_given).sum(0)
+    counts = np.bincount(seconds, minlength=p2.numel()).astype(float)
+    expected = p2.numpy() * n
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    assert len(obs) > 2  # a distribution, not one token
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def followers_of(pid: int) -> list[int]:
+    """The tensor-parallel follower processes `pid` spawned (not multiprocessing's resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(_stat(int(entry))[1])
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, ..."""
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if _stat(pid)[0] == "Z":  # exited, not yet reaped
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_rank_killed_stops_the_verifier_and_a_restart_loses_nothing(llama_tp, hf_greedy):
+    """Rank 1 SIGKILLed mid-generation: rank 0 exits 1 with one line; restarted, every stream completes as
+    transformers' greedy (nothing lost or repeated). Then rank 0 SIGKILLed: its follower exits."""
+    verifier = llama_tp.services["verifier"]
+    (follower,) = followers_of(verifier.proc.pid)
+    ps = [[3 + i, 40 + i, 7] for i in range(4)]
+    progressed = threading.Event()
+    threads, results, errors = start_streams(llama_tp.address, ps, 30, lambda n: n >= 6 and progressed.set())
+    assert progressed.wait(60)
+    os.kill(follower, signal.SIGKILL)
+    assert verifier.proc.wait(timeout=30) == 1
+    assert "tensor-parallel rank 1 exited" in verifier.log_tail(200)
+    llama_tp.restart("verifier")
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    for i, p in enumerate(ps):
+        assert results[i] == greedy_ignoring_eos(hf_greedy, p, 30), f"stream {i}"
+
+    verifier = llama_tp.services["verifier"]
+    (follower,) = followers_of(verifier.proc.pid)
+    llama_tp.kill("verifier", signal.SIGKILL)
+    assert wait_gone(follower, 10)
