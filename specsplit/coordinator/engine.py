@@ -92,6 +92,7 @@ class Engine:
         make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
         self._verify_stream = make_stream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
+        self._num_later_steps = 0  # the drafter steps after step 0 of the last iteration's Propose
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
         self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
         obs.observe_queue(scheduler)
@@ -192,6 +193,11 @@ class Engine:
                 self.scheduler.reset_all()
                 return []
             self.acceptance.record(*obs.record_verify(span, output, results, response))
+        # The iteration waited for the previous iteration's Propose, whose drafts it verified (async scheduling).
+        self.scheduler.record_iteration(
+            output, (time.time_ns() - t_schedule) / 1e9, self._num_later_steps, response.timing.later_steps_ns / 1e9
+        )
+        self._num_later_steps = output.num_later_steps if response.drafter_ok else 0
         self.iteration_timings.append(
             coordinator_pb2.IterationTiming(
                 iteration=output.iteration,

@@ -1,0 +1,153 @@
+"""Adaptive speculation: the chooser of per-request draft counts, its cost model and its acceptance estimates, and
+the scheduler asking the drafter for the chosen counts."""
+
+import time
+
+import pytest
+
+from specsplit.coordinator import draft_choice
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance, request_acceptance
+from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.iteration import VerifyResult
+from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.coordinator.step_cost import StepCostModel
+from specsplit.coordinator.wire import verify_request
+
+
+def linear_costs(model: StepCostModel, fixed_s: float, per_token_s: float, tokens: list[int]) -> None:
+    for t in tokens:
+        for _ in range(3):
+            model.record(t, 0, fixed_s + per_token_s * t)
+
+
+def counts(acceptance: float, positions: int = 5, n: int = 200) -> PositionCounts:
+    """A request's counts: each position reached n times, accepted `acceptance` of them."""
+    return PositionCounts([n] * positions, [round(n * acceptance)] * positions)
+
+
+def test_before_any_timing_every_request_gets_its_cap():
+    chooser = DraftChooser()
+    assert chooser.choose([5, 3, 0], [PositionCounts()] * 3) == [5, 3, 0]
+
+
+def test_low_acceptance_gets_no_drafts():
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.0001, [8, 16, 24, 48])
+    low = counts(0.05)
+    assert chooser.choose([5] * 8, [low] * 8) == [0] * 8
+
+
+def test_high_acceptance_and_cheap_tokens_get_the_maximum():
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 32, 48])
+    high = counts(0.95)
+    assert chooser.choose([5] * 8, [high] * 8) == [5] * 8
+
+
+def test_mixed_batch_gets_per_request_counts():
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.0004, [16, 32, 64, 96])
+    high, low = counts(0.9), counts(0.1)
+    chosen = chooser.choose([5] * 16, [high] * 8 + [low] * 8)
+    assert all(n >= 2 for n in chosen[:8]), chosen
+    assert chosen[8:] == [0] * 8, chosen
+
+
+def test_expensive_tokens_cut_the_draft_count():
+    """At 0.6 acceptance, cheap tokens pay for every draft; tokens costing as much as the fixed part do not."""
+    chooser = DraftChooser()
+    mid = counts(0.6)
+    linear_costs(chooser.costs, 0.010, 0.00001, [32, 64, 128, 192])
+    many = sum(chooser.choose([5] * 32, [mid] * 32))
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.0005, [32, 64, 128, 192])
+    few = sum(chooser.choose([5] * 32, [mid] * 32))
+    assert many == 5 * 32 and few < 32
+
+
+def test_cost_model_learns_a_linear_cost():
+    model = StepCostModel()
+    for step in range(400):
+        tokens, later = 8 + (step * 37) % 40, step % 5
+        model.record(tokens, later, 0.004 + 0.0002 * tokens + 0.0005 * later, later_steps_s=0.0005 * later)
+    curve = model.curve()
+    assert curve.later_step_s == pytest.approx(0.0005)
+    for tokens in (8, 20, 33, 47):
+        for later in (0, 2, 4):
+            assert curve.iteration_s(tokens, later) == pytest.approx(0.004 + 0.0002 * tokens + 0.0005 * later, 0.02)
+    # Outside what was measured: flat below, in proportion to T above.
+    assert curve.base_s(2) == pytest.approx(curve.base_s(8))
+    assert curve.base_s(94) == pytest.approx(curve.base_s(47) * 2, 0.03)
+
+
+def test_an_iteration_without_drafts_is_measured_once_only_drafted_ones_were():
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.00001, [32])  # batch 8 at k = 3
+    high = counts(0.95)
+    assert chooser.choose([3] * 8, [high] * 8) == [0] * 8  # the probe
+    linear_costs(chooser.costs, 0.010, 0.00001, [8])
+    assert chooser.choose([3] * 8, [high] * 8) == [3] * 8
+
+
+def test_every_request_gets_one_draft_after_a_long_run_without():
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.001, [4, 8, 24])
+    low = counts(0.05)
+    chosen = [chooser.choose([5] * 4, [low] * 4) for _ in range(draft_choice.EXPLORE_EVERY)]
+    assert chosen[:-1] == [[0] * 4] * (draft_choice.EXPLORE_EVERY - 1)
+    assert chosen[-1] == [1] * 4
+
+
+def test_request_estimate_shrinks_toward_the_server():
+    server = ServerAcceptance()
+    for _ in range(100):
+        server.record(3, 1)  # position 0 always accepted, position 1 never
+    prior = server.means(4)
+    assert prior == pytest.approx([1.0, 0.0, 0.0, 0.0])  # deeper than reached: the deepest reached one's
+    own = PositionCounts()
+    assert request_acceptance(own, prior) == prior
+    for _ in range(40):
+        own.record(2, 2)
+    est = request_acceptance(own, prior)
+    assert est[1] == pytest.approx(40 / 44) and est[2] == 0.0
+
+
+def test_choice_cost_at_batch_128():
+    """Not a timed assert: prints what one choice costs on the coordinator's loop at batch 128, k_max 5."""
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.015, 0.00002, [128, 256, 384, 512, 640, 768])
+    reqs = [counts(0.3 + 0.6 * (i % 7) / 6) for i in range(128)]
+    chooser.choose([5] * 128, reqs)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        chosen = chooser.choose([5] * 128, reqs)
+    print(f"\nDraftChooser.choose at batch 128, k_max 5: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
+    assert 0 < sum(chosen) <= 5 * 128
+
+
+def test_scheduler_asks_the_drafter_for_the_chosen_count():
+    """Requests whose drafts are always rejected, iterations timed as if tokens were costly: after a few iterations
+    the scheduler asks the drafter for no drafts (num_spec_tokens 0 on the wire); with --no-adaptive it keeps k."""
+    for adaptive in (True, False):
+        cfg = SchedulerConfig(
+            max_model_len=512,
+            block_size=16,
+            num_blocks=256,
+            num_speculative_tokens=3,
+            max_num_batched_tokens=64,
+            adaptive=adaptive,
+        )
+        s = Scheduler(cfg, [99])
+        for i in range(4):
+            s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)))
+        for _ in range(12):
+            out = s.schedule()
+            res = [
+                VerifyResult(x.request.request_id, [7], x.num_draft_tokens, x.num_draft_tokens) for x in out.scheduled
+            ]
+            s.update_from_output(out, res)
+            s.record_iteration(out, 0.010 + 0.002 * out.num_scheduled_tokens, out.num_later_steps, 0.0)
+        message = verify_request(s.schedule(), "c")
+        assert [r.num_spec_tokens for r in message.requests] == ([0] * 4 if adaptive else [3] * 4)
