@@ -154,6 +154,7 @@ class Engine:
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
                 continue
             span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
+            obs.record_draft_choice(output)
             self._previous_iteration = span.get_span_context()
             outputs, pending = pending, []
             try:

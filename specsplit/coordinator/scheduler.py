@@ -43,7 +43,8 @@ from specsplit.errors import FailedPrecondition, ResourceExhausted
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]):
+    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int], chooser: DraftChooser | None = None):
+        """`chooser`: the adaptive choice's learned state to go on from (by default a new one when adaptive)."""
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -53,7 +54,9 @@ class Scheduler:
         self._to_free: list[str] = []  # requests whose KV the next iteration frees
         # Groups of requests of a refused batch, each scheduled alone in its turn (`isolate`).
         self._suspects: deque[set[str]] = deque()
-        self.chooser = DraftChooser() if config.adaptive and config.num_speculative_tokens > 0 else None
+        self.chooser = None
+        if config.adaptive and config.num_speculative_tokens > 0:
+            self.chooser = chooser or DraftChooser()
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
