@@ -62,14 +62,3 @@ class ServerAcceptance:
                 last = self._accepted[j] / self._reached[j]
             out.append(last)
         return out
-
-
-def request_acceptance(counts: PositionCounts, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
-    """The request's acceptance per position of `prior`: its own counts shrunk toward the server's."""
-    out = []
-    for j, mean in enumerate(prior):
-        if j < len(counts.reached):
-            out.append((counts.accepted[j] + weight * mean) / (counts.reached[j] + weight))
-        else:
-            out.append(mean)
-    return out

@@ -12,15 +12,18 @@ every length; the choice is the prefix of that order with the best rate (0 draft
 
 Before any iteration was timed each request gets its cap (the fixed k). When no measured iteration ran anywhere near
 as few tokens as one without drafts (the first ones ran the fixed k), one iteration without drafts is tried, to
-measure it. After `EXPLORE_EVERY` iterations in a row without drafts, every request gets one draft for one iteration,
-so the acceptance estimates follow a drafter whose acceptance changed.
+measure it. Every `EXPLORE_EVERY`-th choice gives each request one draft more than chosen: iteration times of more
+tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the choice
+follows a drafter whose acceptance changed and a step time measured once in a slow moment.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 
-from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance, request_acceptance
+from specsplit.coordinator.draft_acceptance import PRIOR_WEIGHT, PositionCounts, ServerAcceptance
 from specsplit.coordinator.step_cost import StepCostModel
 
 EXPLORE_EVERY = 64
@@ -31,7 +34,27 @@ class DraftChooser:
     def __init__(self) -> None:
         self.costs = StepCostModel()
         self.acceptance = ServerAcceptance()
-        self._iterations_without_drafts = 0
+        self._num_choices = 0
+
+    def _prefix_lengths_by_gain(self, caps: list[int], counts: list[PositionCounts], max_cap: int):
+        """Every (request, draft) pair in falling order of marginal gain, as indices r * max_cap + depth; the expected
+        tokens gained by each prefix of that order; and each prefix's deepest draft (1-based)."""
+        prior = self.acceptance.means(max_cap)
+        # a_rj = (accepted_rj + w * prior_j) / (reached_rj + w): the request's counts shrunk toward the server's.
+        weighted = [PRIOR_WEIGHT * mean for mean in prior]
+        neg_gains: list[float] = []  # per request max_cap entries; inf past its cap (sorted last, cut off)
+        for cap, own in zip(caps, counts):
+            gain, reached, accepted = 1.0, own.reached, own.accepted
+            num_own = len(reached)
+            for j in range(cap):
+                a = (accepted[j] + weighted[j]) / (reached[j] + PRIOR_WEIGHT) if j < num_own else prior[j]
+                gain *= a
+                neg_gains.append(j * 1e-12 - gain)  # ties: the shallower draft first (a valid allocation)
+            neg_gains.extend([math.inf] * (max_cap - cap))
+        order = sorted(range(len(neg_gains)), key=neg_gains.__getitem__)[: sum(caps)]
+        tokens_gained = list(itertools.accumulate(-neg_gains[i] for i in order))
+        max_depth = list(itertools.accumulate((i % max_cap + 1 for i in order), max))
+        return order, tokens_gained, max_depth
 
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
         """A request's verification: its own counts and the server's."""
@@ -49,35 +72,22 @@ class DraftChooser:
         curve = self.costs.curve()
         if 2 * num_reqs <= curve.min_tokens:
             return [0] * num_reqs  # measure an iteration without drafts
-        prior = self.acceptance.means(max_cap)
-        gains = []  # (-gain, depth, request)
-        for r, (cap, request_counts) in enumerate(zip(caps, counts)):
-            if cap:
-                acceptance = request_acceptance(request_counts, prior[:cap])
-                for depth, gain in enumerate(itertools.accumulate(acceptance, lambda a, b: a * b)):
-                    gains.append((-gain, depth, r))
-        gains.sort()
-        num_gains = len(gains)
-        stride = max(1, num_gains // MAX_EVALUATIONS)
+        order, tokens_gained, max_depth = self._prefix_lengths_by_gain(caps, counts, max_cap)
+        # Prefix lengths evaluated: evenly spaced, the whole, and each one just before a draft adds a drafter step.
+        num_gains = len(order)
+        candidates = set(range(0, num_gains + 1, max(1, num_gains // MAX_EVALUATIONS)))
+        candidates.add(num_gains)
+        candidates.update(bisect.bisect_left(max_depth, depth) for depth in range(2, max_cap + 1))
         best_rate, best_len = num_reqs / curve.iteration_s(num_reqs, 0), 0
-        tokens, max_depth = float(num_reqs), 0
-        for m, (neg_gain, depth, _) in enumerate(gains, 1):
-            tokens -= neg_gain
-            max_depth = max(max_depth, depth + 1)
-            # Evaluated evenly, and where the next draft would add a drafter step (that step's cost starts there).
-            if m % stride and m != num_gains and gains[m][1] < max_depth:
-                continue
-            rate = tokens / curve.iteration_s(num_reqs + m, max_depth - 1)
-            if rate > best_rate:
-                best_rate, best_len = rate, m
+        for m in sorted(candidates):  # ties: fewer drafts
+            if m:
+                rate = (num_reqs + tokens_gained[m - 1]) / curve.iteration_s(num_reqs + m, max_depth[m - 1] - 1)
+                if rate > best_rate:
+                    best_rate, best_len = rate, m
         chosen = [0] * num_reqs
-        for _, _, r in gains[:best_len]:
-            chosen[r] += 1
-        if best_len:
-            self._iterations_without_drafts = 0
-            return chosen
-        self._iterations_without_drafts += 1
-        if self._iterations_without_drafts >= EXPLORE_EVERY:
-            self._iterations_without_drafts = 0
-            return [min(1, cap) for cap in caps]
+        for index in order[:best_len]:
+            chosen[index // max_cap] += 1
+        self._num_choices += 1
+        if self._num_choices % EXPLORE_EVERY == 0:  # one draft more each: measures more tokens and deeper positions
+            return [min(n + 1, cap) for n, cap in zip(chosen, caps)]
         return chosen

@@ -9,7 +9,8 @@ where T is the number of tokens the target runs (per decoding request its last t
 drafter's MTP steps after step 0 (the largest draft count asked for, minus one). `later_step` is the drafter's own
 report (its `later_steps_ns` over L). `base(T)`, the verifier's step, the drafter's step 0 over the iteration's
 rows and the hops, is what remains; it is kept per bucket of T (buckets 1/16 of an octave wide, an exponential
-moving average of T and of the time in each) and read between buckets by linear interpolation. Below the smallest
+moving average of T and of the time in each), made nondecreasing in T, and read between buckets by linear
+interpolation. Below the smallest
 bucket it is that bucket's time (an upper bound: time does not fall with more tokens), above the largest it grows in
 proportion to T (as if compute-bound; pessimistic, so speculating past what was measured must pay for it).
 Only decode iterations are recorded (prefill chunks cost differently per token).
@@ -30,6 +31,7 @@ class StepCostModel:
         self._keys: list[int] = []  # sorted bucket ids
         self.later_step_s: float | None = None  # one MTP step after step 0, seconds
         self.num_samples = 0
+        self._curve: CostCurve | None = None  # the last curve, until the next record
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -38,6 +40,7 @@ class StepCostModel:
     def record(self, num_tokens: int, num_later_steps: int, seconds: float, later_steps_s: float | None = None) -> None:
         """One decode iteration: `num_tokens` run by the target, `num_later_steps` drafter steps after step 0,
         `seconds` its time; `later_steps_s`: the drafter's report of those steps' time, when it has one."""
+        self._curve = None
         if later_steps_s is not None and num_later_steps > 0:
             per_step = later_steps_s / num_later_steps
             self.later_step_s = (
@@ -56,7 +59,7 @@ class StepCostModel:
         else:
             entry[0] += EMA * (num_tokens - entry[0])
             entry[1] += EMA * (base - entry[1])
-            entry[2] += 1
+            entry[2] = min(entry[2] + 1, 1 / EMA)  # as weight: an EMA's effective number of samples
         self.num_samples += 1
 
     @property
@@ -65,8 +68,22 @@ class StepCostModel:
 
     def curve(self) -> CostCurve:
         """The model as it stands (call only when `ready`), for the predictions of one choice."""
-        points = [self._buckets[k] for k in self._keys]
-        return CostCurve([p[0] for p in points], [p[1] for p in points], self.later_step_s or 0.0)
+        if self._curve is None:
+            tokens, seconds = _nondecreasing([self._buckets[k] for k in self._keys])
+            self._curve = CostCurve(tokens, seconds, self.later_step_s or 0.0)
+        return self._curve
+
+
+def _nondecreasing(points: list[list[float]]) -> tuple[list[float], list[float]]:
+    """The points' times made nondecreasing in T (pool adjacent violators, weighted by samples): a bucket measured
+    once in a slow moment cannot make its token count look dearer than more tokens, and keep it from being tried."""
+    blocks: list[list[float]] = []  # [sum of w*T, sum of w*time, sum of w]
+    for t, v, n in points:
+        blocks.append([n * t, n * v, float(n)])
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]:
+            last = blocks.pop()
+            blocks[-1] = [a + b for a, b in zip(blocks[-1], last)]
+    return [b[0] / b[2] for b in blocks], [b[1] / b[2] for b in blocks]
 
 
 class CostCurve:

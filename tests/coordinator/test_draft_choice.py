@@ -7,7 +7,7 @@ import pytest
 
 from specsplit.coordinator import draft_choice
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance, request_acceptance
+from specsplit.coordinator.draft_acceptance import PositionCounts
 from specsplit.coordinator.draft_choice import DraftChooser
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
@@ -91,27 +91,38 @@ def test_an_iteration_without_drafts_is_measured_once_only_drafted_ones_were():
     assert chooser.choose([3] * 8, [high] * 8) == [3] * 8
 
 
-def test_every_request_gets_one_draft_after_a_long_run_without():
+def test_every_request_gets_one_draft_more_every_explore_every_choices():
     chooser = DraftChooser()
     linear_costs(chooser.costs, 0.010, 0.001, [4, 8, 24])
     low = counts(0.05)
-    chosen = [chooser.choose([5] * 4, [low] * 4) for _ in range(draft_choice.EXPLORE_EVERY)]
+    chosen = [chooser.choose([5, 5, 5, 0], [low] * 4) for _ in range(draft_choice.EXPLORE_EVERY)]
     assert chosen[:-1] == [[0] * 4] * (draft_choice.EXPLORE_EVERY - 1)
-    assert chosen[-1] == [1] * 4
+    assert chosen[-1] == [1, 1, 1, 0]
+
+
+def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():
+    model = StepCostModel()
+    linear_costs(model, 0.010, 0.0001, [8, 16, 32])
+    model.record(12, 0, 0.5)  # once, in a slow moment
+    curve = model.curve()
+    assert curve.base_s(12) <= curve.base_s(16) <= curve.base_s(32)
 
 
 def test_request_estimate_shrinks_toward_the_server():
-    server = ServerAcceptance()
+    chooser = DraftChooser()
     for _ in range(100):
-        server.record(3, 1)  # position 0 always accepted, position 1 never
-    prior = server.means(4)
-    assert prior == pytest.approx([1.0, 0.0, 0.0, 0.0])  # deeper than reached: the deepest reached one's
+        chooser.acceptance.record(3, 1)  # position 0 always accepted, position 1 never
+    assert chooser.acceptance.means(4) == pytest.approx([1.0, 0.0, 0.0, 0.0])  # deeper: the deepest reached one's
     own = PositionCounts()
-    assert request_acceptance(own, prior) == prior
     for _ in range(40):
         own.record(2, 2)
-    est = request_acceptance(own, prior)
-    assert est[1] == pytest.approx(40 / 44) and est[2] == 0.0
+    # Expected tokens gained by the request's 1st, 2nd, 3rd draft: prod of (accepted + 4 prior) / (reached + 4).
+    order, tokens_gained, max_depth = chooser._prefix_lengths_by_gain([3], [own], 3)
+    a0, a1 = (40 + 4 * 1.0) / (40 + 4), (40 + 4 * 0.0) / (40 + 4)
+    assert order == [0, 1, 2] and max_depth == [1, 2, 3]
+    assert tokens_gained == pytest.approx([a0, a0 + a0 * a1, a0 + a0 * a1])
+    _, fresh, _ = chooser._prefix_lengths_by_gain([3], [PositionCounts()], 3)
+    assert fresh == pytest.approx([1.0, 1.0, 1.0])  # no counts of its own: the server's
 
 
 def test_choice_cost_at_batch_128():
