@@ -23,9 +23,12 @@ class PositionCounts:
 
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    version: int = 0  # bumped by every record (what the chooser's cache of this request's gains is keyed on)
+    gains_cache: tuple = field(default=(), repr=False, compare=False)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` drafts of which the first `num_accepted` were kept."""
+        self.version += 1
         num_reached = min(num_drafts, num_accepted + 1)
         if len(self.reached) < num_reached:
             grow = num_reached - len(self.reached)
@@ -42,10 +45,12 @@ class ServerAcceptance:
 
     def __init__(self, half_life: float = SERVER_HALF_LIFE):
         self._keep = 0.5 ** (1.0 / half_life)
+        self.version = 0  # bumped by every record
         self._reached: list[float] = []
         self._accepted: list[float] = []
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.version += 1
         num_reached = min(num_drafts, num_accepted + 1)
         while len(self._reached) < num_reached:
             self._reached.append(0.0)

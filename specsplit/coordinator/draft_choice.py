@@ -12,9 +12,10 @@ every length; the choice is the prefix of that order with the best rate (0 draft
 
 Before any iteration was timed each request gets its cap (the fixed k). When no measured iteration ran anywhere near
 as few tokens as one without drafts (the first ones ran the fixed k), one iteration without drafts is tried, to
-measure it. Every `EXPLORE_EVERY`-th choice gives each request one draft more than chosen: iteration times of more
-tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the choice
-follows a drafter whose acceptance changed and a step time measured once in a slow moment.
+measure it. Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th while nobody drafts) gives each request
+one draft more than chosen: iteration times of more tokens and acceptance at deeper positions (or at all, after a run
+without drafts) stay measured, so the choice follows a drafter whose acceptance changed and a step time measured
+once in a slow moment.
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ class DraftChooser:
         weighted = [PRIOR_WEIGHT * mean for mean in prior]
         neg_gains: list[float] = []  # per request max_cap entries; inf past its cap (sorted last, cut off)
         for cap, own in zip(caps, counts):
-            gain, reached, accepted = 1.0, own.reached, own.accepted
-            num_own = len(reached)
-            for j in range(cap):
-                a = (accepted[j] + weighted[j]) / (reached[j] + PRIOR_WEIGHT) if j < num_own else prior[j]
-                gain *= a
-                neg_gains.append(j * 1e-12 - gain)  # ties: the shallower draft first (a valid allocation)
+            key = (own.version, self.acceptance.version, cap)
+            if own.gains_cache[:1] != (key,):  # unchanged since the last choice (no drafts verified): kept
+                mine, gain, reached, accepted = [], 1.0, own.reached, own.accepted
+                num_own = len(reached)
+                for j in range(cap):
+                    a = (accepted[j] + weighted[j]) / (reached[j] + PRIOR_WEIGHT) if j < num_own else prior[j]
+                    gain *= a
+                    mine.append(j * 1e-12 - gain)  # ties: the shallower draft first (a valid allocation)
+                own.gains_cache = (key, mine)
+            neg_gains.extend(own.gains_cache[1])
             neg_gains.extend([math.inf] * (max_cap - cap))
         order = sorted(range(len(neg_gains)), key=neg_gains.__getitem__)[: sum(caps)]
-        tokens_gained = list(itertools.accumulate(-neg_gains[i] for i in order))
-        max_depth = list(itertools.accumulate((i % max_cap + 1 for i in order), max))
+        tokens_gained = [-t for t in itertools.accumulate(map(neg_gains.__getitem__, order))]
+        max_depth = list(itertools.accumulate([i % max_cap + 1 for i in order], max))
         return order, tokens_gained, max_depth
 
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
@@ -88,6 +93,8 @@ class DraftChooser:
         for index in order[:best_len]:
             chosen[index // max_cap] += 1
         self._num_choices += 1
-        if self._num_choices % EXPLORE_EVERY == 0:  # one draft more each: measures more tokens and deeper positions
+        # One draft more each, every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a
+        # Propose): measures more tokens and deeper positions.
+        if self._num_choices % (EXPLORE_EVERY if best_len else EXPLORE_EVERY * 4) == 0:
             return [min(n + 1, cap) for n, cap in zip(chosen, caps)]
         return chosen

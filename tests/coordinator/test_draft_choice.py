@@ -91,13 +91,22 @@ def test_an_iteration_without_drafts_is_measured_once_only_drafted_ones_were():
     assert chooser.choose([3] * 8, [high] * 8) == [3] * 8
 
 
-def test_every_request_gets_one_draft_more_every_explore_every_choices():
+def test_every_request_gets_one_draft_more_every_so_many_choices():
     chooser = DraftChooser()
     linear_costs(chooser.costs, 0.010, 0.001, [4, 8, 24])
     low = counts(0.05)
-    chosen = [chooser.choose([5, 5, 5, 0], [low] * 4) for _ in range(draft_choice.EXPLORE_EVERY)]
-    assert chosen[:-1] == [[0] * 4] * (draft_choice.EXPLORE_EVERY - 1)
+    n = 4 * draft_choice.EXPLORE_EVERY  # nobody drafts: the rarer exploration
+    chosen = [chooser.choose([5, 5, 5, 0], [low] * 4) for _ in range(n)]
+    assert chosen[:-1] == [[0] * 4] * (n - 1)
     assert chosen[-1] == [1, 1, 1, 0]
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 32, 48])
+    chooser.costs.record(48, 1, 0.0115, later_steps_s=0.0015)  # drafter steps after step 0 cost 1.5 ms each
+    caps, mid = [5, 1, 5, 5, 5, 5, 5, 5], counts(0.6)
+    n = draft_choice.EXPLORE_EVERY
+    chosen = [chooser.choose(caps, [mid] * 8) for _ in range(n)]
+    assert 1 < max(chosen[0]) < 5, chosen[0]  # deep drafts do not pay for their drafter steps at 0.6
+    assert chosen[-2] == chosen[0] and chosen[-1] == [min(c + 1, cap) for c, cap in zip(chosen[0], caps)]
 
 
 def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():
