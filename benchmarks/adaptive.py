@@ -1,6 +1,8 @@
 """Adaptive speculation against every fixed k: decode speed over a forced-acceptance x batch-size grid.
 
-Per cell (alpha, batch B): B concurrent greedy requests of --new-tokens tokens (ignore_eos), run as
+Per cell (alpha, batch B): --waves x B greedy requests of --new-tokens tokens (ignore_eos) through B slots
+(continuous batching: a finished request's slot takes the next one, as on a server, so the speed is the batch's
+steady state rather than a closed batch's last request; `--waves 1` is a closed batch), run as
     target_only  no drafter (also what fixed k = 0 is: no Propose runs when no request wants drafts)
     k1 .. kN     every request gets k drafts each iteration (`--no-adaptive`)
     adaptive     each request's draft count chosen per iteration, at most max(--ks) (the default)
@@ -9,11 +11,11 @@ adaptive / target_only. The mixed cell gives half the requests one acceptance an
 (--mixed 0.9 0.2 at each of --mixed-batches).
 
 All modes run in one process on the in-process engine (`specsplit.LLM`: the services' scheduler, verifier worker
-and drafter runner, no gRPC), the model built once; each cell starts from a fresh adaptive state. `--services`
-runs the uniform-alpha cells through the three services instead (`specsplit up`'s colocated LocalCluster with a
-forced-acceptance drafter): per alpha one cluster with `--no-adaptive` for target_only (requests asking for 0
-drafts) and the fixed k, then one adaptive cluster, whose state carries over from cell to cell of that alpha (a few
-cells: each alpha costs two cluster start-ups). Before each timed
+and drafter runner, no gRPC), the model built once; each cell starts from a fresh adaptive state. `--services` runs
+the uniform-alpha cells through the three services instead, as closed batches (B concurrent clients; `specsplit up`'s
+colocated LocalCluster with a forced-acceptance drafter): per alpha one cluster with `--no-adaptive` for target_only
+(requests asking for 0 drafts) and the fixed k, then one adaptive cluster, whose state carries over from cell to cell
+of that alpha (a few cells: each alpha costs two cluster start-ups). Before each timed
 run, one untimed run: for adaptive that run is its learning (a server keeps what it learned from earlier traffic;
 `--cold` times a fresh state instead), for the others a short warm-up. Every output is checked against the
 target-only greedy output (lossless); a mismatch fails the run after printing.
@@ -21,7 +23,7 @@ target-only greedy output (lossless); a mismatch fails the run after printing.
     # H200, 7B shape, random weights (about 5 minutes)
     python benchmarks/adaptive.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16
     # CPU, the demo checkpoint, batch 1 and 8
-    python benchmarks/adaptive.py --batches 1 8 --mixed-batches 8 --new-tokens 48
+    python benchmarks/adaptive.py --batches 1 8 --mixed-batches 8
     # the services at a few cells
     python benchmarks/adaptive.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \
         --services --alphas 0.3 0.9 --batches 8 64
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="fixed k to compare (k > 0)")
     p.add_argument("--mixed", type=float, nargs=2, default=[0.9, 0.2], help="the mixed cell's two acceptances")
     p.add_argument("--mixed-batches", type=int, nargs="*", default=[32], help="batch sizes of the mixed cell")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--waves", type=int, default=4, help="requests per slot, one after the other")
     p.add_argument("--repeats", type=int, default=1, help="median of this many timed runs per mode and cell")
     p.add_argument("--cold", action="store_true", help="time adaptive from a fresh state (no learning run)")
     p.add_argument("--services", action="store_true", help="the uniform cells through the three services")
@@ -106,10 +109,12 @@ class Bench:
     def run(self, cell: Cell, mode: str, new_tokens: int) -> RunResult:
         llm, max_k = self.engine.llm, max(self.args.ks)
         k = 0 if mode == "target_only" else max_k if mode == "adaptive" else int(mode[1:])
-        llm.scheduler_config = dataclasses.replace(self.base_config, adaptive=mode == "adaptive")
+        llm.scheduler_config = dataclasses.replace(
+            self.base_config, adaptive=mode == "adaptive", max_num_seqs=cell.batch
+        )
         seed = self.args.seed
         self.engine.wrap_drafter = lambda runner: ForcedAcceptanceRunner(runner, self.oracle, cell.alphas, seed)
-        result = self.engine.run(self.prompts[: cell.batch], new_tokens, k)
+        result = self.engine.run(self.prompts[: cell.batch * self.args.waves], new_tokens, k)
         reference = [r[:new_tokens] for r in self.reference]
         check_lossless(f"{cell.name} batch {cell.batch} {mode}", [result], reference, self.failures)
         return result
@@ -124,7 +129,7 @@ class Bench:
                 self.run(cell, mode, warm_up)
             runs = [self.run(cell, mode, self.args.new_tokens) for _ in range(self.args.repeats)]
             seconds = statistics.median(r.seconds for r in runs)
-            row["tokens_per_s"][mode] = cell.batch * self.args.new_tokens / seconds
+            row["tokens_per_s"][mode] = cell.batch * self.args.waves * self.args.new_tokens / seconds
             stats = runs[-1].stats
             row["mean_drafts"][mode] = stats.num_draft_tokens / max(1, stats.num_iterations)
             if mode == "adaptive":
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = InProcessEngine(
         str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
     )
-    prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
+    prompts = make_prompts(model, max_batch * args.waves, engine.target.config.vocab_size)
     reference = engine.run(prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
     bench = Bench(engine, prompts, reference, args)
     modes = ["target_only", *[f"k{k}" for k in args.ks], "adaptive"]
@@ -241,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     what = f"{args.shape or model.name} ({args.load_format} weights), {args.device} {args.dtype}"
     what += ", three services (colocated)" if args.services else ", one process"
-    print(f"\nadaptive speculation: {what}, {args.new_tokens} new tokens, {time.monotonic() - t_begin:.0f} s")
+    print(
+        f"\nadaptive speculation: {what}, {args.waves} x B requests of {args.new_tokens} new tokens, "
+        f"{time.monotonic() - t_begin:.0f} s"
+    )
     print_table(rows, modes)
     out = args.out or (Path(os.environ["OUT"]) / "adaptive.json" if os.environ.get("OUT") else None)
     if out is not None:

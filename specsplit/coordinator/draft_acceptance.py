@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_WEIGHT = 4.0  # pseudo-observations of the server's acceptance in each request's estimate
+PRIOR_WEIGHT = 8.0  # pseudo-observations of the server's acceptance in each request's estimate
 DEFAULT_ACCEPTANCE = 0.5  # before the server has verified any draft
+SERVER_PRIOR_WEIGHT = 2.0  # pseudo-observations of DEFAULT_ACCEPTANCE in the server's acceptance
 SERVER_HALF_LIFE = 1024  # reached observations per position after which an old one weighs half
 
 
@@ -60,10 +61,13 @@ class ServerAcceptance:
             self._accepted[j] = self._accepted[j] * self._keep + (1.0 if j < num_accepted else 0.0)
 
     def means(self, num_positions: int) -> list[float]:
-        """Acceptance per position 0..num_positions-1 (deeper than any reached: the deepest reached one's)."""
+        """Acceptance per position 0..num_positions-1, each shrunk toward `DEFAULT_ACCEPTANCE` by `SERVER_PRIOR_WEIGHT`
+        pseudo-observations, so that a few early rejections cannot stop drafting for good (deeper than any reached: the
+        deepest reached one's)."""
         out, last = [], DEFAULT_ACCEPTANCE
         for j in range(num_positions):
             if j < len(self._reached) and self._reached[j] > 0:
-                last = self._accepted[j] / self._reached[j]
+                weight = SERVER_PRIOR_WEIGHT
+                last = (self._accepted[j] + weight * DEFAULT_ACCEPTANCE) / (self._reached[j] + weight)
             out.append(last)
         return out

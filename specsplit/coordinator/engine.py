@@ -92,7 +92,8 @@ class Engine:
         make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
         self._verify_stream = make_stream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
-        self._num_later_steps = 0  # the drafter steps after step 0 of the last iteration's Propose
+        # Whether the last iteration sent a Propose, and its drafter steps after step 0 (the next one waits for it).
+        self._previous_propose = (False, 0)
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
         self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
         obs.observe_queue(scheduler)
@@ -195,10 +196,14 @@ class Engine:
                 return []
             self.acceptance.record(*obs.record_verify(span, output, results, response))
         # The iteration waited for the previous iteration's Propose, whose drafts it verified (async scheduling).
-        self.scheduler.record_iteration(
-            output, (time.time_ns() - t_schedule) / 1e9, self._num_later_steps, response.timing.later_steps_ns / 1e9
-        )
-        self._num_later_steps = output.num_later_steps if response.drafter_ok else 0
+        # The iteration waited for the previous iteration's Propose (async scheduling): its cost is that wait, of which
+        # the drafter reports the later steps' part.
+        seconds = (time.time_ns() - t_schedule) / 1e9
+        proposed, later_steps = self._previous_propose
+        timing = response.timing
+        later_s, propose_s = timing.later_steps_ns / 1e9, (timing.drafts_wait_ns - timing.later_steps_ns) / 1e9
+        self.scheduler.record_iteration(output, seconds, proposed, later_steps, later_s, propose_s)
+        self._previous_propose = (output.proposes, output.num_later_steps)
         self.iteration_timings.append(
             coordinator_pb2.IterationTiming(
                 iteration=output.iteration,

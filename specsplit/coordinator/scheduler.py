@@ -217,22 +217,33 @@ class Scheduler:
         """Adaptive speculation: each sampling request's `num_spec_tokens` (its cap until now) as chosen."""
         sampling = [item for item in scheduled if item.sample]
         chosen = self.chooser.choose(
-            [item.num_spec_tokens for item in sampling], [item.request.position_counts for item in sampling]
+            [item.num_spec_tokens for item in sampling],
+            [item.request.position_counts for item in sampling],
+            [item.request.sampling.max_tokens - len(item.request.output_token_ids) for item in sampling],
         )
         for item, n in zip(sampling, chosen):
             item.num_spec_tokens = n
 
     def record_iteration(
-        self, output: SchedulerOutput, seconds: float, num_later_steps: int, later_steps_s: float | None = None
+        self,
+        output: SchedulerOutput,
+        seconds: float,
+        proposed: bool,
+        num_later_steps: int,
+        later_steps_s: float | None = None,
+        propose_s: float | None = None,
     ) -> None:
-        """An iteration's measured time (schedule to post_step), for the adaptive choice: `num_later_steps`, the
-        drafter's steps after step 0 that it covered, and `later_steps_s` their time as the drafter reports it.
-        Iterations with a prefill chunk are not decode steps and are not learned from."""
+        """An iteration's measured time (schedule to post_step), for the adaptive choice: `proposed`, whether it
+        covered a Propose, `num_later_steps` that Propose's drafter steps after step 0, `later_steps_s` their time
+        as the drafter reports it and `propose_s` the rest of the Propose's time in it, when known. Iterations with a
+        prefill chunk are not decode steps and are not learned from."""
         if self.chooser is None or not output.scheduled:
             return
         if any(not item.sample or len(item.token_ids) != item.num_draft_tokens + 1 for item in output.scheduled):
             return
-        self.chooser.costs.record(output.num_scheduled_tokens, num_later_steps, seconds, later_steps_s)
+        self.chooser.costs.record(
+            output.num_scheduled_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s
+        )
 
     def _k(self, request: Request) -> int:
         k = request.sampling.num_speculative_tokens

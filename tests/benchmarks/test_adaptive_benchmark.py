@@ -15,7 +15,7 @@ def test_adaptive_benchmark_compares_every_mode_in_each_cell(tmp_path):
     out = tmp_path / "adaptive.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "adaptive.py"), "--batches", "1", "--mixed-batches", "2"]
-        + ["--alphas", "0.9", "--ks", "1", "2", "--new-tokens", "8", "--out", str(out)],
+        + ["--alphas", "0.9", "--ks", "1", "2", "--new-tokens", "8", "--waves", "2", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
