@@ -30,7 +30,7 @@ import math
 from specsplit.coordinator.draft_acceptance import PRIOR_WEIGHT, PositionCounts, ServerAcceptance
 from specsplit.coordinator.step_cost import StepCostModel
 
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 128
 MAX_EVALUATIONS = 16  # rate evaluations per depth and choice (prefix lengths, evenly spaced)
 
 
