@@ -106,7 +106,7 @@ class Bench:
         self.base_config = engine.llm.scheduler_config
         self.failures: list[str] = []
 
-    def run(self, cell: Cell, mode: str, new_tokens: int) -> RunResult:
+    def run(self, cell: Cell, mode: str, new_tokens: int, waves: int | None = None) -> RunResult:
         llm, max_k = self.engine.llm, max(self.args.ks)
         k = 0 if mode == "target_only" else max_k if mode == "adaptive" else int(mode[1:])
         llm.scheduler_config = dataclasses.replace(
@@ -114,7 +114,7 @@ class Bench:
         )
         seed = self.args.seed
         self.engine.wrap_drafter = lambda runner: ForcedAcceptanceRunner(runner, self.oracle, cell.alphas, seed)
-        result = self.engine.run(self.prompts[: cell.batch * self.args.waves], new_tokens, k)
+        result = self.engine.run(self.prompts[: cell.batch * (waves or self.args.waves)], new_tokens, k)
         reference = [r[:new_tokens] for r in self.reference]
         check_lossless(f"{cell.name} batch {cell.batch} {mode}", [result], reference, self.failures)
         return result
@@ -125,8 +125,10 @@ class Bench:
             if mode == "adaptive":
                 self.engine.llm.chooser = DraftChooser()  # each cell learns afresh
             if not (mode == "adaptive" and self.args.cold):
-                warm_up = self.args.new_tokens if mode == "adaptive" else min(WARM_UP_TOKENS, self.args.new_tokens)
-                self.run(cell, mode, warm_up)
+                if mode == "adaptive":  # learning: a run like the timed one
+                    self.run(cell, mode, self.args.new_tokens)
+                else:  # a warm-up: one wave of short requests
+                    self.run(cell, mode, min(WARM_UP_TOKENS, self.args.new_tokens), waves=1)
             runs = [self.run(cell, mode, self.args.new_tokens) for _ in range(self.args.repeats)]
             seconds = statistics.median(r.seconds for r in runs)
             row["tokens_per_s"][mode] = cell.batch * self.args.waves * self.args.new_tokens / seconds
