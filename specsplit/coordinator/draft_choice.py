@@ -14,8 +14,9 @@ D are evaluated; the best rate wins, 0 drafts for everyone included. The order w
 has left (relative to the batch's mean): where gains are close, the requests behind get the drafts, since a batch
 ends with its last request.
 
-Before any iteration was timed each request gets its cap (the fixed k); then iterations without drafts are tried
-until one ran as many tokens as one with drafts (it verifies the drafts already held), which prices a Propose. Every
+Before any iteration was timed each request gets its cap (the fixed k); then, until a Propose is priced, iterations
+without drafts are tried beside those with (in one process the first one without verifies the drafts already held:
+as many tokens as one with). Every
 `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th while nobody drafts) gives each request one draft more than
 chosen: iteration times of more tokens and acceptance at deeper positions (or at all, after a run without drafts)
 stay measured, so the choice follows a drafter whose acceptance changed and a step time measured once in a slow
@@ -92,8 +93,8 @@ class DraftChooser:
             return [0] * num_reqs
         if not self.costs.ready:
             return list(caps)
-        if self.costs.propose_s is None:
-            return [0] * num_reqs  # measure an iteration without drafts, beside those with: a Propose's cost
+        if self.costs.propose_s is None:  # a Propose's cost: iterations with and without one, side by side
+            return [0] * num_reqs if self.costs.measured[1] else list(caps)
         curve = self.costs.curve()
         order, gains = self._order_by_gain(caps, counts, max_cap, remaining)
         # The drafter's steps are a cost per depth, not per draft: for each depth D, the prefixes of the order

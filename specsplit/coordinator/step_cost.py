@@ -44,6 +44,7 @@ class StepCostModel:
         self._keys: list[int] = []  # sorted bucket ids
         self.later_step_s: float | None = None  # one MTP step after step 0, seconds
         self.propose_s: float | None = None  # a Propose's fixed cost, seconds
+        self.measured = [False, False]  # iterations [without, with] a Propose recorded
         self.num_samples = 0
         self._curve: CostCurve | None = None  # the last curve, until the next record
 
@@ -87,6 +88,7 @@ class StepCostModel:
             )
             seconds, proposed = seconds - propose_s, False
         bucket.add(num_tokens, max(seconds, 1e-6), proposed)
+        self.measured[int(proposed)] = True
         if all(bucket.weight):  # both kinds side by side: the Propose's cost
             sample = max(bucket.seconds[1] - bucket.seconds[0], 0.0)
             self.propose_s = sample if self.propose_s is None else self.propose_s + EMA * (sample - self.propose_s)

@@ -120,6 +120,9 @@ def test_iterations_without_drafts_are_tried_until_a_proposes_cost_is_known():
     chooser.costs.record(32, 0, 0.0100, proposed=False)  # verifying the drafts held, no Propose
     assert chooser.costs.propose_s == pytest.approx(0.0003)
     assert chooser.choose([3] * 8, [high] * 8) == [3] * 8
+    chooser = DraftChooser()
+    chooser.costs.record(8, 0, 0.0100, proposed=False)  # only iterations without one so far (no drafter, say)
+    assert chooser.choose([3] * 8, [high] * 8) == [3] * 8  # then one with: the cap
 
 
 def test_every_request_gets_one_draft_more_every_so_many_choices():
