@@ -4,8 +4,8 @@ Position j (0-based) is *reached* when an iteration verified more than j drafts 
 accepted when draft j was kept too. a_j = accepted_j / reached_j is the acceptance of draft j given that the drafts
 before it were accepted, so a request with drafts 0..d-1 emits 1 + sum over i < d of prod_{j <= i} a_j tokens on
 average. A request's own counts are few, so its estimate is shrunk toward the server's recent per-position acceptance
-(`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations); positions the server never reached
-take the deepest one it did.
+(`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations; `DraftChooser` scales it by the
+request's position 0 and applies it); positions the server never reached take the deepest one it did.
 """
 
 from __future__ import annotations
