@@ -79,7 +79,7 @@ def main() -> None:
         model,
         num_speculative_tokens=4,
         log_dir=tempfile.mkdtemp(prefix="specsplit-acc-"),
-        coordinator_args=["--max-num-seqs", "16"],
+        coordinator_args=["--max-num-seqs", "16", "--no-adaptive"],  # acceptance at each k as asked
     ) as cluster:
         rows = [(k, run_k(cluster.address, prompts, k, args.new_tokens)) for k in (1, 2, 3, 4)]
     print("| k | acceptance per draft position | acceptance rate | tokens per verify iteration |")

@@ -195,6 +195,7 @@ def main() -> None:
                     coordinator_args=[
                         *["--max-num-seqs", str(max_batch)],
                         *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
+                        "--no-adaptive",  # each k as asked: this benchmark compares placements at a fixed k
                     ],
                     verifier_args=[
                         *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),

@@ -103,6 +103,7 @@ class InProcessEngine:
             block_size=block_size,
             max_num_seqs=max_batch,
             max_num_batched_tokens=max(2048, max_batch * (max_k + 1)),
+            adaptive=False,  # every request k drafts (benchmarks/adaptive.py switches per run)
         )
         self.target, self.device = self.llm.target, device
         self.drafter = self.llm.core.drafter

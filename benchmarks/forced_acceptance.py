@@ -67,10 +67,12 @@ class _Track:
 class ForcedAcceptanceRunner:
     """Wraps a `specsplit.drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
 
-    def __init__(self, runner, oracle: Oracle, alpha: float, seed: int = 0):
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        self.runner, self.oracle, self.alpha, self.seed = runner, oracle, alpha, seed
+    def __init__(self, runner, oracle: Oracle, alpha: float | list[float], seed: int = 0):
+        """`alpha`: one acceptance rate, or one per oracle sequence (per prompt: a mixed batch)."""
+        alphas = [alpha] * len(oracle.sequences) if isinstance(alpha, (int, float)) else list(alpha)
+        if len(alphas) != len(oracle.sequences) or not all(0.0 <= a <= 1.0 for a in alphas):
+            raise ValueError(f"alpha must be in [0, 1], one or one per prompt; got {alpha}")
+        self.runner, self.oracle, self.alphas, self.seed = runner, oracle, alphas, seed
         self._tracks: dict[str, _Track] = {}
         self.num_forced = 0  # draft positions decided by the oracle coin
         self.num_kept = 0  # … of which got the oracle's token
@@ -100,9 +102,12 @@ class ForcedAcceptanceRunner:
     def _observe(self, track: _Track, start_position: int, next_token_ids: list[int]) -> None:
         """Records the tokens at positions start_position + 1 …, dropping what a rollback undid."""
         first = start_position + 1
-        if len(track.history) < first - 1:  # a gap (the drafter missed iterations): stop forcing
-            track.lost = True
-            return
+        if len(track.history) < first - 1:  # a gap: the drafter missed iterations (adaptive speculation chose none)
+            if track.oracle is None or track.lost:
+                track.lost = True
+                return
+            # The output so far is the target's continuation (lossless; checked on every later token): fill it in.
+            track.history.extend(self.oracle.sequences[track.oracle][len(track.history) + 1 : first])
         del track.history[first - 1 :]
         track.history.extend(next_token_ids)
         if track.oracle is None and len(track.history) >= KEY_LEN:
@@ -122,7 +127,7 @@ class ForcedAcceptanceRunner:
                 return  # past the known continuation: the MTP's own drafts
             want = seq[position]
             self.num_forced += 1
-            if _uniform(self.seed, index, position, i) < self.alpha:
+            if _uniform(self.seed, index, position, i) < self.alphas[index]:
                 drafts[i] = want
                 self.num_kept += 1
             elif drafts[i] == want:

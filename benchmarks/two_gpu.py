@@ -156,7 +156,10 @@ def _cluster(
         with_drafter=with_drafter,
         role_commands={"drafter": drafter_command} if drafter_command else None,
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},  # benchmarks.*
-        coordinator_args=["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
+        coordinator_args=[
+            *["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
+            "--no-adaptive",  # a fixed k: the transports are compared at it
+        ],
         verifier_args=["--num-blocks", "4096"],
         drafter_args=["--num-blocks", "4096"],
     )

@@ -65,7 +65,7 @@ def up_cluster(args: argparse.Namespace):
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens),
+        coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens, args.adaptive),
     )
 
 
@@ -255,7 +255,9 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         required=DEFAULT_MODEL is None,
         help="checkpoint directory (default: the demo)",
     )
-    up.add_argument("--num-speculative-tokens", type=int, default=3)
+    up.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="the most drafts a request gets per iteration (k)"
+    )
     up.add_argument(
         "--host", default="127.0.0.1", help="the coordinator's address (verifier and drafter bind to loopback)"
     )

@@ -16,10 +16,12 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_iterations: int = 0
+    draft_count_histogram: list[int] = field(default_factory=list)  # [d]: iterations that verified d drafts
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Counts one verify iteration: drafts verified, and how many of them were accepted."""
         self.num_iterations += 1
+        _add_at(self.draft_count_histogram, num_draft_tokens, 1)
         if num_draft_tokens == 0:
             return
         self.num_drafts += 1
@@ -37,9 +39,9 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_iterations += other.num_iterations
         for i, n in enumerate(other.accepted_per_position):
-            if i == len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            self.accepted_per_position[i] += n
+            _add_at(self.accepted_per_position, i, n)
+        for d, n in enumerate(other.draft_count_histogram):
+            _add_at(self.draft_count_histogram, d, n)
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,6 +64,7 @@ class SpecStats:
             pb.num_accepted_tokens,
             list(pb.accepted_per_position),
             pb.num_iterations,
+            list(pb.draft_count_histogram),
         )
 
     def to_pb(self) -> common_pb2.SpecStats:
@@ -71,6 +74,7 @@ class SpecStats:
             num_accepted_tokens=self.num_accepted_tokens,
             accepted_per_position=self.accepted_per_position,
             num_iterations=self.num_iterations,
+            draft_count_histogram=self.draft_count_histogram,
         )
 
     def to_dict(self) -> dict:
@@ -80,9 +84,16 @@ class SpecStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": self.accepted_per_position,
             "num_iterations": self.num_iterations,
+            "draft_count_histogram": self.draft_count_histogram,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
+
+
+def _add_at(counts: list[int], index: int, n: int) -> None:
+    if len(counts) <= index:
+        counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += n
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     num_blocks: int
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 3  # adaptive: the most drafts a request gets; else every request's k
+    adaptive: bool = True  # each request's draft count chosen per iteration (draft_choice.py)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024

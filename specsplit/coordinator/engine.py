@@ -92,6 +92,8 @@ class Engine:
         make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
         self._verify_stream = make_stream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
+        # Whether the last iteration sent a Propose, and its drafter steps after step 0 (the next one waits for it).
+        self._previous_propose = (False, 0)
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
         self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
         obs.observe_queue(scheduler)
@@ -153,6 +155,7 @@ class Engine:
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
                 continue
             span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
+            obs.record_draft_choice(output)
             self._previous_iteration = span.get_span_context()
             outputs, pending = pending, []
             try:
@@ -192,6 +195,15 @@ class Engine:
                 self.scheduler.reset_all()
                 return []
             self.acceptance.record(*obs.record_verify(span, output, results, response))
+        # The iteration waited for the previous iteration's Propose, whose drafts it verified (async scheduling).
+        # The iteration waited for the previous iteration's Propose (async scheduling): its cost is that wait, of which
+        # the drafter reports the later steps' part.
+        seconds = (time.time_ns() - t_schedule) / 1e9
+        proposed, later_steps = self._previous_propose
+        timing = response.timing
+        later_s, propose_s = timing.later_steps_ns / 1e9, (timing.drafts_wait_ns - timing.later_steps_ns) / 1e9
+        self.scheduler.record_iteration(output, seconds, proposed, later_steps, later_s, propose_s)
+        self._previous_propose = (output.proposes, output.num_later_steps)
         self.iteration_timings.append(
             coordinator_pb2.IterationTiming(
                 iteration=output.iteration,

@@ -42,6 +42,16 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
     @property
+    def proposes(self) -> bool:
+        """Whether the iteration's Propose runs: not when every request samples and none wants drafts."""
+        return not all(s.sample and not s.num_spec_tokens for s in self.scheduled)
+
+    @property
+    def num_later_steps(self) -> int:
+        """The drafter's MTP steps after step 0 for this iteration's Propose: the largest draft count asked, - 1."""
+        return max(max((s.num_spec_tokens for s in self.scheduled), default=0) - 1, 0)
+
+    @property
     def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
         return {s.request.request_id: s.draft_token_ids for s in self.scheduled if s.num_draft_tokens}
 

@@ -32,6 +32,11 @@ accepted_per_position = meter.create_counter(
 time_to_first_token = meter.create_histogram("specsplit.time_to_first_token", unit="s")
 time_per_output_token = meter.create_histogram("specsplit.time_per_output_token", unit="s")
 iteration_duration = meter.create_histogram("specsplit.iteration_duration", unit="s")
+spec_tokens_chosen = meter.create_histogram(
+    "specsplit.spec_tokens_chosen",
+    description="drafts a decoding request asks the drafter for, per request and iteration (adaptive speculation)",
+    explicit_bucket_boundaries_advisory=[0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 31],
+)
 
 
 def observe_queue(scheduler) -> None:
@@ -88,6 +93,7 @@ def end_request_span(span: trace.Span | None, request, reason: str, error: Excep
             "specsplit.num_iterations": stats.num_iterations,
             "specsplit.num_draft_tokens": stats.num_draft_tokens,
             "specsplit.num_accepted_tokens": stats.num_accepted_tokens,
+            "specsplit.draft_count_histogram": stats.draft_count_histogram,
             "specsplit.num_preemptions": request.num_preemptions,
         }
     )
@@ -123,12 +129,23 @@ def start_iteration_span(output, previous: trace.SpanContext | None, schedule_st
             "specsplit.batch_size": len(output.scheduled),
             "specsplit.num_scheduled_tokens": output.num_scheduled_tokens,
             "specsplit.drafts_scheduled": sum(s.num_draft_tokens for s in output.scheduled),
+            # Per scheduled request, in order: drafts verified now, drafts asked for the next iteration.
+            "specsplit.draft_tokens_per_request": [s.num_draft_tokens for s in output.scheduled],
+            "specsplit.spec_tokens_per_request": [s.num_spec_tokens for s in output.scheduled],
+            "specsplit.num_spec_tokens": sum(s.num_spec_tokens for s in output.scheduled),
             "specsplit.num_preempted": output.num_preempted,
             "specsplit.queue_time_ms": max(
                 (s.queue_time_ms for s in output.scheduled if s.queue_time_ms is not None), default=0.0
             ),
         },
     )
+
+
+def record_draft_choice(output) -> None:
+    """Each decoding request's draft count asked for this iteration, in `specsplit.spec_tokens_chosen`."""
+    for item in output.scheduled:
+        if item.sample:
+            spec_tokens_chosen.record(item.num_spec_tokens)
 
 
 def record_verify(iteration_span: trace.Span, output, results, response) -> tuple[int, int]:

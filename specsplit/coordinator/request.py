@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specsplit.coordinator.draft_acceptance import PositionCounts
 from specsplit.results import SpecStats
 
 
@@ -54,6 +55,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stats: SpecStats = field(default_factory=SpecStats)
+    position_counts: PositionCounts = field(default_factory=PositionCounts)  # drafts reached/accepted per position
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_kv_tokens: int = 0  # tokens the verifier's cache holds for it after the last step

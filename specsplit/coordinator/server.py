@@ -40,11 +40,19 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """The scheduler's flags; `specsplit up` takes them too and passes them on (`scheduling_flags`)."""
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="every request gets --num-speculative-tokens drafts each iteration (default: each request's count is "
+        "chosen per iteration, up to that many, from its acceptance and the measured step times)",
+    )
 
 
-def scheduling_flags(max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
+def scheduling_flags(max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True) -> list[str]:
     """`add_scheduling_arguments`' values as command-line flags again."""
-    return ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    flags = ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    return flags if adaptive else [*flags, "--no-adaptive"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local: VerifyStream on the Unix socket the verifier serves, without gRPC (the coordinator runs beside "
         "its verifier: same host or pod); stream: gRPC's VerifyStream, for a coordinator elsewhere (slower)",
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per iteration (k)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=3,
+        help="the most drafts a request gets per iteration (k; with --no-adaptive, the drafts every request gets)",
+    )
     add_scheduling_arguments(p)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the verifier")
@@ -92,6 +105,7 @@ class CoordinatorConfig:
     auth_token_file: str | None
     http_port: int | None = None
     served_model_name: str | None = None
+    adaptive: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CoordinatorConfig:
@@ -109,6 +123,7 @@ class CoordinatorConfig:
             auth_token_file=args.auth_token_file,
             http_port=args.http_port,
             served_model_name=args.served_model_name,
+            adaptive=args.adaptive,
         )
         check_flag_ranges(
             config,
@@ -210,6 +225,7 @@ async def serve(config: CoordinatorConfig) -> None:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, k + 1),
         max_waiting=config.max_waiting,
+        adaptive=config.adaptive,
     )
     engine = Engine(Scheduler(scheduler_config, eos), stub, tokenizer, verifier_rpc=config.verifier_rpc)
     engine.start()

@@ -37,7 +37,8 @@ def can_propose_on_device(runner, items) -> bool:
     return (
         bool(items)
         and runner.attention_kernel
-        and all(item.temperature == 0 and item.num_spec_tokens > 0 and item.num_rows > 0 for item in items)
+        and all(item.temperature == 0 and item.num_rows > 0 for item in items)
+        and any(item.num_spec_tokens > 0 for item in items)
     )
 
 

@@ -183,7 +183,7 @@ class DrafterRunner:
             width = dev.tokens.shape[1]
             ragged = any(c != width for c in counts)
             gather = [r * width + j for r, c in enumerate(counts) for j in range(c)] if ragged else []
-            tokens64 = [counts, gather]
+            tokens64 = [counts, gather, active]  # active: those that want drafts, whose last rows step 1 takes
             # Nothing of this Propose reaches the device before the wait: work queued ahead of it would
             # take the GPU from the verifier's step (two contexts take turns on it).
             dev.wait()
@@ -195,7 +195,7 @@ class DrafterRunner:
             sampling32,
         )
         if dev is not None:
-            counts_t, gather_t = int64[:2]
+            counts_t, gather_t, active_t = int64[:3]
             flat = dev.tokens.reshape(-1)
             input_ids = flat.index_select(0, gather_t) if ragged else flat
             input_ids = input_ids.clamp_min(0)  # columns past num_sampled may hold padding
@@ -215,6 +215,8 @@ class DrafterRunner:
         shift = None
         if dev is not None:  # rows past num_sampled were rejected: each request's last valid row
             shift = dev.num_sampled - counts_t  # [num_reqs] ≤ 0
+            if len(active) < len(items):
+                shift = shift.index_select(0, active_t)  # [num_active]
             select = select + shift
         hidden = out.index_select(0, select)  # [num_active, H]
         logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)

@@ -64,6 +64,8 @@ class EngineCore:
         request = verify_request(output, "in-process", scheduler.eos_token_ids)
         batch, launched, unfilled = self.verifier.launch(request)  # with the previous propose's drafts
         drafter = self.drafter
+        if not output.proposes:
+            drafter = None  # no request wants drafts (adaptive speculation chose none): no Propose
         items = self._device_items(batch) if drafter is not None and launched is not None else None
         if items is not None:  # the drafter's steps queued behind the verifier's, as the services do
             t_verified = time.time_ns()
@@ -106,8 +108,11 @@ class EngineCore:
             for i, (rid, lps) in enumerate(zip(batch.req_ids, logprobs))
         ]
         t2 = time.time_ns()
-        updates = scheduler.update_from_output(output, results, drafter_ok=drafter is not None)
+        updates = scheduler.update_from_output(output, results, drafter_ok=self.drafter is not None)
         t3 = time.time_ns()
+        later_steps_ns = proposal.later_steps_ns if proposal is not None else 0
+        num_later_steps = output.num_later_steps if proposal is not None else 0
+        scheduler.record_iteration(output, (t3 - t0) / 1e9, proposal is not None, num_later_steps, later_steps_ns / 1e9)
         timing = IterationTiming(
             schedule_ns=t1 - t0,
             verify_ns=t_verified - t1,

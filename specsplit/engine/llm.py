@@ -17,6 +17,7 @@ import torch
 
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.detokenizer import IncrementalDetokenizer
+from specsplit.coordinator.draft_choice import DraftChooser
 from specsplit.coordinator.request import Request
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.validation import build_request
@@ -30,8 +31,10 @@ from specsplit.verifier.worker import VerifierWorker
 
 
 class LLM:
-    """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding.
-    `load_format="dummy"`: seeded random weights from config.json (benchmarks)."""
+    """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding; else the most
+    drafts a request gets per iteration, chosen per request and iteration (`adaptive`, learning across generate()
+    calls) or always that many (`adaptive=False`). `load_format="dummy"`: seeded random weights from config.json
+    (benchmarks)."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         device_hand_off: bool = True,
+        adaptive: bool = True,
     ):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = str(model)
@@ -62,7 +66,10 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_batched_tokens, num_speculative_tokens + 1),
             max_waiting=1 << 30,  # offline: every prompt of a generate() call waits its turn
+            adaptive=adaptive,
         )
+        # What adaptive speculation learned (step times, acceptance), kept from one generate() to the next.
+        self.chooser = DraftChooser() if adaptive else None
         runner = VerifierRunner(
             self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
         )
@@ -105,7 +112,7 @@ class LLM:
         `seed`: request i samples with `seed + i` (None: random). `num_speculative_tokens`: drafts per
         iteration of these requests, at most the engine's (None: the engine's). `detokenize=False`: token
         ids only (no text, no tokenizer needed for id prompts; no stop strings)."""
-        scheduler = Scheduler(self.scheduler_config, self.eos_token_ids)
+        scheduler = Scheduler(self.scheduler_config, self.eos_token_ids, self.chooser)
         requests, detokenizers = [], []
         for i, prompt in enumerate(prompts):
             msg = coordinator_pb2.GenerateRequest(

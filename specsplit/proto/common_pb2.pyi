@@ -75,18 +75,20 @@ class DraftProbs(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_iterations")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_iterations", "draft_count_histogram")
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNT_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     num_iterations: int
-    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_iterations: _Optional[int] = ...) -> None: ...
+    draft_count_histogram: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_iterations: _Optional[int] = ..., draft_count_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_speculative_tokens", "eos_token_ids", "block_size", "num_blocks", "dtype", "hidden_size", "hidden_transport", "propose_socket", "verify_socket", "coordinator_id")

@@ -56,12 +56,12 @@ class InputBatch:
 
     def hand_off_rows(self) -> list[int] | None:
         """Per request, its rows (its last token and every draft it verifies) when the step can go to the
-        drafter as a device hand-off (`specsplit/drafter/device_propose.py`): every request a greedy decode step
-        that wants drafts. None otherwise."""
+        drafter as a device hand-off (`specsplit/drafter/device_propose.py`): every request a greedy decode step,
+        and one at least wants drafts. None otherwise."""
         if self.num_reqs == 0 or len(self.sampling_indices) != self.num_reqs or not self.all_greedy:
             return None
         rows = [d + 1 for d in self.num_draft_tokens]
-        if self.num_new_tokens != rows or not all(self.sample) or min(self.num_spec_tokens) == 0:
+        if self.num_new_tokens != rows or not all(self.sample) or max(self.num_spec_tokens) == 0:
             return None
         return rows
 

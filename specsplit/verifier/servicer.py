@@ -237,6 +237,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             with self.slow_steps.watch("step"):
                 step = worker.finish(batch, launched)
+            if request.requests and all(r.sample and not r.num_spec_tokens for r in request.requests):
+                return batch, step, unfilled, (w0, w1, early), None  # nobody wants drafts (adaptive): no Propose
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
             pending = proposer.send(plan, HeldStep(batch, step), self._keep_answered, parent)
         return batch, step, unfilled, (w0, w1, early), pending

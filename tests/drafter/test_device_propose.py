@@ -33,14 +33,14 @@ def kernel_runner(mtp, graphs: bool) -> DrafterRunner:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_device_hand_off_drafts_equal_the_host_path(mtp, graphs):
-    """Two requests (k 3 and 2: ragged rows, a later step without one of them), prompt on the host
-    path, then decode iterations with every num_sampled from 1 to k + 1, rejected rows holding
-    padding and random hidden states."""
+@pytest.mark.parametrize("ks", [{"a": 3, "b": 2}, {"a": 0, "b": 2}], ids=["k3-k2", "k0-k2"])
+def test_device_hand_off_drafts_equal_the_host_path(mtp, graphs, ks):
+    """Two requests (k 3 and 2: ragged rows, a later step without one of them; or adaptive speculation's k 0 and 2:
+    one that wants no drafts, step 0 only), prompt on the host path, then decode iterations with every num_sampled
+    from 1 to k + 1, rejected rows holding padding and random hidden states."""
     g = torch.Generator().manual_seed(0)
     hidden_size, vocab = mtp.config.hidden_size, mtp.config.vocab_size
     device, host = kernel_runner(mtp, graphs), kernel_runner(mtp, False)
-    ks = {"a": 3, "b": 2}
     prompt = {"a": [5, 6, 7, 8, 9, 10], "b": [11, 12, 13, 14]}
     items = [ProposeItem(r, 0, prompt[r][1:], k) for r, k in ks.items()]
     rows = torch.randn(sum(len(i.next_token_ids) for i in items), hidden_size, generator=g)
@@ -48,7 +48,7 @@ def test_device_hand_off_drafts_equal_the_host_path(mtp, graphs):
     start = {r: len(prompt[r]) - 1 for r in ks}
     width = max(ks.values()) + 1
     for step, accepted in enumerate([(0, 0), (3, 2), (1, 2), (2, 1), (3, 0), (0, 1)]):
-        num_sampled = [a + 1 for a in accepted]
+        num_sampled = [min(a, k) + 1 for a, k in zip(accepted, ks.values())]
         tokens = torch.full((len(ks), width), PADDING, dtype=torch.int64)
         for r, n in enumerate(num_sampled):
             tokens[r, :n] = torch.randint(3, vocab, (n,), generator=g)
@@ -92,7 +92,8 @@ def test_only_greedy_drafts_on_the_kernel_path_take_the_device_path(mtp):
     greedy = ProposeItem("a", 3, [], 3, num_rows=4)
     assert can_propose_on_device(runner, [greedy])
     assert not can_propose_on_device(runner, [greedy, ProposeItem("b", 3, [], 3, temperature=0.7, num_rows=4)])
-    assert not can_propose_on_device(runner, [ProposeItem("a", 3, [], 0, num_rows=1)])
+    assert not can_propose_on_device(runner, [ProposeItem("a", 3, [], 0, num_rows=1)])  # nobody wants drafts
+    assert can_propose_on_device(runner, [greedy, ProposeItem("b", 3, [], 0, num_rows=1)])
     assert not can_propose_on_device(runner, [])
     eager = DrafterRunner(mtp, mtp.make_kv_cache(8, 4), attention_kernel=False, cuda_graphs=False)
     assert not can_propose_on_device(eager, [greedy])

@@ -38,7 +38,8 @@ def cluster(checkpoint, tmp_path_factory):
         checkpoint,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("logs"),
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        # k drafts every iteration, so every position's accept path runs
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-adaptive"],
     ) as c:
         yield c
 

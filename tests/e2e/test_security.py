@@ -42,7 +42,7 @@ def secure_cluster(tiny_checkpoint, pki):
         num_speculative_tokens=2,
         log_dir=pki["root"] / "logs",
         tls_dir=pki["tls_dir"],
-        coordinator_args=["--auth-token-file", str(tokens), "--max-message-mb", "1"],
+        coordinator_args=["--auth-token-file", str(tokens), "--max-message-mb", "1", "--no-adaptive"],
         http_port=free_port(),
     ) as c:
         yield c

@@ -34,7 +34,8 @@ def traced(tiny_checkpoint, tmp_path_factory):
         num_speculative_tokens=2,
         log_dir=tmp,
         env=env,
-        coordinator_args=["--metrics-port", str(ports["coordinator"])],
+        # A fixed k: every iteration proposes, so each request's trace has its Propose spans (and the failed ones).
+        coordinator_args=["--metrics-port", str(ports["coordinator"]), "--no-adaptive"],
         drafter_args=["--metrics-port", str(ports["drafter"])],
     )
     with cluster, Client(cluster.address, timeout=60) as client:
@@ -133,8 +134,12 @@ def test_a_failed_call_leaves_an_error_span(traced):
     assert sends and all(s["status"] == "ERROR" for s in sends)
     # Async scheduling: a Verify reports the Propose whose drafts it verified, the one before it. The
     # first Verify of this request reports the previous request's last Propose (made before the kill).
+    # A Verify after one that sent no Propose (its request's last token: no drafts wanted) reports none.
     verifies = sorted((s for s in trace if s["name"] == "Verify"), key=lambda s: s["start_ns"])
-    assert len(verifies) >= 2 and all(not s["attributes"]["specsplit.drafter_ok"] for s in verifies[1:])
+    reported = [
+        s["attributes"]["specsplit.drafter_ok"] for s in verifies[1:] if "specsplit.drafter_ok" in s["attributes"]
+    ]
+    assert len(reported) >= 1 and not any(reported)
 
 
 def test_prometheus_endpoints_export_the_speculative_metrics(traced):

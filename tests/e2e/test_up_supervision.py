@@ -46,6 +46,7 @@ class Up:
         self.model, self.port = str(model), free_port()
         self.stdout, self.stderr = logs / "up.out", logs / "up.err"
         cmd = [sys.executable, "-m", "specsplit", "up", "--model", self.model, "--port", str(self.port)]
+        cmd.append("--no-adaptive")  # drafts every iteration: a drafter restarted is seen by its drafts
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
         deadline = time.monotonic() + 240

@@ -1,0 +1,73 @@
+"""Acceptance per draft position, per request and server-wide, for choosing how many drafts to ask for.
+
+Position j (0-based) is *reached* when an iteration verified more than j drafts and accepted the first j; it is
+accepted when draft j was kept too. a_j = accepted_j / reached_j is the acceptance of draft j given that the drafts
+before it were accepted, so a request with drafts 0..d-1 emits 1 + sum over i < d of prod_{j <= i} a_j tokens on
+average. A request's own counts are few, so its estimate is shrunk toward the server's recent per-position acceptance
+(`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations; `DraftChooser` scales it by the
+request's position 0 and applies it); positions the server never reached take the deepest one it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 8.0  # pseudo-observations of the server's acceptance in each request's estimate
+DEFAULT_ACCEPTANCE = 0.5  # before the server has verified any draft
+SERVER_PRIOR_WEIGHT = 2.0  # pseudo-observations of DEFAULT_ACCEPTANCE in the server's acceptance
+SERVER_HALF_LIFE = 1024  # reached observations per position after which an old one weighs half
+
+
+@dataclass
+class PositionCounts:
+    """One request's drafts reached and accepted per position (0-based)."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    version: int = 0  # bumped by every record (what the chooser's cache of this request's gains is keyed on)
+    gains_cache: tuple = field(default=(), repr=False, compare=False)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification of `num_drafts` drafts of which the first `num_accepted` were kept."""
+        self.version += 1
+        num_reached = min(num_drafts, num_accepted + 1)
+        if len(self.reached) < num_reached:
+            grow = num_reached - len(self.reached)
+            self.reached.extend([0] * grow)
+            self.accepted.extend([0] * grow)
+        for j in range(num_reached):
+            self.reached[j] += 1
+        for j in range(num_accepted):
+            self.accepted[j] += 1
+
+
+class ServerAcceptance:
+    """The server's recent per-position acceptance: exponentially decayed counts over all requests."""
+
+    def __init__(self, half_life: float = SERVER_HALF_LIFE):
+        self._keep = 0.5 ** (1.0 / half_life)
+        self.version = 0  # bumped by every record
+        self._reached: list[float] = []
+        self._accepted: list[float] = []
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.version += 1
+        num_reached = min(num_drafts, num_accepted + 1)
+        while len(self._reached) < num_reached:
+            self._reached.append(0.0)
+            self._accepted.append(0.0)
+        for j in range(num_reached):
+            self._reached[j] = self._reached[j] * self._keep + 1.0
+            self._accepted[j] = self._accepted[j] * self._keep + (1.0 if j < num_accepted else 0.0)
+
+    def means(self, num_positions: int) -> list[float]:
+        """Acceptance per position 0..num_positions-1, each shrunk toward `DEFAULT_ACCEPTANCE` by `SERVER_PRIOR_WEIGHT`
+        pseudo-observations, so that a few early rejections cannot stop drafting for good (deeper than any reached: the
+        deepest reached one's)."""
+        out, last = [], DEFAULT_ACCEPTANCE
+        for j in range(num_positions):
+            if j < len(self._reached) and self._reached[j] > 0:
+                weight = SERVER_PRIOR_WEIGHT
+                last = (self._accepted[j] + weight * DEFAULT_ACCEPTANCE) / (self._reached[j] + weight)
+            out.append(last)
+        return out
