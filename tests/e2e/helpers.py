@@ -18,14 +18,20 @@ def greedy_ignoring_eos(hf_greedy, prompt: list[int], n: int) -> list[int]:
     return out[:n]
 
 
-def generate_concurrently(address: str, prompts: list[list[int]], max_tokens: int) -> dict[int, object]:
-    """One greedy Generate per prompt, all at once (one client thread each); raises the first failure."""
+def generate_concurrently(
+    address: str, prompts: list[list[int]], max_tokens: int, per_prompt: list[dict] | None = None, **options
+) -> dict[int, object]:
+    """One greedy Generate per prompt, all at once (one client thread each), ignoring EOS unless `options` say
+    otherwise; `options` go to every request, `per_prompt[i]` to prompt i's alone (e.g. its
+    num_speculative_tokens). Returns the GenerationResults by prompt index; raises the first failure."""
     outs, errors = {}, []
+    options = {"ignore_eos": True} | options
 
     def run(i):
         try:
             with Client(address, timeout=120) as client:
-                outs[i] = client.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True)
+                extra = per_prompt[i] if per_prompt else {}
+                outs[i] = client.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens, **options, **extra)
         except BaseException as err:  # surfaced below
             errors.append(err)
 

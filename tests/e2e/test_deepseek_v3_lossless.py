@@ -7,13 +7,12 @@ are accepted and the accept, bonus and partial-rollback paths all run, not only 
 """
 
 import random
-import threading
 
 import pytest
 import torch
 
-from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 MAX_TOKENS = 16
@@ -69,31 +68,12 @@ def hf_greedy(checkpoint):
 def test_concurrent_greedy_equals_transformers_generate(cluster, hf_greedy, k):
     rng = random.Random(k)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in PROMPT_LENGTHS]
-    results, stats = {}, {}
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            with Client(cluster.address, timeout=120) as client:
-                ids = []
-                for delta in client.stream(
-                    prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, num_speculative_tokens=k
-                ):
-                    ids.extend(delta.token_ids)
-                    stats[i] = delta.stats or stats.get(i)
-                results[i] = ids
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    outs = generate_concurrently(cluster.address, prompts, MAX_TOKENS, num_speculative_tokens=k, ignore_eos=False)
+    results = {i: out.token_ids for i, out in outs.items()}
+    spec_stats = {i: out.stats for i, out in outs.items()}
     for i, prompt in enumerate(prompts):
         assert results[i] == hf_greedy(prompt, MAX_TOKENS), f"prompt {i} (len {len(prompt)})"
-    accepted = [sum(s.accepted_per_position[j] for s in stats.values()) for j in range(k)]
-    drafted = sum(s.num_draft_tokens for s in stats.values())
+    accepted = [sum(s.accepted_per_position[j] for s in spec_stats.values()) for j in range(k)]
+    drafted = sum(s.num_draft_tokens for s in spec_stats.values())
     assert all(accepted), accepted  # drafts accepted at every position (k = 3: bonus tokens too)
     assert sum(accepted) < drafted  # and some rejected: the latent caches were rolled back

@@ -15,12 +15,11 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 
 import torch
 
-from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
@@ -73,10 +72,10 @@ def test_fp8_qwen3_through_the_services_equals_transformers_on_the_dequantized(t
         log_dir=tmp_path / "logs",
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
     ) as cluster:
-        results, drafts = _generate_concurrently(cluster.address, _prompts())
+        outs = generate_concurrently(cluster.address, _prompts(), MAX_TOKENS)
     for i, prompt in enumerate(_prompts()):
-        assert results[i] == hf_greedy(prompt, MAX_TOKENS), f"prompt {i} (len {len(prompt)})"
-    assert sum(drafts.values()) > 0  # the FP8 MTP layer drafted
+        assert outs[i].token_ids == hf_greedy(prompt, MAX_TOKENS), f"prompt {i} (len {len(prompt)})"
+    assert sum(o.stats.num_draft_tokens for o in outs.values()) > 0  # the FP8 MTP layer drafted
 
 
 def test_fp8_deepseek_v3_target_and_mtp_equal_transformers_on_the_dequantized(tmp_path):
@@ -89,26 +88,6 @@ def test_fp8_deepseek_v3_target_and_mtp_equal_transformers_on_the_dequantized(tm
     for result, prompt in zip(results, _prompts()):
         assert result.token_ids == hf_greedy(prompt, MAX_TOKENS), f"prompt of length {len(prompt)}"
     assert sum(r.stats.num_accepted_tokens for r in results) > 0  # the FP8 MoE MTP layer's drafts were accepted
-
-
-def _generate_concurrently(address: str, prompts: list[list[int]]):
-    results, drafts, errors = {}, {}, []
-
-    def run(i: int) -> None:
-        try:
-            with Client(address, timeout=120) as client:
-                out = client.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True)
-                results[i], drafts[i] = out.token_ids, out.stats.num_draft_tokens
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results, drafts
 
 
 def test_serve_verifier_refuses_another_quantization_with_one_line(tmp_path):

@@ -17,6 +17,7 @@ from scipy import stats
 
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 
 MAX_TOKENS = 16
@@ -41,7 +42,8 @@ def cluster(checkpoint, tmp_path_factory):
         checkpoint,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("logs"),
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        # k drafts every iteration, so every position's accept path runs
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-adaptive"],
     ) as c:
         yield c
 
@@ -71,32 +73,13 @@ def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def test_concurrent_greedy_equals_transformers_generate(cluster, hf_model, k):
     rng = random.Random(k)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in PROMPT_LENGTHS]
-    results, stats_by_prompt = {}, {}
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            with Client(cluster.address, timeout=120) as client:
-                ids = []
-                for delta in client.stream(
-                    prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, num_speculative_tokens=k
-                ):
-                    ids.extend(delta.token_ids)
-                    stats_by_prompt[i] = delta.stats or stats_by_prompt.get(i)
-                results[i] = ids
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    outs = generate_concurrently(cluster.address, prompts, MAX_TOKENS, num_speculative_tokens=k, ignore_eos=False)
+    results = {i: out.token_ids for i, out in outs.items()}
+    spec_stats = {i: out.stats for i, out in outs.items()}
     for i, prompt in enumerate(prompts):
         assert results[i] == _hf_greedy(hf_model, prompt, MAX_TOKENS), f"prompt {i} (len {len(prompt)})"
-    accepted = [sum(s.accepted_per_position[j] for s in stats_by_prompt.values()) for j in range(k)]
-    drafted = sum(s.num_draft_tokens for s in stats_by_prompt.values())
+    accepted = [sum(s.accepted_per_position[j] for s in spec_stats.values()) for j in range(k)]
+    drafted = sum(s.num_draft_tokens for s in spec_stats.values())
     assert all(accepted), accepted  # drafts accepted at every position (k = 3: bonus tokens too)
     assert sum(accepted) < drafted  # and some rejected: the paged caches were rolled back
 

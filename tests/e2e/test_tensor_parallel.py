@@ -19,7 +19,7 @@ from scipy import stats
 
 from specsplit import Client
 from specsplit.launcher import LocalCluster
-from tests.e2e.helpers import greedy_ignoring_eos, start_streams
+from tests.e2e.helpers import generate_concurrently, greedy_ignoring_eos, start_streams
 from tests.e2e.test_lossless_greedy import prompts
 from tests.fixtures.tiny import write_tiny_checkpoint
 
@@ -63,39 +63,17 @@ def hf_greedy_of(model):
     return generate
 
 
-def greedy_outputs(address: str, jobs: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
-    """(tokens, drafted) of one greedy Generate per (prompt, k), all at once."""
-    outs, errors = {}, []
-
-    def run(i):
-        prompt, k = jobs[i]
-        try:
-            with Client(address, timeout=120) as client:
-                out = client.generate(
-                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True
-                )
-                outs[i] = (out.token_ids, out.stats.num_draft_tokens)
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return [outs[i] for i in range(len(jobs))]
-
-
 def check_greedy(address: str, hf_greedy) -> None:
     """k 1 and 3 served at once, in the same batches: 5 prompts each (up to 17 tokens)."""
     ks = (1, 3)
     jobs = [(p, k) for k in ks for p in prompts(5, seed=k)]
-    outs = greedy_outputs(address, jobs)
+    outs = generate_concurrently(
+        address, [p for p, _ in jobs], MAX_TOKENS, per_prompt=[{"num_speculative_tokens": k} for _, k in jobs]
+    )
     for k in ks:  # each k's drafts were verified
-        assert sum(drafted for (_, job_k), (_, drafted) in zip(jobs, outs) if job_k == k) > 0, k
-    for (p, k), (tokens, _) in zip(jobs, outs):
-        assert tokens == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, p)
+        assert sum(outs[i].stats.num_draft_tokens for i, (_, job_k) in enumerate(jobs) if job_k == k) > 0, k
+    for i, (p, k) in enumerate(jobs):
+        assert outs[i].token_ids == greedy_ignoring_eos(hf_greedy, p, MAX_TOKENS), (k, p)
 
 
 def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
