@@ -32,7 +32,8 @@ def tp_cluster(path, logs, size: int = 2, **placement) -> LocalCluster:
         num_speculative_tokens=3,
         log_dir=logs,
         verifier_args=["--tensor-parallel-size", str(size)],
-        coordinator_args=["--max-num-seqs", "10", "--max-num-batched-tokens", "64"],
+        # a fixed k: the tests count on drafts (adaptive speculation may choose none for a tiny random model)
+        coordinator_args=["--max-num-seqs", "10", "--max-num-batched-tokens", "64", "--no-adaptive"],
         **placement,
     )
 
