@@ -280,11 +280,12 @@ class Engine:
         self.scheduler.reset_all()  # the iteration's effect is unknown: recompute from held tokens
         self._num_failures += 1
         backoff = min(1.0, 0.05 * 2 ** min(self._num_failures, 5))
-        down_for = now - self._failing_since
         for request_id, stream in list(self._streams.items()):
             deadline = stream.request.deadline
-            # Give up on a request when its deadline falls before the verifier could answer again,
-            # or when the verifier has been unreachable for verifier_unavailable_s.
+            # Give up on a request when its deadline falls before the verifier could answer again, or when the
+            # verifier has been unreachable for verifier_unavailable_s while the request waited: an outage that
+            # began before it arrived (the engine idle meanwhile) counts from its arrival.
+            down_for = now - max(self._failing_since, stream.request.arrival_time)
             if down_for > self.verifier_unavailable_s or (deadline is not None and deadline - now < backoff + 0.25):
                 self._fail(
                     request_id,

@@ -167,3 +167,49 @@ def test_a_refused_request_fails_alone_and_the_rest_of_its_batch_finishes_whole(
         assert tokens == [token_at(len(PROMPT) + i) for i in range(4)], rid
     # Refused: the batch of six, then the half with r4 (three), its half with r4 (two), then r4 alone.
     assert [size for kind, it, _ in events if kind == "refused" for size in [batch_sizes[it]]] == [6, 3, 2, 1]
+
+
+def test_an_outage_that_began_before_a_request_arrived_counts_from_its_arrival():
+    """The verifier goes away: the request waiting then fails after verifier_unavailable_s. The engine sits idle,
+    the verifier still away; a request arriving later meets one more failure and then the verifier back: it
+    finishes whole (the outage's clock, started before it arrived, does not fail it at its first retry)."""
+
+    async def run():
+        config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
+        engine = Engine(
+            Scheduler(config, eos_token_ids=[]),
+            verifier=SimpleNamespace(VerifyStream=None),
+            tokenizer=ByteTokenizer(),
+            verifier_unavailable_s=1.2,  # more than the longest backoff (1 s)
+        )
+        stream = FakeVerifyStream(lambda: 0)
+        failing = {"sends": 10**6}
+        answer = stream.send
+
+        async def send(request):
+            if failing["sends"] > 0:  # every send, also an iteration that only frees
+                failing["sends"] -= 1
+                raise StreamError(grpc.StatusCode.UNAVAILABLE, "verifier went away")
+            await answer(request)
+
+        stream.send = send
+        engine._verify_stream = stream
+        engine.start()
+        try:
+            first = engine.add_request(Request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)))
+            out = await asyncio.wait_for(first.get(), 10)
+            assert out.finish_reason == "error" and "verifier unreachable" in str(out.error)
+            await asyncio.sleep(1.5)  # idle, the outage now longer than verifier_unavailable_s
+            failing["sends"] = 1
+            second = engine.add_request(Request("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)))
+            tokens, reason = [], None
+            while reason is None:
+                out = await asyncio.wait_for(second.get(), 10)
+                tokens += out.token_ids
+                reason = out.finish_reason
+            return tokens, reason if out.error is None else str(out.error)
+        finally:
+            await engine.stop()
+
+    tokens, reason = asyncio.run(run())
+    assert reason == "length" and tokens == [token_at(len(PROMPT) + i) for i in range(3)]
