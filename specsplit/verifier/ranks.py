@@ -32,14 +32,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def rank_device(device: str, rank: int) -> str:
-    """The device of `rank` when rank 0 runs on `device`: the next CUDA devices in order; cpu stays cpu."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        return device
-    return f"cuda:{(d.index or 0) + rank}"
-
-
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -74,7 +66,7 @@ def follower_main(config, rank: int, address: str) -> None:
     from specsplit.models.device import use_device
     from specsplit.models.parallel import init_tensor_parallel, wait_for_ranks
     from specsplit.models.serve_options import apply_eager_option
-    from specsplit.verifier.server import _load_and_size
+    from specsplit.verifier.loading import load_and_size, rank_device
 
     # Rank 0 alone decides when to stop (a Ctrl-C or SIGTERM to the group must not cut a step short).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -94,7 +86,7 @@ def follower_main(config, rank: int, address: str) -> None:
         )
         use_device(device)
         # Loaded and sized as rank 0 does, in step with it (the warm-up's collectives, one block count).
-        _, _, runner, _ = _load_and_size(config, apply_eager_option(options.eager), rank)
+        _, _, runner, _ = load_and_size(config, apply_eager_option(options.eager), rank)
         wait_for_ranks()  # rank 0 reports SERVING once every rank is ready
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", rank, config.tensor_parallel_size, device)
         steps = follow(runner)

@@ -157,54 +157,6 @@ def model_info(
     )
 
 
-def _load_and_size(config: VerifierConfig, step_path: dict, rank: int = 0):
-    """On the device's thread: the target loaded, then its KV cache sized (`--num-blocks`, or on CUDA from
-    `--gpu-memory-utilization`) and its runner built on it. Returns (model, cache, runner, max_model_len).
-    Tensor-parallel: every rank runs it on its own device (`rank`; the followers from `ranks.follower_main`),
-    in step, since the runners' warm-up forwards take part in collectives; a cache sized from memory gets the
-    least of the ranks' block counts (`parallel.min_over_ranks`), as rank 0's block plans index every rank's."""
-    import torch
-
-    from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
-    from specsplit.models.loader import load_target
-    from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
-    from specsplit.models.parallel import min_over_ranks
-    from specsplit.verifier.ranks import rank_device
-    from specsplit.verifier.runner import VerifierRunner
-
-    options = config.model
-    device = rank_device(options.device, rank) if rank else options.device
-    on_cuda = torch.device(device).type == "cuda"
-    num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
-    # A co-located drafter shares rank 0's device only.
-    with device_memory_lock(config.socket_dir if on_cuda and rank == 0 else None):
-        baseline = DeviceBaseline.take(device) if on_cuda else None
-        dtype = getattr(torch, options.dtype)
-        model = load_target(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
-        limit = model.config.max_position_embeddings
-        max_model_len = min(limit, config.max_model_len or limit)
-        if num_blocks is not None:  # a given count caps the context, as it always has
-            max_model_len = min(max_model_len, num_blocks * config.block_size)
-        kv_cache, runner, _ = size_kv_cache(
-            lambda n: model.make_kv_cache(n, config.block_size),
-            lambda cache: VerifierRunner(
-                model,
-                cache,
-                # a follower never samples: no sampler kernels to warm up
-                "reference" if options.eager or rank else "auto",
-                **step_path,
-                max_model_len=max_model_len,
-            ),
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            fraction=options.gpu_memory_utilization,
-            max_model_len=max_model_len,
-            baseline=baseline,
-            agree=min_over_ranks,
-        )
-    return model, kv_cache, runner, max_model_len
-
-
 async def serve(config: VerifierConfig) -> None:
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=False)  # before torch loads: a plain mistake is told at once
@@ -214,6 +166,7 @@ async def serve(config: VerifierConfig) -> None:
     from specsplit.models.device import device_executor, use_device
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+    from specsplit.verifier.loading import load_and_size
     from specsplit.verifier.ranks import end_followers
     from specsplit.verifier.servicer import VerifierServicer
     from specsplit.verifier.worker import VerifierWorker
@@ -289,7 +242,7 @@ async def serve(config: VerifierConfig) -> None:
     try:
         with checkpoint_mistakes(model_options.checkpoint):
             model, kv_cache, runner, max_model_len = await loop.run_in_executor(  # graphs captured: seconds
-                None, lambda: _load_and_size(config, step_path)
+                None, lambda: load_and_size(config, step_path)
             )
     except UsageError:
         if followers is not None:
@@ -360,7 +313,8 @@ def start_ranks(config: VerifierConfig, on_exit):
     formed in time."""
     from specsplit.launcher import free_port
     from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
-    from specsplit.verifier.ranks import Followers, backend_for, rank_device
+    from specsplit.verifier.loading import rank_device
+    from specsplit.verifier.ranks import Followers, backend_for
 
     size = config.tensor_parallel_size
     host, _, port = config.tensor_parallel_address.rpartition(":")

@@ -77,8 +77,8 @@ def _kv_lines(text: str) -> list[re.Match]:
 @pytest.mark.parametrize("role", ["verifier", "drafter"])
 def test_start_up_fills_the_share_and_stays_within_it(checkpoint, role, caplog):
     if role == "verifier":
+        from specsplit.verifier.loading import load_and_size as _load_and_size
         from specsplit.verifier.server import VerifierConfig as Config
-        from specsplit.verifier.server import _load_and_size
     else:
         from specsplit.drafter.server import DrafterConfig as Config
         from specsplit.drafter.server import _load_and_size
