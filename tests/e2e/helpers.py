@@ -104,3 +104,29 @@ def assert_kv_all_free(cluster, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
     held = f"verifier {v_total - v_free} of {v_total}, drafter {d_total - d_free} of {d_total}"
     assert (v_free, d_free) == (v_total, d_total), f"KV blocks held after every request ended: {held}"
+
+
+def assert_first_two_tokens_follow(model, ids: list[int], firsts: list[int], seconds: list[int], min_bins: int = 0):
+    """Tokens 1 and 2 of sampled generations after `ids` against the exact marginals of `model` (transformers, the
+    target at temperature 1): chi-square per token, false-failure rate 1e-3 each; expected counts under 5 pooled."""
+    import numpy as np
+    import torch
+    from scipy import stats
+
+    n = len(firsts)
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+        support = torch.nonzero(p1 > 1e-7).flatten()
+        batch = torch.tensor([ids + [int(t)] for t in support])
+        p2_given = torch.softmax(model(batch).logits[:, -1].double(), -1)  # [|support|, V]
+        p2 = (p1[support, None] * p2_given).sum(0)
+    for observed, p in ((firsts, p1), (seconds, p2)):
+        counts = np.bincount(observed, minlength=p.numel()).astype(float)
+        expected = p.numpy() * n
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        assert len(obs) >= min_bins  # enough bins that the test can tell distributions apart
+        pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+        assert pvalue > 1e-3, f"chi-square p = {pvalue}"

@@ -4,13 +4,12 @@ and sampled output follows the target's distribution with sampled (sparse-q) dra
 import pathlib
 import threading
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import assert_first_two_tokens_follow
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 PROMPTS = [
@@ -89,18 +88,4 @@ def test_sampled_generation_follows_the_target_distribution(demo_cluster, hf_dem
     assert len(firsts) == n
     assert drafted[0] > 0 and 0 < accepted[0] < drafted[0]  # both accept and reject paths were taken
 
-    with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
-        support = torch.nonzero(p1 > 1e-7).flatten()
-        batch = torch.tensor([ids + [int(t)] for t in support])
-        p2_given = torch.softmax(model(batch).logits[:, -1].double(), -1)  # [|support|, V]
-        p2 = (p1[support, None] * p2_given).sum(0)
-    for observed, p in ((firsts, p1), (seconds, p2)):
-        counts = np.bincount(observed, minlength=p.numel()).astype(float)
-        expected = p.numpy() * n
-        big = expected >= 5
-        obs = np.append(counts[big], counts[~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        obs, exp = obs[exp > 0], exp[exp > 0]
-        pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-        assert pvalue > 1e-3, f"chi-square p = {pvalue}"
+    assert_first_two_tokens_follow(model, ids, firsts, seconds)
