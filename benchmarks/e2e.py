@@ -30,14 +30,32 @@ random-weight models whose own drafts mean nothing.
         --verifier-tp 2 --placement pooled --batches 1 8 32 --ks 1 3 --new-tokens 64 --out e2e_tp2.json
     # CPU smoke run
     python benchmarks/e2e.py --shape qwen2-tiny --load-format dummy --alpha 0.8 --batches 1 --ks 1 --new-tokens 8
+    # FP8 GLM-4.5-Air / DeepSeek-V3 (12 layers) on one H200, weights held once; results in $OUT/e2e-SHAPE.json, .md
+    python benchmarks/e2e.py --shape glm-4.5-air-fp8 --load-format dummy --services-only --alpha 0.8 --device cuda \
+        --dtype bfloat16 --batches 1 32 --ks 1 3 --new-tokens 32
+    # ... their CPU smoke runs: --shape glm-tiny-fp8 / deepseek-v3-tiny-fp8 --services-only (device and dtype left out)
+
+--services-only: the in-process engine holds a second copy of the weights, which the FP8 GLM-4.5-Air and DeepSeek-V3
+shapes do not leave room for. There (a) is the services with every request at 0 drafts (no Propose is sent), run at
+every batch before the speculative cells; its outputs are the lossless reference and the oracle of forced acceptance
+(the forced drafter reads it once written). The verifier's and drafter's --gpu-memory-utilization come from the
+weights' bytes (`benchmarks/weight_bytes.py.plan_shares`: up's 0.8 / 0.1, the drafter's raised where its MTP layer
+needs more); a shape that would not fit stops in one line before anything loads.
+
+Every run with --shape prints the roofline table: the median iteration against the time its active weights take
+at 4.8 TB/s (verify step over batch x (k + 1) tokens, drafter steps, routed experts as the expected distinct count
+under uniform routing; `benchmarks/weight_bytes.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import shutil
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -50,15 +68,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services  # noqa: E402
-from benchmarks.e2e_report import add_comparisons, cell_row, print_tables  # noqa: E402
+from benchmarks.e2e_report import add_comparisons, add_roofline, cell_row, print_roofline, print_tables  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.weight_bytes import ModelBytes, model_bytes, plan_shares  # noqa: E402
 from specsplit.launcher import LocalCluster  # noqa: E402
+from specsplit.models.kv_cache_size import COLOCATED_DRAFTER_SHARE  # noqa: E402
 from specsplit.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
 
 PROMPT_LEN = 64
 ENGINE_NUM_BLOCKS = 4096  # the in-process engine's KV cache without --num-blocks (room for any batch here)
 UP_SHARE = 0.9  # what `specsplit up` lets its services use of a GPU by default
+LOAD_TIMEOUT_S = 600  # --services-only: ~110 GB of FP8 dummy weights drawn, kernels compiled on a fresh machine
 
 
 def make_prompts(model: Path, count: int, vocab_size: int) -> list[list[int]]:
@@ -105,7 +126,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument(
-        "--repeats", type=int, default=3, help="median over this many runs per cell; they go round the cells"
+        "--repeats",
+        type=int,
+        default=None,
+        help="median over this many runs per cell; they go round the cells (default 3)",
     )
     p.add_argument(
         "--num-blocks",
@@ -130,10 +154,28 @@ def parse_args() -> argparse.Namespace:
         help="(b)'s verifier tensor-parallel on this many ranks (cuda:0 ..; a pooled drafter on the next GPU); "
         "(a) and (c) stay on one device",
     )
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--services-only",
+        action="store_true",
+        help="hold the weights once, in the services: (a) is the services with 0 drafts, run first (its outputs are "
+        "the lossless reference and the forced-acceptance oracle), (c) is left out; the shares of verifier and "
+        "drafter are planned from the weights' bytes (benchmarks/weight_bytes.py), failing in one line if they do "
+        "not fit. For shapes whose second copy does not fit the GPU (glm-4.5-air-fp8, deepseek-v3-fp8). Defaults "
+        "then: --repeats 1, --warmup-tokens 8",
+    )
+    p.add_argument("--warmup-tokens", type=int, default=None, help="new tokens of each cell's untimed warm-up run")
+    p.add_argument("--out", type=Path, default=None, help="JSON results (default with $OUT: $OUT/e2e-NAME.json)")
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
         p.error("--shape has no weights: add --load-format dummy")
+    if args.services_only and args.verifier_tp != 1:
+        p.error("--services-only plans one GPU: leave out --verifier-tp")
+    if args.repeats is None:
+        args.repeats = 1 if args.services_only else 3
+    if args.warmup_tokens is None:
+        args.warmup_tokens = min(8, args.new_tokens) if args.services_only else args.new_tokens
+    if args.out is None and os.environ.get("OUT"):
+        args.out = Path(os.environ["OUT"]) / f"e2e-{args.shape or args.model.name}.json"
     return args
 
 
@@ -152,11 +194,83 @@ def services_memory_share(device: str, num_blocks: int | None) -> float | None:
     return share
 
 
-def main() -> None:
-    args = parse_args()
-    t_begin = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
-    model = write_shape(args.shape, work / args.shape) if args.shape else args.model
+def make_cluster(
+    args, model: Path, work: Path, role_commands: dict, share: float | None, verifier_args=(), drafter_args=()
+):
+    """(b)'s services, placed by --placement (not started)."""
+    max_k, max_batch = max(args.ks), max(args.batches)
+    placement = args.placement
+    return LocalCluster(
+        str(model),
+        num_speculative_tokens=max_k,
+        device=args.device,
+        dtype=args.dtype,
+        log_dir=work / f"logs-{placement}",
+        load_format=args.load_format,
+        role_commands=role_commands,
+        placement=placement,
+        hidden_transport=args.hidden_transport if placement == "pooled" else None,
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        coordinator_args=[
+            *["--max-num-seqs", str(max_batch)],
+            *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
+            "--no-adaptive",  # each k as asked: this benchmark compares placements at a fixed k
+        ],
+        verifier_args=[
+            *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),
+            *["--tensor-parallel-size", str(args.verifier_tp)],
+            *verifier_args,
+        ],
+        drafter_device=(
+            f"cuda:{args.verifier_tp}"
+            if args.verifier_tp > 1 and placement == "pooled" and args.device.startswith("cuda")
+            else None
+        ),
+        drafter_args=[*([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]), *drafter_args],
+        gpu_memory_utilization=share,
+    )
+
+
+def forced_drafter_command(args, oracle_path: Path) -> dict[str, list[str]]:
+    """The drafter's command under --alpha: `benchmarks.forced_drafter` (reads the oracle once it is written)."""
+    if args.alpha is None:
+        return {}
+    forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(oracle_path)]
+    return {"drafter": [sys.executable, *forced, "--seed", str(args.seed)]}
+
+
+def save_oracle(oracle: Oracle, path: Path) -> None:
+    """Written whole, then renamed into place: a drafter started before may look for it at any moment."""
+    partial = path.with_suffix(".partial")
+    oracle.save(partial)
+    os.replace(partial, path)
+
+
+def copy_logs(source: Path, target: Path) -> None:
+    """The services' logs into `target` (a convenience: nothing fails for it)."""
+    with contextlib.suppress(OSError):
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+
+
+def run_cells(cells, run, repeats: int, warmup_tokens: int, new_tokens: int) -> dict:
+    """Every cell once, untimed (`warmup_tokens` new tokens), then `repeats` rounds of every cell."""
+    # Warm-up: its shapes make Triton compile the kernel variants they need (the first process to see them pays,
+    # later ones read the on-disk cache); that compile time must not land in one mode's timed runs and not in
+    # another's.
+    for k, mode in cells:
+        run(k, mode, warmup_tokens)
+    # The repeats go round the cells, so that a slow spell of the machine touches every mode alike and repeat r
+    # of each mode ran side by side with repeat r of the others.
+    runs: dict[tuple[int, str], list] = {cell: [] for cell in cells}
+    for _ in range(repeats):
+        for k, mode in cells:
+            runs[k, mode].append(run(k, mode, new_tokens))
+    return runs
+
+
+def with_engine(args, model: Path, work: Path, t_begin: float):
+    """(a) and (c) on the in-process engine, (b) beside it: two copies of the weights on the device."""
     max_k, max_batch = max(args.ks), max(args.batches)
     engine = InProcessEngine(
         str(model),
@@ -170,98 +284,165 @@ def main() -> None:
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
     services_share = services_memory_share(args.device, args.num_blocks)
-    role_commands, env = {}, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    role_commands = forced_drafter_command(args, work / "oracle.json")
     if args.alpha is not None:
         oracle = Oracle([p + o for p, o in zip(all_prompts, reference)], engine.target.config.vocab_size)
-        oracle.save(work / "oracle.json")
+        save_oracle(oracle, work / "oracle.json")
         engine.wrap_drafter = lambda runner: ForcedAcceptanceRunner(runner, oracle, args.alpha, args.seed)
-        forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(work / "oracle.json")]
-        role_commands["drafter"] = [sys.executable, *forced, "--seed", str(args.seed)]
     rows, failures = [], []
-    with contextlib.ExitStack() as stack:
-        clusters = {
-            f"services_{placement}": stack.enter_context(
-                LocalCluster(
-                    str(model),
-                    num_speculative_tokens=max_k,
-                    device=args.device,
-                    dtype=args.dtype,
-                    log_dir=work / f"logs-{placement}",
-                    load_format=args.load_format,
-                    role_commands=role_commands,
-                    placement=placement,
-                    hidden_transport=args.hidden_transport if placement == "pooled" else None,
-                    env=env,
-                    coordinator_args=[
-                        *["--max-num-seqs", str(max_batch)],
-                        *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
-                        "--no-adaptive",  # each k as asked: this benchmark compares placements at a fixed k
-                    ],
-                    verifier_args=[
-                        *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),
-                        *["--tensor-parallel-size", str(args.verifier_tp)],
-                    ],
-                    drafter_device=(
-                        f"cuda:{args.verifier_tp}"
-                        if args.verifier_tp > 1 and placement == "pooled" and args.device.startswith("cuda")
-                        else None
-                    ),
-                    drafter_args=[] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)],
-                    gpu_memory_utilization=services_share,
-                )
-            )
-            for placement in [args.placement]
-        }
+    with make_cluster(args, model, work, role_commands, services_share) as cluster:
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
-        transports = {mode: c.hidden_transport for mode, c in clusters.items()}
+        mode_b = f"services_{args.placement}"
         for batch in args.batches:
             ps, expected = all_prompts[:batch], reference[:batch]
-            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", *clusters)]
+            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", mode_b)]
 
-            def run(k: int, mode: str, ps=ps):
-                if mode in clusters:
-                    return run_services(clusters[mode].address, ps, args.new_tokens, k)
-                return engine.run(ps, args.new_tokens, k)
+            def run(k: int, mode: str, new_tokens: int, ps=ps):
+                if mode == mode_b:
+                    return run_services(cluster.address, ps, new_tokens, k)
+                return engine.run(ps, new_tokens, k)
 
             t_batch = time.monotonic()
-            # Warm-up: every cell once, untimed. Its shapes make Triton compile the kernel variants they
-            # need (the first process to see them pays, later ones read the on-disk cache); that compile
-            # time must not land in one mode's timed runs and not in another's.
-            for k, mode in cells:
-                run(k, mode)
-            # The repeats go round the cells, so that a slow spell of the machine touches every mode alike
-            # and repeat r of each mode ran side by side with repeat r of the others.
-            runs: dict[tuple[int, str], list] = {cell: [] for cell in cells}
-            for _ in range(args.repeats):
-                for k, mode in cells:
-                    runs[k, mode].append(run(k, mode))
+            runs = run_cells(cells, run, args.repeats, args.warmup_tokens, args.new_tokens)
             for k, mode in cells:
                 check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], expected, failures)
                 rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
             print(f"[batch {batch}: {len(cells)} cells in {time.monotonic() - t_batch:.1f}s]", file=sys.stderr)
-    add_comparisons(rows)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
-    print(
-        f"\nmodel {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts {PROMPT_LEN} "
-        f"tokens, {args.new_tokens} new tokens, greedy, {alpha}, hidden states by "
-        f"{', '.join(f'{t} ({m})' for m, t in transports.items())}; "
-        f"median of {args.repeats}; total {time.monotonic() - t_begin:.0f}s\n"
-    )
-    print_tables(rows)
-    print(f"\nlossless: {'yes' if not failures else 'NO'} (every output equals the target-only greedy output)")
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "hidden_transports": transports,
-                    "rows": rows,
-                    "lossless_failures": failures,
-                },
-                indent=1,
-            )
+    return rows, failures, {mode_b: cluster.hidden_transport}
+
+
+def services_only(args, model: Path, work: Path, t_begin: float, sizes: ModelBytes, partial):
+    """(a) and (b) through one set of services, the weights held once: target-only (every request at 0 drafts) at
+    every batch first, its outputs the lossless reference of the speculative cells and (max batch) the oracle of
+    forced acceptance, which the drafter reads once written."""
+    max_k, max_batch = max(args.ks), max(args.batches)
+    max_model_len = max(1024, PROMPT_LEN + args.new_tokens + max_k + 1)  # requests need less
+    verifier_args = ["--max-model-len", str(max_model_len)]
+    drafter_args: list[str] = []
+    if args.device.startswith("cuda") and args.num_blocks is None:
+        total = torch.cuda.get_device_properties(args.device).total_memory
+        plan = plan_shares(
+            sizes,
+            total,
+            UP_SHARE,
+            COLOCATED_DRAFTER_SHARE,
+            kv_tokens=max(max_model_len, max_batch * (PROMPT_LEN + args.new_tokens + max_k + 1)),
+            max_step_tokens=max(2048, max_batch * (max_k + 1)),
         )
+        print(plan.describe(), file=sys.stderr)
+        if not plan.fits:
+            sys.exit(plan.refusal())
+        verifier_args += ["--gpu-memory-utilization", f"{plan.verifier:g}"]
+        drafter_args += ["--gpu-memory-utilization", f"{plan.drafter:g}"]
+    all_prompts = make_prompts(model, max_batch, sizes.vocab_size)
+    oracle_path = work / "oracle.json"
+    rows, failures, reference = [], [], {}
+    cluster = make_cluster(
+        args, model, work, forced_drafter_command(args, oracle_path), None, verifier_args, drafter_args
+    )
+    with contextlib.ExitStack() as stack:
+        if args.out:  # the services' logs beside the results, once they are stopped (also after a failed start)
+            logs = args.out.with_name(f"{args.out.stem}-logs")
+            stack.callback(copy_logs, cluster.log_dir, logs)
+        cluster.start(timeout_s=LOAD_TIMEOUT_S)  # (its __enter__ would start it with the default 300 s)
+        stack.callback(cluster.stop)
+        print(f"[services loaded in {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
+        mode_b = f"services_{args.placement}"
+
+        def run(k: int, mode: str, new_tokens: int, ps):
+            return run_services(cluster.address, ps, new_tokens, k)
+
+        for ks, modes in (([0], ["target_only"]), (args.ks, [mode_b])):
+            for batch in args.batches:
+                ps, cells = all_prompts[:batch], [(k, mode) for k in ks for mode in modes]
+                t_batch = time.monotonic()
+                runs = run_cells(
+                    cells,
+                    lambda k, mode, n, ps=ps: run(k, mode, n, ps),
+                    args.repeats,
+                    args.warmup_tokens,
+                    args.new_tokens,
+                )
+                for k, mode in cells:
+                    if mode == "target_only":  # the reference: its first run, which its repeats must equal
+                        reference[batch] = runs[k, mode][0].outputs
+                    check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], reference[batch], failures)
+                    rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
+                print(f"[batch {batch}: {len(cells)} cells in {time.monotonic() - t_batch:.1f}s]", file=sys.stderr)
+                partial(rows, failures, {mode_b: cluster.hidden_transport})
+            if args.alpha is not None and not oracle_path.exists():
+                sequences = [p + o for p, o in zip(all_prompts, reference[max_batch])]
+                save_oracle(Oracle(sequences, sizes.vocab_size), oracle_path)
+    return rows, failures, {mode_b: cluster.hidden_transport}
+
+
+def publish(args, model, rows: list[dict], failures: list[str], transports: dict, sizes, t_begin: float, final: bool):
+    """The tables (printed when `final`) and, with --out, the JSON and the tables as Markdown beside it: written
+    after every batch by --services-only, so that a run cut short keeps what it measured."""
+    rows = sorted(rows, key=lambda r: (args.batches.index(r["batch"]), r["k"]))
+    add_comparisons(rows)
+    if sizes is not None:
+        add_roofline(rows, sizes)
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print(
+            f"model {args.shape or model} ({args.load_format} weights) on {device} ({args.dtype}), prompts "
+            f"{PROMPT_LEN} tokens, {args.new_tokens} new tokens, greedy, {alpha}, hidden states by "
+            f"{', '.join(f'{t} ({m})' for m, t in transports.items())}; "
+            f"median of {args.repeats}; {'total' if final else 'so far (the run goes on)'} "
+            f"{time.monotonic() - t_begin:.0f}s\n"
+        )
+        if sizes is not None:
+            print_roofline(rows, sizes)
+        print_tables(rows)
+        print(f"\nlossless: {'yes' if not failures else 'NO'} (every output equals the target-only greedy output)")
+    if final:
+        print("\n" + out.getvalue(), end="")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "hidden_transports": transports,
+            "rows": rows,
+            "lossless_failures": failures,
+            "complete": final,
+        }
+        args.out.write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(out.getvalue())
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    # A time limit's SIGTERM (`timeout`): unwind, so that the services are stopped before this process exits.
+    raise SystemExit("e2e.py: SIGTERM: the services are stopped; what was measured is in --out ($OUT)")
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    t_begin = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
+    model = write_shape(args.shape, work / args.shape) if args.shape else args.model
+    sizes = (
+        model_bytes(
+            json.loads((model / "config.json").read_text()),
+            torch.tensor([], dtype=getattr(torch, args.dtype)).element_size(),
+        )
+        if args.shape
+        else None
+    )
+
+    def partial(rows: list[dict], failures: list[str], transports: dict) -> None:
+        publish(args, model, rows, failures, transports, sizes, t_begin, final=False)
+
+    if args.services_only:
+        if sizes is None:
+            sys.exit("--services-only plans the services' memory from a shape's bytes: give --shape")
+        rows, failures, transports = services_only(args, model, work, t_begin, sizes, partial)
+    else:
+        rows, failures, transports = with_engine(args, model, work, t_begin)
+    publish(args, model, rows, failures, transports, sizes, t_begin, final=True)
     if failures:
         print("\n".join(failures[:20]), file=sys.stderr)
         sys.exit(1)

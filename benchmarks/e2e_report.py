@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.e2e_modes import BREAKDOWN, RunResult
+from benchmarks.weight_bytes import HBM_BYTES_PER_S, ModelBytes
 from specsplit.results import SpecStats
 
 
@@ -70,6 +71,44 @@ def add_comparisons(rows: list[dict]) -> None:
             r["iteration_overhead_runs"] = [
                 mine / theirs - 1 for mine, theirs in zip(r["iteration_ms_runs"], twin["iteration_ms_runs"])
             ]
+
+
+def add_roofline(rows: list[dict], sizes: ModelBytes) -> None:
+    """Each row's active weight bytes per decode iteration (`ModelBytes.iteration`: routed experts counted as the
+    expected distinct ones under uniform routing), the time the HBM roofline allows them, and the median
+    iteration's fraction of it."""
+    for r in rows:
+        active = sizes.iteration(r["batch"], r["k"], r["accepted_per_iteration"])
+        r["active_weight_bytes"] = active
+        r["roofline_ms"] = 1e3 * active / HBM_BYTES_PER_S
+        iteration = r["breakdown_ms"]["iteration"]
+        r["roofline_fraction"] = r["roofline_ms"] / iteration if iteration > 0 else None
+
+
+def print_roofline(rows: list[dict], sizes: ModelBytes) -> None:
+    print(
+        f"Weights held: verifier {sizes.verifier_weights / 1e9:.4g} GB, drafter {sizes.drafter_weights / 1e9:.4g} GB. "
+        f"Active weights per iteration: verify step over batch x (k + 1) tokens + drafter steps (routed experts: "
+        f"expected distinct under uniform routing); roofline at {HBM_BYTES_PER_S / 1e12:g} TB/s. Verify forward "
+        "and drafter steps: medians of their own (with the device hand-off the drafter's step 0 includes the wait "
+        "for the verifier's step); what the iteration spends besides them is host work and hops (breakdown below).\n"
+    )
+    print(
+        "| batch | k | mode | tokens/s | speedup vs (a) | iteration ms (median) | verify forward ms | drafter steps ms "
+        "| active weights GB | roofline ms | % of roofline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        fraction = "-" if r["roofline_fraction"] is None else f"{100 * r['roofline_fraction']:.0f} %"
+        print(
+            f"| {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.1f} | {speedup} | "
+            f"{r['breakdown_ms']['iteration']:.1f} | {r['breakdown_ms']['forward']:.1f} | "
+            f"{r['breakdown_ms']['step0'] + r['breakdown_ms']['later_steps']:.1f} | "
+            f"{r['active_weight_bytes'] / 1e9:.3g} | {r['roofline_ms']:.3g} | "
+            f"{fraction} |"
+        )
+    print()
 
 
 def _pct(x: float | None) -> str:

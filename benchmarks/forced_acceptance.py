@@ -3,8 +3,12 @@ acceptance rate on models whose own drafts mean nothing (random weights).
 
 The oracle holds, for every benchmark prompt, the target's greedy continuation (from a target-only
 run). `ForcedAcceptanceRunner` wraps the drafter's runner: the real MTP steps still run (their cost
-is real), then each draft position i is replaced, independently with probability `alpha`, by the
-oracle's token for that position, and otherwise by a token that differs from it. With greedy
+is real), then each draft is replaced, independently per position with probability `alpha`, by the
+oracle's token for that position, and otherwise by a token that differs from it. The coin is one per
+prompt and position, whichever draft of whichever iteration proposes it: every mode of a comparison (any
+k, adaptive) meets the same easy and hard positions (common random numbers), so their comparison is not
+blurred by each drawing its own acceptance; a position's coin is seen once (a reached position is then
+emitted), so the accepted counts stay geometric in `alpha`. With greedy
 verification a draft is accepted exactly when it equals the target's argmax, so the acceptance rate
 of a position that is reached comes out ≈ alpha, and the output is still the target's own.
 
@@ -127,7 +131,7 @@ class ForcedAcceptanceRunner:
                 return  # past the known continuation: the MTP's own drafts
             want = seq[position]
             self.num_forced += 1
-            if _uniform(self.seed, index, position, i) < self.alphas[index]:
+            if _uniform(self.seed, index, position) < self.alphas[index]:
                 drafts[i] = want
                 self.num_kept += 1
             elif drafts[i] == want:

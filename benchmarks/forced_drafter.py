@@ -3,19 +3,45 @@
     python -m benchmarks.forced_drafter --alpha 0.8 --oracle oracle.json <args of `specsplit serve drafter`>
 
 `benchmarks/e2e.py` starts it through `LocalCluster(role_commands={"drafter": [...]})`, with the
-repository root on PYTHONPATH.
+repository root on PYTHONPATH. The oracle file may be written after the server starts (`e2e.py --services-only`
+takes the target's greedy continuations from target-only runs through these same services): until it exists the
+runner's drafts are the MTP's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle
 from specsplit import telemetry
 from specsplit.cli import parse_args
 from specsplit.drafter.server import DrafterConfig, serve
 from specsplit.grpc_server import setup_logging
+
+
+class ForcedOnceWritten:
+    """The drafter's runner, wrapped in a `ForcedAcceptanceRunner` from the first call that finds the oracle file
+    (written whole: renamed into place); same `propose` / `free`, other attributes pass through."""
+
+    def __init__(self, runner, oracle_path: str, alpha: float, seed: int):
+        self.runner, self.oracle_path, self.alpha, self.seed = runner, oracle_path, alpha, seed
+        self.forced: ForcedAcceptanceRunner | None = None
+
+    def _current(self):
+        if self.forced is None and os.path.exists(self.oracle_path):
+            self.forced = ForcedAcceptanceRunner(self.runner, Oracle.load(self.oracle_path), self.alpha, self.seed)
+        return self.forced or self.runner
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def propose(self, *args):
+        return self._current().propose(*args)
+
+    def free(self, request_ids: list[str]) -> None:
+        self._current().free(request_ids)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,9 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     config = DrafterConfig.from_args(parse_args(["serve", "drafter", *rest]))
     setup_logging("drafter", config.server.log_level)
     telemetry.setup("drafter", metrics_port=config.server.metrics_port)
-    oracle = Oracle.load(ours.oracle)
     try:
-        asyncio.run(serve(config, wrap_runner=lambda r: ForcedAcceptanceRunner(r, oracle, ours.alpha, ours.seed)))
+        asyncio.run(serve(config, wrap_runner=lambda r: ForcedOnceWritten(r, ours.oracle, ours.alpha, ours.seed)))
     finally:
         telemetry.shutdown()
 

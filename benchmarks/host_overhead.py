@@ -98,6 +98,7 @@ def coordinator_times(batch: int, k: int, sampled: bool, iterations: int, tokeni
             block_size=16,
             num_blocks=100_000,
             num_speculative_tokens=k,
+            adaptive=False,  # every request k drafts, as the fake verifier answers (the choice: draft_choice tests)
             max_num_seqs=batch,
             max_num_batched_tokens=batch * PROMPT_LEN,
         )

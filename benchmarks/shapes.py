@@ -15,9 +15,32 @@ detokenize. Its vocabulary (4096) is smaller than the model's; that is harmless 
 send token ids (validated against the model's vocabulary) and the detokenizer skips ids it does not
 know, so text is incomplete but ids, speed and losslessness are what is measured.
 
-qwen2-7b-fp8 and glm-4.5-air-fp8 are those with DeepSeek-V3's block-scaled FP8 quantization_config:
-the dummy weights are quantized to e4m3 with [128, 128] block scales as they are drawn (one linear at a
-time, so GLM-4.5-Air's ~110 GB of FP8 weights load on one H200) and the linears run the W8A8 kernel.
+qwen2-7b-fp8, glm-4.5-air-fp8 and deepseek-v3-fp8 (and the tiny ones) are those with DeepSeek-V3's
+block-scaled FP8 quantization_config: the dummy weights are quantized to e4m3 with [128, 128] block scales
+as they are drawn (one linear at a time, so ~110 GB of FP8 weights load on one H200) and the linears run
+the W8A8 kernel.
+
+One H200 (139 GiB = 149.3 GB; bytes from `benchmarks/weight_bytes.py`, tested in
+tests/benchmarks/test_weight_bytes.py). `specsplit up` gives the services 0.9 of the device: a co-located
+drafter 0.1 (13.8 GiB after the 1/200 headroom), the verifier 0.8 (110.6 GiB). Each needs its weights, the
+fp32 logits of its largest step (2048 rows) plus 1 GiB of workspace, and a KV cache: the verifier's for batch 32
+(32 x (64 + 32 + 4) = 3200 tokens; more than its --max-model-len 1024 in `benchmarks/e2e.py --services-only`), the
+drafter's for one request of the model's context length (it has no --max-model-len). Decoder linears are FP8
+(1 byte + an fp32 scale per 128 x 128 block), embedding, LM heads and eh_proj bf16, routers fp32; the drafter
+holds an embedding and LM head of its own.
+
+    glm-4.5-air-fp8   attention 109 MB/layer; dense layer 0: + 134 MB; MoE layer: 129 experts x 3 x 4096 x
+                      1408 = 2.23 GB + attention = 2.34 GB; embedding + head 2 x 1.24 GB
+                      verifier 2.48 + 0.24 + 45 x 2.34 = 108.2 GB (+ 1.2 logits + 1 GiB + KV 3200 x 188 KB)
+                      = 103.5 GiB of 110.6: fits at up's 0.8 / 0.1 (drafter 4.9 GB, needs 7.2 of 13.8 GiB)
+    deepseek-v3-fp8   MLA 170 MB FP8 + kv_b_proj 34 MB bf16 (dequantized at load) = 204 MB/layer; dense
+                      layers 0-2: + 396 MB = 0.60 GB; MoE layer: 257 experts x 3 x 7168 x 2048 = 11.32 GB +
+                      router + MLA = 11.53 GB; embedding + head 2 x 1.85 GB
+                      drafter (MTP layer 11.53 + eh_proj 0.21 + 3.71) = 15.44 GB, needs 16.5 GiB: more than
+                      up's 0.1, so `e2e.py --services-only` gives it 0.13 (18.0 GiB) and the verifier 0.77
+                      (106.5 GiB); verifier 3.71 + 3 x 0.60 + n x 11.53 GB with 2.1 GB of workspace and KV
+                      (3200 x 13.5 KB of latent cache): n = 9 MoE layers (103.8 GiB), 10 would need 114.5 GiB.
+                      12 layers of the 61.
 """
 
 from __future__ import annotations
@@ -43,7 +66,18 @@ GLM4_MOE = {
     "rms_norm_eps": 1e-5,
     "rope_scaling": None,
 }
-FAMILY = {"glm-4.5-air": GLM4_MOE, "glm-tiny": GLM4_MOE}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "rms_norm_eps": 1e-6,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "moe_layer_freq": 1,
+    "attention_bias": False,
+}
+FAMILY = {"glm-4.5-air": GLM4_MOE, "glm-tiny": GLM4_MOE, "deepseek-v3": DEEPSEEK_V3, "deepseek-v3-tiny": DEEPSEEK_V3}
+
+DEEPSEEK_V3_H200_LAYERS = 12  # 3 dense + 9 MoE: the module docstring's arithmetic
 
 SHAPES = {
     "qwen2-7b": dict(
@@ -127,12 +161,83 @@ SHAPES = {
         max_position_embeddings=4096,
         rope_theta=1000000.0,
     ),
+    # DeepSeek-V3's layout (deepseek-ai/DeepSeek-V3 config.json) at full width: MLA (128 heads, q through a 1536
+    # rank, a 512 + 64 latent), 3 dense layers of 18432, then 256 routed experts of 2048 (8 per token, in the best
+    # 4 of 8 groups) and one shared, vocabulary 129280; 61 layers in the checkpoint, cut here to what fits one H200
+    # in FP8 (the module docstring).
+    "deepseek-v3": dict(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=DEEPSEEK_V3_H200_LAYERS,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        first_k_dense_replace=3,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        vocab_size=129280,
+        max_position_embeddings=163840,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    # The same architecture cut in depth and width for a CPU smoke run (a dense layer, then MoE layers).
+    "deepseek-v3-tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
 }
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-for _name in ("qwen2-7b", "glm-4.5-air"):
+for _name in ("qwen2-7b", "glm-4.5-air", "glm-tiny", "deepseek-v3", "deepseek-v3-tiny"):
     SHAPES[f"{_name}-fp8"] = dict(SHAPES[_name], quantization_config=FP8)
-FAMILY["glm-4.5-air-fp8"] = GLM4_MOE
+    FAMILY[f"{_name}-fp8"] = FAMILY.get(_name, QWEN2)
 
 
 def write_shape(name: str, path: str | Path) -> Path:

@@ -62,6 +62,7 @@ def up_cluster(args: argparse.Namespace):
         verifier_device=args.verifier_device,
         drafter_device=args.drafter_device,
         verifier_args=["--tensor-parallel-size", str(args.verifier_tp)] if args.verifier_tp != 1 else None,
+        drafter_args=["--tensor-parallel-size", str(args.drafter_tp)] if args.drafter_tp != 1 else None,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -275,6 +276,13 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         default=1,
         help="the verifier's tensor-parallel ranks, on the devices from --verifier-device on (its "
         "--tensor-parallel-size)",
+    )
+    up.add_argument(
+        "--drafter-tp",
+        type=int,
+        default=1,
+        help="the drafter's tensor-parallel ranks, on the devices from --drafter-device on (its "
+        "--tensor-parallel-size), for an MTP module larger than one device",
     )
     add_placement_arguments(up, sockets=False)
     up.add_argument(

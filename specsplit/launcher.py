@@ -168,7 +168,12 @@ class LocalCluster:
             )
         self.placement = resolved["verifier"]
         model_servers = {role: d for role, d in self.devices.items() if with_drafter or role == "verifier"}
-        self.memory_shares = service_shares(gpu_memory_utilization, model_servers, _verifier_ranks(verifier_args))
+        self.memory_shares = service_shares(
+            gpu_memory_utilization,
+            model_servers,
+            _tensor_parallel_size(verifier_args),
+            _tensor_parallel_size(drafter_args),
+        )
         self.hidden_transport_flag = hidden_transport
         self.metrics_port = metrics_port
         self.http_port = http_port
@@ -337,9 +342,9 @@ class LocalCluster:
         self.stop()
 
 
-def _verifier_ranks(verifier_args: list[str] | None) -> int:
-    """The verifier's --tensor-parallel-size among its extra arguments (1 without it)."""
-    args = verifier_args or []
+def _tensor_parallel_size(service_args: list[str] | None) -> int:
+    """A model server's --tensor-parallel-size among its extra arguments (1 without it)."""
+    args = service_args or []
     for i, arg in enumerate(args):
         if arg == "--tensor-parallel-size" and i + 1 < len(args):
             return int(args[i + 1])

@@ -5,11 +5,13 @@ accepted when draft j was kept too. a_j = accepted_j / reached_j is the acceptan
 before it were accepted, so a request with drafts 0..d-1 emits 1 + sum over i < d of prod_{j <= i} a_j tokens on
 average. A request's own counts are few, so its estimate is shrunk toward the server's recent per-position acceptance
 (`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations; `DraftChooser` scales it by the
-request's position 0 and applies it); positions the server never reached take the deepest one it did.
+request's position 0 and applies it); the server's own estimate of a position is shrunk toward the position before
+it, and positions the server never reached take the deepest one it did.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the server's acceptance in each request's estimate
@@ -24,8 +26,18 @@ class PositionCounts:
 
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-    version: int = 0  # bumped by every record (what the chooser's cache of this request's gains is keyed on)
-    gains_cache: tuple = field(default=(), repr=False, compare=False)
+    version: int = 0  # bumped by every record
+    _row: tuple = field(default=(-1, 0, b""), init=False, repr=False, compare=False)  # (version, positions, row)
+
+    def row(self, num_positions: int) -> bytes:
+        """Reached then accepted at positions 0..num_positions-1 (0 where never reached), as float64 bytes (the
+        chooser joins the batch's into one array), kept until the next record."""
+        version, positions, row = self._row
+        if version != self.version or positions != num_positions:
+            pad = [0] * max(0, num_positions - len(self.reached))
+            row = array("d", [*self.reached[:num_positions], *pad, *self.accepted[:num_positions], *pad]).tobytes()
+            self._row = (self.version, num_positions, row)
+        return row
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` drafts of which the first `num_accepted` were kept."""
@@ -61,13 +73,15 @@ class ServerAcceptance:
             self._accepted[j] = self._accepted[j] * self._keep + (1.0 if j < num_accepted else 0.0)
 
     def means(self, num_positions: int) -> list[float]:
-        """Acceptance per position 0..num_positions-1, each shrunk toward `DEFAULT_ACCEPTANCE` by `SERVER_PRIOR_WEIGHT`
-        pseudo-observations, so that a few early rejections cannot stop drafting for good (deeper than any reached: the
-        deepest reached one's)."""
+        """Acceptance per position 0..num_positions-1, each shrunk by `SERVER_PRIOR_WEIGHT` pseudo-observations toward
+        the position before it (position 0: toward `DEFAULT_ACCEPTANCE`, so that a few early rejections cannot stop
+        drafting for good); deeper than any reached: the deepest reached one's. A deep position is reached only
+        after the ones before it were accepted, so rarely where acceptance is low: shrunk toward a fixed 0.5, its
+        few observations made it look better than the positions before it, and deeper drafts were asked for."""
         out, last = [], DEFAULT_ACCEPTANCE
         for j in range(num_positions):
             if j < len(self._reached) and self._reached[j] > 0:
                 weight = SERVER_PRIOR_WEIGHT
-                last = (self._accepted[j] + weight * DEFAULT_ACCEPTANCE) / (self._reached[j] + weight)
+                last = (self._accepted[j] + weight * last) / (self._reached[j] + weight)
             out.append(last)
         return out

@@ -16,23 +16,28 @@ ends with its last request.
 
 Before any iteration was timed each request gets its cap (the fixed k); then, until a Propose is priced, iterations
 without drafts are tried beside those with (in one process the first one without verifies the drafts already held:
-as many tokens as one with). Every
-`EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th while nobody drafts) gives each request one draft more than
-chosen: iteration times of more tokens and acceptance at deeper positions (or at all, after a run without drafts)
-stay measured, so the choice follows a drafter whose acceptance changed and a step time measured once in a slow
-moment.
+as many tokens as one with). Then every uniform depth (each request d drafts, d = 0..k) whose token count was timed
+fewer than `SWEEP_SAMPLES` times is asked for that often (`_sweep`): the cost of each depth is measured, not read off
+a line between two far measurements (a GPU step is flat within a CUDA graph size and jumps at the next, so such a
+line makes the depths between look dearer or cheaper than they are, and the ones that look dearer are never tried).
+Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th while nobody drafts) gives each request one draft more
+than chosen, for two iterations in a row: iteration times of more tokens and acceptance at deeper positions (or at
+all, after a run without drafts) stay measured, so the choice follows a drafter whose acceptance changed and a step
+time measured once in a slow moment.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
+import operator
+
+import numpy as np
 
 from specsplit.coordinator.draft_acceptance import PRIOR_WEIGHT, PositionCounts, ServerAcceptance
-from specsplit.coordinator.step_cost import StepCostModel
+from specsplit.coordinator.step_cost import StepCostModel, bucket_of
 
 EXPLORE_EVERY = 128
-MAX_EVALUATIONS = 16  # rate evaluations per depth and choice (prefix lengths, evenly spaced)
+ZERO_KEEP = 16  # choices a choice of no drafts is kept while nothing it depends on changed
+SWEEP_SAMPLES = 3  # iterations a never-timed depth is asked for (one time is too noisy to rank close depths)
 
 
 class DraftChooser:
@@ -40,45 +45,50 @@ class DraftChooser:
         self.costs = StepCostModel()
         self.acceptance = ServerAcceptance()
         self._num_choices = 0
+        self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # (server version, positions, means)
+        self._swept: dict[int, int] = {}  # bucket of token counts: iterations `_sweep` asked for it
+        self._swept_batches: set[tuple[int, int, int, int]] = set()  # batches (size, caps) with nothing to sweep
+        self._zeros: tuple | None = None  # a choice of no drafts kept: (acceptance version, counts, caps, age)
+        self._trial: tuple | None = None  # a choice of a depth never run steadily, to repeat once: (counts, caps, it)
 
-    def _order_by_gain(
-        self, caps: list[int], counts: list[PositionCounts], max_cap: int, remaining: list[int] | None = None
-    ) -> tuple[list[int], list[float]]:
-        """Every (request, draft) pair in falling order of marginal gain weighted by the tokens the request has
-        `remaining` (relative to the batch's mean: a batch finishes with its last request, so the ones behind come
-        first), as indices r * max_cap + depth; and the (unweighted) gains by index."""
-        prior = self.acceptance.means(max_cap)
+    def _gains(self, caps: list[int], counts: list[PositionCounts], max_cap: int) -> np.ndarray:
+        """[num_reqs, max_cap]: the marginal gain prod_{j <= i} a_rj of request r's draft i (0 past its cap).
+
+        a_rj = (accepted_rj + w * prior_rj) / (reached_rj + w): the request's counts shrunk toward a prior, the
+        server's acceptance at j scaled by how the request's position 0 compares with the server's (deeper positions
+        are reached rarely: a request that is often rejected at once is assumed to be so further on as well)."""
+        version, positions, prior = self._prior
+        if version != self.acceptance.version or positions != max_cap:
+            prior = np.array(self.acceptance.means(max_cap))
+            self._prior = (self.acceptance.version, max_cap, prior)
+        own = np.frombuffer(b"".join([c.row(max_cap) for c in counts]), np.float64).reshape(len(counts), 2 * max_cap)
+        reached, accepted = own[:, :max_cap], own[:, max_cap:]
         w = PRIOR_WEIGHT
-        mean_remaining = max(1.0, sum(remaining) / len(remaining)) if remaining else 1.0
-        gains: list[float] = []  # per request max_cap entries; 0 past its cap (sorted last, cut off)
-        keys: list[float] = []
-        for r, (cap, own) in enumerate(zip(caps, counts)):
-            key = (own.version, self.acceptance.version, cap)
-            if own.gains_cache[:1] != (key,):  # unchanged since the last choice (no drafts verified): kept
-                mine, gain, reached, accepted = [], 1.0, own.reached, own.accepted
-                num_own = len(reached)
-                # a_rj = (accepted_rj + w * prior_rj) / (reached_rj + w): the request's counts shrunk toward a prior,
-                # the server's acceptance at j scaled by how the request's position 0 compares with the server's
-                # (deeper positions are reached rarely: a request that is often rejected at once is assumed to be
-                # so further on as well).
-                scale = 1.0
-                for j in range(cap):
-                    mean = min(1.0, prior[j] * scale)
-                    a = (accepted[j] + w * mean) / (reached[j] + w) if j < num_own else mean
-                    if j == 0 and prior[0] > 0:
-                        scale = a / prior[0]
-                    gain *= a
-                    mine.append(gain)
-                own.gains_cache = (key, mine)
-            mine = own.gains_cache[1]
-            gains.extend(mine)
-            gains.extend([0.0] * (max_cap - cap))
-            weight = remaining[r] / mean_remaining if remaining else 1.0
-            # Sorted ascending: the larger gain weighted by the tokens the request has left (to 1/100) first, then the
-            # shallower draft (so each request's drafts come in order: a valid allocation at every length).
-            keys.extend(j * 1e-12 - round(g * weight, 2) for j, g in enumerate(mine))
-            keys.extend([math.inf] * (max_cap - cap))
-        return sorted(range(len(keys)), key=keys.__getitem__)[: sum(caps)], gains
+        a0 = (accepted[:, 0] + w * min(1.0, prior[0])) / (reached[:, 0] + w)
+        mean = np.minimum(1.0, prior * (a0 / prior[0])[:, None])  # (the means are never 0: shrunk toward 0.5)
+        mean[:, 0] = min(1.0, prior[0])
+        gains = ((accepted + w * mean) / (reached + w)).cumprod(axis=1)
+        if min(caps) < max_cap:
+            gains[np.arange(max_cap) >= np.array(caps)[:, None]] = 0.0
+        return gains
+
+    def _sweep(self, caps: list[int], num_reqs: int, max_cap: int) -> list[int] | None:
+        """The uniform depth (every request that many drafts, at most its cap) whose token count was timed fewer than
+        SWEEP_SAMPLES times, if any: asked for at most that often per bucket of token counts, so that the cost of
+        every depth is measured rather than extrapolated (a GPU step's time is far from a line: flat, then a jump at
+        each CUDA graph size)."""
+        batch = (num_reqs, max_cap, min(caps), sum(caps))  # (caps are mostly all k: then this is exact)
+        if batch in self._swept_batches:
+            return None
+        totals = num_reqs + np.minimum(np.arange(max_cap + 1)[:, None], np.array(caps)).sum(axis=1)
+        for depth, total in enumerate(totals.tolist()):
+            bucket = bucket_of(total)
+            asked = self._swept.get(bucket, 0)
+            if asked < SWEEP_SAMPLES and self.costs.samples_at(total) < SWEEP_SAMPLES:
+                self._swept[bucket] = asked + 1
+                return [min(depth, cap) for cap in caps]
+        self._swept_batches.add(batch)  # every depth of it swept (samples never decrease)
+        return None
 
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
         """A request's verification: its own counts and the server's."""
@@ -95,25 +105,94 @@ class DraftChooser:
             return list(caps)
         if self.costs.propose_s is None:  # a Propose's cost: iterations with and without one, side by side
             return [0] * num_reqs if self.costs.measured[1] else list(caps)
-        curve = self.costs.curve()
-        order, gains = self._order_by_gain(caps, counts, max_cap, remaining)
-        # The drafter's steps are a cost per depth, not per draft: for each depth D, the prefixes of the order
-        # restricted to drafts shallower than D; each evaluated evenly spaced and whole.
-        best_rate, best = num_reqs / curve.iteration_s(num_reqs, 0, proposed=False), []
-        for depth in range(1, max_cap + 1):
-            sub = [i for i in order if i % max_cap < depth]
-            tokens = list(itertools.accumulate(map(gains.__getitem__, sub)))
-            lengths = set(range(len(sub), 0, -max(1, len(sub) // MAX_EVALUATIONS)))
-            for m in lengths:
-                rate = (num_reqs + tokens[m - 1]) / curve.iteration_s(num_reqs + m, depth - 1)
-                if rate > best_rate:
-                    best_rate, best = rate, sub[:m]
-        chosen = [0] * num_reqs
-        for index in best:
-            chosen[index // max_cap] += 1
+        sweep = self._sweep(caps, num_reqs, max_cap)
+        if sweep is not None:
+            self._trial = None  # (a trial's second iteration must follow its first)
+            return sweep
+        chosen = self._repeated_trial(caps, counts)
+        if chosen is None:
+            chosen = self._kept_zeros(caps, counts)
+        if chosen is None:
+            chosen = self._best(caps, counts, remaining, num_reqs, max_cap)
+            self._trial = None
+            later = max(chosen) - 1
+            if later >= 0 and (bucket_of(num_reqs + sum(chosen)), later) not in self.costs.measured_runs:
+                self._trial = (list(counts), list(caps), chosen)
+            # Nothing a choice of no drafts depends on changes until a draft is verified or the batch changes, but
+            # for the step time of this batch without drafts and the tokens left: it is kept, re-chosen every
+            # ZERO_KEEP choices (its cost then is a comparison of the batch's requests, not a choice).
+            self._zeros = None if any(chosen) else (self.acceptance.version, list(counts), list(caps), 0)
         self._num_choices += 1
         # One draft more each, every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a
-        # Propose): measures more tokens and deeper positions.
-        if self._num_choices % (EXPLORE_EVERY if best else EXPLORE_EVERY * 4) == 0:
-            return [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+        # Propose), twice in a row: measures more tokens and deeper positions, and that depth's steady run again (a
+        # run measured in a slow moment is not kept for good; nor, on a noisy host, a wrong choice of no drafts).
+        if self._num_choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
+            explored = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+            self._trial = (list(counts), list(caps), explored)
+            return explored
         return chosen
+
+    def _repeated_trial(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
+        """The last choice once more, if its (tokens, depth) was never run steadily and the batch is the same: the
+        iteration that first proposes a new depth still verifies the previous choice's drafts, so only the second in
+        a row shows what the choice costs (`StepCostModel.measured_runs`); else None."""
+        trial, self._trial = self._trial, None
+        if trial is None:
+            return None
+        kept_counts, kept_caps, chosen = trial
+        return chosen if _same_batch(caps, counts, kept_caps, kept_counts) else None
+
+    def _kept_zeros(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
+        """No drafts for anyone, if that was the last choice, fewer than ZERO_KEEP choices ago, for the same requests
+        and caps, and no draft was verified since; else None (choose)."""
+        if self._zeros is None:
+            return None
+        version, kept_counts, kept_caps, age = self._zeros
+        stale = version != self.acceptance.version or age + 1 >= ZERO_KEEP
+        if stale or not _same_batch(caps, counts, kept_caps, kept_counts):
+            return None
+        self._zeros = (version, kept_counts, kept_caps, age + 1)
+        return [0] * len(caps)
+
+    def _best(
+        self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None, num_reqs: int, max_cap: int
+    ) -> list[int]:
+        """The draft counts of the best rate (all 0 when no drafts pay)."""
+        curve = self.costs.curve()
+        gains = self._gains(caps, counts, max_cap)
+        # Every (request, draft) pair in falling order of gain weighted by the tokens the request has left (relative
+        # to the batch's mean; to 1/100), then shallower first: each request's drafts come in order, so every prefix
+        # is an allocation. Indices are depth * num_reqs + request (column-major: a stable sort keeps that tie order).
+        weight = 1.0
+        if remaining:
+            weight = np.array(remaining, dtype=np.float64)[:, None] * (num_reqs / max(num_reqs, sum(remaining)))
+        keys = -np.round(gains * weight, 2)
+        if min(caps) < max_cap:
+            keys[gains == 0] = np.inf  # past the request's cap: last, cut off
+        keys = keys.T.ravel()
+        order = keys.argsort(kind="stable")[: sum(caps)]
+        depth_of, request_of = np.divmod(order, num_reqs)
+        # The drafter's steps are a cost per depth, not per draft: for each depth D, every prefix of the order
+        # restricted to drafts shallower than D (row D - 1), the rate of those ending at one of its drafts.
+        shallower = depth_of[None, :] < np.arange(1, max_cap + 1)[:, None]  # [max_cap, len(order)]
+        tokens = (shallower * gains.T.ravel()[order]).cumsum(axis=1)
+        num_drafts = shallower.cumsum(axis=1)
+        # Each prefix at its own depth (its deepest draft: a row's prefix need not reach the row's depth), so that an
+        # allocation costs the same in every row it is in.
+        later = np.maximum.accumulate(np.where(shallower, depth_of[None, :], 0), axis=1)
+        totals = num_reqs + np.arange(len(order) + 1, dtype=np.float64)  # [0 .. every draft]
+        seconds = curve.proposed_s_by_depth(totals, max_cap)[later, num_drafts]  # [L, drafts] → the prefixes'
+        rates = np.where(shallower, (num_reqs + tokens) / seconds, -np.inf)
+        best = int(rates.argmax())
+        if rates.flat[best] <= num_reqs / curve.base_s(num_reqs):  # (no drafts: no Propose)
+            return [0] * num_reqs
+        depth, end = divmod(best, len(order))
+        taken = request_of[: end + 1][shallower[depth, : end + 1]]
+        return np.bincount(taken, minlength=num_reqs).tolist()
+
+
+def _same_batch(
+    caps: list[int], counts: list[PositionCounts], kept_caps: list[int], kept_counts: list[PositionCounts]
+) -> bool:
+    """The same requests (their counts, by identity) with the same caps as a choice kept from before."""
+    return caps == kept_caps and len(counts) == len(kept_counts) and all(map(operator.is_, counts, kept_counts))

@@ -241,8 +241,9 @@ class Scheduler:
             return
         if any(not item.sample or len(item.token_ids) != item.num_draft_tokens + 1 for item in output.scheduled):
             return
+        depth = max(item.num_draft_tokens for item in output.scheduled)
         self.chooser.costs.record(
-            output.num_scheduled_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s
+            output.num_scheduled_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s, depth
         )
 
     def _k(self, request: Request) -> int:

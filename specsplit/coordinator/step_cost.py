@@ -8,12 +8,23 @@ covers the drafter's Propose whose drafts it verifies) takes
 where T is the number of tokens the target runs (per decoding request its last token and its drafts), P whether a
 Propose ran (none does when no request wants drafts) and L the drafter's MTP steps after step 0 (the largest draft
 count asked for, minus one). `later_step` is the drafter's own report (its `later_steps_ns` over L). `base(T)` is
-kept per bucket of T (buckets 1/16 of an octave wide; in each an exponential moving average of T and of the time
-without L's steps, apart for iterations with and without a Propose). `propose`, the Propose's fixed cost (its step 0,
+kept per bucket of T (buckets 1/16 of an octave wide, each topped by a power of two where the verifier's CUDA graph
+sizes jump; in each an exponential moving average of T and of the time without L's steps, apart for iterations with
+and without a Propose). `propose`, the Propose's fixed cost (its step 0,
 the hand-off, its hops), is measured apart where the engine can (the services: the Verify's wait for it) and else
 learned where one bucket holds both kinds: the iterations that stop or start drafting put them side by side. The
-curve is made nondecreasing in T and read between buckets by linear interpolation (`CostCurve` says how outside
-them). Only decode iterations are recorded (prefill chunks cost differently per token).
+curve is made nondecreasing in T and read as a staircase: a token count costs what the next measured bucket at or
+above it costs (`CostCurve`; a step's time jumps at a graph size and is flat until the next, so a line between two
+measurements would make the token counts between them look cheaper than they are). Only decode iterations are
+recorded (prefill chunks cost differently per token).
+
+The sum is a guess where nothing closer is known, not a law: an iteration with a Propose is also kept whole, per
+bucket of T and L (`measured_runs`), and once a (T, L) was run steadily (verifying as deep as it proposes), its own
+time is what it costs. The drafter's report of its later steps can miss part of their cost, and a batch whose
+requests verify different draft counts can cost more than its T says (on the H200, half the requests at 1 draft and
+half at 5 ran as long as all at 5, though the sum priced it like all at 3): the sum cannot see either, the chooser
+picked such a batch again and again, and only its measured time shows what it costs. A (T, L) never run is priced by
+the sum, tried when it looks best, and then known.
 """
 
 from __future__ import annotations
@@ -21,8 +32,11 @@ from __future__ import annotations
 import bisect
 import math
 
+import numpy as np
+
 EMA = 0.25  # weight of a new measurement
 BUCKETS_PER_OCTAVE = 16
+RUN_SAMPLES = 2  # steady runs of a (T, L) after which their time alone prices it (after one: its mean with the sum)
 
 
 class _Bucket:
@@ -32,10 +46,12 @@ class _Bucket:
         self.weight = [0.0, 0.0]  # samples (at most 1 / EMA: an EMA's effective number)
 
     def add(self, num_tokens: int, seconds: float, proposed: bool) -> None:
+        """The mean of the first 1 / EMA samples, then an EMA: the first sample (a sweep's, maybe in a slow moment)
+        weighs no more than the later ones."""
         self.num_tokens += EMA * (num_tokens - self.num_tokens)
         i = int(proposed)
-        self.seconds[i] = seconds if not self.weight[i] else self.seconds[i] + EMA * (seconds - self.seconds[i])
         self.weight[i] = min(self.weight[i] + 1, 1 / EMA)
+        self.seconds[i] += (seconds - self.seconds[i]) / self.weight[i]
 
 
 class StepCostModel:
@@ -46,11 +62,19 @@ class StepCostModel:
         self.propose_s: float | None = None  # a Propose's fixed cost, seconds
         self.measured = [False, False]  # iterations [without, with] a Propose recorded
         self.num_samples = 0
+        self.measured_runs: dict[tuple[int, int], _Bucket] = {}  # (bucket of T, L) → whole iterations with a Propose
+        # The same runs per L as the curve reads them, (buckets, seconds, samples) ascending; rebuilt per L only when
+        # one of its runs changed (a curve is built after every recorded iteration, on the coordinator's loop).
+        self._runs_by_depth: dict[int, dict[int, _Bucket]] = {}
+        self._run_arrays: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._stale_depths: set[int] = set()
         self._curve: CostCurve | None = None  # the last curve, until the next record
 
-    @staticmethod
-    def _bucket(num_tokens: int) -> int:
-        return int(math.floor(math.log2(max(1, num_tokens)) * BUCKETS_PER_OCTAVE))
+    def samples_at(self, num_tokens: int) -> float:
+        """How many iterations of `num_tokens` tokens (their bucket) were timed (at most 2 / EMA: an EMA's effective
+        number, with and without a Propose)."""
+        bucket = self._buckets.get(bucket_of(num_tokens))
+        return sum(bucket.weight) if bucket is not None else 0.0
 
     def record(
         self,
@@ -60,11 +84,15 @@ class StepCostModel:
         later_steps_s: float | None = None,
         proposed: bool = True,
         propose_s: float | None = None,
+        verified_depth: int | None = None,
     ) -> None:
         """One decode iteration: `num_tokens` run by the target, `proposed` whether a Propose ran and
         `num_later_steps` its drafter steps after step 0, `seconds` its time; `later_steps_s`: the drafter's report
         of those steps' time, when it has one; `propose_s`: the Propose's fixed cost in it, when measured apart
-        (the services: how long the Verify waited for it, less its later steps)."""
+        (the services: how long the Verify waited for it, less its later steps); `verified_depth`: the most drafts
+        a request verified in it. An iteration is kept whole (`measured_runs`) only where it verified as deep as it
+        proposes (verified_depth = L + 1), as every iteration of a steady choice does: one that changes the depth
+        verifies one choice's batch and proposes another's."""
         self._curve = None
         if later_steps_s is not None and num_later_steps > 0:
             per_step = later_steps_s / num_later_steps
@@ -75,7 +103,14 @@ class StepCostModel:
             return
         if num_later_steps > 0 and self.later_step_s is None:
             return  # no split of its time yet
-        key = self._bucket(num_tokens)
+        key = bucket_of(num_tokens)
+        if proposed and verified_depth == num_later_steps + 1:
+            run = self.measured_runs.get((key, num_later_steps))
+            if run is None:
+                run = self.measured_runs[(key, num_later_steps)] = _Bucket(num_tokens)
+                self._runs_by_depth.setdefault(num_later_steps, {})[key] = run
+            run.add(num_tokens, seconds, True)
+            self._stale_depths.add(num_later_steps)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(num_tokens)
@@ -106,55 +141,108 @@ class StepCostModel:
             for key in self._keys:
                 b = self._buckets[key]
                 base = b.seconds[0] if b.weight[0] else max(b.seconds[1] - propose, 1e-6)
-                points.append((b.num_tokens, base, b.weight[0] + b.weight[1]))
-            tokens, seconds = _nondecreasing(points)
-            self._curve = CostCurve(tokens, seconds, propose, self.later_step_s or 0.0)
+                points.append((base, b.weight[0] + b.weight[1]))
+            seconds = _nondecreasing(points)
+            tokens = [self._buckets[key].num_tokens for key in self._keys]
+            for later in self._stale_depths:
+                runs = sorted(self._runs_by_depth[later].items())
+                self._run_arrays[later] = (
+                    np.array([key for key, _ in runs], dtype=np.float64),
+                    np.array([run.seconds[1] for _, run in runs]),
+                    np.array([run.weight[1] for _, run in runs]),
+                )
+            self._stale_depths.clear()
+            self._curve = CostCurve(
+                list(self._keys), tokens, seconds, propose, self.later_step_s or 0.0, dict(self._run_arrays)
+            )
         return self._curve
 
 
-def _nondecreasing(points: list[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
-    """The points' times made nondecreasing in T (pool adjacent violators, weighted by samples): a bucket measured
-    once in a slow moment cannot make its token count look dearer than more tokens, and keep it from being tried.
-    A pooled run of points is flat over the token counts it spans (both ends are returned)."""
-    blocks: list[list[float]] = []  # [sum of w*time, sum of w, first T, last T]
-    for t, v, n in points:
-        blocks.append([n * v, float(n), t, t])
+def bucket_of(num_tokens: float) -> int:
+    """The bucket of a token count: (2^((b-1)/16), 2^(b/16)], so that every power of two tops a bucket (the verifier's
+    CUDA graphs run a step in the smallest power-of-two size that holds it: a bucket never straddles two sizes)."""
+    return math.ceil(math.log2(max(1.0, num_tokens)) * BUCKETS_PER_OCTAVE - 1e-9)
+
+
+def _buckets_of(num_tokens: np.ndarray) -> np.ndarray:
+    """`bucket_of` of every element (as floats)."""
+    return np.ceil(np.log2(np.maximum(num_tokens, 1.0)) * BUCKETS_PER_OCTAVE - 1e-9)
+
+
+def _nondecreasing(points: list[tuple[float, float]]) -> list[float]:
+    """The points' times (with their sample weights) made nondecreasing (pool adjacent violators, weighted by
+    samples): a bucket measured once in a slow moment cannot make its token count look dearer than more tokens, and
+    keep it from being tried. Each point gets its pooled run's mean."""
+    blocks: list[list[float]] = []  # [sum of w*time, sum of w, number of points]
+    for v, n in points:
+        blocks.append([n * v, float(n), 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
             last = blocks.pop()
-            blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2], last[3]]
-    tokens, seconds = [], []
-    for total, weight, first, last in blocks:
-        for t in (first, last) if last > first else (first,):
-            tokens.append(t)
-            seconds.append(total / weight)
-    return tokens, seconds
+            blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
+    return [total / weight for total, weight, count in blocks for _ in range(int(count))]
 
 
 class CostCurve:
-    """base(T) through measured points (T ascending), a Propose's fixed cost and one later drafter step's.
+    """base(T) through measured buckets (ascending), a Propose's fixed cost and one later drafter step's.
 
-    Between points: linear. Below the first: its time (time does not fall with more tokens). Above the last: the
-    chord from the first to the last point continued (0 slope with one point); optimistic, so a larger step gets
-    tried, measured and, if dearer, corrected (the exploration of `draft_choice.py` makes sure it is)."""
+    A token count costs what the first measured bucket at or above it costs: a staircase through the measurements,
+    as the verifier's step is (flat within a CUDA graph's size, a jump to the next), and never below what a larger
+    measured step costs; between measurements it is dear rather than cheap, and what is chosen gets measured. Below
+    the first: its time. Above the last: the chord from the first to the last point continued (0 slope with one
+    point); optimistic, so a larger step gets tried, measured and, if dearer, corrected.
 
-    def __init__(self, tokens: list[float], seconds: list[float], propose_s: float, later_step_s: float):
-        self.tokens, self.seconds, self.propose_s, self.later_step_s = tokens, seconds, propose_s, later_step_s
+    An iteration with a Propose costs its measured time where its (bucket of T, L) was run (`runs`), else the sum;
+    after a single run, the mean of the two (one slow moment must not keep a depth from being chosen again, and so
+    from ever being measured again; a cost the sum misses by far still shows)."""
+
+    def __init__(
+        self,
+        keys: list[int],
+        tokens: list[float],
+        seconds: list[float],
+        propose_s: float,
+        later_step_s: float,
+        runs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,  # L → (buckets, seconds, samples)
+    ):
+        self.keys, self.tokens, self.seconds = keys, tokens, seconds
+        self.runs = runs or {}  # each L's measured runs, by ascending bucket
+        self._keys, self._seconds = np.array(keys, dtype=np.float64), np.array(seconds)
+        self.propose_s, self.later_step_s = propose_s, later_step_s
         span = tokens[-1] - tokens[0]
         self._slope = (seconds[-1] - seconds[0]) / span if span > 0 else 0.0
 
     def base_s(self, num_tokens: float) -> float:
-        ts, vs = self.tokens, self.seconds
-        i = bisect.bisect_left(ts, num_tokens)
-        if i == len(ts):
-            return vs[-1] + self._slope * (num_tokens - ts[-1])
-        if i == 0:
-            return vs[0]
-        t0, t1 = ts[i - 1], ts[i]
-        return vs[i - 1] + (vs[i] - vs[i - 1]) * (num_tokens - t0) / (t1 - t0)
+        i = bisect.bisect_left(self.keys, bucket_of(num_tokens))
+        if i == len(self.keys):
+            return self.seconds[-1] + self._slope * (num_tokens - self.tokens[-1])
+        return self.seconds[i]
+
+    def base_s_of(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`base_s` of every element."""
+        keys = _buckets_of(num_tokens)
+        index = np.searchsorted(self._keys, keys)
+        above = index == len(self.keys)
+        out = self._seconds[np.minimum(index, len(self.keys) - 1)]
+        if above.any():
+            out = np.where(above, out + self._slope * (num_tokens - self.tokens[-1]), out)
+        return out
+
+    def proposed_s_by_depth(self, num_tokens: np.ndarray, num_depths: int) -> np.ndarray:
+        """[num_depths, len(num_tokens)]: predicted time of iterations running each of `num_tokens` with a Propose
+        of L = 0 .. num_depths - 1 drafter steps after step 0: measured where that (bucket, L) was run, else the sum."""
+        summed = self.base_s_of(num_tokens) + self.propose_s + np.arange(num_depths)[:, None] * self.later_step_s
+        buckets = _buckets_of(num_tokens)
+        for later, (keys, run_s, samples) in self.runs.items():
+            if later < num_depths:
+                index = np.minimum(np.searchsorted(keys, buckets), len(keys) - 1)
+                measured = np.where(samples[index] >= RUN_SAMPLES, run_s[index], (run_s[index] + summed[later]) / 2)
+                summed[later] = np.where(keys[index] == buckets, measured, summed[later])
+        return summed
 
     def iteration_s(self, num_tokens: float, num_later_steps: int, proposed: bool = True) -> float:
         """Predicted time of an iteration running `num_tokens`, with a Propose of `num_later_steps` drafter steps
         after step 0 or without one."""
         if not proposed:
             return self.base_s(num_tokens)
-        return self.base_s(num_tokens) + self.propose_s + max(0, num_later_steps) * self.later_step_s
+        later = max(0, num_later_steps)
+        return float(self.proposed_s_by_depth(np.array([float(num_tokens)]), later + 1)[later, 0])

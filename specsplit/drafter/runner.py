@@ -10,6 +10,11 @@ positions p and the token x_{p+1} that follows each. The drafter
    position further, for the requests that want more drafts.
 A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
 starts afresh at the first new position: drafts may be worse for a while, output never changes.
+
+Tensor-parallel (`serve drafter --tensor-parallel-size N`, `specsplit.drafter.ranks`): rank 0's runner
+broadcasts each `propose` (its items and hidden states) and `free` to the followers, whose runners then run
+the same calls, keeping the same MTP cache; rank 0 alone gets the logits and picks each step's drafts, which
+it broadcasts as the next step's input tokens.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from specsplit.drafter.sampling import pick_drafts
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.cuda_graphs import resolve_step_path
-from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
+from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.mtp import MTPModule
+from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.models.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
@@ -46,6 +52,7 @@ _Pick = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 _LaterStep = tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor, _Sampling | None]
 
 log = logging.getLogger(__name__)
+TABLES = 2  # the block tables' place in `StepPlan.int32_arrays`
 
 
 @dataclass
@@ -115,6 +122,11 @@ class DrafterRunner:
         self._timer = StepTimer(self.device)
 
     def free(self, request_ids: list[str]) -> None:
+        if tp_size() > 1 and tp_rank() == 0:
+            share_free(request_ids)
+        self._free(request_ids)
+
+    def _free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.kv_cache.free(rid)
             self._first_position.pop(rid, None)
@@ -124,7 +136,7 @@ class DrafterRunner:
         first = self._first_position.get(rid)
         cached = self.kv_cache.num_tokens(rid)
         if first is None or not first <= p <= first + cached:
-            self.free([rid])
+            self._free([rid])
             self._first_position[rid] = p
         else:
             self.kv_cache.truncate(rid, p - first)
@@ -135,10 +147,12 @@ class DrafterRunner:
         previous_hidden: torch.Tensor,  # [T, H]
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # MTP output [T, H]; logits [T, V] when a graph made them
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """MTP output [T, H]; logits [T, V] when a graph made them (None on a tensor-parallel follower's); whether
+        a graph ran (its logits are made: every rank took part in their gather)."""
         if self.graphs is not None and self.graphs.can_run(attn):
-            return self.graphs.run(input_ids, positions, attn, previous_hidden)
-        return self.mtp(input_ids, previous_hidden, positions, self.kv_cache, attn), None
+            return *self.graphs.run(input_ids, positions, attn, previous_hidden), True
+        return self.mtp(input_ids, previous_hidden, positions, self.kv_cache, attn), None, False
 
     @torch.inference_mode()
     def propose(
@@ -154,6 +168,8 @@ class DrafterRunner:
         positions, row selections) without waiting for the device, the steps are launched back to back
         and the drafts come to the host in one device→host copy at the end."""
         t0 = time.time_ns()
+        if tp_size() > 1 and tp_rank() == 0:  # the followers run this call too (`specsplit.drafter.ranks`)
+            hidden_states, device_tokens = share_propose(items, hidden_states, device_tokens)
         dev = device_tokens
         if dev is not None and not can_propose_on_device(self, items):
             hidden_states, dev = valid_rows_on_host(items, hidden_states, dev), None  # the host's inputs
@@ -164,15 +180,15 @@ class DrafterRunner:
             self._rollback(item)
         counts = [item.num_rows if dev is not None else len(item.next_token_ids) for item in items]
         ids = [item.request_id for item in items]
-        if not self.kv_cache.can_append(ids, counts):
-            # Out of MTP cache: drop these requests' MTP state; they continue without drafts.
-            self.free(ids)
+        more = [max(item.num_spec_tokens - 1, 0) for item in items]  # later steps per request
+        plan = self._plan_steps(ids, counts, more)
+        if plan is None:  # Out of MTP cache: drop these requests' MTP state; they continue without drafts.
+            self._free(ids)
             if dev is not None:
                 dev.wait()
                 fill_tokens(items, *tokens_to_host(dev))
             now = time.time_ns()
             return ProposeOutput(drafts, (t0, now, now))
-        plan = self.kv_cache.plan_step(ids, counts)
         active = [i for i, item in enumerate(items) if item.num_spec_tokens > 0]
         last_rows = [end - 1 for end in itertools.accumulate(counts)]
         # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
@@ -207,7 +223,7 @@ class DrafterRunner:
         graph_tokens = self.graphs.buckets[-1] if self.graphs is not None else 0
         use_kernel = use_kernel_for(self.attention_kernel, counts, seq_lens, graph_tokens)
         attn = plan.metadata([slots], int32, use_kernel=use_kernel)
-        out, out_logits = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
+        out, out_logits, graphed = self._mtp_step(input_ids, hidden_states, positions_t, attn)  # [T, H], [T, V]
         t1 = time.time_ns()
         if not active:
             return ProposeOutput(drafts, (t0, t1, t1))
@@ -219,9 +235,12 @@ class DrafterRunner:
                 shift = shift.index_select(0, active_t)  # [num_active]
             select = select + shift
         hidden = out.index_select(0, select)  # [num_active, H]
-        logits = self.mtp.compute_logits(hidden) if out_logits is None else out_logits.index_select(0, select)
-        picks = [self._pick(logits, sampling)]
-        steps, actives = self._plan_later_steps(items, active, last_pos)
+        if not graphed:
+            logits = self.mtp.compute_logits(hidden)
+        else:
+            logits = None if out_logits is None else out_logits.index_select(0, select)
+        picks = [self._pick(logits, sampling, hidden.shape[0])]
+        steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
         for keep, attn, positions_t, sampling in steps:
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
@@ -229,22 +248,31 @@ class DrafterRunner:
                 shift = None if shift is None else shift.index_select(0, keep)
             if shift is not None:
                 attn, positions_t = shifted(attn, positions_t, shift)
-            hidden, logits = self._mtp_step(tokens, hidden, positions_t, attn)
-            if logits is None:
+            hidden, logits, graphed = self._mtp_step(tokens, hidden, positions_t, attn)
+            if not graphed:
                 logits = self.mtp.compute_logits(hidden)
-            picks.append(self._pick(logits, sampling))
+            picks.append(self._pick(logits, sampling, hidden.shape[0]))
+        if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
+            return ProposeOutput(drafts, (t0, t1, t1))
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
 
-    def _pick(self, logits: torch.Tensor, sampling: _Sampling | None) -> _Pick:
-        """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy."""
+    def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
+        """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy. Tensor-parallel: rank 0
+        picks and every rank gets its drafts (a follower's `logits` are None)."""
+        if logits is None:
+            return broadcast_tensor_from_first(torch.empty(n, dtype=torch.int64, device=self.device)), None, None
         if sampling is None:
-            return logits.argmax(dim=-1), None, None
-        temperature, seeds, positions = sampling
-        step = pick_drafts(logits, temperature, seeds, positions, self.draft_top_k, any_sampled=True)
-        return step.tokens, step.q_ids, step.q_probs
+            pick = logits.argmax(dim=-1), None, None
+        else:
+            temperature, seeds, positions = sampling
+            step = pick_drafts(logits, temperature, seeds, positions, self.draft_top_k, any_sampled=True)
+            pick = step.tokens, step.q_ids, step.q_probs
+        if tp_size() > 1:
+            broadcast_tensor_from_first(pick[0])
+        return pick
 
     @staticmethod
     def _sampling_arrays(
@@ -255,41 +283,52 @@ class DrafterRunner:
             return [], []
         return [[items[i].seed for i in rows], draft_positions], [[items[i].temperature for i in rows]]
 
-    def _plan_later_steps(
-        self, items: list[ProposeItem], active: list[int], last_pos: list[int]
-    ) -> tuple[list[_LaterStep], list[list[int]]]:
-        """Steps 1..k-1, planned on the host and uploaded in one copy; and the requests of each step.
+    def _plan_steps(self, ids: list[str], counts: list[int], more: list[int]):
+        """Step 0's plan, with the KV blocks of every later step allocated (`more[r]` one-token steps of request
+        r, capped, fewer drafts, while the MTP cache has no room for them all); None: no room for step 0."""
+        for cap in range(max(more, default=0), -1, -1):
+            try:
+                return self.kv_cache.plan_step(ids, counts, [min(m, cap) for m in more])
+            except KVCacheFull:  # the cache is left as it was
+                continue
+        return None
 
-        A step stops the proposal early when the MTP cache has no room for it (fewer drafts)."""
-        num_steps = max(items[i].num_spec_tokens for i in active)
+    def _plan_later_steps(
+        self,
+        items: list[ProposeItem],
+        active: list[int],
+        last_pos: list[int],
+        first: StepPlan,  # step 0's, which planned the KV slots of the later steps too
+        first_tables: torch.Tensor,  # [num_reqs, width] step 0's block tables on the device
+    ) -> tuple[list[_LaterStep], list[list[int]]]:
+        """Steps 1..k-1 (their KV slots planned with step 0's), their other inputs on the host, uploaded in one
+        copy; and the requests of each step. A step of every request attends over step 0's block tables, not
+        a copy of them."""
         rows, actives, layout = active, [], []
+        position = dict(zip(active, last_pos))  # of each active request's last token
         host64: list[list[int]] = []
         host32: list[list[int]] = []
         host_f: list[list[float]] = []
-        for step in range(1, num_steps):
-            keep = [a for a, i in enumerate(rows) if items[i].num_spec_tokens > step]
-            kept = [rows[a] for a in keep]
-            ids = [items[i].request_id for i in kept]
-            if not self.kv_cache.can_append(ids, [1] * len(ids)):
-                break
-            plan = self.kv_cache.plan_step(ids, [1] * len(ids))
-            last_pos = [last_pos[a] + 1 for a in keep]
+        for step, (kept, plan) in enumerate(first.later_steps(), start=1):
             full = len(kept) == len(rows)
+            keep = [] if full else [a for a, i in enumerate(rows) if items[i].num_spec_tokens > step]
+            last_pos = [position[i] + step for i in kept]
             sampling64, sampling32 = self._sampling_arrays(items, kept, [p + 1 for p in last_pos])
             host64 += [*plan.int64_arrays, last_pos, *([] if full else [keep]), *sampling64]
-            host32 += plan.int32_arrays
+            shared = plan.block_tables is first.block_tables
+            int32_arrays = plan.int32_arrays
+            host32 += [a for j, a in enumerate(int32_arrays) if not (shared and j == TABLES)]
             host_f += sampling32
-            layout.append((plan, len(plan.int32_arrays), not full, bool(sampling32)))
+            layout.append((plan, len(int32_arrays), shared, not full, bool(sampling32)))
             actives.append(kept)
             rows = kept
         if not layout:
             return [], []
         int64, int32, float32 = (iter(arrays) for arrays in self._upload(host64, host32, host_f))
         steps = []
-        for plan, num_int32, has_keep, has_sampling in layout:
-            attn = plan.metadata(
-                [next(int64)], [next(int32) for _ in range(num_int32)], use_kernel=self.attention_kernel
-            )
+        for plan, num_int32, shared, has_keep, has_sampling in layout:
+            int32_step = [first_tables.view(-1) if shared and j == TABLES else next(int32) for j in range(num_int32)]
+            attn = plan.metadata([next(int64)], int32_step, use_kernel=self.attention_kernel)
             positions = next(int64)
             keep = next(int64) if has_keep else None
             sampling = _sampling([next(int64), next(int64)], [next(float32)]) if has_sampling else None
@@ -355,3 +394,27 @@ def _collect(
         for j, q in zip(q_rows, per_request):
             probs[j] = q
     return ProposeOutput(drafts, stamps_ns, probs)
+
+
+@dataclass(frozen=True)
+class RunnerCall:
+    """One call of rank 0's runner, for its followers: a propose of `items` over `num_rows` hidden-state rows
+    (broadcast next), or a free of `free`."""
+
+    items: list | None = None  # ProposeItem, with their next_token_ids
+    num_rows: int = 0
+    free: list[str] | None = None
+
+
+def share_propose(items, hidden_states: torch.Tensor, device_tokens):
+    """Rank 0, before its propose: the call broadcast to the followers. Returns the call's (hidden_states,
+    device_tokens): a device hand-off's valid rows, its items' tokens filled on the host, and no device tokens."""
+    if device_tokens is not None:
+        hidden_states, device_tokens = valid_rows_on_host(items, hidden_states, device_tokens), None
+    broadcast_from_first(RunnerCall(items=items, num_rows=hidden_states.shape[0]))
+    broadcast_tensor_from_first(hidden_states.contiguous())
+    return hidden_states, device_tokens
+
+
+def share_free(request_ids: list[str]) -> None:
+    broadcast_from_first(RunnerCall(free=list(request_ids)))

@@ -21,11 +21,12 @@ from specsplit.grpc_server import (
 )
 from specsplit.local_stream import serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
-from specsplit.models.start_up_checks import check_model_server, checkpoint_mistakes
+from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
 from specsplit.placement import Placement, add_placement_arguments, resolve_placement
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
+from specsplit.tensor_parallel import add_tensor_parallel_arguments
 from specsplit.threaded_stream import ThreadedLocalStreamServer
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
     )
+    add_tensor_parallel_arguments(p, "specsplit/drafter/ranks.py")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class DrafterConfig:
     num_blocks: int | None  # None: from --gpu-memory-utilization on CUDA, 1024 on the CPU
     block_size: int
     draft_top_k: int
+    tensor_parallel_size: int = 1
+    tensor_parallel_address: str = "127.0.0.1:0"
+    tensor_parallel_timeout: float = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DrafterConfig:
@@ -75,40 +80,19 @@ class DrafterConfig:
             num_blocks=args.num_blocks,
             block_size=args.block_size,
             draft_top_k=args.draft_top_k,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_address=args.tensor_parallel_address,
+            tensor_parallel_timeout=args.tensor_parallel_timeout,
         )
-        check_flag_ranges(config, num_blocks=(1, None), block_size=(1, None), draft_top_k=(1, None))
+        check_flag_ranges(
+            config,
+            num_blocks=(1, None),
+            block_size=(1, None),
+            draft_top_k=(1, None),
+            tensor_parallel_size=(1, None),
+            tensor_parallel_timeout=(0, None),
+        )
         return config
-
-
-def _load_and_size(config: DrafterConfig, step_path: dict):
-    """On the device's thread: the MTP module loaded, then its KV cache sized (`--num-blocks`, or on CUDA from
-    `--gpu-memory-utilization`: room for one request of the model's context length at least) and its runner
-    built on it. Returns (module, runner)."""
-    import torch
-
-    from specsplit.drafter.runner import DrafterRunner
-    from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
-    from specsplit.models.loader import load_mtp
-    from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
-
-    options = config.model
-    on_cuda = torch.device(options.device).type == "cuda"
-    num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
-    with device_memory_lock(config.socket_dir if on_cuda else None):
-        baseline = DeviceBaseline.take(options.device) if on_cuda else None
-        dtype = getattr(torch, options.dtype)
-        mtp = load_mtp(options.checkpoint, dtype=dtype, device=options.device, load_format=options.load_format)
-        _, runner, _ = size_kv_cache(
-            lambda n: mtp.make_kv_cache(n, config.block_size),
-            lambda cache: DrafterRunner(mtp, cache, config.draft_top_k, **step_path),
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            fraction=options.gpu_memory_utilization,
-            max_model_len=mtp.config.max_position_embeddings,
-            baseline=baseline,
-            max_model_len_flag=None,  # the model's context length: the drafter has no flag for it
-        )
-    return mtp, runner
 
 
 async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> None:
@@ -116,9 +100,13 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
     `benchmarks/forced_drafter.py`)."""
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=True)  # before torch loads: a plain mistake is told at once
+    check_tensor_parallel(model_options, config.tensor_parallel_size)
 
+    from specsplit.drafter.loading import load_and_size
+    from specsplit.drafter.ranks import follower_main
     from specsplit.drafter.servicer import DrafterServicer
     from specsplit.models.device import device_executor, use_device
+    from specsplit.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_receiver
 
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -154,16 +142,29 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
     local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
-    try:
-        with checkpoint_mistakes(model_options.checkpoint):
-            mtp, runner = await loop.run_in_executor(  # graphs captured: seconds
-                None, lambda: _load_and_size(config, step_path)
-            )
-    except UsageError:
+
+    async def close() -> None:
         if local is not None:
             await local.close()
             sockets.remove()
+
+    followers = None
+    try:
+        if config.tensor_parallel_size > 1:
+            followers = await start_followers(config, follower_main, server, close)
+        with checkpoint_mistakes(model_options.checkpoint):
+            mtp, runner = await loop.run_in_executor(  # graphs captured: seconds
+                None, lambda: load_and_size(config, step_path)
+            )
+    except UsageError:
+        if followers is not None:
+            followers.kill()
+        await close()
         raise
+    if followers is not None:
+        from specsplit.models.parallel import wait_for_ranks
+
+        await loop.run_in_executor(None, wait_for_ranks)  # every rank loaded and warmed up
     model_config = mtp.config
     info = common_pb2.ModelInfo(
         model=Path(model_options.checkpoint).resolve().name,
@@ -187,18 +188,20 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
     await server.mark_serving()
     announce("drafter", server.address)
     log.info(
-        "serving MTP of %s on %s (%s, hidden states by %s%s)",
+        "serving MTP of %s on %s%s (%s, hidden states by %s%s)",
         model_options.checkpoint,
         model_options.device,
+        f" (rank 0 of {config.tensor_parallel_size})" if followers is not None else "",
         placement.name,
         placement.hidden_transport,
         f", ProposeStream also on {info.propose_socket}" if local else "",
     )
 
     async def on_stop() -> None:
-        if local is not None:
-            await local.close()
-            sockets.remove()
+        await close()
+        if followers is not None:  # once no Propose runs: the followers' last call
+            await loop.run_in_executor(None, servicer.locked, end_followers)
+            followers.stop()
 
     await run_until_signal(
         server,

@@ -80,38 +80,45 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
 
 def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
     """A device hand-off's items: num_rows rows each (1..MAX_DRAFTS + 1, at most the handle's
-    token_width), no next_token_ids and no num_rejected (the device has them)."""
+    token_width), no next_token_ids and no num_rejected (the device has them). Checked in one expression per
+    item, as `parse_items` does; the message saying what is wrong is worked out only for a bad item."""
     items, seen, width = [], set(), msg.hidden_states_handle.token_width
+    max_rows = min(width, MAX_DRAFTS + 1)
     for r in msg.requests:
-        rid = r.request_id
-        if not rid or rid in seen:
-            raise InvalidArgument(f"empty or repeated request_id {rid!r}")
-        if r.start_position < 0 or r.next_token_ids or r.num_rejected:
-            raise InvalidArgument(
-                f"request {rid!r}: a device hand-off's item has a start_position >= 0, no next_token_ids "
-                "and no num_rejected"
-            )
-        if not 1 <= r.num_rows <= min(width, MAX_DRAFTS + 1) or not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
-            raise InvalidArgument(
-                f"request {rid!r}: num_rows {r.num_rows} not in [1, token_width {width}] or num_spec_tokens "
-                f"{r.num_spec_tokens} not in [0, {MAX_DRAFTS}]"
-            )
-        if not 0 <= r.sampling.temperature <= 1e4:
-            raise InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+        rid, start, rows, spec, sampling = r.request_id, r.start_position, r.num_rows, r.num_spec_tokens, r.sampling
+        temperature = sampling.temperature
+        if not (
+            rid
+            and rid not in seen
+            and start >= 0
+            and not r.next_token_ids
+            and not r.num_rejected
+            and 1 <= rows <= max_rows
+            and 0 <= spec <= MAX_DRAFTS
+            and 0 <= temperature <= 1e4
+        ):
+            raise _invalid_device_item(r, seen, width)
         seen.add(rid)
-        sampling = r.sampling
-        items.append(
-            ProposeItem(
-                rid,
-                r.start_position,
-                [],
-                r.num_spec_tokens,
-                sampling.temperature,
-                sampling.seed & SEED_MASK,
-                r.num_rows,
-            )
-        )
+        items.append(ProposeItem(rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows))
     return items
+
+
+def _invalid_device_item(r: drafter_pb2.ProposeItem, seen: set[str], width: int) -> InvalidArgument:
+    """What is wrong with an item `_parse_device_items` refused, the first failing check in its order."""
+    rid = r.request_id
+    if not rid or rid in seen:
+        return InvalidArgument(f"empty or repeated request_id {rid!r}")
+    if r.start_position < 0 or r.next_token_ids or r.num_rejected:
+        return InvalidArgument(
+            f"request {rid!r}: a device hand-off's item has a start_position >= 0, no next_token_ids "
+            "and no num_rejected"
+        )
+    if not 1 <= r.num_rows <= min(width, MAX_DRAFTS + 1) or not 0 <= r.num_spec_tokens <= MAX_DRAFTS:
+        return InvalidArgument(
+            f"request {rid!r}: num_rows {r.num_rows} not in [1, token_width {width}] or num_spec_tokens "
+            f"{r.num_spec_tokens} not in [0, {MAX_DRAFTS}]"
+        )
+    return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
 
 
 def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -> InvalidArgument:
@@ -299,20 +306,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Free(self, request, context):
         await self._require_ready(context)
-        await self._steps.run(self._locked, self._free, list(request.request_ids))
+        await self._steps.run(self.locked, self._free, list(request.request_ids))
         return drafter_pb2.DrafterFreeResponse(num_free_blocks=self.runner.kv_cache.num_free_blocks)
 
     async def OpenHiddenTransport(self, request, context):
         await self._require_ready(context)
         try:  # never while a Propose is receiving
-            await self._steps.run(self._locked, self.receiver.open, request)
+            await self._steps.run(self.locked, self.receiver.open, request)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
         return drafter_pb2.OpenHiddenTransportResponse(
             device=str(self.receiver.device), device_hand_off=self.receiver.device_hand_off
         )
 
-    def _locked(self, fn, *args):
+    def locked(self, fn, *args):
+        """`fn(*args)` with the model to itself (no Propose or Free running)."""
         with self._model_lock:
             return fn(*args)
 

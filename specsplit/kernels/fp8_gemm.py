@@ -13,6 +13,12 @@ and their scales instead: the in-kernel quantization is repeated by every progra
 M come first in the grid, so the programs sharing a weight tile run together (L2 serves the re-reads at
 M > BLOCK_M).
 
+With `swap_ab` the operands trade places: W's [BLOCK_N, bk] tile is the MMA's row operand and x's tile,
+transposed, its [bk, BLOCK_M] column operand, the result transposed back once per program. At M = 1..16 the
+default puts x's rows on the MMA's rows, padded to 16 and then to the tensor cores' height (64 for Hopper's
+wgmma); swapped, the weight fills that height and x is a 16-wide column operand, the shape the bf16 GEMV's
+tensor-core path (`specsplit/kernels/gemv.py`) runs at 75-90 % of the HBM roofline.
+
 Where N / BLOCK_N programs would leave SMs idle, K is split in whole groups: fp32 partial sums go to a
 [SPLIT_K, M, N] scratch and the GEMV's fixed-order split-K sum adds them (results the same run to run,
 no atomics). Nothing syncs with the host: calls can be captured in CUDA graphs.
@@ -70,7 +76,7 @@ def _quantize_group(x, EMULATE_CAST: tl.constexpr):
     return q.to(tl.float8e4nv), scale
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_sm"])
 def _quantize_activations_kernel(
     x_ptr,  # [M, K] fp16 / bf16 / fp32, unit stride along K
     q_ptr,  # [M, K] e4m3
@@ -95,7 +101,91 @@ def _quantize_activations_kernel(
     tl.store(scale_ptr + offs_m * stride_sm + g, scale, mask=m_mask)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _quantize_columns(x, EMULATE_CAST: tl.constexpr):
+    """`_quantize_group` of a transposed tile: x [GROUP_K, C] fp32 (C rows of x as columns) → e4m3 [GROUP_K, C]
+    and fp32 scales [C], the same values bit for bit."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_FLOOR)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32))
+    inverse = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+    q = tl.clamp(x * inverse[None, :], -_E4M3_MAX, _E4M3_MAX)
+    if EMULATE_CAST:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _groups_x_by_w(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, m_mask, n_mask, K, g_start, g_end,
+    stride_xm, stride_xsm, stride_wn, stride_sn,
+    SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREQUANTIZED: tl.constexpr, EMULATE_CAST: tl.constexpr,
+):  # fmt: skip
+    """Σ over groups [g_start, g_end) of x's [BLOCK_M, GROUP_K] tile (quantized) @ W's [GROUP_K, BLOCK_N] tile,
+    each group's sum scaled: [BLOCK_M, BLOCK_N] fp32. x is the MMA's row operand (padded to BLOCK_M rows)."""
+    offs_k = tl.arange(0, GROUP_K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    x_scales = x_scale_ptr + offs_m * stride_xsm  # [BLOCK_M]
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
+    w_scales = w_scale_ptr + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(g_start, g_end):
+        kk = g * GROUP_K + offs_k
+        k_mask = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, GROUP_K]
+        if PREQUANTIZED:
+            x_q = x
+            x_scale = tl.load(x_scales + g, mask=m_mask, other=0.0)
+        else:
+            x_q, x_scale = _quantize_group(x.to(tl.float32), EMULATE_CAST)
+        w = tl.load(w_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [GROUP_K, BLOCK_N]
+        if EMULATE_CAST:  # the interpreter's dot: in fp32 (exact for e4m3 products)
+            part = tl.dot(x_q.to(tl.float32), w.to(tl.float32))
+        else:  # one group per dot, added in fp32 (FP8 tensor cores accumulate with fewer bits)
+            part = tl.dot(x_q, w)
+        w_scale = tl.load(w_scales + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+        acc += part * x_scale[:, None] * w_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _groups_w_by_x(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, m_mask, n_mask, K, g_start, g_end,
+    stride_xm, stride_xsm, stride_wn, stride_sn,
+    SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREQUANTIZED: tl.constexpr, EMULATE_CAST: tl.constexpr,
+):  # fmt: skip
+    """`_groups_x_by_w` with the operands swapped (`swap_ab`): W's [BLOCK_N, GROUP_K] tile is the MMA's row
+    operand and x's tile, transposed, its [GROUP_K, BLOCK_M] column operand, so a few rows of x are a narrow
+    MMA instead of rows padded to the tensor cores' height; returns [BLOCK_M, BLOCK_N] fp32 like it."""
+    offs_k = tl.arange(0, GROUP_K)
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_M]
+    x_scales = x_scale_ptr + offs_m * stride_xsm  # [BLOCK_M]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    w_scales = w_scale_ptr + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(g_start, g_end):
+        kk = g * GROUP_K + offs_k
+        k_mask = kk < K
+        x = tl.load(x_cols + kk[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)  # [GROUP_K, BLOCK_M]
+        if PREQUANTIZED:
+            x_q = x
+            x_scale = tl.load(x_scales + g, mask=m_mask, other=0.0)
+        else:
+            x_q, x_scale = _quantize_columns(x.to(tl.float32), EMULATE_CAST)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, GROUP_K]
+        if EMULATE_CAST:
+            part = tl.dot(w.to(tl.float32), x_q.to(tl.float32))
+        else:
+            part = tl.dot(w, x_q)
+        w_scale = tl.load(w_scales + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+        acc += part * x_scale[None, :] * w_scale[:, None]  # in the order of _groups_x_by_w
+    return tl.trans(acc)
+
+
+# Integers Triton would otherwise compile a variant for by divisibility (by 16, or = 1) where it buys nothing: M, the
+# loop's length and the scales' row strides (numbers of groups along K); K and the data strides stay specialized.
+@triton.jit(do_not_specialize=["M", "groups_per_split", "stride_xsm", "stride_sn"])
 def _w8a8_block_kernel(
     x_ptr,  # [M, K] fp16 / bf16 / fp32, or e4m3 if PREQUANTIZED; unit stride along K
     x_scale_ptr,  # [M, ceil(K / GROUP_K)] fp32 (read only if PREQUANTIZED)
@@ -121,36 +211,27 @@ def _w8a8_block_kernel(
     EMULATE_CAST: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
-    offs_k = tl.arange(0, GROUP_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
-    x_scales = x_scale_ptr + offs_m * stride_xsm  # [BLOCK_M]
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
-    w_scales = w_scale_ptr + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, tl.cdiv(K, GROUP_K))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(g_start, g_end):
-        kk = g * GROUP_K + offs_k
-        k_mask = kk < K
-        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, GROUP_K]
-        if PREQUANTIZED:
-            x_q = x
-            x_scale = tl.load(x_scales + g, mask=m_mask, other=0.0)
-        else:
-            x_q, x_scale = _quantize_group(x.to(tl.float32), EMULATE_CAST)
-        w = tl.load(w_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [GROUP_K, BLOCK_N]
-        if EMULATE_CAST:  # the interpreter's dot: in fp32 (exact for e4m3 products)
-            part = tl.dot(x_q.to(tl.float32), w.to(tl.float32))
-        else:  # one group per dot, added in fp32 (FP8 tensor cores accumulate with fewer bits)
-            part = tl.dot(x_q, w)
-        w_scale = tl.load(w_scales + g, mask=n_mask, other=0.0)  # [BLOCK_N]
-        acc += part * x_scale[:, None] * w_scale[None, :]
+    if SWAP_AB:
+        acc = _groups_w_by_x(
+            x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, m_mask, n_mask, K, g_start, g_end,
+            stride_xm, stride_xsm, stride_wn, stride_sn,
+            SCALE_BN, GROUP_K, BLOCK_M, BLOCK_N, PREQUANTIZED, EMULATE_CAST,
+        )  # fmt: skip
+    else:
+        acc = _groups_x_by_w(
+            x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, m_mask, n_mask, K, g_start, g_end,
+            stride_xm, stride_xsm, stride_wn, stride_sn,
+            SCALE_BN, GROUP_K, BLOCK_M, BLOCK_N, PREQUANTIZED, EMULATE_CAST,
+        )  # fmt: skip
     cols = offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
@@ -253,6 +334,7 @@ def w8a8_block_linear(
         EMULATE_CAST=_INTERPRETED,
         HAS_BIAS=bias is not None and split_k == 1,
         SPLIT=split_k > 1,
+        SWAP_AB=config.swap_ab,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

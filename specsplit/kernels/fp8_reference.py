@@ -64,8 +64,11 @@ def quantize_activations(
     the scale's reciprocal, rounded to nearest even: what the kernel computes, bit for bit)."""
     m, k = x.shape
     xf = F.pad(x.float(), (0, cdiv(k, group) * group - k))
-    scale = xf.view(m, -1, group).abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / FP8_MAX
-    q = (xf * (1.0 / scale).repeat_interleave(group, 1)).clamp(-FP8_MAX, FP8_MAX)
+    amax = xf.view(m, -1, group).abs().amax(dim=-1).clamp_min(SCALE_FLOOR)
+    # Tensor by tensor, both divisions correctly rounded on every device: CUDA torch divides by a Python scalar
+    # as a multiplication by its reciprocal, which is off by an ulp in some scales (and then some e4m3 values).
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = (xf * (torch.ones_like(scale) / scale).repeat_interleave(group, 1)).clamp(-FP8_MAX, FP8_MAX)
     return q[:, :k].to(FP8_DTYPE), scale
 
 

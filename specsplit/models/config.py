@@ -10,9 +10,8 @@ import json
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
-
-import transformers
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -32,9 +31,92 @@ MODEL_TYPE_ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
 }
 
-# Keys of a MiMo config.json that transformers' Qwen2Config must not see (MiMo = Qwen2 + MTP layers;
-# its model_type "mimo" is only known through trust_remote_code, which we never use).
-_MIMO_ONLY_KEYS = ("model_type", "auto_map", "architectures", "transformers_version")
+# What transformers' configuration class of each model_type fills in for a key config.json leaves out, for every
+# key specsplit reads (transformers 5). MiMo (Qwen2 + MTP layers, its "mimo" model_type known to transformers only
+# through trust_remote_code, which we never use) reads as Qwen2. config.json is read here, not by transformers'
+# AutoConfig: importing transformers and its config classes took about half of every verifier and drafter start on
+# CPU (benchmarks/service_start.py). tests/models/test_config_json.py checks that every family reads as transformers
+# reads it, key left out by key.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "num_key_value_heads": None,  # None: one per attention head
+    "head_dim": None,  # None: hidden_size // num_attention_heads
+}
+_QWEN_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+    },
+    "qwen2": _QWEN_DEFAULTS,
+    "mimo": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128},
+    "deepseek_v3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "max_position_embeddings": 4096,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "rope_interleave": True,
+    },
+    "glm4_moe": {
+        "vocab_size": 151552,
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": False,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+    },
+}
+# RoPE types whose parameters carry the pretraining context length.
+_LONG_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -102,18 +184,40 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
-        """Reads `config.json` (+ `generation_config.json`) of a local checkpoint directory."""
+    def from_pretrained(cls, path: str | pathlib.Path, hf: Any = None) -> ModelConfig:
+        """Reads `config.json` (+ `generation_config.json`) of a local checkpoint directory. `hf`: its fields as
+        a transformers configuration object holds them, `read_hf_config`'s when not given."""
         path = pathlib.Path(path)
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, SUPPORTED_ARCHITECTURES)
-        if architecture == "MiMoForCausalLM":
-            hf = transformers.Qwen2Config(**{k: v for k, v in raw.items() if k not in _MIMO_ONLY_KEYS})
-            model_type = "mimo"
-        else:
-            hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-            model_type = hf.model_type
+        model_type = architecture_model_type(raw, architecture)
+        hf = hf if hf is not None else read_hf_config(raw, model_type)
         return _from_hf_config(hf, architecture, model_type, raw, _read_eos_token_ids(path, raw))
+
+
+def architecture_model_type(raw: dict[str, Any], architecture: str) -> str:
+    """config.json's `model_type`, or the one of its architecture where it names none; always "mimo" for MiMo (its
+    config.json may name Qwen2's, whose layers it has)."""
+    if architecture == "MiMoForCausalLM":
+        return "mimo"
+    return raw.get("model_type") or {a: t for t, a in MODEL_TYPE_ARCHITECTURES.items()}[architecture]
+
+
+def read_hf_config(raw: dict[str, Any], model_type: str) -> SimpleNamespace:
+    """config.json's fields as transformers' configuration class of `model_type` holds them: its defaults for the
+    keys left out (`CONFIG_DEFAULTS`), and (as transformers 5 has them) the RoPE parameters gathered in
+    `rope_parameters` with the theta, the partial rotary factor, the type and, for a long-context type, the
+    pretraining context length."""
+    values = {**_COMMON_DEFAULTS, **CONFIG_DEFAULTS.get(model_type, {}), **raw}
+    rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", values["rope_theta"])
+    if values.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", values["partial_rotary_factor"])
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in _LONG_CONTEXT_ROPE_TYPES:
+        rope.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+    values["rope_parameters"], values["model_type"] = rope, model_type
+    return SimpleNamespace(**values)
 
 
 def _from_hf_config(

@@ -174,7 +174,7 @@ def resolve_step_path(
 
     None means "by device": the kernel on CUDA for models that support it, graphs on CUDA with the
     kernel for models that support them. Asking for graphs without the kernel is an error, and so is
-    asking for them for a model that cannot be captured (`supports_cuda_graphs`: the MoE syncs with the host)."""
+    asking for them for a model that cannot be captured (`supports_cuda_graphs`)."""
     on_cuda = kv_cache.device.type == "cuda"
     kernel = model.supports_attention_kernel and (on_cuda if attention_kernel is None else attention_kernel)
     if cuda_graphs is None:
@@ -182,7 +182,7 @@ def resolve_step_path(
     elif cuda_graphs and not kernel:
         raise ValueError("CUDA graphs need the attention kernel (and a model that supports it)")
     elif cuda_graphs and not model.supports_cuda_graphs:
-        raise ValueError(f"{type(model).__name__} cannot run in CUDA graphs (its MoE routes tokens on the host)")
+        raise ValueError(f"{type(model).__name__} cannot run in CUDA graphs (its forward syncs with the host)")
     graphs = (
         CudaGraphRunner(model, kv_cache, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
         if cuda_graphs

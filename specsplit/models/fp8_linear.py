@@ -9,6 +9,11 @@ An `Fp8Linear` left on the CPU (tests) computes the W8A8 reference in torch.
 Fusing projections (q/k/v, gate/up) concatenates weights and scales; where a part's row count is not a
 multiple of the scale block's rows, the fused layer carries one scale per row (`scale_block_n` 1), so
 every row keeps the scale it had.
+
+Tensor-parallel (`specsplit.models.parallel_layers`): a rank's slice of a column-parallel FP8 weight is whole
+blocks of `block_n` rows, of a row-parallel one whole groups of `block_k` columns, and its scales the blocks
+its slice covers (`tensor_parallel_shards`); a slice that would cut a block is refused (ValueError, one
+line): a rank cannot quantize its activations in the checkpoint's groups, nor scale its rows, from part of one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from specsplit.kernels.fp8_reference import (
     quantize_weight_blockwise,
     w8a8_block_linear_reference,
 )
+from specsplit.models.meta_init import on_meta
+from specsplit.models.parallel_layers import Shard
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -56,7 +63,7 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> nn.Linear:
         """An nn.Linear holding W_fp8 * scale_inv (computed in fp32) in `dtype`, on this layer's device."""
-        with torch.device("meta"):
+        with on_meta():
             linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         scale = self.weight_scale_inv
         weight = dequantize_weight_blockwise(self.weight, scale, self.scale_block_n, self.block_k, dtype)
@@ -68,7 +75,7 @@ class Fp8Linear(nn.Module):
     @classmethod
     def quantize(cls, linear: nn.Linear, block_n: int, block_k: int) -> Fp8Linear:
         """`linear`'s weight quantized blockwise (what an FP8 checkpoint of it would store); bias kept."""
-        with torch.device("meta"):
+        with on_meta():
             layer = cls(linear.in_features, linear.out_features, linear.bias is not None, block_n, block_k)
         weight, scale = quantize_weight_blockwise(linear.weight.detach(), block_n, block_k)
         layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -88,7 +95,7 @@ class Fp8Linear(nn.Module):
         )
         scale_block_n = first.scale_block_n if aligned else 1
         out_features = sum(p.out_features for p in parts)
-        with torch.device("meta"):
+        with on_meta():
             fused = cls(first.in_features, out_features, first.bias is not None, scale_block_n, first.block_k)
         fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
         scales = [p.weight_scale_inv for p in parts]
@@ -113,12 +120,31 @@ def _reads_weight_directly(model: nn.Module, name: str) -> bool:
 
 
 def use_fp8_linears(model: nn.Module, names: list[str], block_n: int, block_k: int) -> None:
-    """Replaces the nn.Linear modules `names` of a meta-device `model` by meta `Fp8Linear`s to load into."""
+    """Replaces the nn.Linear modules `names` of a meta-device `model` by meta `Fp8Linear`s to load into (a
+    tensor-parallel rank's: its slices of weight, bias and scales)."""
     for name in names:
         linear = model.get_submodule(name)
-        with torch.device("meta"):
+        with on_meta():
             layer = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, block_n, block_k)
+        if getattr(linear, "tp_shards", None):
+            layer.tp_shards = tensor_parallel_shards(name, linear.tp_shards, block_n, block_k)
         _replace(model, name, layer)
+
+
+def tensor_parallel_shards(name: str, shards: dict[str, Shard], block_n: int, block_k: int) -> dict[str, Shard]:
+    """The slices an `Fp8Linear` replacing sharded linear `name` loads: its weight's and bias's as they were, and
+    the scales of the blocks the weight's slice covers; ValueError (one line) for a slice that cuts a block."""
+    weight = shards["weight"]
+    block = block_n if weight.dim == 0 else block_k
+    end = weight.start + weight.size
+    if weight.start % block or (weight.size % block and end < weight.full):
+        what = "rows" if weight.dim == 0 else "input columns"
+        raise ValueError(
+            f"{name}: a tensor-parallel rank's {what} [{weight.start}, {end}) of {weight.full} cut its FP8 scale "
+            f"blocks of {block}; give a --tensor-parallel-size that splits it into whole blocks"
+        )
+    scales = Shard(weight.dim, weight.start // block, cdiv(weight.size, block), cdiv(weight.full, block))
+    return {**shards, "weight_scale_inv": scales}
 
 
 def quantize_linears(

@@ -102,16 +102,55 @@ class StepPlan:
     token_context_lens: list[int]  # [num_tokens]
     block_tables: list[list[int]]  # [num_reqs][blocks of the request]
     block_size: int
+    flat_tables: list[int] | None = None  # the block tables padded and flattened, when made already
+    more_steps: list[int] | None = None  # per request, the one-token steps planned to follow (`later_steps`)
 
     @property
     def int64_arrays(self) -> list[list[int]]:
         return [self.slot_mapping]
 
-    @property
+    @functools.cached_property
     def int32_arrays(self) -> list[list[int]]:
-        width = max(len(t) for t in self.block_tables)
-        flat_tables = [b for t in self.block_tables for b in t + [-1] * (width - len(t))]
-        return [self.query_start_loc, self.seq_lens, flat_tables, self.token_req_index, self.token_context_lens]
+        """Made once per plan: the block tables flattened, each padded to the widest with -1."""
+        if self.flat_tables is None:
+            width = max(map(len, self.block_tables))
+            self.flat_tables = []
+            for t in self.block_tables:  # whole-list extends: a per-element comprehension costs 2x
+                self.flat_tables += t
+                if len(t) < width:
+                    self.flat_tables += [-1] * (width - len(t))
+        return [self.query_start_loc, self.seq_lens, self.flat_tables, self.token_req_index, self.token_context_lens]
+
+    def later_steps(self) -> list[tuple[list[int], StepPlan]]:
+        """The one-token steps that follow this one (the drafter's steps 1..k-1), whose KV blocks this plan
+        allocated (`plan_step(..., more_steps=...)`): step s takes one token of each request with
+        `more_steps[r] >= s`. Per step, those requests' indices (into this plan's) and its plan, worked out from
+        this plan's lists without the cache: no allocation, a slot per request (plain Python beats numpy here:
+        converting the block tables costs more than it saves, 4x at batch 128). Steps with every request share
+        this plan's block tables."""
+        more = self.more_steps or []
+        size, seq_lens, tables, n = self.block_size, self.seq_lens, self.block_tables, len(self.seq_lens)
+        rows = list(range(n))
+        steps = []
+        for s in range(1, max(more, default=0) + 1):
+            if any(more[r] < s for r in rows):
+                rows = [r for r in rows if more[r] >= s]
+            full = len(rows) == n
+            context = [seq_lens[r] + s for r in rows]  # cache entries once the step's token is in
+            slots = [tables[r][(c - 1) // size] * size + (c - 1) % size for r, c in zip(rows, context)]
+            positions = list(range(len(rows)))
+            plan = StepPlan(
+                [*positions, len(rows)],
+                context,
+                slots,
+                positions,
+                context,
+                tables if full else [tables[r] for r in rows],
+                size,
+                self.int32_arrays[2] if full else None,
+            )
+            steps.append((rows, plan))
+        return steps
 
     def metadata(
         self, int64: list[torch.Tensor], int32: list[torch.Tensor], *, use_kernel: bool = False
@@ -177,11 +216,11 @@ class PagedBlocks:
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget tokens at cache index >= num_tokens; return the blocks no longer needed."""
-        cached = self.num_tokens(req_id)
+        request = self._requests.get(req_id)
+        cached = request.num_tokens if request is not None else 0
         if not 0 <= num_tokens <= cached:
             raise ValueError(f"cannot truncate request {req_id!r} to {num_tokens} tokens: it has {cached} cached")
-        request = self._requests.get(req_id)
-        if request is None:
+        if request is None or num_tokens == cached:  # nothing to roll back (every draft was accepted)
             return
         keep = self._blocks_for(num_tokens)
         self._free.extend(reversed(request.blocks[keep:]))
@@ -214,11 +253,15 @@ class PagedBlocks:
         int64, int32, _ = self._upload(plan.int64_arrays, plan.int32_arrays)
         return plan.metadata(int64, int32, use_kernel=use_kernel)
 
-    def plan_step(self, req_ids: list[str], num_new_tokens: list[int]) -> StepPlan:
+    def plan_step(self, req_ids: list[str], num_new_tokens: list[int], more_steps: list[int] | None = None) -> StepPlan:
         """The host half of `prepare_step` (allocation and host arrays, no device work), so a caller
-        can plan several steps and upload their arrays together with its own in one copy."""
+        can plan several steps and upload their arrays together with its own in one copy.
+
+        more_steps: per request, one-token steps that follow this one (the drafter's steps 1..k-1): their
+        blocks are allocated and their tokens counted as cached now, and `StepPlan.later_steps` plans them."""
         self._check_step(req_ids, num_new_tokens)
-        needed = self._blocks_needed(req_ids, num_new_tokens)
+        more_steps = more_steps or [0] * len(req_ids)
+        needed = self._blocks_needed(req_ids, [n + m for n, m in zip(num_new_tokens, more_steps)])
         if needed > len(self._free):
             raise KVCacheFull(f"step needs {needed} new KV blocks, only {len(self._free)} free")
 
@@ -227,33 +270,51 @@ class PagedBlocks:
         slot_mapping: list[int] = []
         token_req_index: list[int] = []
         token_context_lens: list[int] = []
-        size = self.block_size
-        for r, (req_id, num_new) in enumerate(zip(req_ids, num_new_tokens)):
-            request = self._requests.setdefault(req_id, _RequestBlocks())
-            start, end = request.num_tokens, request.num_tokens + num_new
-            while len(request.blocks) < self._blocks_for(end):
-                request.blocks.append(self._free.pop())
-            request.num_tokens = end
-            if num_new == 1:  # decode / draft steps: skip the generator machinery
-                slot_mapping.append(request.blocks[start // size] * size + start % size)
+        tables: list[list[int]] = []
+        size, requests, free = self.block_size, self._requests, self._free
+        total = 0
+        for r, (req_id, num_new, more) in enumerate(zip(req_ids, num_new_tokens, more_steps)):
+            request = requests.get(req_id)
+            if request is None:
+                request = requests[req_id] = _RequestBlocks()
+            blocks = request.blocks
+            start = request.num_tokens
+            end = start + num_new
+            for _ in range(-(-(end + more) // size) - len(blocks)):
+                blocks.append(free.pop())
+            request.num_tokens = end + more
+            if num_new == 1:  # decode / draft steps: one slot
+                slot_mapping.append(blocks[start // size] * size + start % size)
                 token_req_index.append(r)
                 token_context_lens.append(end)
             else:
-                slot_mapping.extend(request.blocks[i // size] * size + i % size for i in range(start, end))
-                token_req_index.extend([r] * num_new)
-                token_context_lens.extend(range(start + 1, end + 1))
-            query_start_loc.append(query_start_loc[-1] + num_new)
+                first = blocks[start // size] * size + start % size
+                if start // size == (end - 1) // size:  # all in one block: consecutive slots
+                    slot_mapping += range(first, first + num_new)
+                else:
+                    slot_mapping += [blocks[i // size] * size + i % size for i in range(start, end)]
+                token_req_index += [r] * num_new
+                token_context_lens += range(start + 1, end + 1)
+            total += num_new
+            query_start_loc.append(total)
             seq_lens.append(end)
-        tables = [list(self._requests[r].blocks) for r in req_ids]
-        return StepPlan(query_start_loc, seq_lens, slot_mapping, token_req_index, token_context_lens, tables, size)
+            tables.append(blocks.copy())
+        plan = StepPlan(query_start_loc, seq_lens, slot_mapping, token_req_index, token_context_lens, tables, size)
+        plan.more_steps = more_steps
+        return plan
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _blocks_needed(self, req_ids: list[str], num_new_tokens: list[int]) -> int:
-        return sum(
-            self._blocks_for(self.num_tokens(r) + n) - len(self.block_table(r)) for r, n in zip(req_ids, num_new_tokens)
-        )
+        size, requests, needed = self.block_size, self._requests, 0
+        for r, n in zip(req_ids, num_new_tokens):
+            request = requests.get(r)
+            if request is None:
+                needed += -(-n // size)
+            else:  # no copy of the block table (`block_table` makes one)
+                needed += -(-(request.num_tokens + n) // size) - len(request.blocks)
+        return needed
 
     @staticmethod
     def _check_step(req_ids: list[str], num_new_tokens: list[int]) -> None:

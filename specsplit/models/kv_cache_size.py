@@ -120,12 +120,15 @@ def given_blocks(num_blocks: int, block_size: int, block_bytes: int, on_cuda: bo
     return KVCacheSize(num_blocks, block_size, block_bytes, source)
 
 
-def service_shares(fraction: float | None, devices: dict[str, str], verifier_ranks: int = 1) -> dict[str, float]:
+def service_shares(
+    fraction: float | None, devices: dict[str, str], verifier_ranks: int = 1, drafter_ranks: int = 1
+) -> dict[str, float]:
     """`specsplit up --gpu-memory-utilization F` (None: `GPU_MEMORY_UTILIZATION`): the F of each model server
     (role → its device) on a CUDA device. On a device of its own a service gets F; a drafter sharing its
     verifier's device gets `COLOCATED_DRAFTER_SHARE` and the verifier F minus that, so the two add up to F.
     A tensor-parallel verifier (`verifier_ranks` > 1) has the devices from its own on, one per rank, each of
-    the same F: a drafter on any of them takes its share from every rank's.
+    the same F: a drafter on any of them takes its share from every rank's. So does a tensor-parallel drafter
+    (`drafter_ranks` > 1, the devices from its own on) with any of its ranks on one of the verifier's.
     UsageError (one line) for an F given with no service on CUDA, or one that leaves a co-located verifier nothing."""
     on_cuda = {role: _cuda(device) for role, device in devices.items() if _cuda(device)}
     if not on_cuda:
@@ -139,11 +142,12 @@ def service_shares(fraction: float | None, devices: dict[str, str], verifier_ran
     if not 0 < f <= 1:
         raise UsageError(f"--gpu-memory-utilization {f} is out of range; give a fraction in (0, 1]")
     shares = dict.fromkeys(on_cuda, f)
-    verifier_devices = set()
-    if "verifier" in on_cuda:
-        first = int(on_cuda["verifier"].split(":")[1])
-        verifier_devices = {f"cuda:{first + rank}" for rank in range(verifier_ranks)}
-    if on_cuda.get("drafter") in verifier_devices:
+    ranks = {"verifier": verifier_ranks, "drafter": drafter_ranks}
+    used = {
+        role: {f"cuda:{int(device.split(':')[1]) + rank}" for rank in range(ranks[role])}
+        for role, device in on_cuda.items()
+    }
+    if used.get("drafter", set()) & used.get("verifier", set()):
         verifier = round(f - COLOCATED_DRAFTER_SHARE, 6)
         if verifier <= 0:
             raise UsageError(

@@ -18,6 +18,8 @@ from specsplit.models.config import ModelConfig
 from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, linear, rms_norm, silu_mul
+from specsplit.models.meta_init import on_meta
+from specsplit.models.moe import MoE
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
 from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 from specsplit.models.rotary import RotaryEmbedding
@@ -68,7 +70,7 @@ def _concat_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
     first = linears[0]
     if isinstance(first, Fp8Linear):
         return Fp8Linear.concat(*linears)
-    with torch.device("meta"):
+    with on_meta():
         fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
     fused.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=first.weight.requires_grad)
     if first.bias is not None:
@@ -77,10 +79,12 @@ def _concat_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuses the projections of every `SelfAttention` and `MLP` in `model` (other families' modules,
-    e.g. DeepSeek-V3's, are left alone). The loader calls it on every model it returns; parameters
-    are then named by `FUSED_PROJECTIONS` instead of the checkpoint's q/k/v and gate/up names."""
-    for module in [m for m in model.modules() if isinstance(m, (SelfAttention, MLP))]:
+    """Fuses the projections of every `SelfAttention` and `MLP` in `model` and stacks the routed experts of
+    every `MoE` (`specsplit.models.moe.StackedExperts`; other modules, e.g. MLA, are left alone). The loader
+    calls it on every model it returns; parameters are then named by `FUSED_PROJECTIONS` instead of the
+    checkpoint's q/k/v and gate/up names, and `experts.gate_up_proj` / `experts.down_proj` (transformers' names
+    and layout) instead of `experts.{e}.*`."""
+    for module in [m for m in model.modules() if isinstance(m, (SelfAttention, MLP, MoE))]:
         module.fuse_projections()
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # hand back the originals' blocks, which the fused tensors did not reuse

@@ -8,7 +8,8 @@ tensor (`specsplit.models.parallel_layers.Shard`), on the host, before moving to
 A block-scaled FP8 checkpoint (`specsplit.models.quantization`) loads each linear with a `weight_scale_inv`
 beside its weight as an `Fp8Linear` (`specsplit.models.fp8_linear`): kept in FP8 on CUDA, dequantized to
 `dtype` elsewhere; with dummy weights and an FP8 config.json the random linears are quantized the same way.
-(Tensor parallelism refuses quantized checkpoints: `specsplit.models.start_up_checks`.)
+Tensor-parallel FP8: each rank's slice is whole scale blocks, its scales with it (`whole_blocks`,
+`fp8_linear.tensor_parallel_shards`).
 Every model returned has its projections fused (`specsplit.models.layers.fuse_projections`: q/k/v → qkv_proj,
 gate/up → gate_up_proj), so its parameter names differ from the checkpoint's there.
 """
@@ -16,12 +17,12 @@ gate/up → gate_up_proj), so its parameter names differ from the checkpoint's t
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from collections.abc import Callable
 
 import safetensors
 import torch
-import transformers
 from torch import nn
 
 from specsplit.kernels.fp8_reference import FP8_DTYPE
@@ -33,8 +34,9 @@ from specsplit.models.fp8_linear import dequantize_fp8_linears, quantize_linears
 from specsplit.models.glm4_moe import Glm4MoeConfig, Glm4MoeMTP, Glm4MoeTarget
 from specsplit.models.glm4_moe.config import ARCHITECTURES as GLM4_MOE_ARCHITECTURES
 from specsplit.models.layers import fuse_projections
+from specsplit.models.meta_init import on_meta
 from specsplit.models.mtp import MTPModule
-from specsplit.models.parallel_layers import shard_of
+from specsplit.models.parallel_layers import shard_of, whole_blocks
 from specsplit.models.quantization import Fp8BlockQuantization, read_quantization
 from specsplit.models.target import TargetModel
 
@@ -85,14 +87,14 @@ def load_target(
     reference in torch, for tests)."""
     path = _checkpoint_dir(path)
     config = load_config(path)
-    with torch.device("meta"):
+    quantization = load_quantization(path)
+    with on_meta(), whole_blocks(_split_unit(quantization)):
         model = FAMILIES[type(config)][0](config)
     tied = config.tie_word_embeddings
 
     def candidates(name: str) -> list[str]:
         return ["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else [name]
 
-    quantization = load_quantization(path)
     _fill(model, path, quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
     return fuse_projections(model).eval()
 
@@ -114,18 +116,26 @@ def load_mtp(
             f"checkpoint {str(path)!r} has no MTP weights (num_nextn_predict_layers is 0 or missing "
             "in config.json); it cannot serve as a drafter"
         )
-    with torch.device("meta"):
+    quantization = load_quantization(path)
+    with on_meta(), whole_blocks(_split_unit(quantization)):
         model = FAMILIES[type(config)][1](config)
 
     def candidates(name: str) -> list[str]:
         return model.layout.checkpoint_candidates(config, name)
 
-    quantization = load_quantization(path)
     _fill(model, path, quantization, candidates, load_format, dtype=dtype, device=device, keep_fp8=keep_fp8)
     return fuse_projections(model).eval()
 
 
-def load_tokenizer(path: str | pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+def _split_unit(quantization: Fp8BlockQuantization | None) -> int:
+    """A tensor-parallel rank's MLP width splits in whole FP8 scale blocks: both of a column-parallel weight's
+    rows (bn) and of the row-parallel one's input columns (bk)."""
+    return 1 if quantization is None else math.lcm(quantization.block_n, quantization.block_k)
+
+
+def load_tokenizer(path: str | pathlib.Path) -> transformers.PreTrainedTokenizerBase:  # noqa: F821
+    import transformers  # only here: the services that load models never import it (see models/config.py)
+
     return transformers.AutoTokenizer.from_pretrained(str(_checkpoint_dir(path)), local_files_only=True)
 
 

@@ -15,20 +15,27 @@ every rank routes every token alike and runs its own experts' pairs; the shared 
 are column/row-parallel. One all-reduce sums a MoE layer's routed and shared partial outputs.
 
 Parameter names equal the checkpoint's (`gate.weight`, `gate.e_score_correction_bias`,
-`experts.{e}.{gate,up,down}_proj.weight`, `shared_experts.*`). The router stays in float32 whatever
-the model dtype (`Router.keep_in_float32`), as transformers keeps it.
+`experts.{e}.{gate,up,down}_proj.weight`, `shared_experts.*`) until the loader stacks the routed experts
+(`StackedExperts`: `experts.gate_up_proj`, `experts.down_proj`), which the fused MoE
+(`specsplit.kernels.fused_moe`) runs on CUDA with no host sync, so MoE models can be captured in CUDA graphs.
+The router stays in float32 whatever the model dtype (`Router.keep_in_float32`), as transformers keeps it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit.kernels.fused_moe import fused_routed_experts, routed_experts_reference
+from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
 from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class MoEConfig(Protocol):
@@ -94,6 +101,44 @@ class Router(nn.Module):
         return topk_ids, weights * self.routed_scaling_factor
 
 
+class StackedExperts(nn.Module):
+    """This rank's routed experts stacked, for the fused MoE (`specsplit.kernels.fused_moe`): `gate_up_proj`
+    [E_local, 2 * inter, hidden] (each expert's gate rows, then its up rows) and `down_proj` [E_local, hidden,
+    inter] (transformers' names and layout), in the model dtype, or e4m3 with their block scales
+    (`gate_up_proj_scale_inv`, `down_proj_scale_inv`) where the experts were `Fp8Linear`s (kept FP8: on CUDA).
+    Built from the loaded per-expert `SwiGLU`s (`MoE.fuse_projections`)."""
+
+    def __init__(self, experts: list[SwiGLU], first_expert: int) -> None:
+        super().__init__()
+        self.first_expert = first_expert
+        first = experts[0]
+        self.fp8_blocks: tuple[int, int, int] | None = None  # scale rows of gate_up and down, group along K
+        if isinstance(first.gate_proj, Fp8Linear):
+            fused = [Fp8Linear.concat(e.gate_proj, e.up_proj) for e in experts]  # per-row scales where unaligned
+            self.gate_up_proj = _stacked([f.weight for f in fused])
+            self.gate_up_proj_scale_inv = _stacked([f.weight_scale_inv for f in fused])
+            self.down_proj = _stacked([e.down_proj.weight for e in experts])
+            self.down_proj_scale_inv = _stacked([e.down_proj.weight_scale_inv for e in experts])
+            self.fp8_blocks = (fused[0].scale_block_n, first.down_proj.scale_block_n, first.down_proj.block_k)
+        else:
+            self.gate_up_proj = _stacked([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+            self.down_proj = _stacked([e.down_proj.weight for e in experts])
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden], topk_ids / topk_weights: [T, top_k] → [T, hidden]: the routed experts' weighted sum
+        # (other ranks' experts contribute zeros). On CUDA the fused kernels (no host sync: capturable), else the
+        # per-expert loop in torch (the CPU path's numerics, with the host's per-expert counts).
+        scales = None
+        if self.fp8_blocks is not None:
+            scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv, *self.fp8_blocks)
+        run = fused_routed_experts if x.is_cuda and not _INTERPRETED else routed_experts_reference
+        return run(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, self.first_expert, scales)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> nn.Parameter:
+    return nn.Parameter(torch.stack(tensors), requires_grad=False)
+
+
 class MoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -104,8 +149,9 @@ class MoE(nn.Module):
             raise ValueError(f"{num_experts} routed experts do not divide into {tp_size()} tensor-parallel ranks")
         per_rank = num_experts // tp_size()
         self.first_expert = tp_rank() * per_rank
-        # This rank's experts, keyed by their checkpoint index (`experts.{e}.…`, as the checkpoint names them).
-        self.experts = nn.ModuleDict(
+        # This rank's experts, keyed by their checkpoint index (`experts.{e}.…`, as the checkpoint names them),
+        # until `fuse_projections` stacks them into one `StackedExperts`.
+        self.experts: nn.ModuleDict | StackedExperts = nn.ModuleDict(
             {str(e): SwiGLU(hidden, inter) for e in range(self.first_expert, self.first_expert + per_rank)}
         )
         self.num_experts = num_experts
@@ -113,30 +159,19 @@ class MoE(nn.Module):
             SwiGLU(hidden, inter * config.n_shared_experts, parallel=True) if config.n_shared_experts else None
         )
 
+    def fuse_projections(self) -> None:
+        """The loaded experts → one `StackedExperts` (`experts.gate_up_proj`, `experts.down_proj`, ...); the
+        per-expert tensors are freed once stacked (the peak is one layer's experts twice)."""
+        if isinstance(self.experts, nn.ModuleDict):
+            self.experts = StackedExperts(list(self.experts.values()), self.first_expert)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
+        self.fuse_projections()  # done by the loader (`specsplit.models.layers.fuse_projections`); modules built
+        # by hand (tests) stack their experts on their first call
         topk_ids, topk_weights = self.gate(x)  # [T, top_k] each
-        num_tokens, top_k = topk_ids.shape
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        if num_tokens == 0:  # every rank alike: no rows to sum
+        if x.shape[0] == 0:  # every rank alike: no rows to sum
             return out
-        # The (token, slot) pairs sorted by expert, so each expert reads one contiguous slice of their
-        # inputs: one gather, five launches per expert (three GEMMs, silu, mul), one scatter back (no
-        # atomics), and one host sync per layer for the per-expert counts.
-        flat_ids = topk_ids.flatten()
-        order = flat_ids.argsort(stable=True)  # [T * top_k] pair index token * top_k + slot, in expert order
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        # This rank's experts' pairs: one contiguous run of `order` (all of it on one rank).
-        first, last = self.first_expert, self.first_expert + len(self.experts)
-        start = sum(counts[:first])
-        mine = order[start : start + sum(counts[first:last])]
-        if mine.shape[0]:
-            inputs = x[mine // top_k].split(counts[first:last])  # [count_e, hidden] per expert of this rank
-            outputs = torch.cat([expert(part) for expert, part in zip(self.experts.values(), inputs) if part.shape[0]])
-            # Back in (token, slot) order; tensor-parallel, the pairs of other ranks' experts are zeros here.
-            shape, dtype = (order.shape[0], outputs.shape[1]), torch.promote_types(outputs.dtype, topk_weights.dtype)
-            every_pair = mine.shape[0] == order.shape[0]
-            weighted = (torch.empty if every_pair else torch.zeros)(shape, dtype=dtype, device=outputs.device)
-            weighted[mine] = outputs * topk_weights.flatten()[mine, None]
-            out = out + weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+        out = out + self.experts(x, topk_ids, topk_weights)
         return all_reduce(out)  # the routed and shared experts' partial sums of every rank

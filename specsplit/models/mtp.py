@@ -11,6 +11,10 @@ was trained that way), and draft step s >= 1 one position further each time. vLL
 (`v1/spec_decode/eagle.py`) uses p, the position of h_p; RoPE only sees position differences, so the
 two give the same outputs up to rounding as long as one is used consistently (tested).
 
+Tensor-parallel (`specsplit.models.parallel`, a drafter's `--tensor-parallel-size`): the embedding and the
+head are vocab-parallel (logits gathered to the first rank, which picks the drafts) and the block is sharded
+as the target's layers are (heads, MLP, experts); `eh_proj` and the norms are replicated.
+
 Unlike vLLM we do not zero the embedding at position 0: after the shift that row holds the real
 token x_1 (vllm-project/vllm#33299, "MTP does not mask embedding on position 0").
 """
@@ -23,8 +27,9 @@ from torch import nn
 from specsplit.models.config import ModelConfig
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import linear
-from specsplit.models.layers import DecoderLayer, RMSNorm, check_token_inputs
+from specsplit.models.layers import DecoderLayer, RMSNorm, check_token_inputs, local_heads
 from specsplit.models.mtp_layout import mtp_layout
+from specsplit.models.parallel_layers import VocabParallelEmbedding, gather_logits, lm_head
 from specsplit.models.rotary import RotaryEmbedding
 
 
@@ -32,20 +37,20 @@ class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = lm_head(config.hidden_size, config.vocab_size)
 
 
 class MTPModule(nn.Module):
     # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`).
     supports_attention_kernel = True
-    supports_cuda_graphs = True  # no host sync in the forward (the MoE has one: models/moe.py)
+    supports_cuda_graphs = True  # no host sync in the forward (the MoE's too: kernels/fused_moe.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.layout = self._make_layout()
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
@@ -68,7 +73,7 @@ class MTPModule(nn.Module):
         weight = self.embed_tokens.weight  # never FP8 (eh_proj may be)
         return PagedKVCache(
             num_layers=1,
-            num_kv_heads=self.config.num_key_value_heads,
+            num_kv_heads=local_heads(self.config.num_attention_heads, self.config.num_key_value_heads)[1],
             head_dim=self.config.head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
@@ -99,8 +104,9 @@ class MTPModule(nn.Module):
         out = self.block(x, self.rotary(positions, x.dtype), kv_cache, 0, attn)
         return self.shared_head.norm(out) if self.layout.normed_output else out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] (output of forward) → [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, hidden] (output of forward) → [N, vocab] float32 (tensor-parallel: on the first rank; None
+        # on the others)
         if not self.layout.normed_output:
             hidden = self.shared_head.norm(hidden)
-        return linear(hidden, self.shared_head.head).float()
+        return gather_logits(linear(hidden, self.shared_head.head).float(), self.config.vocab_size)

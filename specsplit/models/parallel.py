@@ -3,7 +3,7 @@
 A tensor-parallel model runs as `size` processes, one per device, each holding a slice of the weights
 (`specsplit.models.parallel_layers`) and taking part in the same collectives at the same points of every
 forward. Rank 0 is the *first rank*: it alone speaks gRPC and samples; the others are *followers* that run
-each step rank 0 broadcasts (`specsplit.verifier.follower`).
+each step rank 0 broadcasts (`specsplit.tensor_parallel`).
 
 Two process groups: the *device group* (the default one: NCCL on CUDA, gloo on CPU) carries the model's
 all-reduces and the logits gather inside a forward, capturable in a CUDA graph on NCCL; the *control group*
@@ -126,6 +126,14 @@ def gather_last_dim_to_first(x: torch.Tensor, full_size: int) -> torch.Tensor | 
     if parts is None:
         return None
     return torch.cat(parts, dim=-1)[..., :full_size]
+
+
+def broadcast_tensor_from_first(x: torch.Tensor) -> torch.Tensor:
+    """The first rank's `x`, in place on every rank (the others pass a tensor of its shape and dtype), over the
+    device group: e.g. a drafter's hidden states or the drafts its first rank picked."""
+    if _state.size > 1:
+        dist.broadcast(x, src=0, group=_state.device_group)
+    return x
 
 
 def broadcast_from_first(obj: object = None) -> object:

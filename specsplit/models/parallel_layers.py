@@ -10,6 +10,9 @@ holds the whole model. With one rank these are plain `nn.Linear` / `nn.Embedding
 - row-parallel: input columns split (o_proj, down_proj); each rank's output is a partial sum, which the
   caller all-reduces (`parallel.all_reduce`). Its bias lives on the first rank only (zeros elsewhere), so
   the sum adds it once and `linear` (the GEMV too) runs unchanged.
+- a dimension split by default (an MLP's width) splits in equal parts; built inside `whole_blocks(unit)` (a
+  block-scaled FP8 checkpoint), in whole multiples of `unit`, as evenly as whole units go (the last rank's part
+  may end in a partial unit, where the tensor ends), so no rank holds part of a scale block.
 - vocab-parallel: the embedding's and the LM head's vocabulary rows split in equal parts (the last padded
   with zero rows); an embedding row not in a rank's part is zero there, the all-reduce fills it in; the LM
   head's logits are gathered to the first rank (`compute_logits`).
@@ -17,6 +20,8 @@ holds the whole model. With one rank these are plain `nn.Linear` / `nn.Embedding
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +95,31 @@ def row_parallel_linear(in_features: int, out_features: int, bias: bool, *, star
     return _with_shards(layer, weight=Shard(1, start, size, in_features), **({"bias": bias_shard} if bias else {}))
 
 
+_split_unit = 1  # `whole_blocks`: the unit of the dimensions split by default, while a model is built
+
+
+@contextlib.contextmanager
+def whole_blocks(unit: int) -> Iterator[None]:
+    """Modules built inside split their default-parted dimensions in whole multiples of `unit` (a block-scaled
+    FP8 checkpoint's lcm(bn, bk)); where the units do not divide into the ranks, the parts differ by one unit."""
+    global _split_unit
+    previous, _split_unit = _split_unit, unit
+    try:
+        yield
+    finally:
+        _split_unit = previous
+
+
 def _equal_part(total: int) -> tuple[int, int]:
+    unit = _split_unit
+    if unit > 1 and total % (tp_size() * unit):
+        units = -(-total // unit)
+        first, end = tp_rank() * units // tp_size(), (tp_rank() + 1) * units // tp_size()
+        if first == end:
+            raise ValueError(
+                f"a dimension of {total} has fewer blocks of {unit} than {tp_size()} tensor-parallel ranks"
+            )
+        return first * unit, min(end * unit, total) - first * unit
     size = total // tp_size()
     if size * tp_size() != total:
         raise ValueError(f"a dimension of {total} does not divide into {tp_size()} tensor-parallel ranks")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pathlib
 from collections.abc import Iterator
@@ -73,6 +74,38 @@ def checkpoint_mistakes(model: str) -> Iterator[None]:
         raise UsageError(f"checkpoint {model!r}: {err}") from err
 
 
+def _fp8_block_cuts(raw: dict, size: int, block_n: int, block_k: int) -> str | None:
+    """What of config.json `raw` a rank of `size` would hold in part of an FP8 scale block (its rows of a
+    column-parallel weight: whole `block_n` blocks; its columns of a row-parallel one: whole `block_k` groups),
+    None if nothing: the per-rank sizes of the attention projections, split by head; the dense MLP and the shared
+    experts split in whole blocks (`parallel_layers.whole_blocks`) if they have one for every rank."""
+    heads, hidden = raw.get("num_attention_heads", 0), raw.get("hidden_size", 0)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    per_rank = {}  # what → (rows or columns per rank, its block)
+    if raw.get("kv_lora_rank"):  # MLA
+        qk = raw.get("qk_nope_head_dim", 0) + raw.get("qk_rope_head_dim", 0)
+        v = raw.get("v_head_dim", 0)
+        per_rank["query rows"] = (heads // size * qk, block_n)
+        per_rank["kv_b_proj rows"] = (heads // size * (raw.get("qk_nope_head_dim", 0) + v), block_n)
+        per_rank["o_proj columns"] = (heads // size * v, block_k)
+    else:
+        head_dim = raw.get("head_dim") or hidden // max(heads, 1)
+        per_rank["query rows"] = (heads // size * head_dim, block_n)
+        per_rank["key/value rows"] = (max(kv_heads // size, 1) * head_dim, block_n)
+        per_rank["o_proj columns"] = (heads // size * head_dim, block_k)
+    for what, (n, block) in per_rank.items():
+        if n % block:
+            return f"{what} ({n}) are not whole blocks of {block}"
+    unit = math.lcm(block_n, block_k)
+    widths = {"shared experts": (raw.get("moe_intermediate_size") or 0) * (raw.get("n_shared_experts") or 0)}
+    if not raw.get("n_routed_experts") or raw.get("first_k_dense_replace"):  # dense MLP layers
+        widths["MLP"] = raw.get("intermediate_size", 0)
+    for what, width in widths.items():
+        if 0 < -(-width // unit) < size:
+            return f"part of the {what} ({width} wide: {-(-width // unit)} blocks of {unit}) would be empty"
+    return None
+
+
 def check_device(device: str) -> None:
     """`--device`: cpu, or a CUDA device this process sees."""
     import torch
@@ -98,9 +131,9 @@ def check_device(device: str) -> None:
 
 
 def check_tensor_parallel(model: ModelOptions, size: int) -> None:
-    """`--tensor-parallel-size`: the checkpoint's heads, KV heads, MLP and experts split into `size` ranks, an
-    unquantized checkpoint (quantized weights are not sharded yet: the loader's reading of quantization_config,
-    `load_quantization`), and a CUDA device for every rank."""
+    """`--tensor-parallel-size`: the checkpoint's heads, KV heads, MLP and experts split into `size` ranks, for a
+    block-scaled FP8 checkpoint along whole scale blocks (`_fp8_block_cuts`; the loader checks each linear:
+    `fp8_linear.tensor_parallel_shards`), and a CUDA device for every rank."""
     if size == 1:
         return
     from specsplit.models.loader import load_quantization
@@ -108,11 +141,6 @@ def check_tensor_parallel(model: ModelOptions, size: int) -> None:
     flag = f"--tensor-parallel-size {size}"
     with checkpoint_mistakes(model.checkpoint):
         quantization = load_quantization(model.checkpoint)
-    if quantization is not None:
-        raise UsageError(
-            f"{flag}: checkpoint {model.checkpoint!r} is quantized (block-scaled FP8, its quantization_config) and "
-            "quantized weights are not sharded yet; serve it with --tensor-parallel-size 1"
-        )
     raw = json.loads((pathlib.Path(model.checkpoint) / "config.json").read_text())
     heads = raw.get("num_attention_heads", 0)
     kv_heads = raw.get("num_key_value_heads") or heads
@@ -133,6 +161,13 @@ def check_tensor_parallel(model: ModelOptions, size: int) -> None:
             f"{flag}: the checkpoint's {kv_heads} KV heads cannot be replicated evenly over {size} ranks; give a "
             f"multiple of {kv_heads}"
         )
+    if quantization is not None:
+        cut = _fp8_block_cuts(raw, size, quantization.block_n, quantization.block_k)
+        if cut:
+            raise UsageError(
+                f"{flag}: checkpoint {model.checkpoint!r} is block-scaled FP8 and a rank's {cut}; serve it with a "
+                "size that splits into whole blocks (or --tensor-parallel-size 1)"
+            )
     import torch
 
     device = torch.device(model.device)

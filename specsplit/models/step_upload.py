@@ -18,11 +18,16 @@ DTYPES = (torch.int64, torch.int32, torch.float32)
 TYPECODES = ("q", "i", "f")  # the same, as `array` type codes
 
 
-def host_tensor(values, typecode: str, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor of `values`, through `array.array` (C conversion per element, about 3x faster
-    than `torch.tensor` on a list); the same values, since both round a Python float to float32 the
-    same way."""
-    buffer = array.array(typecode, values)
+def host_tensor(arrays: Sequence[Sequence], typecode: str, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of `arrays` concatenated, through `array.array` (C conversion per element, about 3x
+    faster than `torch.tensor` on a list; lists are taken whole by `fromlist`, a third faster again than
+    element by element); the same values, since both round a Python float to float32 the same way."""
+    buffer = array.array(typecode)
+    for values in arrays:
+        if type(values) is list:
+            buffer.fromlist(values)
+        else:
+            buffer.extend(values)
     if not buffer:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype)
@@ -42,7 +47,7 @@ class StepUpload:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The arrays as 1-D device tensors, per dtype in the order given."""
         groups = (int64_arrays, int32_arrays, float32_arrays)
-        hosts = [host_tensor(itertools.chain.from_iterable(g), c, d) for g, c, d in zip(groups, TYPECODES, DTYPES)]
+        hosts = [host_tensor(g, c, d) for g, c, d in zip(groups, TYPECODES, DTYPES)]
         if self.device.type == "cuda":
             devices = self._copy(hosts)
         else:

@@ -33,7 +33,7 @@ class TargetModel(nn.Module):
 
     # Attention can run the Triton paged kernel (`AttentionMetadata.use_kernel`), hence CUDA graphs.
     supports_attention_kernel = True
-    supports_cuda_graphs = True  # no host sync in the forward (the MoE has one: models/moe.py)
+    supports_cuda_graphs = True  # no host sync in the forward (the MoE's too: kernels/fused_moe.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

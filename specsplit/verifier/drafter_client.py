@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -51,12 +51,15 @@ class ProposeBatch:
     """One iteration's drafter input before it is split by replica."""
 
     iteration: int
-    items: list[drafter_pb2.ProposeItem]  # per request, batch order
+    items: Sequence[drafter_pb2.ProposeItem]  # per request, batch order
     row_offsets: list[int]  # [num_reqs + 1]: request i's hidden-state rows are [off[i], off[i+1])
     hidden_states: torch.Tensor  # [num_rows, hidden_size]
     # A device hand-off (`device_plan`): the step's sampled tokens still on the device, items with num_rows.
     sampled: torch.Tensor | None = None  # [num_reqs, width]
     num_sampled: torch.Tensor | None = None  # [num_reqs]
+    # The Propose of every request, built with the items (`items` are its requests): the first `message` of
+    # them all is this one, no copy of each item made.
+    request: drafter_pb2.ProposeRequest | None = None
 
     @property
     def hidden_state_bytes(self) -> int:
@@ -71,6 +74,10 @@ class ProposeBatch:
 
     def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
         """The Propose call for the requests at `indices`, without its hidden states (the transport adds them)."""
+        if self.request is not None and len(indices) == len(self.items):
+            msg, self.request = self.request, None  # the caller fills it in: given once
+            msg.finished_request_ids.extend(finished)
+            return msg
         return drafter_pb2.ProposeRequest(
             iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
         )
@@ -179,19 +186,24 @@ class DrafterClient:
     def build_request(
         self, iteration: int, batch: InputBatch, step: StepOutput, sampling: list[common_pb2.SamplingParams]
     ) -> ProposeBatch:
-        items, offsets = [], [0]
+        msg = drafter_pb2.ProposeRequest(iteration=iteration)
+        add = msg.requests.add
+        starts, next_ids, rejected, spec = (
+            step.start_positions,
+            step.next_token_ids,
+            step.num_rejected,
+            batch.num_spec_tokens,
+        )
         for i, rid in enumerate(batch.req_ids):
-            item = drafter_pb2.ProposeItem(
-                request_id=rid,
-                start_position=step.start_positions[i],
-                next_token_ids=step.next_token_ids[i],
-                num_rejected=step.num_rejected[i],
-                num_spec_tokens=batch.num_spec_tokens[i],
-            )
-            item.sampling.CopyFrom(sampling[i])
-            items.append(item)
-            offsets.append(offsets[-1] + len(step.next_token_ids[i]))
-        return ProposeBatch(iteration, items, offsets, step.hidden_states)
+            item = add()  # fields set one by one: a ProposeItem(...) copied in costs several times more
+            item.request_id = rid
+            item.start_position = starts[i]
+            item.next_token_ids.extend(next_ids[i])
+            item.num_rejected = rejected[i]
+            item.num_spec_tokens = spec[i]
+            _draft_sampling(item, sampling[i])
+        offsets = [0, *itertools.accumulate(map(len, next_ids))]
+        return ProposeBatch(iteration, msg.requests, offsets, step.hidden_states, request=msg)
 
     def device_plan(self, iteration: int, launched, sampling: list[common_pb2.SamplingParams]) -> ProposeBatch | None:
         """The Propose of a launched step (`VerifierRunner.launch`) as a device hand-off, sent before the
@@ -205,18 +217,18 @@ class DrafterClient:
         hidden = launched.hidden[: batch.query_start[-1]]
         if transport.needs_open(hidden):
             return None
-        items = []
+        msg = drafter_pb2.ProposeRequest(iteration=iteration)
+        add = msg.requests.add
+        starts, spec = batch.num_computed_tokens, batch.num_spec_tokens
         for i, rid in enumerate(batch.req_ids):
-            item = drafter_pb2.ProposeItem(
-                request_id=rid,
-                start_position=batch.num_computed_tokens[i],
-                num_spec_tokens=batch.num_spec_tokens[i],
-                num_rows=rows[i],
-            )
-            item.sampling.CopyFrom(sampling[i])
-            items.append(item)
+            item = add()  # fields set one by one (see build_request)
+            item.request_id = rid
+            item.start_position = starts[i]
+            item.num_spec_tokens = spec[i]
+            item.num_rows = rows[i]
+            _draft_sampling(item, sampling[i])
         offsets = [0, *itertools.accumulate(rows)]
-        return ProposeBatch(iteration, items, offsets, hidden, launched.sampled, launched.num_sampled)
+        return ProposeBatch(iteration, msg.requests, offsets, hidden, launched.sampled, launched.num_sampled, msg)
 
     async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged: Callable[[], None] | None = None) -> Proposal:
         """Drafts for the plan's requests. `on_staged()` is called once every replica's transport holds
@@ -403,6 +415,15 @@ class DrafterClient:
             stream.close()
         self.transport.close()
         await self.pool.close()
+
+
+def _draft_sampling(item: drafter_pb2.ProposeItem, sp: common_pb2.SamplingParams) -> None:
+    """What the drafter reads of a request's sampling: a sampled request's temperature and seed (a greedy one's
+    temperature is 0, unset); not the rest (penalties, end tokens), which only the verifier applies."""
+    if sp.temperature:
+        item.sampling.temperature = sp.temperature
+        if sp.HasField("seed"):
+            item.sampling.seed = sp.seed
 
 
 def sampling_of(batch_msg) -> list[common_pb2.SamplingParams]:

@@ -58,14 +58,17 @@ class HeldDrafts:
         sampling): what a batch planned before the drafts are in holds in their place."""
         return {r.request_id: r.num_held_drafts for r in msg.requests if r.num_held_drafts > 0 and _fillable(r)}
 
-    def fill(self, msg: verifier_pb2.VerifyRequest) -> list[int]:
+    def fill(self, msg: verifier_pb2.VerifyRequest, filled: list[list[int]] | None = None) -> list[int]:
         """Puts the held drafts into `msg`'s requests that ask for them (in place); returns, per
-        request, how many of its placeholders stayed unfilled."""
+        request, how many of its placeholders stayed unfilled. `filled`, when given, gets per request the
+        drafts put in (`with_held_drafts` takes them from there, not from the message)."""
         unfilled = []
         for r in msg.requests:
             n = r.num_held_drafts
             if n == 0:
                 unfilled.append(0)
+                if filled is not None:
+                    filled.append([])
                 continue
             if n < 0 or not _fillable(r):
                 raise InvalidArgument(
@@ -81,6 +84,8 @@ class HeldDrafts:
                 if held.probs is not None:
                     r.draft_probs.CopyFrom(held.probs)
             unfilled.append(n - len(use))
+            if filled is not None:
+                filled.append(use)
         return unfilled
 
     def free(self, request_ids) -> None:

@@ -7,6 +7,7 @@ that samples gets `num_draft + 1` logits rows — its last `num_draft + 1` query
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,9 @@ class PlannedBatch:
     first_pos: list[int]
     msgs: list  # per sampling request, its VerifyRequest entry (its q is decoded at upload)
     placeholders: dict[str, int]  # request id → placeholder drafts planned in its place
+    cu_num_logits: list[int]  # [num_sampling + 1] prefix sum of num_drafts + 1
+    cu_num_draft: list[int]  # [num_sampling + 1] prefix sum of num_drafts
+    placeholder_index: list[tuple[int, int]]  # (index, placeholder drafts) of each request planned with some
 
 
 def build_input_batch(
@@ -129,7 +133,7 @@ def plan_input_batch(
     req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec = [], [], [], [], [], [], [], []
     flat_ids, flat_pos, query_start = [], [], [0]
     sampling_indices, num_drafts, logits_idx, drafts, draft_start = [], [], [], [], []
-    temps, top_ks, top_ps, seeds, first_pos, msgs = [], [], [], [], [], []
+    temps, top_ks, top_ps, seeds, first_pos, msgs, placeholder_index = [], [], [], [], [], [], []
     seen = set()
     for i, r in enumerate(msg.requests):
         rid = r.request_id
@@ -144,6 +148,7 @@ def plan_input_batch(
         if rid in placeholders:
             tokens += [0] * placeholders[rid]
             d = placeholders[rid]
+            placeholder_index.append((i, d))
         n = len(tokens)
         if n == 0:
             raise InvalidArgument(f"request {rid!r} has no token_ids")
@@ -198,31 +203,32 @@ def plan_input_batch(
         else:
             draft_start.append(-1)
         query_start.append(query_start[-1] + n)
+    cu_draft = [0, *itertools.accumulate(num_drafts)]
+    cu_logits = [c + j for j, c in enumerate(cu_draft)]  # each request's drafts + 1
     return PlannedBatch(
         req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec, flat_ids, flat_pos, query_start,
         sampling_indices, num_drafts, logits_idx, drafts, draft_start, temps, top_ks, top_ps, seeds, first_pos, msgs,
-        dict(placeholders),
+        dict(placeholders), cu_logits, cu_draft, placeholder_index,
     )  # fmt: skip
 
 
-def with_held_drafts(planned: PlannedBatch, msg: verifier_pb2.VerifyRequest, vocab_size: int) -> PlannedBatch | None:
-    """`planned` (made with placeholders) with the drafts `HeldDrafts.fill` has since put into `msg`,
-    in place; None when a request got fewer drafts than planned (plan it again). Raises
-    InvalidArgument for a draft outside the vocabulary, as planning would."""
-    for i, r in enumerate(msg.requests):
-        n = planned.placeholders.get(r.request_id)
-        if n is None:
-            continue
-        if r.num_draft_tokens != n or len(r.token_ids) != n + 1:
+def with_held_drafts(planned: PlannedBatch, filled: list[list[int]], vocab_size: int) -> PlannedBatch | None:
+    """`planned` (made with placeholders) with the drafts `HeldDrafts.fill` has since put into its message
+    (`filled`: per request of the message, the drafts put in), in place; None when a request got fewer drafts
+    than planned (plan it again). Raises InvalidArgument for a draft outside the vocabulary, as planning would."""
+    token_ids, flat_ids, drafts = planned.token_ids, planned.flat_ids, planned.drafts
+    query_start, draft_start = planned.query_start, planned.draft_start
+    for i, n in planned.placeholder_index:
+        real = filled[i]
+        if len(real) != n:
             return None
-        real = list(r.token_ids)[1:]
-        if not all(0 <= t < vocab_size for t in real):
-            raise _outside_vocabulary(r.request_id, vocab_size)
-        planned.token_ids[i][1:] = real
-        at = planned.query_start[i] + 1
-        planned.flat_ids[at : at + n] = real
-        at = planned.draft_start[i]
-        planned.drafts[at : at + n] = real
+        if min(real) < 0 or max(real) >= vocab_size:
+            raise _outside_vocabulary(planned.req_ids[i], vocab_size)
+        token_ids[i][1:] = real
+        at = query_start[i] + 1
+        flat_ids[at : at + n] = real
+        at = draft_start[i]
+        drafts[at : at + n] = real
     planned.placeholders = {}
     return planned
 
@@ -238,17 +244,13 @@ def upload_input_batch(
     if planned.placeholders:
         raise ValueError("a batch planned with placeholder drafts needs with_held_drafts() first")
     p = planned
-
-    def cumsum(xs: list[int]) -> list[int]:
-        out = [0]
-        for x in xs:
-            out.append(out[-1] + x)
-        return out
-
-    q_rows: list[RequestQ] = [
-        decode_q(r, r.request_id, p.drafts[start : start + d])
-        for r, start, d in zip(p.msgs, (p.draft_start[i] for i in p.sampling_indices), p.num_drafts)
-    ]
+    draft_probs = None
+    if any(r.HasField("draft_probs") for r in p.msgs):  # sampled drafts' q (greedy steps send none)
+        q_rows: list[RequestQ] = [
+            decode_q(r, r.request_id, p.drafts[start : start + d])
+            for r, start, d in zip(p.msgs, (p.draft_start[i] for i in p.sampling_indices), p.num_drafts)
+        ]
+        draft_probs = batch_q(q_rows, vocab_size, device)
     upload = upload or StepUpload(device)
     (
         (ids_t, pos_t, logits_idx_t, drafts_t, seeds_t, first_pos_t),
@@ -256,7 +258,7 @@ def upload_input_batch(
         (temps_t, top_p_t),
     ) = upload(
         [p.flat_ids, p.flat_pos, p.logits_idx, p.drafts, p.seeds, p.first_pos],
-        [cumsum([d + 1 for d in p.num_drafts]), cumsum(p.num_drafts), p.top_ks],
+        [p.cu_num_logits, p.cu_num_draft, p.top_ks],
         [p.temps, p.top_ps],
     )
     return InputBatch(
@@ -282,7 +284,7 @@ def upload_input_batch(
         top_p=top_p_t,
         seeds=seeds_t,
         first_logits_positions=first_pos_t,
-        draft_probs=batch_q(q_rows, vocab_size, device),
+        draft_probs=draft_probs,
         all_greedy=all(t == 0 for t in p.temps),
         any_filter=any(k > 0 for k in p.top_ks) or any(tp < 1 for tp in p.top_ps),
         max_num_draft=max(p.num_drafts, default=0),

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rank_device(device: str, rank: int) -> str:
-    """The device of `rank` when rank 0 runs on `device`: the next CUDA devices in order; cpu stays cpu."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        return device
-    return f"cuda:{(d.index or 0) + rank}"
+from specsplit.tensor_parallel import rank_load
 
 
 def load_and_size(config, step_path: dict, rank: int = 0):
@@ -21,19 +15,14 @@ def load_and_size(config, step_path: dict, rank: int = 0):
     `ranks.follower_main`), in step, since the runners' warm-up forwards take part in collectives; a cache sized
     from memory gets the least of the ranks' block counts (`parallel.min_over_ranks`), as rank 0's block plans
     index every rank's."""
-    from specsplit.models.kv_cache_size import CPU_NUM_BLOCKS
     from specsplit.models.loader import load_target
-    from specsplit.models.memory_profile import DeviceBaseline, device_memory_lock, size_kv_cache
+    from specsplit.models.memory_profile import size_kv_cache
     from specsplit.models.parallel import min_over_ranks
     from specsplit.verifier.runner import VerifierRunner
 
     options = config.model
-    device = rank_device(options.device, rank) if rank else options.device
-    on_cuda = torch.device(device).type == "cuda"
-    num_blocks = config.num_blocks if config.num_blocks is not None or on_cuda else CPU_NUM_BLOCKS
     # A co-located drafter shares rank 0's device only.
-    with device_memory_lock(config.socket_dir if on_cuda and rank == 0 else None):
-        baseline = DeviceBaseline.take(device) if on_cuda else None
+    with rank_load(options.device, config.num_blocks, config.socket_dir, rank) as (device, num_blocks, baseline):
         dtype = getattr(torch, options.dtype)
         model = load_target(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
         limit = model.config.max_position_embeddings

@@ -36,13 +36,19 @@ def verify_response(
             later_steps_ns=proposal.later_steps_ns,
         ),
     )
-    logprobs = step.logprobs or [None] * batch.num_reqs
+    logprobs = step.logprobs
+    add, sampled, rejected, drafts = (
+        response.results.add,
+        step.sampled_token_ids,
+        step.num_rejected,
+        batch.num_draft_tokens,
+    )
     for i, rid in enumerate(batch.req_ids):
-        response.results.add(
-            request_id=rid,
-            sampled_token_ids=step.sampled_token_ids[i],
-            num_rejected=step.num_rejected[i] + unfilled[i],
-            num_draft_tokens=batch.num_draft_tokens[i],
-            logprobs=logprobs[i],
-        )
+        result = add()  # fields set one by one: add(request_id=..., ...) costs several times more
+        result.request_id = rid
+        result.sampled_token_ids.extend(sampled[i])
+        result.num_rejected = rejected[i] + unfilled[i]
+        result.num_draft_tokens = drafts[i]
+        if logprobs is not None and logprobs[i] is not None:
+            result.logprobs.extend(logprobs[i])
     return response

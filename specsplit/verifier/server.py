@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from specsplit.placement import Placement, add_placement_arguments, resolve_plac
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.security import load_tls
 from specsplit.slow_steps import SlowStepWatch
+from specsplit.tensor_parallel import add_tensor_parallel_arguments
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--drafter-timeout", type=float, default=30.0, help="seconds per Propose call")
     add_placement_arguments(p)
-    tp = p.add_argument_group("tensor parallelism (specsplit/verifier/ranks.py)")
-    tp.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks, one process per device: rank r on the r-th CUDA device after --device (or all on cpu)",
-    )
-    tp.add_argument(
-        "--tensor-parallel-address",
-        default="127.0.0.1:0",
-        help="HOST:PORT of the ranks' rendezvous, hosted by rank 0 (port 0: any free port)",
-    )
-    tp.add_argument(
-        "--tensor-parallel-timeout",
-        type=float,
-        default=300.0,
-        help="seconds for every rank to join at start-up (and for any collective to complete)",
-    )
+    add_tensor_parallel_arguments(p, "specsplit/verifier/ranks.py")
     t = p.add_argument_group("hidden-state transport (verifier → drafter)")
     t.add_argument(
         "--transport-address",
@@ -164,10 +147,11 @@ async def serve(config: VerifierConfig) -> None:
     import torch
 
     from specsplit.models.device import device_executor, use_device
+    from specsplit.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
     from specsplit.verifier.loading import load_and_size
-    from specsplit.verifier.ranks import end_followers
+    from specsplit.verifier.ranks import follower_main
     from specsplit.verifier.servicer import VerifierServicer
     from specsplit.verifier.worker import VerifierWorker
 
@@ -216,28 +200,14 @@ async def serve(config: VerifierConfig) -> None:
     followers = None
     if config.tensor_parallel_size > 1:
 
-        async def rank_lost(rank: int, code: int | None) -> None:
-            log.error(
-                "tensor-parallel rank %d exited (code %s): NOT_SERVING, the other ranks stopped, exiting 1 "
-                "(a restarted verifier serves again)",
-                rank,
-                code,
-            )
-            await server.set_not_serving()
-            followers.kill()
-            await server.stop(1.0)
+        async def close() -> None:
             await local.close()
             sockets.remove()
-            logging.shutdown()
-            os._exit(1)  # not a drain: the step thread may be stuck in a collective with the lost rank
 
         try:
-            followers = await loop.run_in_executor(
-                None, start_ranks, config, lambda r, c: asyncio.run_coroutine_threadsafe(rank_lost(r, c), loop)
-            )
+            followers = await start_followers(config, follower_main, server, close)
         except UsageError:
-            await local.close()
-            sockets.remove()
+            await close()
             raise
     try:
         with checkpoint_mistakes(model_options.checkpoint):
@@ -305,32 +275,3 @@ async def serve(config: VerifierConfig) -> None:
         delay_s=config.server.shutdown_delay,
         on_drain=servicer.drain,
     )
-
-
-def start_ranks(config: VerifierConfig, on_exit):
-    """Rank 0's start of a tensor-parallel verifier (blocking): the followers spawned and the group joined
-    (`specsplit.verifier.ranks`); `on_exit(rank, code)` runs when a follower exits. UsageError for a group not
-    formed in time."""
-    from specsplit.launcher import free_port
-    from specsplit.models.parallel import TensorParallelStartError, init_tensor_parallel
-    from specsplit.verifier.loading import rank_device
-    from specsplit.verifier.ranks import Followers, backend_for
-
-    size = config.tensor_parallel_size
-    host, _, port = config.tensor_parallel_address.rpartition(":")
-    address = f"{host}:{port if port != '0' else free_port(host)}"
-    followers = Followers(config, address)
-    followers.start(on_exit)
-    try:
-        init_tensor_parallel(
-            0,
-            size,
-            address,
-            backend=backend_for(config.model.device),
-            timeout_s=config.tensor_parallel_timeout,
-            device=rank_device(config.model.device, 0),
-        )
-    except TensorParallelStartError as err:
-        followers.kill()
-        raise UsageError(f"{err}; check that every rank's device is free and the address is reachable") from err
-    return followers

@@ -40,6 +40,7 @@ class EarlyStep:
     error: Exception | None = None
     planned_ns: int = 0  # when the planning ended (the `plan_ahead` span)
     used: bool = False  # the step ran on this plan (False: it planned again, with the drafts that came)
+    options: list[LogitsOptions | None] | None = None  # per request, its logits options (`_logits_plan`)
 
 
 class VerifierWorker:
@@ -86,9 +87,10 @@ class VerifierWorker:
                 placeholders=HeldDrafts.placeholders(request),
             )
             prepared = self.runner.prepare(planned.req_ids, planned.num_computed_tokens, planned.num_new_tokens)
+            options = [LogitsOptions.of(r.sampling) for r in request.requests]
         except Exception:  # noqa: BLE001 (e.g. no KV room for every placeholder: the step plans with the real drafts)
             return EarlyStep(planned_ns=time.time_ns())
-        return EarlyStep(planned, prepared, planned_ns=time.time_ns())
+        return EarlyStep(planned, prepared, planned_ns=time.time_ns(), options=options)
 
     def launch(
         self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None
@@ -97,10 +99,11 @@ class VerifierWorker:
         it), queued on the device: the batch, the launched step (None for a batch without requests, an iteration
         that only frees) and, per request, how many of its placeholders stayed unfilled. Raises SpecsplitError
         naming the first bad field of the message."""
-        unfilled = self.held.fill(request)
+        filled: list[list[int]] = []
+        unfilled = self.held.fill(request, filled)
         planned = early.planned if early is not None else None
         if planned is not None:
-            planned = with_held_drafts(planned, request, self.vocab_size)  # None: fewer drafts came than planned
+            planned = with_held_drafts(planned, filled, self.vocab_size)  # None: fewer drafts came than planned
             early.used = planned is not None
         if planned is None:
             planned = plan_input_batch(
@@ -109,18 +112,22 @@ class VerifierWorker:
                 max_model_len=self.max_model_len,
                 num_cached_tokens=self.kv_cache.num_tokens,
             )
-        logits_plan = self._logits_plan(request, planned)
+        logits_plan = self._logits_plan(request, planned, early.options if early is not None else None)
         batch = upload_input_batch(planned, vocab_size=self.vocab_size, device=self.device, upload=self._upload)
         if not batch.num_reqs:
             return batch, None, unfilled
         prepared = early.prepared if early is not None else None
         return batch, self.runner.launch(batch, prepared, logits_plan), unfilled
 
-    def _logits_plan(self, request: verifier_pb2.VerifyRequest, planned: PlannedBatch) -> LogitsPlan | None:
+    def _logits_plan(
+        self, request: verifier_pb2.VerifyRequest, planned: PlannedBatch, options: list | None = None
+    ) -> LogitsPlan | None:
         """The step's penalties, min_tokens and logprobs (None: no request uses any), with the history of each
         request with penalties: its tokens up to its last one (the chunks of its prompt, then what each step ran
-        and the next one's num_computed_tokens kept)."""
-        options = [LogitsOptions.of(r.sampling) for r in request.requests]  # batch order is the message's
+        and the next one's num_computed_tokens kept). `options`: each request's `LogitsOptions`, when the early
+        plan made them."""
+        if options is None:
+            options = [LogitsOptions.of(r.sampling) for r in request.requests]  # batch order is the message's
         if not any(options):
             return None
         histories = {}

@@ -1,5 +1,5 @@
 """benchmarks/adaptive.py on the CPU with the demo checkpoint (a smoke run: the numbers are for the H200): every mode
-of every cell runs lossless and the comparison table and its JSON come out."""
+of every cell runs its steady-state windows lossless, in rounds, and the comparison table and its JSON come out."""
 
 import json
 import os
@@ -15,7 +15,8 @@ def test_adaptive_benchmark_compares_every_mode_in_each_cell(tmp_path):
     out = tmp_path / "adaptive.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "adaptive.py"), "--batches", "1", "--mixed-batches", "2"]
-        + ["--alphas", "0.9", "--ks", "1", "2", "--new-tokens", "8", "--waves", "2", "--out", str(out)],
+        + ["--alphas", "0.9", "--ks", "1", "2", "--rounds", "2", "--iterations", "3", "--warm-iterations", "1"]
+        + ["--request-iterations", "1", "--learn-iterations", "4", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,5 +30,9 @@ def test_adaptive_benchmark_compares_every_mode_in_each_cell(tmp_path):
         assert set(r["tokens_per_s"]) == {"target_only", "k1", "k2", "adaptive"}
         assert all(v > 0 for v in r["tokens_per_s"].values())
         assert r["adaptive_vs_best_fixed"] == r["tokens_per_s"]["adaptive"] / r["tokens_per_s"][r["best_fixed"]]
+        # the median and the min-max over the rounds (a mode pruned after round 1 has one)
+        for mode, speeds in r["rounds"].items():
+            assert len(speeds) in (1, 2) and r["range"][mode] == [min(speeds), max(speeds)]
+        assert len(r["rounds"]["target_only"]) == len(r["rounds"]["adaptive"]) == 2
         assert len(r["adaptive_draft_count_histogram"]) <= 3  # at most max(--ks) drafts
     assert re.search(r"worst cell: adaptive / best fixed [0-9.]+, adaptive / target_only [0-9.]+", proc.stdout)

@@ -75,6 +75,24 @@ def test_the_coin_is_the_same_in_another_runner_with_the_same_seed_and_differs_w
     assert runs[0] == runs[1] != runs[2]
 
 
+def test_a_positions_coin_does_not_depend_on_the_number_of_drafts_asked_for():
+    """Common random numbers across modes: a position reached with k 1 and with k 3 is accepted in both or neither."""
+    oracle = _oracle(6)
+    kept: list[dict[int, bool]] = []
+    for k in (1, 3):
+        runner, outcome = ForcedAcceptanceRunner(FakeRunner(), oracle, 0.5, seed=4), {}
+        for i, seq in enumerate(oracle.sequences):
+            n = 17  # tokens known before the first iteration (as _decode: prompt_len + 1)
+            for accepted in _decode(runner, seq, 16, k, f"r{i}"):
+                for pos in range(min(accepted + 1, k)):
+                    outcome[(i, n + pos)] = pos < accepted
+                n += accepted + 1
+        kept.append(outcome)
+    both = kept[0].keys() & kept[1].keys()
+    assert len(both) > 50 and all(kept[0][p] == kept[1][p] for p in both)
+    assert 0.3 < sum(kept[0][p] for p in both) / len(both) < 0.7
+
+
 def test_unknown_requests_keep_the_mtp_drafts_and_free_passes_through():
     runner = ForcedAcceptanceRunner(FakeRunner(), _oracle(3), 1.0)
     stranger = list(range(500, 500 + KEY_LEN + 5))

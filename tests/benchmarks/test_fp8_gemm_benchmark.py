@@ -14,4 +14,42 @@ def test_fp8_gemm_benchmark_checks_every_candidate_on_cpu(tmp_path, capsys):
     assert all(c["ok"] and c["err"] < 1e-2 for c in configs)
     assert any(c["config"]["split_k"] > 1 for c in configs)  # the split-K path ran too
     assert any(c["config"]["prequantize"] for c in configs)  # and the separate activation quantization
+    assert any(c["config"]["swap_ab"] for c in configs) and any(not c["config"]["swap_ab"] for c in configs)
     assert "0 configurations failed" in capsys.readouterr().out
+
+
+def test_report_prints_pasteable_configs_and_the_fastest_of_each_operand_order(monkeypatch):
+    """The GPU run's report from rows with stand-in times (no GPU here): the CONFIGS block is valid Python that
+    builds the fastest configuration of each (N, K, M bucket), and the default / x-rows / W-rows columns."""
+    import argparse
+
+    import benchmarks.fp8_gemm as sweep
+    from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig
+
+    monkeypatch.setattr(sweep, "FLUSH_BYTES", 1)  # one copy of each weight
+    times = iter(range(10, 10_000))  # every timing slower than the last: the first FP8 candidate wins
+    args = argparse.Namespace(device="cpu", tiny=True, quick=False, m=[3])
+    rows = sweep.bench_shape("split", 96, 512, args, sweep.TINY_NUM_SMS, lambda fn: next(times) / 1e3)
+    text = sweep.report(rows, "cpu")
+    block = text.split("```python\n")[1].split("```")[0]
+    namespace = {"Fp8GemmConfig": Fp8GemmConfig}
+    exec(block.replace("CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig]", "CONFIGS"), namespace)
+    (row,) = rows
+    assert namespace["CONFIGS"] == {(96, 512, 4): sweep._config(row["best"])} and row["best"] is row["configs"][0]
+    line = next(line for line in text.splitlines() if line.startswith("| split | 96 x 512 | 3 |"))
+    default_us, x_rows_us, w_rows_us = (float(cell) for cell in line.strip(" |").split(" | ")[-3:])
+    assert (
+        min(x_rows_us, w_rows_us) == row["best"]["us"] < max(x_rows_us, w_rows_us) and default_us >= row["best"]["us"]
+    )
+
+
+def test_compile_jobs_cover_every_kernel_variant_once_and_run():
+    """The sweep's parallel precompilation: one job per launch configuration (K split or not) and K's
+    specialization, each of which runs (here under the interpreter, in this process)."""
+    import benchmarks.fp8_gemm as sweep
+
+    jobs = sweep.compile_jobs({"a": (96, 512), "b": (200, 512)}, [1, 3], sweep.TINY_NUM_SMS, quick=True)
+    # --quick: the default configuration per (shape, M); the same variant for both shapes is one job.
+    defaults = {sweep.candidates(n, 512, m, sweep.TINY_NUM_SMS, False, True)[0] for n in (96, 200) for m in (1, 3)}
+    assert len(jobs) == len({(c.block_m, c.block_n, c.split_k > 1, c.prequantize) for c in defaults}) >= 1
+    assert sweep.compile_kernels(jobs, "cpu") == 0

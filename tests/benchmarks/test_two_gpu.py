@@ -27,8 +27,10 @@ def test_shape_runs_end_to_end_with_forced_acceptance_and_stays_lossless(tmp_pat
     for r in result["e2e"]:
         assert r["tokens_per_s"] > 0
         # Random-weight drafts over an 8192-token vocabulary are (almost) never accepted: acceptance
-        # well above zero means the forced drafter ran with an oracle matching the measured outputs.
-        assert r["acceptance_rate"] > 0.3 and r["accepted_per_iteration"] > 0.5, r
+        # well above zero means the forced drafter ran with an oracle matching the measured outputs. (Not near
+        # alpha: 16 positions, and the forced coin is one per prompt and position, the same in every run — with
+        # this seed about half of them come up "reject".)
+        assert r["acceptance_rate"] > 0.15 and r["accepted_per_iteration"] > 0.3, r
     assert [c["mode"] for c in result["lossless"]] == ["two_devices/nccl", "one_device/grpc"]
     for c in result["lossless"]:
         assert c == dict(mode=c["mode"], dtype="float32", prompts=2, identical=2, outputs=2)

@@ -1,18 +1,20 @@
 """Adaptive speculation: the chooser of per-request draft counts, its cost model and its acceptance estimates, and
 the scheduler asking the drafter for the chosen counts."""
 
+import math
 import time
 
+import numpy as np
 import pytest
 
 from specsplit.coordinator import draft_choice
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.draft_acceptance import PositionCounts
+from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance
 from specsplit.coordinator.draft_choice import DraftChooser
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.coordinator.step_cost import StepCostModel
+from specsplit.coordinator.step_cost import StepCostModel, bucket_of
 from specsplit.coordinator.wire import verify_request
 
 
@@ -38,21 +40,21 @@ def test_before_any_timing_every_request_gets_its_cap():
 
 def test_low_acceptance_gets_no_drafts():
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.0001, [8, 16, 24, 48])
+    linear_costs(chooser.costs, 0.010, 0.0001, [8, 16, 24, 32, 40, 48])  # every depth of batch 8 timed
     low = counts(0.05)
     assert chooser.choose([5] * 8, [low] * 8) == [0] * 8
 
 
 def test_high_acceptance_and_cheap_tokens_get_the_maximum():
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 32, 48])
+    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 24, 32, 40, 48])
     high = counts(0.95)
     assert chooser.choose([5] * 8, [high] * 8) == [5] * 8
 
 
 def test_mixed_batch_gets_per_request_counts():
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.0004, [16, 32, 64, 96])
+    linear_costs(chooser.costs, 0.010, 0.0004, [16, 32, 48, 64, 80, 96])
     high, low = counts(0.9), counts(0.1)
     chosen = chooser.choose([5] * 16, [high] * 8 + [low] * 8)
     assert all(n >= 2 for n in chosen[:8]), chosen
@@ -63,10 +65,10 @@ def test_expensive_tokens_cut_the_draft_count():
     """At 0.6 acceptance, cheap tokens pay for every draft; tokens costing as much as the fixed part do not."""
     chooser = DraftChooser()
     mid = counts(0.6)
-    linear_costs(chooser.costs, 0.010, 0.00001, [32, 64, 128, 192])
+    linear_costs(chooser.costs, 0.010, 0.00001, [32, 64, 96, 128, 160, 192])
     many = sum(chooser.choose([5] * 32, [mid] * 32))
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.0005, [32, 64, 128, 192])
+    linear_costs(chooser.costs, 0.010, 0.0005, [32, 64, 96, 128, 160, 192])
     few = sum(chooser.choose([5] * 32, [mid] * 32))
     assert many == 5 * 32 and few < 32
 
@@ -86,16 +88,82 @@ def test_cost_model_learns_a_linear_cost():
     assert curve.base_s(94) == pytest.approx(0.004 + 0.0002 * 94, 0.02)  # above: the line continued
 
 
+def test_a_depth_run_steadily_costs_its_measured_time_not_the_sum():
+    """The drafter reports its later steps as nearly free (0.1 ms) but an iteration of 4 of them takes 19 ms where one
+    of 2 takes 12 at the same tokens: once run steadily (verifying as deep as it proposes), each costs what it took;
+    a depth never run that way is priced by the sum, and one that changed depth (verified 3 drafts, proposes 5) is
+    not kept whole."""
+    model = StepCostModel()
+    for _ in range(4):
+        model.record(256, 2, 0.0120, later_steps_s=0.0002, verified_depth=3)
+        model.record(256, 4, 0.0190, later_steps_s=0.0004, verified_depth=5)
+        model.record(256, 4, 0.0300, later_steps_s=0.0004, verified_depth=3)  # a change of depth: not kept whole
+    curve = model.curve()
+    assert curve.iteration_s(256, 2) == pytest.approx(0.0120)
+    assert curve.iteration_s(256, 4) == pytest.approx(0.0190)
+    assert curve.iteration_s(250, 4) == pytest.approx(0.0190)  # 256's bucket
+    summed = curve.base_s(256) + curve.propose_s + 3 * curve.later_step_s
+    assert curve.iteration_s(256, 3) == pytest.approx(summed)
+    by_depth = curve.proposed_s_by_depth(np.array([256.0, 100.0]), 5)  # [L 0..4, the two token counts]
+    assert by_depth[4, 0] == pytest.approx(0.0190) and by_depth[2, 0] == pytest.approx(0.0120)
+    assert by_depth[4, 1] == pytest.approx(curve.base_s(100) + curve.propose_s + 4 * curve.later_step_s)
+    # Half the batch at 5 drafts, half at 1 (T 256, 4 later steps) against all at 3 (T 256, 2 later steps): at
+    # acceptance 0.9 the first emits 2 % more tokens for 58 % more time.
+    chooser = DraftChooser()
+    chooser.costs = model
+    chooser._swept_batches.add((64, 5, 5, 320))  # nothing to sweep: the choice alone
+    assert chooser._best([5] * 64, [counts(0.9)] * 64, None, 64, 5) == [3] * 64
+
+
+def test_after_one_steady_run_a_depth_costs_the_mean_of_its_time_and_the_sum():
+    """One slow moment must not price a depth out for good (it would never be chosen, so never measured again)."""
+    model = StepCostModel()
+    model.record(512, 2, 0.0300, later_steps_s=0.0004, propose_s=0.001, verified_depth=1)  # not steady: the sum's
+    model.record(512, 2, 0.0600, later_steps_s=0.0004, propose_s=0.001, verified_depth=3)  # steady, slow
+    curve = model.curve()
+    summed = curve.base_s(512) + curve.propose_s + 2 * curve.later_step_s
+    assert curve.iteration_s(512, 2) == pytest.approx((0.0600 + summed) / 2)
+    model.record(512, 2, 0.0300, later_steps_s=0.0004, propose_s=0.001, verified_depth=3)
+    assert model.curve().iteration_s(512, 2) == pytest.approx((0.0600 + 0.0300) / 2)  # two runs: their own time
+
+
+def test_a_depth_never_run_steadily_is_chosen_twice_in_a_row():
+    """The iteration that first proposes a new depth verifies the previous choice's drafts: the choice is repeated
+    once, for the same batch, so that the next iteration verifies and proposes it (a steady run, kept whole)."""
+    model = StepCostModel()
+    for t in (8, 16, 24, 32, 40, 48):
+        for _ in range(3):
+            model.record(t, 0, 0.010 + 0.0001 * t, later_steps_s=0.0, proposed=False)
+            model.record(t, 0, 0.012 + 0.0001 * t, later_steps_s=0.0, propose_s=0.002)
+    model.later_step_s = 0.0002
+    chooser = DraftChooser()
+    chooser.costs = model
+    batch, caps = [counts(0.9) for _ in range(8)], [5] * 8
+    first = chooser.choose(caps, batch)
+    assert max(first) > 1 and (bucket_of(8 + sum(first)), max(first) - 1) not in model.measured_runs
+    model.record(8 + sum(first), max(first) - 1, 1.0, later_steps_s=0.0, verified_depth=1)  # dear, not steady
+    assert chooser.choose(caps, batch) == first  # repeated all the same, though it now looks dear
+    assert chooser._trial is None  # once only
+    assert chooser.choose(caps, batch) != first
+    chooser._trial = (batch, caps, first)
+    assert chooser.choose(caps[:7] + [4], batch) != first  # the batch changed: chosen anew
+
+
 def test_a_proposes_cost_is_learned_where_iterations_with_and_without_one_meet():
     model = StepCostModel()
     for t in (8, 16, 32):
         model.record(t, 0, 0.010 + 0.0001 * t + (0.003 if t == 32 else 0.0), proposed=t == 32)
     model.record(16, 0, 0.0116 + 0.003)  # the first iteration of drafting again: verifies none, proposes
+    model.record(24, 0, 0.0124, proposed=False)
     curve = model.curve()
     assert model.propose_s == pytest.approx(0.003)
     assert curve.iteration_s(16, 0, proposed=False) == pytest.approx(0.0116)
     assert curve.iteration_s(16, 0) == pytest.approx(0.0146)
     assert curve.base_s(32) == pytest.approx(0.0132)  # measured with a Propose only: less its cost
+    for t in (8, 16, 24, 32):  # every depth of batch 8 timed often enough not to be swept
+        for _ in range(2):
+            model.record(t, 0, 0.010 + 0.0001 * t, proposed=False)
+    assert model.propose_s == pytest.approx(0.003)
     chooser = DraftChooser()
     chooser.costs = model
     # At acceptance 0.3 one draft each gains 30 % more tokens for 2 % more tokens run, but the Propose costs 26 %.
@@ -119,7 +187,11 @@ def test_iterations_without_drafts_are_tried_until_a_proposes_cost_is_known():
     assert chooser.choose([3] * 8, [high] * 8) == [0] * 8  # the probe
     chooser.costs.record(32, 0, 0.0100, proposed=False)  # verifying the drafts held, no Propose
     assert chooser.costs.propose_s == pytest.approx(0.0003)
-    assert chooser.choose([3] * 8, [high] * 8) == [3] * 8
+    # Then each depth whose token count was timed too rarely, SWEEP_SAMPLES times (batch 8 at k = 2 runs 24 tokens;
+    # 32 has 2 samples), then the choice.
+    chosen = [chooser.choose([3] * 8, [high] * 8) for _ in range(4 * draft_choice.SWEEP_SAMPLES)]
+    sweeps = [[d] * 8 for d in (0, 1, 2) for _ in range(draft_choice.SWEEP_SAMPLES)] + [[3] * 8]
+    assert chosen == sweeps + [[3] * 8] * (len(chosen) - len(sweeps))
     chooser = DraftChooser()
     chooser.costs.record(8, 0, 0.0100, proposed=False)  # only iterations without one so far (no drafter, say)
     assert chooser.choose([3] * 8, [high] * 8) == [3] * 8  # then one with: the cap
@@ -127,20 +199,72 @@ def test_iterations_without_drafts_are_tried_until_a_proposes_cost_is_known():
 
 def test_every_request_gets_one_draft_more_every_so_many_choices():
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.001, [4, 8, 24])
+    linear_costs(chooser.costs, 0.010, 0.001, [4, 7, 10, 13, 16, 19])  # batch 4 (one with no drafts) at every depth
     low = counts(0.05)
     n = 4 * draft_choice.EXPLORE_EVERY  # nobody drafts: the rarer exploration
     chosen = [chooser.choose([5, 5, 5, 0], [low] * 4) for _ in range(n)]
     assert chosen[:-1] == [[0] * 4] * (n - 1)
     assert chosen[-1] == [1, 1, 1, 0]
+    assert chooser.choose([5, 5, 5, 0], [low] * 4) == [1, 1, 1, 0]  # twice: the second iteration is a steady run
+    assert chooser.choose([5, 5, 5, 0], [low] * 4) == [0] * 4
     chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 32, 48])
+    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 23, 30, 37, 44])  # every depth timed
     chooser.costs.record(48, 1, 0.0115, later_steps_s=0.0015)  # drafter steps after step 0 cost 1.5 ms each
     caps, mid = [5, 1, 5, 5, 5, 5, 5, 5], counts(0.6)
     n = draft_choice.EXPLORE_EVERY
     chosen = [chooser.choose(caps, [mid] * 8) for _ in range(n)]
     assert 1 < max(chosen[0]) < 5, chosen[0]  # deep drafts do not pay for their drafter steps at 0.6
     assert chosen[-2] == chosen[0] and chosen[-1] == [min(c + 1, cap) for c, cap in zip(chosen[0], caps)]
+    assert chooser.choose(caps, [mid] * 8) == chosen[-1]
+
+
+def test_a_choice_of_no_drafts_is_kept_until_a_draft_is_verified_the_batch_changes_or_it_is_old():
+    reqs = [counts(0.5) for _ in range(8)]
+
+    def chooser_at_zero() -> DraftChooser:
+        chooser = DraftChooser()
+        linear_costs(chooser.costs, 0.010, 0.002, [8, 16, 24, 32])  # tokens dear: at acceptance 0.5 no draft pays
+        assert chooser.choose([3] * 8, reqs) == [0] * 8
+        for _ in range(8):
+            linear_costs(chooser.costs, 0.010, 0.0, [8, 16, 24, 32])  # now free: drafts would pay ...
+        return chooser
+
+    chooser = chooser_at_zero()
+    assert chooser.choose([3] * 8, reqs) == [0] * 8  # ... but no draft was verified and the batch is the same
+    swapped = [*reqs[:7], counts(0.5)]  # one request finished, another took its place
+    assert chooser.choose([3] * 8, swapped) == [3] * 8  # another batch: chosen
+    chooser = chooser_at_zero()
+    chosen = [chooser.choose([3] * 8, reqs) for _ in range(draft_choice.ZERO_KEEP)]
+    assert chosen[:-1] == [[0] * 8] * (draft_choice.ZERO_KEEP - 1) and chosen[-1] == [3] * 8  # re-chosen when old
+    chooser = chooser_at_zero()
+    chooser.record_verified(PositionCounts(), 1, 1)  # a draft verified (an exploration's): re-chosen
+    assert chooser.choose([3] * 8, reqs) == [3] * 8
+
+
+def test_a_token_count_costs_what_the_next_measured_bucket_costs():
+    """The verifier's step is flat within a CUDA graph size and jumps at the next (powers of two): between two
+    measurements a token count costs the larger one's, not a line's value."""
+    model = StepCostModel()
+    for tokens, seconds in ((32, 0.0066), (64, 0.0086), (128, 0.0150)):
+        for _ in range(3):
+            model.record(tokens, 0, seconds, proposed=False)
+    assert bucket_of(62) == bucket_of(64) != bucket_of(65)  # a power of two tops its bucket
+    curve = model.curve()
+    assert curve.base_s(40) == pytest.approx(0.0086)  # a line would say 0.0071
+    assert curve.base_s(64) == pytest.approx(0.0086) and curve.base_s(65) == pytest.approx(0.0150)
+    assert curve.base_s(16) == pytest.approx(0.0066)  # below the first: its time
+    assert curve.base_s_of(np.array([40.0, 65.0])).tolist() == pytest.approx([0.0086, 0.0150])
+
+
+def test_a_buckets_first_samples_are_averaged():
+    """A sweep times a depth 3 times; one of them in a slow moment weighs a third, not (an EMA's start) most."""
+    model = StepCostModel()
+    for seconds in (0.030, 0.010, 0.010):
+        model.record(32, 0, seconds, proposed=False)
+    assert model.curve().base_s(32) == pytest.approx(0.050 / 3)
+    for _ in range(20):
+        model.record(32, 0, 0.010, proposed=False)
+    assert model.curve().base_s(32) == pytest.approx(0.010, rel=0.01)  # then an EMA: the old samples fade
 
 
 def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():
@@ -156,7 +280,7 @@ def test_request_estimate_shrinks_toward_the_server():
     for _ in range(100):
         chooser.acceptance.record(3, 1)  # position 0 always accepted, position 1 never
     prior = chooser.acceptance.means(4)
-    assert prior[0] == pytest.approx(1.0, abs=0.02) and prior[1] == pytest.approx(0.0, abs=0.02)
+    assert prior[0] == pytest.approx(1.0, abs=0.02) and prior[1] == pytest.approx(0.0, abs=0.03)
     assert prior[2] == prior[3] == prior[1]  # deeper than reached: the deepest reached one's
     own = PositionCounts()
     for _ in range(40):
@@ -166,11 +290,24 @@ def test_request_estimate_shrinks_toward_the_server():
     scale = a0 / prior[0]
     a1 = (40 + 8 * min(1.0, prior[1] * scale)) / 48
     a2 = min(1.0, prior[2] * scale)
-    order, gains = chooser._order_by_gain([3], [own], 3)
-    assert order == [0, 1, 2]
+    (gains,) = chooser._gains([3], [own], 3)
     assert gains == pytest.approx([a0, a0 * a1, a0 * a1 * a2])
-    _, fresh = chooser._order_by_gain([3], [PositionCounts()], 3)
+    (fresh,) = chooser._gains([3], [PositionCounts()], 3)
     assert fresh == pytest.approx([prior[0], prior[0] * prior[1], prior[0] * prior[1] * prior[2]])  # the server's
+
+
+def test_a_rarely_reached_position_is_shrunk_toward_the_one_before_it():
+    """At low acceptance position 2 is reached a few times: its estimate leans on position 1's, not on 0.5 (which
+    made deep drafts look better than shallow ones, and asked for them)."""
+    server = ServerAcceptance(half_life=math.inf)  # no decay: the counts as they are
+    for i in range(200):
+        server.record(3, 0 if i % 10 else 1)  # position 0 accepted 1 time in 10
+    server.record(3, 2)  # position 0: 21 of 201; position 1: 1 of 21; position 2: 0 of 1
+    means = server.means(3)
+    assert means[0] == pytest.approx((21 + 2 * 0.5) / (201 + 2))
+    assert means[1] == pytest.approx((1 + 2 * means[0]) / (21 + 2))
+    assert means[2] == pytest.approx((0 + 2 * means[1]) / (1 + 2))
+    assert means[2] < means[1] < means[0] < 0.5
 
 
 def test_a_request_rejected_at_once_is_expected_to_be_further_on():
@@ -181,21 +318,32 @@ def test_a_request_rejected_at_once_is_expected_to_be_further_on():
     low = PositionCounts()
     for _ in range(30):
         low.record(3, 0)  # this one: rejected at once
-    _, gains = chooser._order_by_gain([3], [low], 3)
+    (gains,) = chooser._gains([3], [low], 3)
     assert gains[0] < 0.25 and gains[1] < gains[0] ** 2 * 1.01
 
 
-def test_choice_cost_at_batch_128():
-    """Not a timed assert: prints what one choice costs on the coordinator's loop at batch 128, k_max 5."""
-    chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.015, 0.00002, [128, 256, 384, 512, 640, 768])
-    reqs = [counts(0.3 + 0.6 * (i % 7) / 6) for i in range(128)]
-    chooser.choose([5] * 128, reqs)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        chosen = chooser.choose([5] * 128, reqs)
-    print(f"\nDraftChooser.choose at batch 128, k_max 5: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
-    assert 0 < sum(chosen) <= 5 * 128
+def test_choice_cost_per_batch_size():
+    """Not a timed assert: prints what one choice costs on the coordinator's loop at batch 1..128, k_max 5, each after
+    an iteration's timing (the cost curve rebuilt, as on a server), with every depth timed (no sweep)."""
+    costs = StepCostModel()
+    linear_costs(costs, 0.015, 0.00002, sorted({b * (d + 1) for b in (1, 8, 32, 64, 128) for d in range(6)}))
+    line = []
+    for batch in (1, 8, 32, 64, 128):
+        chooser = DraftChooser()
+        chooser.costs = costs
+        reqs = [counts(0.3 + 0.6 * (i % 7) / 6) for i in range(batch)]
+        left = [20 + i % 5 for i in range(batch)]
+        chosen = chooser.choose([5] * batch, reqs, left)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                costs.record(batch, 0, 0.015 + 0.00002 * batch, proposed=False)
+                chooser.choose([5] * batch, reqs, left)
+            best = min(best, (time.perf_counter() - t0) / 20)
+        line.append(f"B {batch}: {best * 1e3:.3f} ms")
+        assert 0 < sum(chosen) <= 5 * batch
+    print("\nDraftChooser.choose, k_max 5, after a timing each: " + ", ".join(line))
 
 
 def test_scheduler_asks_the_drafter_for_the_chosen_count():
@@ -213,7 +361,7 @@ def test_scheduler_asks_the_drafter_for_the_chosen_count():
         s = Scheduler(cfg, [99])
         for i in range(4):
             s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)))
-        for _ in range(12):
+        for _ in range(30):  # (the first ones time every depth: draft_choice.SWEEP_SAMPLES each)
             out = s.schedule()
             res = [
                 VerifyResult(x.request.request_id, [7], x.num_draft_tokens, x.num_draft_tokens) for x in out.scheduled

@@ -1,9 +1,14 @@
-"""Adaptive speculation end to end through the scheduler, on a simulated engine: iteration times from a cost with the
-shape of a 7B target on one GPU (flat until the step is compute-bound, then linear in tokens; a Propose's fixed cost;
-a cost per drafter step) with 3 % noise, and drafts accepted with a forced probability per position (per request in
-the mixed batch). Each run decodes WAVES batches' worth of requests through B slots (continuous batching: a finished
-request's slot takes the next one), as benchmarks/adaptive.py does on the GPU; the adaptive chooser learns in one run
-and is timed in the next."""
+"""Adaptive speculation end to end through the scheduler, on a simulated engine shaped after the H200 runs of the 7B
+shape (benchmarks/results/adaptive_h200.md): the verifier's step is a staircase in the tokens it runs (flat within a
+CUDA graph size, 1, 2, 4 ... 512, then eager; the sizes' times fitted to the fixed-k cells of the 2026-12-02 run),
+plus host time per request, a Propose's fixed cost and a cost per later drafter step, all with 3 % noise; the
+drafter reports a tenth of its later steps' time (the chooser must not rely on that report: on the H200 it chose,
+at alpha 0.9 and batch 64, half the requests 1 draft and half 5 over 3 each, which pays only if a later step is
+nearly free, and ran at 0.68x k 3); drafts are accepted with a forced probability, one coin per request and
+position (as benchmarks/forced_acceptance.py: every mode meets the same positions). Each run is a steady-state
+window as benchmarks/adaptive.py times it: B requests prefilled, WARM decode iterations, then TIMED ones timed; the
+adaptive chooser learns in a run of its own first. The issue's targets: adaptive >= 0.97x the best fixed k in {0..5}
+and >= 0.98x target-only in every cell, and the mixed batch faster than every fixed k."""
 
 import random
 
@@ -15,65 +20,96 @@ from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
 
-K_MAX, NEW_TOKENS, WAVES, LATER_STEP_S = 5, 32, 4, 0.35e-3
+K_MAX, WARM, TIMED, LEARN, PROMPT = 5, 8, 40, 64, 64
+REPORTED = 0.1  # of the later steps' time, what the drafter reports
+GRAPH_MS = {1: 4.3, 2: 4.35, 4: 4.4, 8: 4.8, 16: 4.9, 32: 5.1, 64: 5.6, 128: 6.0, 256: 8.2, 512: 14.5}
+_coins = random.Random(1234)
+COINS = [[_coins.random() for _ in range(2048)] for _ in range(128)]  # [request][position]
+
+
+def later_step_s(batch: int) -> float:
+    return (0.35 + 0.004 * batch) * 1e-3
 
 
 def iteration_s(num_tokens: int, batch: int, proposes: bool, later_steps: int, rng: random.Random) -> float:
-    t = 6.5e-3 + max(0, num_tokens - 96) * 0.03e-3 + batch * 0.01e-3
+    """The iteration's time; `num_tokens` the tokens the verifier's step costs as."""
+    ms = next((t for size, t in GRAPH_MS.items() if num_tokens <= size), 22.0 + 0.03 * (num_tokens - 512))
+    ms += 0.3 + 0.015 * batch
     if proposes:
-        t += 0.5e-3 + 0.003e-3 * batch + LATER_STEP_S * later_steps
-    return t * rng.uniform(0.97, 1.03)
+        ms += 0.6 + 0.01 * batch
+    return (ms * 1e-3 + later_steps * later_step_s(batch)) * rng.uniform(0.97, 1.03)
 
 
-def tokens_per_s(alphas: list[float], k: int | None, chooser: DraftChooser | None = None, seed: int = 0) -> float:
-    """`k` None: adaptive (with `chooser`'s state), else every request k drafts."""
-    rng = random.Random(seed)
-    batch = len(alphas)
+def tokens_per_s(
+    alphas: list[float], k: int | None, chooser: DraftChooser | None, timed: int, seed: int = 0, ragged_cost=False
+) -> float:
+    """A steady-state window; `k` None: adaptive (with `chooser`'s state), else every request k drafts. `ragged_cost`:
+    the verifier's step costs as if every request verified as many drafts as the one with the most (a cost the
+    drafter's report of its later steps does not show; the H200 runs of benchmarks/adaptive.py had one of that
+    shape: a batch where half the requests verified 1 draft and half 5 took as long as one where all verified 5)."""
+    rng, batch = random.Random(seed), len(alphas)
     config = SchedulerConfig(
         max_model_len=4096,
         block_size=16,
         num_blocks=1 << 16,
         num_speculative_tokens=K_MAX,
         max_num_seqs=batch,
-        max_num_batched_tokens=4096,
+        max_num_batched_tokens=batch * (PROMPT + K_MAX + 1),  # the prefill in one iteration
         adaptive=k is None,
     )
     s = Scheduler(config, [1 << 30], chooser)
-    for i in range(batch * WAVES):
-        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, num_speculative_tokens=k)
-        s.add_request(Request(str(i), [1, 2, 3, 4], params))
-    seconds = 0.0
-    while s.has_work():
+    horizon = (WARM + max(timed, LEARN) + 2) * (K_MAX + 1)  # benchmarks/adaptive.py's: the tokens left weigh as there
+    for i in range(batch):
+        params = SamplingParams(max_tokens=horizon, ignore_eos=True, num_speculative_tokens=k)
+        s.add_request(Request(str(i), list(range(1, PROMPT + 1)), params))
+    seconds, tokens = 0.0, 0
+    for step in range(1 + WARM + timed):
         out = s.schedule()
-        t = iteration_s(out.num_scheduled_tokens, len(out.scheduled), out.proposes, out.num_later_steps, rng)
-        seconds += t
+        cost_tokens = out.num_scheduled_tokens
+        if ragged_cost:
+            cost_tokens = len(out.scheduled) * (1 + max(item.num_draft_tokens for item in out.scheduled))
+        t = iteration_s(cost_tokens, len(out.scheduled), out.proposes, out.num_later_steps, rng)
         results = []
         for item in out.scheduled:
-            accepted = 0
-            while accepted < item.num_draft_tokens and rng.random() < alphas[int(item.request.request_id) % batch]:
+            r, position, accepted = int(item.request.request_id), len(item.request.output_token_ids), 0
+            while accepted < item.num_draft_tokens and COINS[r][position + accepted] < alphas[r]:
                 accepted += 1
-            rid, n = item.request.request_id, item.num_draft_tokens
-            results.append(VerifyResult(rid, [7] * (accepted + 1), n - accepted, n))
+            n = item.num_draft_tokens
+            results.append(VerifyResult(item.request.request_id, [7] * (accepted + 1), n - accepted, n))
         s.update_from_output(out, results)
         later = out.num_later_steps if out.proposes else 0
-        s.record_iteration(out, t, out.proposes, later, LATER_STEP_S * later)
-    return batch * WAVES * NEW_TOKENS / seconds
+        s.record_iteration(out, t, out.proposes, later, later_step_s(len(out.scheduled)) * later * REPORTED)
+        if step > WARM:
+            seconds += t
+            tokens += sum(len(res.sampled_token_ids) for res in results)
+    return tokens / seconds
 
 
-@pytest.mark.parametrize(
-    ("name", "alphas", "at_least"),
-    [
-        ("alpha 0.3, batch 128", [0.3] * 128, 0.98),  # no draft pays: target-only's speed
-        ("alpha 0.9, batch 8", [0.9] * 8, 0.97),  # every draft pays
-        ("alpha 0.6, batch 32", [0.6] * 32, 0.95),
-        ("mixed 0.9 / 0.2, batch 32", [0.9, 0.2] * 16, 0.97),
-    ],
-)
-def test_adaptive_against_every_fixed_k_on_a_simulated_gpu(name, alphas, at_least):
-    fixed = {k: tokens_per_s(alphas, k) for k in range(K_MAX + 1)}
+# The issue's grid with a mixed batch costing as its deepest request (as the H200 run showed), then cells of the cost as
+# the sum says (the drafter's later steps still under-reported).
+GRID = [(f"alpha {a}, batch {b}", [a] * b, True) for a in (0.3, 0.6, 0.9) for b in (1, 8, 32, 64, 128)]
+SUM_CELLS = [
+    ("alpha 0.3, batch 1, the sum's cost", [0.3], False),  # one draft pays a little
+    ("alpha 0.3, batch 128, the sum's cost", [0.3] * 128, False),  # no draft pays: target-only's speed
+    ("alpha 0.6, batch 32, the sum's cost", [0.6] * 32, False),
+    ("alpha 0.9, batch 64, the sum's cost", [0.9] * 64, False),
+    ("alpha 0.9, batch 128, the sum's cost", [0.9] * 128, False),  # 3 drafts (512 tokens, a graph), not 5 (eager)
+]
+MIXED = [
+    ("mixed 0.9 / 0.2, batch 32", [0.9, 0.2] * 16, True),
+    ("mixed 0.9 / 0.2, batch 32, the sum's cost", [0.9, 0.2] * 16, False),  # drafts for half: beats every fixed k
+]
+
+
+@pytest.mark.parametrize(("name", "alphas", "ragged_cost"), GRID + SUM_CELLS + MIXED)
+def test_adaptive_against_every_fixed_k_on_a_simulated_h200(name, alphas, ragged_cost):
+    timed = max(TIMED, 128 // len(alphas))
+    fixed = {k: tokens_per_s(alphas, k, None, timed, ragged_cost=ragged_cost) for k in range(K_MAX + 1)}
     chooser = DraftChooser()
-    tokens_per_s(alphas, None, chooser, seed=1)  # learning
-    adaptive = tokens_per_s(alphas, None, chooser, seed=0)  # the fixed runs' acceptance draws
+    tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=ragged_cost)  # learning
+    adaptive = tokens_per_s(alphas, None, chooser, timed, ragged_cost=ragged_cost)
     best = max(fixed, key=fixed.get)
     print(f"\n{name}: adaptive {adaptive:.0f} tok/s, best fixed k={best} {fixed[best]:.0f}, k=0 {fixed[0]:.0f}")
-    assert adaptive >= at_least * fixed[best]
+    assert adaptive >= 0.97 * fixed[best] and adaptive >= 0.98 * fixed[0]
+    if name.startswith("mixed") and not ragged_cost:  # (with the ragged cost, drafts for half cost as for all)
+        assert adaptive > max(fixed.values())

@@ -13,7 +13,7 @@ import torch
 
 from specsplit.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently
-from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
+from tests.fixtures.tiny_deepseek_v3 import write_served_tiny_deepseek
 
 MAX_TOKENS = 16
 # 70 takes two prefill chunks (budget 64), the first on the expanded MLA path; the rest is absorbed.
@@ -22,13 +22,7 @@ PROMPT_LENGTHS = [1, 3, 9, 24, 70]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_tiny_deepseek_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v3",
-        seed=1,
-        num_hidden_layers=1,
-        first_k_dense_replace=0,
-        mtp_mimics_target=True,
-    )
+    return write_served_tiny_deepseek(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v3")
 
 
 @pytest.fixture(scope="module")

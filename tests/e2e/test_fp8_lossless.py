@@ -22,7 +22,7 @@ from specsplit.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny import write_tiny_checkpoint
-from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
+from tests.fixtures.tiny_deepseek_v3 import write_served_tiny_deepseek
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = [1, 5, 17, 70]  # 70: two prefill chunks (budget 64)
@@ -32,9 +32,7 @@ def _write(kind: str, root):
     if kind == "qwen3":  # blocks that do not divide q/k/v or gate/up rows: fused layers keep per-row scales
         src, block = write_tiny_checkpoint(root / "src", architecture="qwen3", seed=1), (24, 32)
     else:  # target and MTP layer (MoE) in FP8; kv_a's 40 rows end in a partial block
-        src = write_tiny_deepseek_checkpoint(
-            root / "src", seed=1, num_hidden_layers=1, first_k_dense_replace=0, mtp_mimics_target=True
-        )
+        src = write_served_tiny_deepseek(root / "src")
         block = (16, 32)
     return write_fp8_checkpoint(src, root / "fp8", root / "dequantized", block)
 

@@ -16,7 +16,7 @@ import torch
 from specsplit import Client
 from specsplit.launcher import LocalCluster
 from tests.e2e.helpers import assert_first_two_tokens_follow, generate_concurrently
-from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_served_tiny_glm4_moe
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = [1, 3, 9, 24, 70]  # 70 takes two prefill chunks (budget 64)
@@ -24,14 +24,7 @@ PROMPT_LENGTHS = [1, 3, 9, 24, 70]  # 70 takes two prefill chunks (budget 64)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_tiny_glm4_moe_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-glm4-moe",
-        seed=1,
-        num_hidden_layers=1,
-        first_k_dense_replace=0,
-        use_qk_norm=True,
-        mtp_mimics_target=True,
-    )
+    return write_served_tiny_glm4_moe(tmp_path_factory.mktemp("ckpt") / "tiny-glm4-moe")
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
-greedy output equals transformers' generate for Llama and Qwen3, k 1 and 3 at once (DeepSeek-V3's and
-GLM-4.5's sharding: tests/models/test_tensor_parallel.py); sampled output follows the target distribution
-(chi-square); a rank killed mid-generation stops the verifier, whose restart loses nothing. The ranks are
-spawned CPU processes joined over gloo."""
+greedy output equals transformers' generate (so TP 1's, which equals it too) for Llama and GLM-4.5 at TP 2
+(the drafter running the model's MTP layer) and Qwen3 at TP 4 (its 2 KV heads replicated over 4 ranks), k 1
+and 3 at once (DeepSeek-V3's, with a TP 2 drafter too: test_tensor_parallel_drafter.py); sampled output
+follows the target distribution (chi-square); a verifier rank killed mid-generation stops the verifier, whose
+restart loses nothing. The ranks are spawned CPU processes joined over gloo."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from specsplit.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently, greedy_ignoring_eos, start_streams
 from tests.e2e.test_lossless_greedy import prompts
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_glm4_moe import write_served_tiny_glm4_moe
 
 MAX_TOKENS = 12
 
@@ -47,18 +49,20 @@ def llama_tp(tiny_checkpoint, tmp_path_factory):
         yield c
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+def hf_greedy_of(path):
+    """transformers' own generate on the checkpoint at `path`: the oracle."""
     from transformers import AutoModelForCausalLM
 
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", architecture="qwen3", seed=2)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-
-def hf_greedy_of(model):
     def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=model.generation_config.eos_token_id,
+            )
         return out[0, len(prompt_ids) :].tolist()
 
     return generate
@@ -81,10 +85,18 @@ def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
     check_greedy(llama_tp.address, hf_greedy)
 
 
-def test_qwen3_tp2_greedy_equals_transformers_generate(qwen3, tmp_path_factory):
-    path, model = qwen3
-    with tp_cluster(path, tmp_path_factory.mktemp("logs-tp-qwen3")) as c:
-        check_greedy(c.address, hf_greedy_of(model))
+def test_qwen3_tp4_greedy_equals_transformers_generate(tmp_path_factory):
+    """4 ranks, 1 query head each, over the checkpoint's 2 KV heads: each KV head replicated on 2 ranks."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", architecture="qwen3", seed=2)
+    with tp_cluster(path, tmp_path_factory.mktemp("logs-tp-qwen3"), size=4) as c:
+        check_greedy(c.address, hf_greedy_of(path))
+
+
+def test_glm4_moe_tp2_greedy_equals_transformers_generate(tmp_path_factory):
+    """The tiny GLM-4.5 of tests/e2e/test_glm4_moe_lossless.py: 2 KV heads, 8 routed experts, partial rotary."""
+    path = write_served_tiny_glm4_moe(tmp_path_factory.mktemp("ckpt") / "tiny-glm4-moe")
+    with tp_cluster(path, tmp_path_factory.mktemp("logs-tp-glm")) as c:
+        check_greedy(c.address, hf_greedy_of(path))
 
 
 def test_sampled_generation_through_tp2_follows_the_target_distribution(llama_tp, tiny_checkpoint):
@@ -135,7 +147,7 @@ def followers_of(pid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            ppid = int(_stat(int(entry))[1])
+            ppid = int(proc_stat(int(entry))[1])
             cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
@@ -144,7 +156,7 @@ def followers_of(pid: int) -> list[int]:
     return found
 
 
-def _stat(pid: int) -> list[str]:
+def proc_stat(pid: int) -> list[str]:
     """/proc/PID/stat's fields after the command name: state, ppid, ..."""
     return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
@@ -153,7 +165,7 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if _stat(pid)[0] == "Z":  # exited, not yet reaped
+            if proc_stat(pid)[0] == "Z":  # exited, not yet reaped
                 return True
         except OSError:
             return True

@@ -170,7 +170,7 @@ def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prom
     assert [results[i] for i in range(len(prompts))] == reference
     assert up.proc.wait(60) == 0, up.lines()
     assert up.children() == {}
-    assert not [pid for pid, sid in _sessions().items() if sid in children]
+    assert _in_sessions(children) == {}
 
 
 def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_path):
@@ -192,7 +192,7 @@ def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_pa
             f"specsplit up: drafter exited with code {code}",
         ]
         assert u.children() == {}
-        assert not [pid for pid, sid in _sessions().items() if sid in children]
+        assert _in_sessions(children) == {}
     finally:
         u.close()
 
@@ -211,11 +211,14 @@ def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tm
             u.proc.send_signal(sig)
             code = u.proc.wait(60)
             assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
-            deadline = time.monotonic() + 60  # the services drain (SIGTERM from the kernel) and exit
-            while u.children() and time.monotonic() < deadline:
+            # The services drain (SIGTERM from the kernel) and exit, reaped by whoever adopted them. A process whose
+            # memory is already released reads an empty command line while its threads still exit, so wait on the
+            # sessions the services led (which hold the services themselves), not on the command lines alone.
+            deadline = time.monotonic() + 60
+            while (u.children() or _in_sessions(children)) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert u.children() == {}
-            assert not [pid for pid, sid in _sessions().items() if sid in children]
+            assert _in_sessions(children) == {}
             assert not list(pathlib.Path(temp).glob("specsplit-*"))  # (torch may leave caches of its own)
         finally:
             u.close()
@@ -234,6 +237,12 @@ def _processes() -> dict[int, str]:
             except OSError:
                 continue
     return out
+
+
+def _in_sessions(leaders: dict[int, str]) -> dict[int, str]:
+    """pid → command line of every live process in a session one of `leaders` led (the leaders included)."""
+    commands = _processes()
+    return {pid: commands.get(pid, "") for pid, sid in _sessions().items() if sid in leaders}
 
 
 def _sessions() -> dict[int, int]:

@@ -2,8 +2,9 @@
 reference, and an FP8 checkpoint loaded on the GPU runs its linears through it.
 
 - Kernel: the linears of GLM-4.5-Air and DeepSeek-V3 (blocks [128, 128]) at M = 1..256, default and split-K
-  configurations, bf16 and fp32 activations: within summation order and the tensor cores' accumulation (1e-3 of
-  max |y|) plus one rounding of the output; the same bits on a second call; the same under a CUDA graph replay.
+  configurations, x or W as the MMA's row operand (`swap_ab`), bf16 and fp32 activations: within summation order
+  and the tensor cores' accumulation (1e-3 of max |y|) plus one rounding of the output; the same bits on a second
+  call; the same under a CUDA graph replay.
 - Model: a tiny FP8 Qwen3 (blocks [24, 32]: per-row scales after fusion) and a tiny FP8 DeepSeek-V3 loaded on
   cuda in fp32 have `Fp8Linear`s (MLA's kv_b_proj dequantized) whose logits equal the CPU W8A8 reference model's
   (`keep_fp8=True`: the same activation quantization, in torch) within 2 % of the logits' standard deviation
@@ -90,6 +91,11 @@ def test_kernel_equals_reference_on_model_shapes(name):
         Fp8GemmConfig(128, 64, 1),
         Fp8GemmConfig(32, 64, 1, prequantize=True),
         Fp8GemmConfig(16, 64, 5, prequantize=True),
+        Fp8GemmConfig(16, 64, 1, swap_ab=True),
+        Fp8GemmConfig(16, 128, 4, 4, 4, swap_ab=True),
+        Fp8GemmConfig(16, 64, 3, 8, 5, swap_ab=True),
+        Fp8GemmConfig(32, 64, 1, prequantize=True, swap_ab=True),
+        Fp8GemmConfig(64, 64, 3, swap_ab=True),
     ],
 )
 def test_kernel_configurations_and_bias(config):
@@ -153,7 +159,8 @@ def test_fp8_model_on_cuda_runs_the_kernel_and_matches_the_reference(checkpoints
     assert linears and all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in linears)
     if kind == "deepseek_v3":
         assert not isinstance(model.model.layers[0].self_attn.kv_b_proj, Fp8Linear)  # read directly: dequantized
-        assert isinstance(model.model.layers[1].mlp.experts["0"].gate_proj, Fp8Linear)
+        experts = model.model.layers[1].mlp.experts  # stacked at load: e4m3 with their block scales, on cuda
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.is_cuda
     tokens = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     got = _logits(model, tokens.cuda()).cpu()
     reference = _logits(load_target(fp8, keep_fp8=True), tokens)  # the W8A8 torch reference, on the CPU

@@ -100,7 +100,7 @@ def test_whole_model_logits_with_layer_kernels_match_the_torch_ops(model, tol, t
     dev = torch.device("cuda")
     if model == "demo bf16":
         target = load_target(DEMO, dtype=torch.bfloat16, device=dev)
-    elif model == "tiny glm4_moe fp32":  # partial rotary, q/k norm, MoE: Triton attention, no CUDA graphs
+    elif model == "tiny glm4_moe fp32":  # partial rotary, q/k norm, the fused MoE: graphs too
         checkpoint = write_tiny_glm4_moe_checkpoint(tmp_path / "glm", use_qk_norm=True, max_position_embeddings=256)
         target = load_target(checkpoint, device=dev)
     else:

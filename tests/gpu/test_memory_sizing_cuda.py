@@ -80,8 +80,8 @@ def test_start_up_fills_the_share_and_stays_within_it(checkpoint, role, caplog):
         from specsplit.verifier.loading import load_and_size as _load_and_size
         from specsplit.verifier.server import VerifierConfig as Config
     else:
+        from specsplit.drafter.loading import load_and_size as _load_and_size
         from specsplit.drafter.server import DrafterConfig as Config
-        from specsplit.drafter.server import _load_and_size
     gc.collect()
     torch.cuda.empty_cache()
     before = _device_used()

@@ -1,6 +1,6 @@
 """The Triton block-scaled W8A8 kernel equals its torch reference (fp32 to summation order; 16-bit
 outputs within one rounding) under the interpreter: split K or not, scales per block or per row, odd
-M / N / K, with bias; and the reference itself quantizes as the published format says."""
+M / N / K, with bias, either operand the MMA's rows; and the reference itself quantizes as the published format says."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ CASES = {  # name: (M, N, K, block (rows per scale, group along K), config)
     "m-tiles": (40, 48, 96, (16, 32), Fp8GemmConfig(16, 16, 1)),
     "prequantized": (40, 48, 96, (16, 32), Fp8GemmConfig(32, 16, 1, prequantize=True)),
     "prequantized-split": (3, 200, 300, (128, 128), Fp8GemmConfig(16, 64, 2, prequantize=True)),
+    # W's tile as the MMA's row operand (swap_ab): whole and split K, row scales, several M tiles, prequantized.
+    "swapped": (1, 200, 300, (128, 128), Fp8GemmConfig(16, 32, 1, swap_ab=True)),
+    "swapped-split": (3, 200, 300, (128, 128), Fp8GemmConfig(16, 64, 2, swap_ab=True)),
+    "swapped-row-scales": (40, 96, 64, (1, 32), Fp8GemmConfig(16, 32, 1, swap_ab=True)),
+    "swapped-prequantized": (40, 48, 96, (16, 32), Fp8GemmConfig(32, 16, 3, prequantize=True, swap_ab=True)),
 }
 
 

@@ -202,9 +202,11 @@ def test_moe_families_load_fp8_target_and_mtp(tmp_path, family):
         assert got.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in got.items())
     model = load_target(fp8_dir, keep_fp8=True)
     layer = model.model.layers[1]
-    assert isinstance(layer.mlp.experts["0"].down_proj, Fp8Linear) and isinstance(
-        layer.mlp.shared_experts.up_proj, Fp8Linear
+    experts = layer.mlp.experts  # stacked at load, e4m3 with their block scales
+    assert (
+        experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn and experts.fp8_blocks is not None
     )
+    assert isinstance(layer.mlp.shared_experts.up_proj, Fp8Linear)
     if family == "deepseek_v3":
         assert not isinstance(layer.self_attn.kv_b_proj, Fp8Linear) and isinstance(layer.self_attn.q_b_proj, Fp8Linear)
     tokens = _tokens(model.config.vocab_size)

@@ -184,7 +184,8 @@ def test_bfloat16_load_keeps_the_router_in_float32(checkpoint):
     model = load_target(checkpoint(), dtype=torch.bfloat16)
     gate = model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
-    assert model.layers[1].mlp.experts["0"].up_proj.weight.dtype == torch.bfloat16
+    experts = model.layers[1].mlp.experts  # stacked at load
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.bfloat16
     cache = model.make_kv_cache(4, 4)
     assert cache.k.dtype == torch.bfloat16
     with torch.no_grad():

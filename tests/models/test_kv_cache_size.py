@@ -104,6 +104,9 @@ def test_up_splits_its_share_only_between_services_on_one_cuda_device():
     # a tensor-parallel verifier on cuda:0 and cuda:1: a drafter on rank 1's device shares it, one on cuda:2 not
     assert service_shares(0.9, {"verifier": "cuda", "drafter": "cuda:1"}, 2) == {"verifier": 0.8, "drafter": 0.1}
     assert service_shares(0.9, {"verifier": "cuda:0", "drafter": "cuda:2"}, 2) == {"verifier": 0.9, "drafter": 0.9}
+    # a TP 2 drafter from cuda:1 on: its rank 1 shares cuda:2 with the verifier's rank 2, rank 0 cuda:1 with none
+    assert service_shares(0.9, {"verifier": "cuda:2", "drafter": "cuda:1"}, 2, 2) == {"verifier": 0.8, "drafter": 0.1}
+    assert service_shares(0.9, {"verifier": "cuda:0", "drafter": "cuda:2"}, 2, 2) == {"verifier": 0.9, "drafter": 0.9}
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization sizes the KV caches from CUDA .* --device cpu"):
         service_shares(0.5, {"verifier": "cpu", "drafter": "cpu"})
     with pytest.raises(UsageError, match=r"^--gpu-memory-utilization 0.1: a drafter on the verifier's device"):

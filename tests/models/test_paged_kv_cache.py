@@ -120,3 +120,48 @@ def test_bad_step_arguments_raise_clear_errors():
         cache.prepare_step(["a"], [0])
     with pytest.raises(ValueError, match="at least one request"):
         cache.prepare_step([], [])
+
+
+def _slots_of(cache: PagedKVCache, rid: str, indices: list[int]) -> list[int]:
+    table, size = cache.block_table(rid), cache.block_size
+    return [table[i // size] * size + i % size for i in indices]
+
+
+def test_later_steps_planned_with_the_first_equal_planning_them_one_by_one():
+    """The drafter's steps 1..k-1 planned with step 0 (`more_steps`, `StepPlan.later_steps`): the blocks of every
+    step allocated at once, and each step's slots, context lengths and rows those of planning it on its own; a
+    request with fewer steps leaves the later ones (a subset, its own block tables)."""
+    one_by_one, at_once = _cache(16, 4), _cache(16, 4)
+    for cache in (one_by_one, at_once):  # "a" starts mid-block, "b" at a block's end, "c" afresh
+        cache.prepare_step(["a", "b"], [2, 3])
+    ids, counts, more = ["a", "b", "c"], [2, 1, 3], [3, 1, 2]
+    first = at_once.plan_step(ids, counts, more)
+    expected = [one_by_one.plan_step(ids, counts)]
+    rows = [0, 1, 2]
+    for s in (1, 2, 3):
+        rows = [r for r in rows if more[r] >= s]
+        expected.append(one_by_one.plan_step([ids[r] for r in rows], [1] * len(rows)))
+    later = first.later_steps()
+    assert [r for r, _ in later] == [[0, 1, 2], [0, 2], [0]]
+    assert first.slot_mapping == _slots_of(at_once, "a", [2, 3]) + _slots_of(at_once, "b", [3]) + _slots_of(
+        at_once, "c", [0, 1, 2]
+    )
+    for (rows, plan), want in zip(later, expected[1:]):
+        got_ids = [ids[r] for r in rows]
+        assert plan.seq_lens == plan.token_context_lens == want.seq_lens
+        assert plan.query_start_loc == want.query_start_loc and plan.token_req_index == want.token_req_index
+        # each token's slot is its cache index's, in the blocks this cache gave the request
+        assert plan.slot_mapping == [_slots_of(at_once, rid, [n - 1])[0] for rid, n in zip(got_ids, want.seq_lens)]
+        assert plan.block_tables == [at_once.block_table(rid) for rid in got_ids]
+        width = max(map(len, plan.block_tables))
+        assert plan.int32_arrays[2] == [b for t in plan.block_tables for b in t + [-1] * (width - len(t))]
+    assert [at_once.num_tokens(r) for r in ids] == [one_by_one.num_tokens(r) for r in ids] == [7, 5, 5]
+    assert at_once.num_free_blocks == one_by_one.num_free_blocks
+
+
+def test_later_steps_without_room_leave_the_cache_as_it_was():
+    cache = _cache(3, 4)
+    with pytest.raises(KVCacheFull):
+        cache.plan_step(["a"], [8], [5])  # 13 tokens: 4 blocks
+    assert cache.num_free_blocks == 3 and not cache.has("a")
+    assert cache.plan_step(["a"], [8], [4]).later_steps()[-1][1].seq_lens == [12]

@@ -2,7 +2,11 @@
 gloo (spawned CPU ranks), GQA with KV heads split (TP 2) and replicated (TP 4 > 2 KV heads), tied and
 untied vocab-parallel embeddings with a vocabulary the ranks do not divide, qkv biases (Qwen2), q/k norms
 (Qwen3), checkpoint weights and dummy weights; DeepSeek-V3's MLA and expert-parallel MoE; GLM-4.5's GQA with
-partial rotary, qkv biases and q/k norms, beside the same MoE. The ranks agree on the least of their values
+partial rotary, qkv biases and q/k norms, beside the same MoE. The MTP module of each (a drafter's
+`--tensor-parallel-size`: vocab-parallel embedding and head, its block sharded as the target's layers) too.
+Block-scaled FP8 checkpoints of Qwen3, DeepSeek-V3 and GLM-4.5 split along whole scale blocks, dequantized
+and (Qwen3) kept in FP8 on the W8A8 reference, each rank quantizing its activations in the checkpoint's
+groups; a slice that would cut a block is refused in one line. The ranks agree on the least of their values
 (the KV cache's blocks sized from each rank's memory)."""
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import pytest
 import torch
 
 from specsplit.launcher import free_port
+from specsplit.models.fp8_linear import tensor_parallel_shards
 from specsplit.models.layers import local_heads
-from specsplit.models.loader import load_target
+from specsplit.models.loader import load_mtp, load_target
 from specsplit.models.parallel_layers import Shard
+from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 from tests.models.tensor_parallel_ranks import run_ranks
@@ -25,10 +31,10 @@ from tests.models.tensor_parallel_ranks import run_ranks
 STEPS = ((7, 5), (3, 2), (4, 4))
 
 
-def step_logits(path: str, load_format: str = "auto") -> torch.Tensor:
+def step_logits(path: str, load_format: str = "auto", keep_fp8: bool | None = None) -> torch.Tensor:
     """Every token's logits over the steps, on this rank ([tokens, vocab] on rank 0, None elsewhere)."""
     torch.manual_seed(0)
-    model = load_target(path, load_format=load_format)
+    model = load_target(path, load_format=load_format, keep_fp8=keep_fp8)
     cache = model.make_kv_cache(num_blocks=32, block_size=4)
     vocab, out = model.config.vocab_size, []
     with torch.inference_mode():
@@ -41,6 +47,24 @@ def step_logits(path: str, load_format: str = "auto") -> torch.Tensor:
     return None if out[0] is None else torch.cat(out).numpy()
 
 
+def mtp_step_logits(path: str, load_format: str = "auto", keep_fp8: bool | None = None) -> torch.Tensor:
+    """The MTP module's logits over the steps (random hidden states in), on this rank ([tokens, vocab] on rank 0,
+    None elsewhere)."""
+    torch.manual_seed(1)
+    mtp = load_mtp(path, load_format=load_format, keep_fp8=keep_fp8)
+    cache = mtp.make_kv_cache(num_blocks=32, block_size=4)
+    vocab, hidden_size, out = mtp.config.vocab_size, mtp.config.hidden_size, []
+    with torch.inference_mode():
+        for counts in STEPS:
+            attn = cache.prepare_step(["a", "b"], list(counts))
+            ids = torch.randint(0, vocab, (sum(counts),))
+            previous = torch.randn(sum(counts), hidden_size)
+            ends = [cache.num_tokens(r) for r in "ab"]
+            positions = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, counts)])
+            out.append(mtp.compute_logits(mtp(ids, previous, positions, cache, attn)))
+    return None if out[0] is None else torch.cat(out).numpy()
+
+
 CASES = (  # (architecture, checkpoint options, load format)
     ("llama", {"vocab_size": 322, "tie_word_embeddings": True}, "auto"),
     ("qwen2", {}, "auto"),
@@ -49,30 +73,50 @@ CASES = (  # (architecture, checkpoint options, load format)
 )
 
 
-def all_step_logits(cases: list[tuple[str, str]]) -> list:
-    return [step_logits(path, load_format) for path, load_format in cases]
+def all_step_logits(cases: list[tuple]) -> list:
+    """(target logits, MTP logits) of every case."""
+    return [(step_logits(*case), mtp_step_logits(*case)) for case in cases]
 
 
 @pytest.fixture(scope="module")
-def cases(checkpoint_dir, tmp_path_factory) -> list[tuple[str, str]]:
-    """(checkpoint, load format) of every case: CASES, DeepSeek-V3 (MLA heads split, 8 experts split across
-    the ranks with the router replicated, one dense layer), with and without q_lora, and GLM-4.5 (GQA, one
-    dense layer, 8 experts split), from its checkpoint and from dummy weights."""
+def cases(checkpoint_dir, tmp_path_factory) -> list[tuple]:
+    """(checkpoint, load format[, keep FP8]) of every case: CASES, DeepSeek-V3 (MLA heads split, 8 experts split
+    across the ranks with the router replicated, one dense layer), with and without q_lora, and GLM-4.5 (GQA, one
+    dense layer, 8 experts split), from its checkpoint and from dummy weights; FP8 checkpoints (blocks of 8 rows
+    by 32 columns: heads of 32 columns, whole at TP 2 and 4) of Qwen3, also kept in FP8, and of DeepSeek-V3 and
+    GLM-4.5; Qwen3's MLP (224 wide: 7 blocks) and GLM-4.5's dense one (160: 5) split into whole blocks unevenly."""
     paths = [(str(checkpoint_dir(arch, **kwargs)), load_format) for arch, kwargs, load_format in CASES]
     for q_lora_rank in (32, None):
         path = tmp_path_factory.mktemp(f"tiny-deepseek-{q_lora_rank}")
         paths.append((str(write_tiny_deepseek_checkpoint(path, q_lora_rank=q_lora_rank)), "auto"))
     glm = write_tiny_glm4_moe_checkpoint(tmp_path_factory.mktemp("tiny-glm4-moe"), use_qk_norm=True)
     paths += [(str(glm), "auto"), (str(glm), "dummy")]
+    root = tmp_path_factory.mktemp("fp8")
+    sources = {
+        "qwen3": checkpoint_dir("qwen3", hidden_size=128, intermediate_size=224),
+        "deepseek": write_tiny_deepseek_checkpoint(root / "deepseek-src", v_head_dim=32, moe_intermediate_size=128),
+        "glm": write_tiny_glm4_moe_checkpoint(
+            root / "glm-src", head_dim=32, intermediate_size=160, moe_intermediate_size=128
+        ),
+    }
+    for name, src in sources.items():
+        fp8, _ = write_fp8_checkpoint(src, root / name, root / f"{name}-deq", (8, 32))
+        paths.append((str(fp8), "auto"))
+    paths.append((paths[-3][0], "auto", True))  # Qwen3's in FP8 on each rank: the W8A8 reference
     return paths
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_tp_logits_equal_one_device(cases, size):
     """One group of ranks runs every case (starting ranks costs seconds each)."""
-    for (path, load_format), logits in zip(cases, run_ranks(size, all_step_logits, cases)):
-        reference = torch.from_numpy(step_logits(path, load_format))
-        torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-5, atol=1e-5, msg=f"{path} TP {size}")
+    for case, (logits, mtp_logits) in zip(cases, run_ranks(size, all_step_logits, cases)):
+        path = case[0]
+        reference = torch.from_numpy(step_logits(*case))
+        torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-5, atol=1e-5, msg=f"{case} TP {size}")
+        reference = torch.from_numpy(mtp_step_logits(*case))
+        torch.testing.assert_close(
+            torch.from_numpy(mtp_logits), reference, rtol=1e-5, atol=1e-5, msg=f"{path} MTP TP {size}"
+        )
 
 
 def _least_blocks() -> int:
@@ -105,6 +149,20 @@ def test_local_heads_split_and_replicate():
             local_heads(12, 3)
     finally:
         parallel._state = parallel.TensorParallelState(0, 1, None, None)
+
+
+def test_fp8_scales_are_sliced_along_whole_blocks_and_a_cut_block_is_refused():
+    rows = {"weight": Shard(0, 32, 32, 96), "bias": Shard(0, 32, 32, 96)}  # column-parallel, blocks of 16 rows
+    assert tensor_parallel_shards("q_proj", rows, 16, 8)["weight_scale_inv"] == Shard(0, 2, 2, 6)
+    last = {"weight": Shard(0, 64, 36, 100)}  # the last rank's rows end the tensor: a partial last block is whole
+    assert tensor_parallel_shards("up_proj", last, 16, 8)["weight_scale_inv"] == Shard(0, 4, 3, 7)
+    columns = {"weight": Shard(1, 24, 24, 48)}  # row-parallel: groups of 8 input columns
+    assert tensor_parallel_shards("o_proj", columns, 16, 8)["weight_scale_inv"] == Shard(1, 3, 3, 6)
+    cut = r"down_proj: .* input columns \[24, 48\) of 48 cut its FP8 scale blocks of 16"
+    with pytest.raises(ValueError, match=cut):
+        tensor_parallel_shards("down_proj", columns, 8, 16)
+    with pytest.raises(ValueError, match=r"rows \[32, 64\) of 96 cut its FP8 scale blocks of 64"):
+        tensor_parallel_shards("q_proj", rows, 64, 8)
 
 
 def test_shard_pads_the_vocabulary_past_its_end():

@@ -25,10 +25,23 @@ import pytest
 DEMO = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 
 
+# One process spawned at a time (the slow commands are waited for two at a time, from a thread pool): a spawn from
+# a pool thread beside another failed once in CI with "OSError: [Errno 14] Bad address" from the child's exec
+# (CPython spawns with vfork, sharing the parent's memory until the exec); not reproduced since.
+_SPAWN = threading.Lock()
+
+
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "specsplit", *argv], capture_output=True, text=True, timeout=120, env=env
-    )
+    command = [sys.executable, "-m", "specsplit", *argv]
+    with _SPAWN:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def refusal(*argv: str, env: dict[str, str] | None = None) -> str:
@@ -271,12 +284,13 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
 def test_a_drafter_logs_its_given_kv_cache_size_and_a_verifier_refuses_it_for_another_model(tmp_path):
     other = checkpoint(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=4000)
     drafter_log = tmp_path / "drafter.log"
-    drafter = subprocess.Popen(
-        [sys.executable, "-m", "specsplit", "serve", "drafter", "--model", str(DEMO), "--num-blocks", "40"],
-        stdout=subprocess.PIPE,
-        stderr=drafter_log.open("w"),
-        text=True,
-    )
+    with _SPAWN:
+        drafter = subprocess.Popen(
+            [sys.executable, "-m", "specsplit", "serve", "drafter", "--model", str(DEMO), "--num-blocks", "40"],
+            stdout=subprocess.PIPE,
+            stderr=drafter_log.open("w"),
+            text=True,
+        )
     try:
         line = lines_of(drafter).get(timeout=120)
         assert line is not None and line.startswith("drafter listening on "), line

@@ -134,3 +134,31 @@ def test_finishing_without_rows_gives_the_same_tokens_and_queues_no_row_copy(run
     runner.free(["a", "b"])
     for rid in "ab":
         runner.step(batch(runner, [(rid, 0, PROMPT, 0, True, 2)]))
+
+
+def test_a_propose_message_is_built_once_and_carries_only_what_the_drafter_reads():
+    """The first message of every request is the plan's own ProposeRequest (no per-item copies), with the frees;
+    a later one (another replica's share, a retry) is a copy. Items carry a sampled request's temperature and seed
+    and nothing of a greedy one's sampling (penalties and end tokens are the verifier's)."""
+    client = DrafterClient("127.0.0.1:1")
+    batch = types.SimpleNamespace(req_ids=["g", "s"], num_spec_tokens=[3, 2])
+    step = types.SimpleNamespace(
+        start_positions=[4, 9], next_token_ids=[[7], [8, 9]], num_rejected=[0, 1], hidden_states=torch.zeros(3, 2)
+    )
+    sampling = [
+        common_pb2.SamplingParams(temperature=0.0, top_p=0.5, seed=5, end_token_ids=[0, 1], presence_penalty=0.5),
+        common_pb2.SamplingParams(temperature=0.7, top_k=4, seed=11, end_token_ids=[0, 1], min_tokens=3),
+    ]
+    plan = client.build_request(3, batch, step, sampling)
+    assert plan.row_offsets == [0, 1, 3]
+    first = plan.message([0, 1], ["done"])
+    assert first.iteration == 3 and list(first.finished_request_ids) == ["done"]
+    g, s = first.requests
+    assert (g.request_id, g.start_position, list(g.next_token_ids), g.num_rejected, g.num_spec_tokens) == (
+        "g", 4, [7], 0, 3
+    )  # fmt: skip
+    assert not g.HasField("sampling")
+    assert s.sampling == common_pb2.SamplingParams(temperature=0.7, seed=11) and list(s.next_token_ids) == [8, 9]
+    again = plan.message([0, 1], [])
+    assert again is not first and list(again.requests) == list(first.requests) and not again.finished_request_ids
+    assert [r.request_id for r in plan.message([1], []).requests] == ["s"]

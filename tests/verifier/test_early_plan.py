@@ -33,12 +33,14 @@ def _request(held: dict[str, int]) -> verifier_pb2.VerifyRequest:
     return msg
 
 
-def _fill(msg: verifier_pb2.VerifyRequest, drafts: dict[str, list[int]]) -> None:
-    """What `HeldDrafts.fill` does for drafts that continue where each request stands."""
+def _fill(msg: verifier_pb2.VerifyRequest, drafts: dict[str, list[int]]) -> list[list[int]]:
+    """What `HeldDrafts.fill` does for drafts that continue where each request stands; per request, the drafts
+    put in."""
     for r in msg.requests:
         if r.request_id in drafts:
             r.token_ids.extend(drafts[r.request_id])
             r.num_draft_tokens = len(drafts[r.request_id])
+    return [drafts.get(r.request_id, []) for r in msg.requests]
 
 
 def _hold(servicer, drafts: dict[str, list[int]]) -> None:
@@ -58,8 +60,8 @@ def test_planned_with_placeholders_then_filled_equals_planned_filled():
     msg = _request({"a": 3, "b": 2})
     assert HeldDrafts.placeholders(msg) == {"a": 3, "b": 2}
     planned = _plan(msg)
-    _fill(msg, {"a": [11, 12, 13], "b": [21, 22]})
-    early = upload_input_batch(with_held_drafts(planned, msg, VOCAB), vocab_size=VOCAB)
+    filled = _fill(msg, {"a": [11, 12, 13], "b": [21, 22]})
+    early = upload_input_batch(with_held_drafts(planned, filled, VOCAB), vocab_size=VOCAB)
     plain = build_input_batch(msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 64)
     lists = ("req_ids", "num_computed_tokens", "num_new_tokens", "token_ids", "num_draft_tokens", "query_start")
     for field in (*lists, "sampling_indices", "num_draft_tokens_per_req", "max_num_draft", "all_greedy", "any_filter"):
@@ -73,16 +75,16 @@ def test_planned_with_placeholders_then_filled_equals_planned_filled():
 def test_fewer_drafts_than_planned_is_planned_again():
     msg = _request({"a": 3, "b": 2})
     planned = _plan(msg)
-    _fill(msg, {"a": [11], "b": [21, 22]})  # the drafter made one draft for a
-    assert with_held_drafts(planned, msg, VOCAB) is None
+    filled = _fill(msg, {"a": [11], "b": [21, 22]})  # the drafter made one draft for a
+    assert with_held_drafts(planned, filled, VOCAB) is None
 
 
 def test_a_held_draft_outside_the_vocabulary_is_refused_as_planning_would():
     msg = _request({"a": 2})
     planned = _plan(msg)
-    _fill(msg, {"a": [11, VOCAB]})
+    filled = _fill(msg, {"a": [11, VOCAB]})
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
-        with_held_drafts(planned, msg, VOCAB)
+        with_held_drafts(planned, filled, VOCAB)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         build_input_batch(msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 64)
 

@@ -12,13 +12,13 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import transformers
-
 from specsplit.models.config import (
     _dtype_name,
     _read_eos_token_ids,
+    architecture_model_type,
     checkpoint_architecture,
     read_config_json,
+    read_hf_config,
     rope_parameters,
 )
 
@@ -93,12 +93,14 @@ class DeepseekV3Config:
         return layer >= self.first_k_dense_replace
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> DeepseekV3Config:
+    def from_pretrained(cls, path: str | pathlib.Path, hf: Any = None) -> DeepseekV3Config:
+        """`hf`: config.json's fields as a transformers configuration object holds them, `read_hf_config`'s
+        when not given."""
         path = pathlib.Path(path)
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
         _check_supported(raw)
-        hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        hf = hf if hf is not None else read_hf_config(raw, architecture_model_type(raw, architecture))
         rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES)
         return cls(
             architecture=architecture,

@@ -11,15 +11,15 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-import transformers
-
 from specsplit.models.config import (
     ModelConfig,
     _dtype_name,
     _read_eos_token_ids,
+    architecture_model_type,
     checkpoint_architecture,
     partial_rotary_factor,
     read_config_json,
+    read_hf_config,
     rope_parameters,
 )
 
@@ -46,12 +46,14 @@ class Glm4MoeConfig(ModelConfig):
         return layer >= self.first_k_dense_replace
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> Glm4MoeConfig:
+    def from_pretrained(cls, path: str | pathlib.Path, hf: Any = None) -> Glm4MoeConfig:
+        """`hf`: config.json's fields as a transformers configuration object holds them, `read_hf_config`'s
+        when not given."""
         path = pathlib.Path(path)
         raw = read_config_json(path)
         architecture = checkpoint_architecture(path, raw, ARCHITECTURES)
         _check_supported(raw)
-        hf = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        hf = hf if hf is not None else read_hf_config(raw, architecture_model_type(raw, architecture))
         rope_theta, rope_scaling = rope_parameters(hf, SUPPORTED_ROPE_TYPES, partial_rotary=True)
         num_heads = hf.num_attention_heads
         num_kv_heads = hf.num_key_value_heads or num_heads

@@ -14,7 +14,5 @@ from specsplit.models.target import TargetModel
 
 
 class Glm4MoeTarget(TargetModel):
-    supports_cuda_graphs = False  # the MoE counts tokens per expert on the host (Triton attention still runs)
-
     def _make_layer(self, index: int) -> nn.Module:
         return Glm4MoeDecoderLayer(self.config, index)

@@ -19,8 +19,6 @@ from specsplit.models.mtp_layout import DEEPSEEK_LAYOUT
 
 
 class Glm4MoeMTP(MTPModule):
-    supports_cuda_graphs = False  # the MoE counts tokens per expert on the host (Triton attention still runs)
-
     def _make_layout(self):
         return DEEPSEEK_LAYOUT
 

@@ -1,0 +1,152 @@
+"""A steady-state decode window on the in-process engine, what benchmarks/adaptive.py times.
+
+B requests (one per slot) are prefilled together (untimed), run `warm` decode iterations (untimed), then exactly
+`timed` decode iterations are timed: the tokens they emitted over their wall time. Every request has more tokens
+left than the window can emit (`horizon`), so none finishes and no prefill runs inside it: the window is the batch's
+steady state, what adaptive speculation's rate is about, with no prefill chunk, no slot refilled and no tail of a
+batch emptying. The garbage collector is off inside the window (collected just before).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.coordinator.scheduler import Scheduler
+from specsplit.engine.core import EngineCore
+from specsplit.results import SpecStats
+
+
+@dataclass
+class Window:
+    tokens: int  # emitted inside the timed window
+    seconds: float  # its wall time
+    num_iterations: int
+    drafts_per_request: float  # drafts verified per request and iteration inside the window
+    draft_count_histogram: list[int] = field(default_factory=list)  # [d]: request-iterations that verified d
+    outputs: list[list[int]] = field(default_factory=list)  # per request, every token it emitted (lossless check)
+    prefill_seconds: float = 0.0
+    warm_seconds: float = 0.0
+    choose_seconds: float = 0.0  # adaptive: the chooser's host time inside the window
+
+    @property
+    def choose_ms_per_iteration(self) -> float:
+        return 1e3 * self.choose_seconds / self.num_iterations
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def horizon(warm: int, timed: int, max_k: int) -> int:
+    """max_tokens that no request reaches in `warm` + `timed` decode iterations (plus the prefill's sampled token)."""
+    return (warm + timed + 2) * (max_k + 1)
+
+
+def _stats(requests: list[Request]) -> SpecStats:
+    total = SpecStats()
+    for r in requests:
+        total.merge(r.stats)
+    return total
+
+
+def run_window(
+    core: EngineCore,
+    config: SchedulerConfig,
+    eos_token_ids: list[int],
+    prompts: list[list[int]],
+    k: int,
+    chooser: DraftChooser | None,
+    warm: int,
+    timed: int,
+    max_tokens: int,
+    sync=None,
+    tag: str = "w",
+) -> Window:
+    """`k`: drafts per request (0: target-only, no drafter expected on `core`); `chooser`: adaptive speculation's
+    state (with `config.adaptive`). Frees everything it used."""
+    sync = sync or (lambda: None)
+    scheduler = Scheduler(config, eos_token_ids, chooser)
+    requests = [
+        Request(f"{tag}-{i}", list(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k))
+        for i, p in enumerate(prompts)
+    ]
+    for r in requests:
+        scheduler.add_request(r)
+
+    def decoding() -> bool:
+        return all(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
+
+    spent = [0.0]  # the chooser's time (adaptive), from the timed window's start
+    if chooser is not None:
+        choose = chooser.choose
+
+        def timed_choose(*args):
+            t = time.perf_counter()
+            out = choose(*args)
+            spent[0] += time.perf_counter() - t
+            return out
+
+        chooser.choose = timed_choose
+
+    try:
+        t0 = time.perf_counter()
+        for _ in range(len(prompts) * max(len(p) for p in prompts) + 1):  # prefill (bounded: a chunk per step)
+            if decoding() and scheduler.num_waiting == 0:
+                break
+            core.step(scheduler)
+        else:
+            raise RuntimeError("prefill did not finish")
+        t1 = time.perf_counter()
+        for _ in range(warm):
+            core.step(scheduler)
+        before = _stats(requests)
+        emitted = sum(len(r.output_token_ids) for r in requests)
+        gc.collect()
+        gc.disable()
+        sync()
+        spent[0] = 0.0
+        t2 = time.perf_counter()
+        try:
+            for _ in range(timed):
+                core.step(scheduler)
+            sync()
+            t3 = time.perf_counter()
+        finally:
+            gc.enable()
+        if any(r.is_finished for r in requests):
+            raise RuntimeError("a request finished inside the window: raise its max_tokens")
+        after = _stats(requests)
+        num_req_iterations = after.num_iterations - before.num_iterations
+        histogram = [
+            n - (before.draft_count_histogram[d] if d < len(before.draft_count_histogram) else 0)
+            for d, n in enumerate(after.draft_count_histogram)
+        ]
+        return Window(
+            tokens=sum(len(r.output_token_ids) for r in requests) - emitted,
+            seconds=t3 - t2,
+            num_iterations=timed,
+            drafts_per_request=(after.num_draft_tokens - before.num_draft_tokens) / max(1, num_req_iterations),
+            draft_count_histogram=histogram,
+            outputs=[list(r.output_token_ids) for r in requests],
+            prefill_seconds=t1 - t0,
+            warm_seconds=t2 - t1,
+            choose_seconds=spent[0],
+        )
+    finally:
+        if chooser is not None:
+            del chooser.choose  # the class's again (a copy of the chooser must not call this one)
+        ids = [r.request_id for r in requests]
+        for rid in ids:
+            scheduler.finish_request(rid, "abort")
+        core.free(ids)
+
+
+def cuda_sync(device: str):
+    return torch.cuda.synchronize if device.startswith("cuda") else None
