@@ -40,17 +40,21 @@ def traced(tiny_checkpoint, tmp_path_factory):
     )
     with cluster, Client(cluster.address, timeout=60) as client:
         alone = client.generate(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True, request_id="alone")
-        threads = [
-            threading.Thread(
-                target=client.generate,
-                kwargs=dict(prompt_token_ids=[9, i], max_tokens=8, ignore_eos=True, request_id=f"batched-{i}"),
-            )
-            for i in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        # Two requests that certainly overlap: the long one streams, and the short one is sent only once the
+        # long one has its first token, so it arrives while the long one has many iterations left (two threads
+        # started together could arrive one after the other had finished on a loaded machine).
+        running = threading.Event()
+
+        def long_request():
+            for _ in client.stream(prompt_token_ids=[9, 0], max_tokens=200, ignore_eos=True, request_id="batched-0"):
+                running.set()
+
+        long = threading.Thread(target=long_request)
+        long.start()
+        assert running.wait(60)
+        client.generate(prompt_token_ids=[9, 1], max_tokens=8, ignore_eos=True, request_id="batched-1")
+        long.join(120)
+        assert not long.is_alive()
         metrics = {
             role: urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10).read().decode()
             for role, p in ports.items()
