@@ -71,12 +71,16 @@ class _Track:
 class ForcedAcceptanceRunner:
     """Wraps a `specsplit.drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
 
-    def __init__(self, runner, oracle: Oracle, alpha: float | list[float], seed: int = 0):
-        """`alpha`: one acceptance rate, or one per oracle sequence (per prompt: a mixed batch)."""
+    def __init__(self, runner, oracle: Oracle, alpha: float | list[float], seed: int = 0, index_of=None):
+        """`alpha`: one acceptance rate, or one per oracle sequence (per prompt: a mixed batch). `index_of`: request
+        id → its oracle sequence, where the caller knows it (else None, and the request is matched by its tokens at
+        positions 1..KEY_LEN, which the drafter sees only if it proposed after the prompt: a request that adaptive
+        speculation gave no drafts then would stay unmatched, its drafts the MTP's own, as if its acceptance were 0)."""
         alphas = [alpha] * len(oracle.sequences) if isinstance(alpha, (int, float)) else list(alpha)
         if len(alphas) != len(oracle.sequences) or not all(0.0 <= a <= 1.0 for a in alphas):
             raise ValueError(f"alpha must be in [0, 1], one or one per prompt; got {alpha}")
         self.runner, self.oracle, self.alphas, self.seed = runner, oracle, alphas, seed
+        self.index_of = index_of
         self._tracks: dict[str, _Track] = {}
         self.num_forced = 0  # draft positions decided by the oracle coin
         self.num_kept = 0  # … of which got the oracle's token
@@ -96,7 +100,10 @@ class ForcedAcceptanceRunner:
         else:  # a device hand-off: propose() fills the items' tokens from the device
             out = self.runner.propose(items, hidden_states, device_tokens)
         for item, drafts in zip(items, out.drafts):
-            track = self._tracks.setdefault(item.request_id, _Track())
+            track = self._tracks.get(item.request_id)
+            if track is None:
+                track = self._tracks[item.request_id] = _Track()
+                track.oracle = self.index_of(item.request_id) if self.index_of is not None else None
             self._observe(track, item.start_position, item.next_token_ids)
             if drafts and track.oracle is not None and not track.lost:
                 last = item.start_position + len(item.next_token_ids)  # position of the newest token

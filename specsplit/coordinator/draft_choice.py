@@ -20,10 +20,12 @@ as many tokens as one with). Then every uniform depth (each request d drafts, d 
 fewer than `SWEEP_SAMPLES` times is asked for that often (`_sweep`): the cost of each depth is measured, not read off
 a line between two far measurements (a GPU step is flat within a CUDA graph size and jumps at the next, so such a
 line makes the depths between look dearer or cheaper than they are, and the ones that look dearer are never tried).
-Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th while nobody drafts) gives each request one draft more
-than chosen, for two iterations in a row: iteration times of more tokens and acceptance at deeper positions (or at
-all, after a run without drafts) stay measured, so the choice follows a drafter whose acceptance changed and a step
-time measured once in a slow moment.
+A choice made n times in a row for the same batch is then kept for min(n, KEEP) choices (`_kept_choice`): its inputs
+move little between iterations, and choosing every iteration put its host time on every step; a choice of no drafts
+is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th
+while nobody drafts) gives each request one draft more than chosen, for two iterations in a row: iteration times of
+more tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the choice
+follows a drafter whose acceptance changed and a step time measured once in a slow moment.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from specsplit.coordinator.step_cost import StepCostModel, bucket_of
 
 EXPLORE_EVERY = 128
 ZERO_KEEP = 16  # choices a choice of no drafts is kept while nothing it depends on changed
+# Most choices a choice made again and again is kept for the same batch: on the H200 a choice took 0.4 ms of a 7.5 ms
+# step at batch 1 and 0.7 ms of 14 at batch 64. 4 and 8 kept a poor choice long enough to fall below 0.97x the best
+# fixed k in two of the simulated cells (tests/coordinator/test_draft_choice_simulated.py, which prices no host time).
+KEEP = 3
 SWEEP_SAMPLES = 3  # iterations a never-timed depth is asked for (one time is too noisy to rank close depths)
 
 
@@ -48,7 +54,8 @@ class DraftChooser:
         self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # (server version, positions, means)
         self._swept: dict[int, int] = {}  # bucket of token counts: iterations `_sweep` asked for it
         self._swept_batches: set[tuple[int, int, int, int]] = set()  # batches (size, caps) with nothing to sweep
-        self._zeros: tuple | None = None  # a choice of no drafts kept: (acceptance version, counts, caps, age)
+        self._streak = 0  # choices in a row that chose what the one before chose (each kept as long, up to KEEP)
+        self._kept: tuple | None = None  # the last choice, kept: (acceptance version, counts, caps, age, choice)
         self._trial: tuple | None = None  # a choice of a depth never run steadily, to repeat once: (counts, caps, it)
 
     def _gains(self, caps: list[int], counts: list[PositionCounts], max_cap: int) -> np.ndarray:
@@ -111,17 +118,18 @@ class DraftChooser:
             return sweep
         chosen = self._repeated_trial(caps, counts)
         if chosen is None:
-            chosen = self._kept_zeros(caps, counts)
+            chosen = self._kept_choice(caps, counts)
         if chosen is None:
             chosen = self._best(caps, counts, remaining, num_reqs, max_cap)
             self._trial = None
             later = max(chosen) - 1
             if later >= 0 and (bucket_of(num_reqs + sum(chosen)), later) not in self.costs.measured_runs:
                 self._trial = (list(counts), list(caps), chosen)
-            # Nothing a choice of no drafts depends on changes until a draft is verified or the batch changes, but
-            # for the step time of this batch without drafts and the tokens left: it is kept, re-chosen every
-            # ZERO_KEEP choices (its cost then is a comparison of the batch's requests, not a choice).
-            self._zeros = None if any(chosen) else (self.acceptance.version, list(counts), list(caps), 0)
+            # Kept for the same batch (`_kept_choice`): a choice's inputs move little from one iteration to the
+            # next, and choosing every iteration put its host time on every step (0.4 ms of 7.5 at batch 1).
+            same = self._kept is not None and self._kept[4] == chosen
+            self._streak = self._streak + 1 if same else 0
+            self._kept = (self.acceptance.version, list(counts), list(caps), 0, chosen)
         self._num_choices += 1
         # One draft more each, every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a
         # Propose), twice in a row: measures more tokens and deeper positions, and that depth's steady run again (a
@@ -142,17 +150,23 @@ class DraftChooser:
         kept_counts, kept_caps, chosen = trial
         return chosen if _same_batch(caps, counts, kept_caps, kept_counts) else None
 
-    def _kept_zeros(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
-        """No drafts for anyone, if that was the last choice, fewer than ZERO_KEEP choices ago, for the same requests
-        and caps, and no draft was verified since; else None (choose)."""
-        if self._zeros is None:
+    def _kept_choice(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
+        """The last choice again, for the same requests and caps, if it was chosen n times in a row before and was made
+        fewer than min(n, KEEP) choices ago (a choice that keeps changing is made afresh each time); a
+        choice of no drafts fewer than ZERO_KEEP ago and only while no draft was verified since (nothing it
+        depends on changes until then, but the step time of this batch and the tokens left: re-choosing it
+        every time would cost a comparison of the batch's requests, not a choice). Else None (choose)."""
+        if self._kept is None:
             return None
-        version, kept_counts, kept_caps, age = self._zeros
-        stale = version != self.acceptance.version or age + 1 >= ZERO_KEEP
+        version, kept_counts, kept_caps, age, chosen = self._kept
+        if any(chosen):
+            stale = age + 1 >= min(self._streak, KEEP)
+        else:
+            stale = version != self.acceptance.version or age + 1 >= ZERO_KEEP
         if stale or not _same_batch(caps, counts, kept_caps, kept_counts):
             return None
-        self._zeros = (version, kept_counts, kept_caps, age + 1)
-        return [0] * len(caps)
+        self._kept = (version, kept_counts, kept_caps, age + 1, chosen)
+        return list(chosen)
 
     def _best(
         self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None, num_reqs: int, max_cap: int

@@ -1,0 +1,37 @@
+"""benchmarks/adaptive_phases.py on the CPU with the demo checkpoint (a smoke run: the numbers are for the H200):
+every mode's windows run lossless, a forced allocation verifies exactly its counts, and each phase is printed."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_phases_of_fixed_forced_and_adaptive_allocations(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_phases.py"), "--batch", "4", "--alpha", "0.9"]
+        + ["--modes", "k1", "split:1/3", "adaptive", "--rounds", "1", "--iterations", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "failures: []" in out
+    header = next(line for line in out.splitlines() if line.strip().startswith("mode"))
+    assert header.split()[3:] == ["schedule", "verify", "prepare", "forward", "sample", "propose", "step0"] + [
+        "later_steps",
+        "post_step",
+        "iteration",
+    ]
+    rows = {m.group(1): m for m in re.finditer(r"^\s*(k1|split:1/3|adaptive)\s+(\d+) \[.*?\]\s+([0-9.]+)", out, re.M)}
+    assert set(rows) == {"k1", "split:1/3", "adaptive"}
+    assert float(rows["k1"].group(3)) == 1.0 and float(rows["split:1/3"].group(3)) == 2.0  # drafts per request
+    # 4 timed iterations x 4 requests: half at 1 draft, half at 3 (counts 0..5: adaptive's k_max)
+    assert "draft counts verified: [0, 8, 0, 8, 0, 0]" in out
+    assert "draft counts verified: [0, 16, 0, 0, 0, 0]" in out  # k1
