@@ -62,6 +62,24 @@ class ForcedChoice(DraftChooser):
         return [min(cap, self.counts[i % len(self.counts)]) for i, cap in enumerate(caps)]
 
 
+def print_costs(chooser: DraftChooser) -> None:
+    """What the adaptive chooser learned in its untimed window: the Propose's and a later step's cost, the step time
+    per bucket of tokens without and with a Propose (the sum's base), and the steady runs' times per (tokens, L)."""
+    costs = chooser.costs
+    fmt = lambda s: "-" if s is None else f"{s * 1e3:.3f}"  # noqa: E731
+    print(f"learned: propose {fmt(costs.propose_s)} ms, later step {fmt(costs.later_step_s)} ms")
+    for key in costs._keys:  # noqa: SLF001 - a diagnostic's view of the model
+        b = costs._buckets[key]  # noqa: SLF001
+        print(
+            f"  tokens {b.num_tokens:7.1f}: without a Propose {fmt(b.seconds[0]) if b.weight[0] else '-':>8} ms "
+            f"(x{b.weight[0]:.0f}), with {fmt(b.seconds[1]) if b.weight[1] else '-':>8} ms (x{b.weight[1]:.0f})"
+        )
+    for (_, later), run in sorted(costs.measured_runs.items()):
+        print(f"  steady run: tokens {run.num_tokens:7.1f}, L {later}: {fmt(run.seconds[1])} ms (x{run.weight[1]:.0f})")
+    acceptance = ", ".join(f"{a:.2f}" for a in chooser.acceptance.means(5))
+    print(f"  server acceptance per position: {acceptance}")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
@@ -141,6 +159,8 @@ def main(argv=None) -> int:
             for d, n in enumerate(w.draft_count_histogram):
                 hist[d] += n
         print(f"{'':>12} draft counts verified: {hist[: max_k + 1]}")
+    if "adaptive" in args.modes:
+        print_costs(learned)
     print(f"failures: {bench.failures}")
     return 1 if bench.failures else 0
 

@@ -182,7 +182,7 @@ def rejection_sample_triton(
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
         PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),
-        BLOCK_COLS=triton.next_power_of_2(max(num_cols, MIN_BLOCK_COLS)), num_warps=launch.stats_warps,
+        BLOCK_COLS=block_cols(max_num_draft), num_warps=launch.stats_warps,
         enable_fp_fusion=False, num_groups=num_groups, RACE_IN_STATS=race_in_stats,
         NUM_GROUPS_PAD=triton.next_power_of_2(num_groups), RACE_TILE=min(RACE_TILE, launch.stats_block_v),
         FAST_LOG2=on_gpu,
@@ -203,6 +203,24 @@ def rejection_sample_triton(
 
 
 WARM_UP_MAX_REQS = 1024  # past the last bucket of LAUNCH_TABLE and of the race-in-stats rule
+# Draft counts per request the start-up warm-up covers: every BLOCK_COLS width up to this many (4 and 8 columns). On
+# the H200 a batch verifying 5 drafts after a warm-up for 3 took ~250 ms instead of ~7 (a compile of the 8-column
+# variant), in the middle of adaptive speculation's first measurements of that depth.
+WARM_UP_MAX_DRAFTS = 7
+
+
+def block_cols(max_num_draft: int) -> int:
+    """The kernels' BLOCK_COLS (a compiled variant each) for calls whose requests have at most `max_num_draft`
+    drafts: a power of two holding the drafts and the bonus token."""
+    return triton.next_power_of_2(max(max_num_draft + 1, MIN_BLOCK_COLS))
+
+
+def warm_up_draft_counts(max_drafts: int = WARM_UP_MAX_DRAFTS) -> list[int]:
+    """The draft counts whose calls compile every BLOCK_COLS width of 1..max_drafts drafts: the largest of each."""
+    widest = {}
+    for num_drafts in range(1, max_drafts + 1):
+        widest[block_cols(num_drafts)] = num_drafts
+    return sorted(widest.values())
 
 
 def warm_up_plan(vocab_size: int, num_drafts: int = 3) -> list[tuple[str, int]]:
@@ -219,13 +237,14 @@ def warm_up_plan(vocab_size: int, num_drafts: int = 3) -> list[tuple[str, int]]:
     return plan
 
 
-def warm_up(vocab_size: int, device: torch.device, num_drafts: int = 3, num_q_ids: int = 16) -> int:
+def warm_up(vocab_size: int, device: torch.device, max_drafts: int = WARM_UP_MAX_DRAFTS, num_q_ids: int = 16) -> int:
     """Compiles (or loads from Triton's on-disk cache) the kernel variants that batches without top-k /
     top-p make the sampler launch, so that no request waits ~0.5 s for a compile mid-run: every launch
     shape `default_launch` can pick, greedy, one-hot and sparse (`num_q_ids` ids per draft, the
-    drafter's `--draft-top-k`). Returns the number of calls made."""
-    plan = warm_up_plan(vocab_size, num_drafts)
-    for mode, num_reqs in plan:
+    drafter's `--draft-top-k`), for every BLOCK_COLS width of up to `max_drafts` drafts per request.
+    Returns the number of calls made."""
+    plan = [(n, mode, r) for n in warm_up_draft_counts(max_drafts) for mode, r in warm_up_plan(vocab_size, n)]
+    for num_drafts, mode, num_reqs in plan:
         num_logits = num_reqs * (num_drafts + 1)
         draft_total = num_reqs * num_drafts
         probs = None

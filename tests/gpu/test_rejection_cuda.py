@@ -18,6 +18,7 @@ variant.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -223,10 +224,10 @@ def unaligned(t: torch.Tensor) -> torch.Tensor:
 def test_unaligned_per_request_inputs_compile_nothing_after_the_warm_up():
     """Calls whose per-request inputs start at odd offsets (as the verifier's views into its upload buffer do)
     after the verifier's start-up warm-up compile no new kernel variant."""
-    vocab, k, dev = 151936, 3, torch.device("cuda")
-    warm_up(vocab, dev, num_drafts=k)
+    vocab, dev = 151936, torch.device("cuda")
+    warm_up(vocab, dev)
     before = compiled_variants()
-    for mode in ("greedy", "one_hot", "sparse"):
+    for mode, k in itertools.product(("greedy", "one_hot", "sparse"), (3, 5)):
         for batch in (1, 7, 64, 65):
             n_draft = batch * k
             probs = None

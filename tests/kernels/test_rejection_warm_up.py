@@ -6,7 +6,13 @@ import dataclasses
 import pytest
 import torch
 
-from specsplit.kernels.triton_rejection import warm_up, warm_up_plan
+from specsplit.kernels.triton_rejection import (
+    WARM_UP_MAX_DRAFTS,
+    block_cols,
+    warm_up,
+    warm_up_draft_counts,
+    warm_up_plan,
+)
 from specsplit.kernels.triton_rejection_launch import LARGE_BATCH_TABLE, LAUNCH_TABLE, default_launch
 
 
@@ -25,6 +31,19 @@ def test_the_plan_reaches_every_launch_shape_of_each_mode(vocab_size):
         assert any(launch.race_in_stats for launch in picked) == (mode != "greedy")
 
 
+def test_every_draft_count_up_to_the_maximum_has_its_column_width_warmed_up():
+    """The kernels compile a variant per BLOCK_COLS (drafts + 1, to a power of two): a warm-up for 3 drafts left the
+    first batch verifying 5 to compile mid-run (~250 ms on the H200)."""
+    counts = warm_up_draft_counts()
+    assert counts == [3, 7] and WARM_UP_MAX_DRAFTS == 7
+    warmed = {block_cols(n) for n in counts}
+    assert all(block_cols(n) in warmed for n in range(1, WARM_UP_MAX_DRAFTS + 1))
+    assert block_cols(WARM_UP_MAX_DRAFTS + 1) not in warmed  # (the next width is the first one not covered)
+    assert warm_up_draft_counts(12) == [3, 7, 12]
+
+
 def test_the_warm_up_calls_run():
     # Small batches on the interpreter: the same calls as on the GPU, shapes aside.
-    assert warm_up(100, torch.device("cpu"), num_drafts=2, num_q_ids=4) == len(warm_up_plan(100, 2)) >= 3
+    assert warm_up(100, torch.device("cpu"), max_drafts=2, num_q_ids=4) == len(warm_up_plan(100, 2)) >= 3
+    both = len(warm_up_plan(100, 3)) + len(warm_up_plan(100, 5))
+    assert warm_up(100, torch.device("cpu"), max_drafts=5, num_q_ids=4) == both
