@@ -16,7 +16,7 @@ learned where one bucket holds both kinds: the iterations that stop or start dra
 curve is made nondecreasing in T and read as a staircase: a token count costs what the next measured bucket at or
 above it costs (`CostCurve`; a step's time jumps at a graph size and is flat until the next, so a line between two
 measurements would make the token counts between them look cheaper than they are). Only decode iterations are
-recorded (prefill chunks cost differently per token).
+recorded (prefill chunks cost differently per token). Every estimate leaves hiccups out (`HICCUP`).
 
 The sum is a guess where nothing closer is known, not a law: an iteration with a Propose is also kept whole, per
 bucket of T and L (`measured_runs`), and once a (T, L) was run steadily (verifying as deep as it proposes), its own
@@ -37,6 +37,16 @@ import numpy as np
 EMA = 0.25  # weight of a new measurement
 BUCKETS_PER_OCTAVE = 16
 RUN_SAMPLES = 2  # steady runs of a (T, L) after which their time alone prices it (after one: its mean with the sum)
+# A sample this many times its estimate's value is a hiccup (a kernel compiled at first use, a pause), not what the
+# step costs, and is left out unless the sample before it was one too (a cost that really rose stays high). On the
+# H200 the first iterations verifying 5 drafts took 247 ms against 5-7 ms for every other depth (a compile); taken
+# in, that pulled the learned cost of a batch without drafts down to where no draft paid.
+HICCUP = 4.0
+
+
+def is_hiccup(sample: float, estimate: float | None, previous_was: bool) -> bool:
+    """Whether `sample` is left out of an estimate that stands at `estimate` (None: no estimate yet)."""
+    return estimate is not None and sample > HICCUP * estimate and not previous_was
 
 
 class _Bucket:
@@ -44,12 +54,20 @@ class _Bucket:
         self.num_tokens = float(num_tokens)
         self.seconds = [0.0, 0.0]  # [without a Propose, with one]
         self.weight = [0.0, 0.0]  # samples (at most 1 / EMA: an EMA's effective number)
+        self.hiccup = [False, False]  # the last sample was left out
 
     def add(self, num_tokens: int, seconds: float, proposed: bool) -> None:
         """The mean of the first 1 / EMA samples, then an EMA: the first sample (a sweep's, maybe in a slow moment)
-        weighs no more than the later ones."""
-        self.num_tokens += EMA * (num_tokens - self.num_tokens)
+        weighs no more than the later ones. A hiccup (`is_hiccup`) is left out; while the first 1 / EMA samples are
+        averaged, a sample HICCUP times below their mean starts it afresh (the first one was the hiccup)."""
         i = int(proposed)
+        estimate = self.seconds[i] if self.weight[i] else None
+        self.hiccup[i] = is_hiccup(seconds, estimate, self.hiccup[i])
+        if self.hiccup[i]:
+            return
+        if estimate is not None and seconds * HICCUP < estimate and self.weight[i] < 1 / EMA:
+            self.weight[i] = 0.0
+        self.num_tokens += EMA * (num_tokens - self.num_tokens)
         self.weight[i] = min(self.weight[i] + 1, 1 / EMA)
         self.seconds[i] += (seconds - self.seconds[i]) / self.weight[i]
 
@@ -58,7 +76,7 @@ class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
         self._keys: list[int] = []  # sorted bucket ids
-        self.later_step_s: float | None = None  # one MTP step after step 0, seconds
+        self._later = _Bucket(0)  # one MTP step after step 0 (`later_step_s`), from the drafter's reports
         self.propose_s: float | None = None  # a Propose's fixed cost, seconds
         self.measured = [False, False]  # iterations [without, with] a Propose recorded
         self.num_samples = 0
@@ -69,6 +87,11 @@ class StepCostModel:
         self._run_arrays: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._stale_depths: set[int] = set()
         self._curve: CostCurve | None = None  # the last curve, until the next record
+
+    @property
+    def later_step_s(self) -> float | None:
+        """One MTP step after step 0, seconds (None: never reported)."""
+        return self._later.seconds[0] if self._later.weight[0] else None
 
     def samples_at(self, num_tokens: int) -> float:
         """How many iterations of `num_tokens` tokens (their bucket) were timed (at most 2 / EMA: an EMA's effective
@@ -96,9 +119,7 @@ class StepCostModel:
         self._curve = None
         if later_steps_s is not None and num_later_steps > 0:
             per_step = later_steps_s / num_later_steps
-            self.later_step_s = (
-                per_step if self.later_step_s is None else self.later_step_s + EMA * (per_step - self.later_step_s)
-            )
+            self._later.add(0, per_step, False)
         if num_tokens < 1 or seconds <= 0:
             return
         if num_later_steps > 0 and self.later_step_s is None:

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from specsplit.coordinator import draft_choice
+from specsplit.coordinator import draft_choice, step_cost
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance
 from specsplit.coordinator.draft_choice import DraftChooser
@@ -135,7 +135,7 @@ def test_a_depth_never_run_steadily_is_chosen_twice_in_a_row():
         for _ in range(3):
             model.record(t, 0, 0.010 + 0.0001 * t, later_steps_s=0.0, proposed=False)
             model.record(t, 0, 0.012 + 0.0001 * t, later_steps_s=0.0, propose_s=0.002)
-    model.later_step_s = 0.0002
+    model.record(16, 1, 0.0116 + 0.002 + 0.0002, later_steps_s=0.0002, propose_s=0.002)  # a later step's report
     chooser = DraftChooser()
     chooser.costs = model
     batch, caps = [counts(0.9) for _ in range(8)], [5] * 8
@@ -287,6 +287,56 @@ def test_a_buckets_first_samples_are_averaged():
     for _ in range(20):
         model.record(32, 0, 0.010, proposed=False)
     assert model.curve().base_s(32) == pytest.approx(0.010, rel=0.01)  # then an EMA: the old samples fade
+
+
+def test_a_hiccup_is_left_out_and_a_first_sample_that_was_one_is_replaced():
+    model = StepCostModel()
+    for seconds in (0.010, 0.010, 0.500, 0.010):  # a compile in the third
+        model.record(32, 0, seconds, proposed=False)
+    assert model.curve().base_s(32) == pytest.approx(0.010)
+    model.record(32, 0, 0.050, proposed=False)
+    model.record(32, 0, 0.050, proposed=False)  # twice in a row: the cost rose, it is taken
+    assert model.curve().base_s(32) > 0.015
+    first = StepCostModel()
+    for seconds in (0.500, 0.010, 0.010):  # the first was the hiccup: the average starts afresh at the second
+        first.record(64, 0, seconds, proposed=False)
+    assert first.curve().base_s(64) == pytest.approx(0.010)
+    for later_steps_s in (0.480, 0.0018, 0.0018):  # the drafter's report of 4 later steps, the first with a compile
+        first.record(64, 4, 0.020, later_steps_s=later_steps_s)
+    assert first.later_step_s == pytest.approx(0.00045)
+
+
+def _learned_at_batch_1(compile_s: float) -> DraftChooser:
+    """A chooser after its first iterations at batch 1, shaped after the H200's alpha 0.3 cell: 5 drafts (the cap)
+    before any timing, the first of them with a compile of `compile_s`, then the sweep of depths 0..5."""
+    chooser = DraftChooser()
+    for rep in range(2):
+        extra = compile_s if rep == 0 else 0.0
+        chooser.costs.record(6, 4, 0.0079 + extra, later_steps_s=0.0018 + extra, verified_depth=5)
+    for depth in range(6):
+        later = max(0, depth - 1) * 0.00045
+        seconds = 0.0046 + (0.00075 + depth * 0.00015 + later if depth else 0.0)
+        for _ in range(3):
+            later_s = later if depth > 1 else None
+            chooser.costs.record(1 + depth, max(0, depth - 1), seconds, later_s, depth > 0, None, depth)
+        if depth == 0:
+            chooser.costs.record(1, 0, 0.00535)  # the iteration that stops drafting proposes once more
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 6))
+        accepted = next((i for i in range(n) if rng.random() >= 0.33), n)
+        chooser.acceptance.record(n, accepted)
+    return chooser
+
+
+def test_a_compile_among_the_first_iterations_does_not_price_drafts_out(monkeypatch):
+    """On the H200 the first iterations verifying 5 drafts took ~0.5 s (a kernel compiled at first use); taken in,
+    the drafter's later-step estimate and, through the curve's pooling, the cost of a batch without drafts were
+    pulled so far that 1 draft at acceptance 0.33 (8-12 % faster there) looked dear: adaptive drafted nothing."""
+    assert _learned_at_batch_1(0.0).choose([5], [PositionCounts()]) == [1]
+    assert _learned_at_batch_1(0.48).choose([5], [PositionCounts()]) == [1]
+    monkeypatch.setattr(step_cost, "HICCUP", float("inf"))  # every sample taken in: the H200's choice
+    assert _learned_at_batch_1(0.48).choose([5], [PositionCounts()]) == [0]
 
 
 def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():
