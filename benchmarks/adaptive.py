@@ -168,11 +168,6 @@ def reference_outputs(engine: InProcessEngine, prompts: list[list[int]], args: a
     return out
 
 
-def prompt_index(request_id: str) -> int:
-    """The prompt of a window's request (`run_window` names them f"{tag}-{index}")."""
-    return int(request_id.rsplit("-", 1)[1])
-
-
 def mode_k(mode: str, max_k: int) -> int:
     return 0 if mode == "target_only" else max_k if mode == "adaptive" else int(mode[1:])
 
@@ -192,13 +187,7 @@ class Bench:
         config = dataclasses.replace(self.base_config, adaptive=mode == "adaptive", max_num_seqs=cell.batch)
         core = self.engine.llm.core
         runner = self.engine.drafter
-        # Requests are f"{tag}-{prompt index}" (run_window): matched by id, so a request given no drafts right after
-        # its prefill (the drafter never saw its prompt) still meets its coins.
-        core.drafter = (
-            ForcedAcceptanceRunner(runner, self.oracle, cell.alphas, self.args.seed, index_of=prompt_index)
-            if k > 0
-            else None
-        )
+        core.drafter = ForcedAcceptanceRunner(runner, self.oracle, cell.alphas, self.args.seed) if k > 0 else None
         self._num_runs += 1
         llm = self.engine.llm
         result = run_window(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.forced_acceptance import prompt_request_id
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_choice import DraftChooser
 from specsplit.coordinator.request import Request, SamplingParams
@@ -74,7 +75,11 @@ def run_window(
     sync = sync or (lambda: None)
     scheduler = Scheduler(config, eos_token_ids, chooser)
     requests = [
-        Request(f"{tag}-{i}", list(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k))
+        Request(
+            prompt_request_id(i, tag),  # so forced acceptance knows its prompt (benchmarks/forced_acceptance.py)
+            list(p),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k),
+        )
         for i, p in enumerate(prompts)
     ]
     for r in requests:

@@ -29,6 +29,8 @@ verifier's on the GPU: its step0 then includes the verifier's device time, and (
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from benchmarks.forced_acceptance import prompt_request_id
 from specsplit import Client
 from specsplit.engine.llm import LLM
 from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
@@ -181,8 +184,13 @@ def recent_iterations(address: str) -> list[coordinator_pb2.IterationTiming]:
         return list(stub.GetStats(coordinator_pb2.GetStatsRequest(include_iterations=True), timeout=60).iterations)
 
 
+_RUNS = itertools.count()
+
+
 def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
-    """B concurrent Generate calls (one thread each), then the coordinator's timings of their iterations."""
+    """B concurrent Generate calls (one thread each), then the coordinator's timings of their iterations. Each
+    request's id names its prompt (a forced-acceptance drafter matches it by that)."""
+    tag = f"run{os.getpid()}.{next(_RUNS)}"
     before = max((it.iteration for it in recent_iterations(address)), default=0)
     outputs: list[list[int]] = [[] for _ in prompts]
     per_request = [SpecStats() for _ in prompts]
@@ -197,6 +205,7 @@ def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int
                     ignore_eos=True,
                     num_speculative_tokens=k,
                     temperature=0.0,
+                    request_id=prompt_request_id(i, tag),
                 )
             outputs[i], per_request[i] = list(out.token_ids), out.stats
         except BaseException as err:  # noqa: BLE001 (re-raised below, in the caller's thread)

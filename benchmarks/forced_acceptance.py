@@ -13,7 +13,8 @@ verification a draft is accepted exactly when it equals the target's argmax, so 
 of a position that is reached comes out ≈ alpha, and the output is still the target's own.
 
 The drafter never sees prompts, only positions and the tokens that follow them; a request is
-matched to its oracle sequence by its tokens at positions 1..KEY_LEN (prompts must differ there).
+matched to its oracle sequence by its id where the benchmark named it so (`prompt_request_id`), else by its
+tokens at positions 1..KEY_LEN (prompts must differ there).
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ class Oracle:
         return cls(raw["sequences"], raw["vocab_size"])
 
 
+def prompt_request_id(index: int, tag: str) -> str:
+    """A request id that names its prompt, the oracle sequence it continues (`index_of_request` reads it back): the
+    benchmarks name their requests so, and the runner matches them by it."""
+    return f"{tag}-p{index}"
+
+
+def index_of_request(request_id: str) -> int | None:
+    """The prompt a `prompt_request_id` names; None for any other id (the coordinator's own are hex uuids)."""
+    _, sep, tail = request_id.rpartition("-p")
+    return int(tail) if sep and tail.isdigit() else None
+
+
 def _uniform(*keys: int) -> float:
     """A deterministic uniform in [0, 1) per key tuple (splitmix64), the same in every process."""
     x = 0
@@ -71,16 +84,15 @@ class _Track:
 class ForcedAcceptanceRunner:
     """Wraps a `specsplit.drafter.runner.DrafterRunner` (same `propose` / `free`; other attributes pass through)."""
 
-    def __init__(self, runner, oracle: Oracle, alpha: float | list[float], seed: int = 0, index_of=None):
-        """`alpha`: one acceptance rate, or one per oracle sequence (per prompt: a mixed batch). `index_of`: request
-        id → its oracle sequence, where the caller knows it (else None, and the request is matched by its tokens at
-        positions 1..KEY_LEN, which the drafter sees only if it proposed after the prompt: a request that adaptive
-        speculation gave no drafts then would stay unmatched, its drafts the MTP's own, as if its acceptance were 0)."""
+    def __init__(self, runner, oracle: Oracle, alpha: float | list[float], seed: int = 0):
+        """`alpha`: one acceptance rate, or one per oracle sequence (per prompt: a mixed batch). A request is matched
+        to its sequence by its id where that names it (`prompt_request_id`), else by its tokens at positions
+        1..KEY_LEN, which the drafter sees only if it proposed right after the prompt: a request that adaptive
+        speculation gave no drafts then would stay unmatched, its drafts the MTP's own, as if its acceptance were 0."""
         alphas = [alpha] * len(oracle.sequences) if isinstance(alpha, (int, float)) else list(alpha)
         if len(alphas) != len(oracle.sequences) or not all(0.0 <= a <= 1.0 for a in alphas):
             raise ValueError(f"alpha must be in [0, 1], one or one per prompt; got {alpha}")
         self.runner, self.oracle, self.alphas, self.seed = runner, oracle, alphas, seed
-        self.index_of = index_of
         self._tracks: dict[str, _Track] = {}
         self.num_forced = 0  # draft positions decided by the oracle coin
         self.num_kept = 0  # … of which got the oracle's token
@@ -103,7 +115,8 @@ class ForcedAcceptanceRunner:
             track = self._tracks.get(item.request_id)
             if track is None:
                 track = self._tracks[item.request_id] = _Track()
-                track.oracle = self.index_of(item.request_id) if self.index_of is not None else None
+                index = index_of_request(item.request_id)
+                track.oracle = index if index is not None and index < len(self.oracle.sequences) else None
             self._observe(track, item.start_position, item.next_token_ids)
             if drafts and track.oracle is not None and not track.lost:
                 last = item.start_position + len(item.next_token_ids)  # position of the newest token

@@ -9,7 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.forced_acceptance import KEY_LEN, ForcedAcceptanceRunner, Oracle
+from benchmarks.forced_acceptance import (
+    KEY_LEN,
+    ForcedAcceptanceRunner,
+    Oracle,
+    index_of_request,
+    prompt_request_id,
+)
 from specsplit.drafter.runner import ProposeItem
 from specsplit.transport.base import DeviceTokens
 
@@ -101,18 +107,22 @@ def test_unknown_requests_keep_the_mtp_drafts_and_free_passes_through():
     assert runner.freed == ["s"] and runner.kv_cache == "cache"  # other attributes reach the runner
 
 
-def test_a_request_first_proposed_for_after_its_prompt_is_matched_by_its_id_where_the_caller_knows_it():
+def test_a_request_first_proposed_for_after_its_prompt_is_matched_by_its_id_where_the_id_names_it():
     """Adaptive speculation can give a request no drafts in the iteration that ends its prefill: the drafter then
-    first sees it further on, without its prompt's tokens. Matched by id, its drafts still meet their coins; by its
-    tokens alone it cannot be matched (its drafts stay the MTP's own)."""
+    first sees it further on, without its prompt's tokens. Named by `prompt_request_id`, its drafts still meet their
+    coins; by its tokens alone (any other id) it cannot be matched and its drafts stay the MTP's own."""
     oracle = _oracle(3)
     seq, start = oracle.sequences[2], 80  # first seen at position 80: positions 1..KEY_LEN never observed
-    item = lambda: ProposeItem("w-2", start, seq[start + 1 : start + 2], 3)  # noqa: E731
-    by_id = ForcedAcceptanceRunner(FakeRunner(), oracle, 1.0, index_of=lambda rid: int(rid.rsplit("-", 1)[1]))
-    assert by_id.propose([item()], None).drafts == [seq[start + 2 : start + 5]]
-    assert by_id.num_lost == 0
-    by_tokens = ForcedAcceptanceRunner(FakeRunner(), oracle, 1.0)
-    assert by_tokens.propose([item()], None).drafts == [[0, 0, 0]]
+    named = prompt_request_id(2, "w7")
+    assert index_of_request(named) == 2
+    assert [index_of_request(r) for r in ("3f2a9c", "w-p", "w-p2-0", "x")] == [None] * 4
+    for rid, want in ((named, seq[start + 2 : start + 5]), ("3f2a9c", [0, 0, 0])):
+        runner = ForcedAcceptanceRunner(FakeRunner(), oracle, 1.0)
+        assert runner.propose([ProposeItem(rid, start, seq[start + 1 : start + 2], 3)], None).drafts == [want]
+        assert runner.num_lost == 0
+    beyond = ForcedAcceptanceRunner(FakeRunner(), oracle, 1.0)  # an id naming no sequence: matched by tokens
+    item = ProposeItem(prompt_request_id(9, "w"), start, seq[start + 1 : start + 2], 3)
+    assert beyond.propose([item], None).drafts == [[0, 0, 0]]
 
 
 def test_prompts_that_share_their_first_tokens_are_refused():
