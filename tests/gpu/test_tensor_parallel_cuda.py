@@ -28,6 +28,15 @@ pytestmark = pytest.mark.gpu
 STEPS = ((7, 5), (1, 1), (4, 4), (2, 3))  # a prefill, then decode and verify steps (graph buckets 2, 8, 8)
 
 
+def step_inputs(cache, counts: tuple[int, int], vocab: int, device: str, use_kernel: bool):
+    """One step of `STEPS` for requests "a" and "b": its attention metadata, random token ids and positions."""
+    attn = cache.prepare_step(["a", "b"], list(counts), use_kernel=use_kernel)
+    ids = torch.randint(0, vocab, (sum(counts),)).to(device)
+    ends = [cache.num_tokens(r) for r in "ab"]
+    positions = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, counts)]).to(device)
+    return attn, ids, positions
+
+
 def graph_logits(path: str, mtp: bool = False) -> list | None:
     """Every step's logits on this rank's GPU (`[tokens, vocab]` per step on rank 0, None on the others): the
     prefill eager, the other steps replayed from CUDA graphs. `mtp`: of the checkpoint's MTP module (random
@@ -40,10 +49,7 @@ def graph_logits(path: str, mtp: bool = False) -> list | None:
     vocab, out = model.config.vocab_size, []
     with torch.inference_mode():
         for i, counts in enumerate(STEPS):
-            attn = cache.prepare_step(["a", "b"], list(counts), use_kernel=i > 0)
-            ids = torch.randint(0, vocab, (sum(counts),)).to(device)
-            ends = [cache.num_tokens(r) for r in "ab"]
-            positions = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, counts)]).to(device)
+            attn, ids, positions = step_inputs(cache, counts, vocab, device, use_kernel=i > 0)
             previous = torch.randn(sum(counts), model.config.hidden_size).to(device) if mtp else None
             inputs = (ids, previous, positions) if mtp else (ids, positions)
             if i == 0:
@@ -80,10 +86,7 @@ def fp8_logits(path: str) -> list | None:
     vocab, out = model.config.vocab_size, []
     with torch.inference_mode():
         for i, counts in enumerate(STEPS):
-            attn = cache.prepare_step(["a", "b"], list(counts), use_kernel=i > 0)
-            ids = torch.randint(0, vocab, (sum(counts),)).to(device)
-            ends = [cache.num_tokens(r) for r in "ab"]
-            positions = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, counts)]).to(device)
+            attn, ids, positions = step_inputs(cache, counts, vocab, device, use_kernel=i > 0)
             logits = model.compute_logits(model(ids, positions, cache, attn))
             out.append(None if logits is None else logits.cpu().numpy())
     torch.cuda.synchronize()
