@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 from benchmarks.adaptive_window import Window, cuda_sync, horizon, run_window  # noqa: E402
 from benchmarks.e2e import PROMPT_LEN, check_lossless, make_prompts  # noqa: E402
-from benchmarks.e2e_modes import InProcessEngine  # noqa: E402
+from benchmarks.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.coordinator.draft_choice import DraftChooser  # noqa: E402
@@ -305,7 +305,7 @@ def services_rows(args, model: Path, work: Path, prompts, reference, oracle: Ora
                 "--max-num-seqs",
                 str(max_batch),
                 "--max-num-batched-tokens",
-                str(max(2048, max_batch * (max_k + 1))),
+                str(step_token_budget(max_batch, max_k)),
             ]
             with LocalCluster(
                 str(model),

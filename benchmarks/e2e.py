@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services  # noqa: E402
+from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services, step_token_budget  # noqa: E402
 from benchmarks.e2e_report import add_comparisons, add_roofline, cell_row, print_roofline, print_tables  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
@@ -213,7 +213,7 @@ def make_cluster(
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         coordinator_args=[
             *["--max-num-seqs", str(max_batch)],
-            *["--max-num-batched-tokens", str(max(2048, max_batch * (max_k + 1)))],
+            *["--max-num-batched-tokens", str(step_token_budget(max_batch, max_k))],
             "--no-adaptive",  # each k as asked: this benchmark compares placements at a fixed k
         ],
         verifier_args=[
@@ -327,7 +327,7 @@ def services_only(args, model: Path, work: Path, t_begin: float, sizes: ModelByt
             UP_SHARE,
             COLOCATED_DRAFTER_SHARE,
             kv_tokens=max(max_model_len, max_batch * (PROMPT_LEN + args.new_tokens + max_k + 1)),
-            max_step_tokens=max(2048, max_batch * (max_k + 1)),
+            max_step_tokens=step_token_budget(max_batch, max_k),
         )
         print(plan.describe(), file=sys.stderr)
         if not plan.fits:

@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.forced_acceptance import prompt_request_id
 from specsplit import Client
+from specsplit.coordinator.config import SchedulerConfig
 from specsplit.engine.llm import LLM
 from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
 from specsplit.results import SpecStats
@@ -80,6 +81,15 @@ def _ms(ns: int) -> float:
     return ns / 1e6
 
 
+def step_token_budget(max_batch: int, max_k: int) -> int:
+    """The scheduler's token budget per step (`--max-num-batched-tokens`) in every mode of a run: the servers'
+    default, what `specsplit up` ships (prefill chunks of at most 512 tokens replay CUDA graphs), raised only where
+    one decode step of the largest batch would not fit it. (Runs before 2026-12-02 used 2048: the prompts of a
+    batch of 32 were one eager step in one process and, arriving over a few iterations, two or three eager steps of
+    30-80 ms in the services.)"""
+    return max(SchedulerConfig.max_num_batched_tokens, max_batch * (max_k + 1))
+
+
 class InProcessEngine:
     """`specsplit.LLM`: the services' iteration (`EngineCore.step`) in one process, what disaggregation is
     measured against; k = 0 runs without a drafter (target-only)."""
@@ -105,7 +115,7 @@ class InProcessEngine:
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_batch,
-            max_num_batched_tokens=max(2048, max_batch * (max_k + 1)),
+            max_num_batched_tokens=step_token_budget(max_batch, max_k),
             adaptive=False,  # every request k drafts (benchmarks/adaptive.py switches per run)
         )
         self.target, self.device = self.llm.target, device
@@ -188,36 +198,52 @@ _RUNS = itertools.count()
 
 
 def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
-    """B concurrent Generate calls (one thread each), then the coordinator's timings of their iterations. Each
-    request's id names its prompt (a forced-acceptance drafter matches it by that)."""
+    """B concurrent Generate calls (one thread and client each), then the coordinator's timings of their
+    iterations. Each request's id names its prompt (a forced-acceptance drafter matches it by that). The clients
+    are connected and their threads started before the run's clock starts, and released together: a server's
+    clients hold their channels, and a client's own connection set-up is not the server's time (it spread the
+    arrivals of 32 requests over three iterations on the H200)."""
     tag = f"run{os.getpid()}.{next(_RUNS)}"
     before = max((it.iteration for it in recent_iterations(address)), default=0)
     outputs: list[list[int]] = [[] for _ in prompts]
     per_request = [SpecStats() for _ in prompts]
     errors: list[BaseException] = []
+    clients = [Client(address, timeout=900) for _ in prompts]
+    start = threading.Barrier(len(prompts) + 1, timeout=120)
 
     def one(i: int) -> None:
         try:
-            with Client(address, timeout=900) as client:
-                out = client.generate(
-                    prompt_token_ids=prompts[i],
-                    max_tokens=new_tokens,
-                    ignore_eos=True,
-                    num_speculative_tokens=k,
-                    temperature=0.0,
-                    request_id=prompt_request_id(i, tag),
-                )
+            start.wait()
+            out = clients[i].generate(
+                prompt_token_ids=prompts[i],
+                max_tokens=new_tokens,
+                ignore_eos=True,
+                num_speculative_tokens=k,
+                temperature=0.0,
+                request_id=prompt_request_id(i, tag),
+            )
             outputs[i], per_request[i] = list(out.token_ids), out.stats
         except BaseException as err:  # noqa: BLE001 (re-raised below, in the caller's thread)
             errors.append(err)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0, wall0 = time.perf_counter(), time.time_ns()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds, wall1 = time.perf_counter() - t0, time.time_ns()
+    try:
+        for client in clients:
+            client.model_info()  # the channel connected
+        for t in threads:
+            t.start()
+        start.wait()
+        t0, wall0 = time.perf_counter(), time.time_ns()
+        for t in threads:
+            t.join()
+        seconds, wall1 = time.perf_counter() - t0, time.time_ns()
+    finally:
+        start.abort()  # (a thread still waiting, after a failure above, raises instead of hanging)
+        for t in threads:
+            if t.is_alive():
+                t.join()
+        for client in clients:
+            client.close()
     if errors:
         raise errors[0]
     stats = SpecStats()

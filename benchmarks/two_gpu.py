@@ -50,7 +50,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.e2e import make_prompts  # noqa: E402
-from benchmarks.e2e_modes import RunResult, run_services  # noqa: E402
+from benchmarks.e2e_modes import RunResult, run_services, step_token_budget  # noqa: E402
 from benchmarks.e2e_report import cell_row  # noqa: E402
 from benchmarks.forced_acceptance import Oracle  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
@@ -157,7 +157,7 @@ def _cluster(
         role_commands={"drafter": drafter_command} if drafter_command else None,
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},  # benchmarks.*
         coordinator_args=[
-            *["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(2048, batch * (k + 1)))],
+            *["--max-num-seqs", str(batch), "--max-num-batched-tokens", str(step_token_budget(batch, k))],
             "--no-adaptive",  # a fixed k: the transports are compared at it
         ],
         verifier_args=["--num-blocks", "4096"],

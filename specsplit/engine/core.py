@@ -74,7 +74,7 @@ class EngineCore:
             step = self.verifier.finish(batch, launched, with_rows=False)  # done: the drafter waited for it
             sample_ns = 0
         else:
-            step = self.verifier.finish(batch, launched)
+            step = self.verifier.finish(batch, launched, with_rows=drafter is not None)  # rows: the Propose's
             t_verified, sample_ns = time.time_ns(), step.sample_ns
             proposal = None
             if drafter is not None and batch.num_reqs:

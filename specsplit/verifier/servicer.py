@@ -235,10 +235,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             with self.slow_steps.watch("step"):
                 step = held.finished(worker.finish(batch, launched, with_rows=False), self._keep_answered)
         else:
+            # Nobody wants drafts (adaptive speculation chose none): no Propose, so no hidden-state rows either.
+            no_propose = bool(request.requests) and all(r.sample and not r.num_spec_tokens for r in request.requests)
             with self.slow_steps.watch("step"):
-                step = worker.finish(batch, launched)
-            if request.requests and all(r.sample and not r.num_spec_tokens for r in request.requests):
-                return batch, step, unfilled, (w0, w1, early), None  # nobody wants drafts (adaptive): no Propose
+                step = worker.finish(batch, launched, with_rows=not no_propose)
+            if no_propose:
+                return batch, step, unfilled, (w0, w1, early), None
             plan = self.drafter.build_request(request.iteration, batch, step, sampling)
             pending = proposer.send(plan, HeldStep(batch, step), self._keep_answered, parent)
         return batch, step, unfilled, (w0, w1, early), pending
