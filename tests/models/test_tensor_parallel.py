@@ -106,17 +106,28 @@ def cases(checkpoint_dir, tmp_path_factory) -> list[tuple]:
     return paths
 
 
+def assert_tp_close(got: torch.Tensor, want: torch.Tensor, w8a8: bool, msg: str) -> None:
+    """Equal up to float sums in another order; with FP8 activations (W8A8), within their tolerance on average: a
+    sum that lands on the other side of an e4m3 rounding boundary moves that activation by a whole e4m3 step (1/8
+    of it), which no bound on the largest error survives (on one 2-core machine 319 of 8,000 logits of the Qwen3
+    case at TP 2 moved by up to 0.017, on another none)."""
+    if not w8a8:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=msg)
+        return
+    error = (got - want).abs()
+    assert error.mean() < 1e-3 * want.std() and error.max() < 0.05 * want.std(), msg
+    assert (error <= 1e-4).float().mean() > 0.9, msg  # most logits exact to float sums: the shards are the same
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_tp_logits_equal_one_device(cases, size):
     """One group of ranks runs every case (starting ranks costs seconds each)."""
     for case, (logits, mtp_logits) in zip(cases, run_ranks(size, all_step_logits, cases)):
-        path = case[0]
+        path, w8a8 = case[0], len(case) > 2 and bool(case[2])
         reference = torch.from_numpy(step_logits(*case))
-        torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-5, atol=1e-5, msg=f"{case} TP {size}")
+        assert_tp_close(torch.from_numpy(logits), reference, w8a8, f"{case} TP {size}")
         reference = torch.from_numpy(mtp_step_logits(*case))
-        torch.testing.assert_close(
-            torch.from_numpy(mtp_logits), reference, rtol=1e-5, atol=1e-5, msg=f"{path} MTP TP {size}"
-        )
+        assert_tp_close(torch.from_numpy(mtp_logits), reference, w8a8, f"{path} MTP TP {size}")
 
 
 def _least_blocks() -> int:
