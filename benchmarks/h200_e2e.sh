@@ -15,7 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 common=(--shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda --dtype bfloat16
-        --batches 1 32 --ks 3 --new-tokens 64 --repeats 3)
+        --batches 1 32 --ks 3 --new-tokens 64 --repeats 5)
 for spec in "$@"; do
     name=${spec%%=*}
     rest=${spec#*=}
