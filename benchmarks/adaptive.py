@@ -8,13 +8,14 @@ runs inside the window. The modes:
     k1 .. kN     every request gets k drafts each iteration (`--no-adaptive`)
     adaptive     each request's draft count chosen per iteration, at most max(--ks) (the default)
 The modes are interleaved in --rounds rounds (A B C ... then B C ... A: the order rotates, so no mode always runs
-first or right after another), and each mode's tokens/s is the median over its rounds, printed with the min-max,
-so that a ratio can be read against the noise. Adaptive learns first, in an untimed run of --learn-iterations
-decode iterations from a fresh state; every round's adaptive window starts from a copy of what it learned (and
-goes on learning, as a server does). After round 1 a fixed k slower than --prune x the round's fastest mode is not
-run again (it cannot be the best fixed k; its one value is kept and marked). The mixed cell gives half the requests
-one acceptance and half another (--mixed 0.9 0.2 at each of --mixed-batches). Every output is checked against the
-target-only greedy output (lossless); a mismatch fails the run after printing.
+first or right after another), and each mode's tokens/s is the median over its rounds, printed with the min-max, so
+that a ratio can be read against the noise. Adaptive learns first, in an untimed run of --learn-iterations decode
+iterations from a fresh state; every round's adaptive window goes on from where the one before left it, as a server
+goes on learning (a copy of the learned state per round, as before 2026-12-02, replayed the same first-time trials
+and exploration steps in every round's window). After round 1 a fixed k slower than --prune x the round's fastest
+mode is not run again (it cannot be the best fixed k; its one value is kept and marked). The mixed cell gives half
+the requests one acceptance and half another (--mixed 0.9 0.2 at each of --mixed-batches). Every output is checked
+against the target-only greedy output (lossless); a mismatch fails the run after printing.
 
 Why this method (the one before it, 4 waves of 32-token requests per slot, each mode once, measured noise of +-10 %
 on the H200, as large as the effects): one run per mode put drift (GPU clocks, the host) into the comparison;
@@ -40,7 +41,6 @@ uniform-alpha cells through the three services instead, as closed batches of --n
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import json
@@ -219,7 +219,7 @@ class Bench:
         for r in range(args.rounds):
             shift = r % len(active)
             for mode in active[shift:] + active[:shift]:
-                chooser = copy.deepcopy(learned) if mode == "adaptive" else None
+                chooser = learned if mode == "adaptive" else None  # (goes on learning from round to round)
                 timed = timed_iterations(args, cell.batch)
                 windows[mode].append(self.window(cell, mode, chooser, timed, args.warm_iterations))
             if r == 0 and args.prune > 0 and args.rounds > 1:
@@ -237,6 +237,7 @@ class Bench:
             row["range"][mode] = [min(speeds), max(speeds)]
         row["mean_drafts"] = {m: statistics.mean(w.drafts_per_request for w in ws) for m, ws in windows.items()}
         row["choose_ms_per_iteration"] = statistics.median(w.choose_ms_per_iteration for w in windows["adaptive"])
+        row["ahead_ms_per_iteration"] = statistics.median(w.ahead_ms_per_iteration for w in windows["adaptive"])
         hist: list[int] = []
         for w in windows["adaptive"]:
             for d, n in enumerate(w.draft_count_histogram):
@@ -357,14 +358,17 @@ def print_table(rows: list[dict], modes: list[str]) -> None:
         print(f"{r['cell']:<16}{r['batch']:>5}" + "".join(f"{c:>{width}}" for c in cols))
     print("\nadapt/best and adapt/t-o: ratios of medians; spread: the largest (max - min) / median of adaptive,")
     print("target_only and the best fixed k (a ratio closer to 1 than that is inside the noise); drafts/it: adaptive's")
-    print("mean drafts verified per request and iteration; choose ms: the chooser's host time per iteration")
+    print("mean drafts verified per request and iteration; choose ms: the chooser's host time per iteration between")
+    print("steps (in schedule), ahead ms: while the device runs a step (choose_ahead)")
     head = f"{'cell':<16}{'B':>5}{'best fixed':>12}{'adapt/best':>11}{'adapt/t-o':>10}{'spread':>8}{'drafts/it':>10}"
-    print(head + f"{'choose ms':>10}")
+    print(head + f"{'choose ms':>10}{'ahead ms':>9}")
     for r in rows:
         spread = f"{r['spread']:>8.3f}" if "spread" in r else f"{'':>8}"
         line = f"{r['cell']:<16}{r['batch']:>5}{r['best_fixed']:>12}{r['adaptive_vs_best_fixed']:>11.3f}"
         line += f"{r['adaptive_vs_target_only']:>10.3f}{spread}{r['mean_drafts']['adaptive']:>10.2f}"
         choose = f"{r['choose_ms_per_iteration']:>10.3f}" if "choose_ms_per_iteration" in r else ""
+        if "ahead_ms_per_iteration" in r:
+            choose += f"{r['ahead_ms_per_iteration']:>9.3f}"
         print(line + choose)
     worst_best = min(r["adaptive_vs_best_fixed"] for r in rows)
     worst_to = min(r["adaptive_vs_target_only"] for r in rows)

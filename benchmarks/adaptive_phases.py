@@ -58,7 +58,7 @@ class ForcedChoice(DraftChooser):
         super().__init__()
         self.counts = counts
 
-    def choose(self, caps, counts, remaining=None):
+    def _choose(self, caps, counts, remaining=None):
         return [min(cap, self.counts[i % len(self.counts)]) for i, cap in enumerate(caps)]
 
 

@@ -34,11 +34,16 @@ class Window:
     outputs: list[list[int]] = field(default_factory=list)  # per request, every token it emitted (lossless check)
     prefill_seconds: float = 0.0
     warm_seconds: float = 0.0
-    choose_seconds: float = 0.0  # adaptive: the chooser's host time inside the window
+    choose_seconds: float = 0.0  # adaptive: the chooser's host time inside the window, in `schedule` (between steps)
+    ahead_seconds: float = 0.0  # adaptive: its host time in `choose_ahead` (while the device runs a step)
 
     @property
     def choose_ms_per_iteration(self) -> float:
         return 1e3 * self.choose_seconds / self.num_iterations
+
+    @property
+    def ahead_ms_per_iteration(self) -> float:
+        return 1e3 * self.ahead_seconds / self.num_iterations
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,17 +93,19 @@ def run_window(
     def decoding() -> bool:
         return all(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
 
-    spent = [0.0]  # the chooser's time (adaptive), from the timed window's start
+    spent = [0.0, 0.0]  # the chooser's time (adaptive) in choose and in choose_ahead, from the timed window's start
     if chooser is not None:
-        choose = chooser.choose
 
-        def timed_choose(*args):
-            t = time.perf_counter()
-            out = choose(*args)
-            spent[0] += time.perf_counter() - t
-            return out
+        def clocked(method, slot: int):
+            def call(*args):
+                t = time.perf_counter()
+                out = method(*args)
+                spent[slot] += time.perf_counter() - t
+                return out
 
-        chooser.choose = timed_choose
+            return call
+
+        chooser.choose, chooser.choose_ahead = clocked(chooser.choose, 0), clocked(chooser.choose_ahead, 1)
 
     try:
         t0 = time.perf_counter()
@@ -116,7 +123,7 @@ def run_window(
         gc.collect()
         gc.disable()
         sync()
-        spent[0] = 0.0
+        spent[:] = [0.0, 0.0]
         t2 = time.perf_counter()
         try:
             for _ in range(timed):
@@ -143,10 +150,11 @@ def run_window(
             prefill_seconds=t1 - t0,
             warm_seconds=t2 - t1,
             choose_seconds=spent[0],
+            ahead_seconds=spent[1],
         )
     finally:
         if chooser is not None:
-            del chooser.choose  # the class's again (a copy of the chooser must not call this one)
+            del chooser.choose, chooser.choose_ahead  # the class's again (a copy of the chooser must not call these)
         ids = [r.request_id for r in requests]
         for rid in ids:
             scheduler.finish_request(rid, "abort")

@@ -181,6 +181,7 @@ class Engine:
                 await stream.send(request)
             finally:  # also when the send failed: these tokens are the client's either way
                 self._stream_outputs(outputs)
+            self.scheduler.choose_ahead(output)  # while the verifier and drafter run it
             response = await stream.receive()
             t_received = time.time_ns()
         self._failing_since = None

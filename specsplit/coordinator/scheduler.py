@@ -224,6 +224,20 @@ class Scheduler:
         for item, n in zip(sampling, chosen):
             item.num_spec_tokens = n
 
+    def choose_ahead(self, output: SchedulerOutput) -> None:
+        """Adaptive speculation: the next iteration's draft counts for `output`'s sampling requests, chosen now,
+        while the verifier and drafter run `output` (`DraftChooser.choose_ahead`); the next `schedule` takes them if
+        its decoding batch is the same. Call it once `output`'s step is on its way, before its results."""
+        if self.chooser is None:
+            return
+        requests = [item.request for item in output.scheduled if item.sample]
+        if requests:
+            self.chooser.choose_ahead(
+                [self._num_spec_after(r) for r in requests],  # (a cap that the step's tokens cut: chosen afresh)
+                [r.position_counts for r in requests],
+                [r.sampling.max_tokens - len(r.output_token_ids) for r in requests],
+            )
+
     def record_iteration(
         self,
         output: SchedulerOutput,

@@ -63,6 +63,7 @@ class EngineCore:
         # The coordinator's message, as the services send it.
         request = verify_request(output, "in-process", scheduler.eos_token_ids)
         batch, launched, unfilled = self.verifier.launch(request)  # with the previous propose's drafts
+        scheduler.choose_ahead(output)  # while the device runs the step (adaptive speculation's next choice)
         drafter = self.drafter
         if not output.proposes:
             drafter = None  # no request wants drafts (adaptive speculation chose none): no Propose

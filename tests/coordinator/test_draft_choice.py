@@ -442,3 +442,71 @@ def test_scheduler_asks_the_drafter_for_the_chosen_count():
             s.record_iteration(out, 0.010 + 0.002 * out.num_scheduled_tokens, out.proposes, out.num_later_steps, 0.0)
         message = verify_request(s.schedule(), "c")
         assert [r.num_spec_tokens for r in message.requests] == ([0] * 4 if adaptive else [3] * 4)
+
+
+def test_a_best_allocation_computed_ahead_is_taken_by_the_next_choice_of_the_same_batch_only():
+    """`choose_ahead` computes the best allocation for a batch while its step runs; the next `choose` of the same
+    requests and caps takes it instead of computing it; another batch (a cap cut, another request) computes it
+    afresh; nothing is computed ahead where the next choice keeps the last one."""
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 24, 32, 40, 48, 56, 64])
+    high = [counts(0.95) for _ in range(8)]
+    made = []
+    real_best = chooser._best
+    chooser._best = lambda caps, *args: made.append(caps) or real_best(caps, *args)
+    chooser.choose_ahead([5] * 8, high, [100] * 8)
+    assert len(made) == 1  # computed ahead
+    assert chooser.choose([5] * 8, high, [99] * 8) == [5] * 8
+    assert len(made) == 1  # taken, not computed again
+    kept = 0
+    for _ in range(6):  # the same choice again and again: kept for a while (`KEEP`), then computed (ahead) again
+        keeps, before = chooser._keeps([5] * 8, high), len(made)
+        chooser.choose_ahead([5] * 8, high)
+        assert chooser.choose([5] * 8, high) == [5] * 8
+        assert len(made) == before + (not keeps)  # computed once, ahead, where not kept
+        kept += keeps
+    assert 0 < kept < 6
+    chooser.choose_ahead([5] * 8, high)
+    chooser.choose([5] * 7 + [2], high)  # a cap cut near max_tokens: computed afresh
+    n = len(made)
+    chooser._kept = None  # (no choice to keep from here on)
+    chooser.choose_ahead([5] * 8, high)
+    assert len(made) == n + 1
+    other = [*high[:7], counts(0.95)]  # a request finished, another took its place
+    chooser.choose([5] * 8, other)
+    assert len(made) == n + 2 and made[-1] == [5] * 8
+    chooser._kept = None
+    chooser.choose([5] * 8, high)  # what was computed ahead serves one choice only
+    assert len(made) == n + 3
+
+
+def test_the_scheduler_takes_the_allocation_computed_while_the_step_ran():
+    """The engines call `Scheduler.choose_ahead` once a step is on its way: the next schedule of the same decoding
+    batch takes the best allocation computed then (the chooser's costly part is then not between two steps); a batch
+    that changed computes it at schedule."""
+    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3)
+    s = Scheduler(cfg, [99])
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True)))
+    for tokens in range(3, 17):  # every depth timed, with and without a Propose: choices are made by `_best`
+        s.chooser.costs.record(tokens, 0, 0.01 + 0.0001 * tokens, proposed=False)
+        s.chooser.costs.record(tokens, 0, 0.011 + 0.0001 * tokens, propose_s=0.001)
+    at_schedule, ahead = [], []
+    real_best = s.chooser._best
+    s.chooser._best = lambda caps, *args: (
+        (ahead if computing_ahead else at_schedule).append(len(caps)) or real_best(caps, *args)
+    )
+    computing_ahead = False
+    for step in range(16):
+        if step == 8:  # a request arrives: the batch changes
+            s.add_request(Request("r3", [4, 5], SamplingParams(max_tokens=60, ignore_eos=True)))
+        out = s.schedule()
+        computing_ahead = True
+        s.choose_ahead(out)
+        computing_ahead = False
+        results = [
+            VerifyResult(x.request.request_id, [7], x.num_draft_tokens, x.num_draft_tokens) for x in out.scheduled
+        ]
+        s.update_from_output(out, results)  # (every draft rejected: kept choices stay few)
+    assert len(ahead) >= 4 and 4 in ahead  # computed while steps ran, for the new batch too
+    assert at_schedule.count(3) <= 1 and at_schedule.count(4) <= 1  # at schedule: only where the batch changed

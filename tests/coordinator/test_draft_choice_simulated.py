@@ -1,16 +1,17 @@
 """Adaptive speculation end to end through the scheduler, on a simulated engine shaped after the H200 runs of the 7B
 shape (benchmarks/results/adaptive_h200.md): the verifier's step is a staircase in the tokens it runs (flat within a
 CUDA graph size, 1, 2, 4 ... 512, then eager; the sizes' times fitted to the fixed-k cells of the 2026-12-02 run),
-plus host time per request, a Propose's fixed cost and a cost per later drafter step, all with 3 % noise; the
-drafter reports a tenth of its later steps' time (the chooser must not rely on that report: on the H200 it chose,
-at alpha 0.9 and batch 64, half the requests 1 draft and half 5 over 3 each, which pays only if a later step is
-nearly free, and ran at 0.68x k 3); drafts are accepted with a forced probability, one coin per request and
-position (as benchmarks/forced_acceptance.py: every mode meets the same positions). Each run is a steady-state
-window as benchmarks/adaptive.py times it: B requests prefilled, WARM decode iterations, then TIMED ones timed; the
-adaptive chooser learns in a run of its own first. The issue's targets: adaptive >= 0.97x the best fixed k in {0..5}
-and >= 0.98x target-only in every cell, and the mixed batch faster than every fixed k."""
+plus host time per request, a Propose's fixed cost and a cost per later drafter step, all with 3 % noise; the drafter
+reports a tenth of its later steps' time (the chooser must not rely on that report: on the H200 it chose, at alpha
+0.9 and batch 64, half the requests 1 draft and half 5 over 3 each, which pays only if a later step is nearly free,
+and ran at 0.68x k 3); drafts are accepted with a forced probability, one coin per request and position (as
+benchmarks/forced_acceptance.py: every mode meets the same positions). Each run is a steady-state window as
+benchmarks/adaptive.py times it: B requests prefilled, WARM decode iterations, then TIMED ones timed, three rounds
+per mode (median); the adaptive chooser learns in a run of its own first. The issue's targets: adaptive >= 0.97x the
+best fixed k in {0..5} and >= 0.98x target-only in every cell, and the mixed batch faster than every fixed k."""
 
 import random
+import statistics
 
 import pytest
 
@@ -21,6 +22,7 @@ from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
 
 K_MAX, WARM, TIMED, LEARN, PROMPT = 5, 8, 40, 64, 64
+ROUND_SEEDS = (0, 2, 3)  # the rounds' noise
 REPORTED = 0.1  # of the later steps' time, what the drafter reports
 GRAPH_MS = {1: 4.3, 2: 4.35, 4: 4.4, 8: 4.8, 16: 4.9, 32: 5.1, 64: 5.6, 128: 6.0, 256: 8.2, 512: 14.5}
 _coins = random.Random(1234)
@@ -65,6 +67,7 @@ def tokens_per_s(
     seconds, tokens = 0.0, 0
     for step in range(1 + WARM + timed):
         out = s.schedule()
+        s.choose_ahead(out)  # as the engines do, once the step is on its way: the next choice one iteration behind
         cost_tokens = out.num_scheduled_tokens
         if ragged_cost:
             cost_tokens = len(out.scheduled) * (1 + max(item.num_draft_tokens for item in out.scheduled))
@@ -103,11 +106,17 @@ MIXED = [
 
 @pytest.mark.parametrize(("name", "alphas", "ragged_cost"), GRID + SUM_CELLS + MIXED)
 def test_adaptive_against_every_fixed_k_on_a_simulated_h200(name, alphas, ragged_cost):
+    """As benchmarks/adaptive.py measures: each mode's median over ROUNDS windows, adaptive going on learning from one
+    to the next (a first-time trial, paid once by a server, lands in one window at most)."""
     timed = max(TIMED, 128 // len(alphas))
-    fixed = {k: tokens_per_s(alphas, k, None, timed, ragged_cost=ragged_cost) for k in range(K_MAX + 1)}
+
+    def median(k, chooser):
+        return statistics.median(tokens_per_s(alphas, k, chooser, timed, seed, ragged_cost) for seed in ROUND_SEEDS)
+
+    fixed = {k: median(k, None) for k in range(K_MAX + 1)}
     chooser = DraftChooser()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=ragged_cost)  # learning
-    adaptive = tokens_per_s(alphas, None, chooser, timed, ragged_cost=ragged_cost)
+    adaptive = median(None, chooser)
     best = max(fixed, key=fixed.get)
     print(f"\n{name}: adaptive {adaptive:.0f} tok/s, best fixed k={best} {fixed[best]:.0f}, k=0 {fixed[0]:.0f}")
     assert adaptive >= 0.97 * fixed[best] and adaptive >= 0.98 * fixed[0]
