@@ -72,9 +72,10 @@ def rejection_sample_reference(
     positions: torch.Tensor,  # [num_reqs] int64: position of each request's first logits row
     draft_probs: torch.Tensor | None = None,  # [num_draft_total, V] float32 q; None = one-hot
     max_num_draft: int | None = None,
+    all_greedy: bool = False,  # known on the host: every temperature is 0 (the random rows' work is skipped)
 ) -> RejectionOutput:
     device = target_logits.device
-    num_logits, vocab_size = target_logits.shape
+    num_logits = target_logits.shape[0]
     num_reqs = cu_num_draft.numel() - 1
     num_draft_total = draft_token_ids.numel()
     logits = target_logits.float()
@@ -91,11 +92,29 @@ def rejection_sample_reference(
     padded_drafts = torch.cat([draft_token_ids.to(torch.int64), draft_token_ids.new_full((1,), -1)])
     draft = padded_drafts[draft_index]
     has_draft = draft >= 0
-    d = draft.clamp(min=0)[:, None]
     greedy = temperature[req] <= 0
 
     # Greedy rows: the target's token is its argmax.
     target_argmax = logits.argmax(dim=-1)
+    if all_greedy:  # no random row: the rest is the greedy rows' share of the general case below
+        accepted, stop_token = has_draft & (draft == target_argmax), target_argmax
+    else:
+        accepted, stop_token = _random_rows(
+            logits, req, row, draft_index, draft, has_draft, greedy, target_argmax,
+            temperature, top_k, top_p, seeds, positions, draft_probs,
+        )  # fmt: skip
+    return _leading_run(accepted, stop_token, draft, num_draft, cu_num_logits, num_logits, max_num_draft)
+
+
+def _random_rows(
+    logits, req, row, draft_index, draft, has_draft, greedy, target_argmax,
+    temperature, top_k, top_p, seeds, positions, draft_probs,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per logits row of a batch with sampling requests (its greedy rows by argmax): whether its draft is accepted,
+    and the token it emits if the request stops there."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    d = draft.clamp(min=0)[:, None]
 
     # Random rows: x = filtered logits / T, p = softmax(x).
     threshold = logit_thresholds(logits, temperature[req], top_k[req], top_p[req])
@@ -139,9 +158,21 @@ def rejection_sample_reference(
         residual_token = residual_race.argmax(dim=-1)
         has_residual = residual_race.gather(1, residual_token[:, None]).squeeze(1) > 0
         random_token = torch.where(has_draft & has_residual, residual_token, random_token)
-    stop_token = torch.where(greedy, target_argmax, random_token)
+    return accepted, torch.where(greedy, target_argmax, random_token)
 
-    # Per request: accept the leading run of accepted drafts, then emit the stop token.
+
+def _leading_run(
+    accepted: torch.Tensor,  # [num_logits] bool
+    stop_token: torch.Tensor,  # [num_logits] int64
+    draft: torch.Tensor,  # [num_logits] int64, -1 on bonus rows
+    num_draft: torch.Tensor,  # [num_reqs] int64
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int64
+    num_logits: int,
+    max_num_draft: int | None,
+) -> RejectionOutput:
+    """Per request: accept the leading run of accepted drafts, then emit the stop token."""
+    device = accepted.device
+    num_reqs = num_draft.numel()
     if max_num_draft is None:
         max_num_draft = int(num_draft.max()) if num_reqs else 0
     col = torch.arange(max_num_draft + 1, device=device)

@@ -57,7 +57,7 @@ def rejection_sample(
             top_p = torch.ones_like(temperature)
     args = (target_logits, draft_token_ids, cu_num_draft, temperature, top_k, top_p, seeds, positions, draft_probs)
     if backend == "reference":
-        return rejection_sample_reference(*args, max_num_draft)
+        return rejection_sample_reference(*args, max_num_draft, all_greedy)
     from specsplit.kernels.triton_rejection import rejection_sample_triton
 
     return rejection_sample_triton(*args, max_num_draft, all_greedy)
