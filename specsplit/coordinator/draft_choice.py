@@ -26,6 +26,9 @@ is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th 
 while nobody drafts) gives each request one draft more than chosen, for two iterations in a row: iteration times of
 more tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the choice
 follows a drafter whose acceptance changed and a step time measured once in a slow moment.
+
+Where a choice is made afresh, its costly part (the best rate's allocation, `_best`) is computed while the device runs
+the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known then.
 """
 
 from __future__ import annotations

@@ -225,9 +225,10 @@ class Scheduler:
             item.num_spec_tokens = n
 
     def choose_ahead(self, output: SchedulerOutput) -> None:
-        """Adaptive speculation: the next iteration's draft counts for `output`'s sampling requests, chosen now,
-        while the verifier and drafter run `output` (`DraftChooser.choose_ahead`); the next `schedule` takes them if
-        its decoding batch is the same. Call it once `output`'s step is on its way, before its results."""
+        """Adaptive speculation: the costly part of the next iteration's choice for `output`'s sampling requests
+        (their best allocation), computed now, while the verifier and drafter run `output`
+        (`DraftChooser.choose_ahead`); the next `schedule` takes it if its decoding batch is the same. Call it once
+        `output`'s step is on its way, before its results."""
         if self.chooser is None:
             return
         requests = [item.request for item in output.scheduled if item.sample]
