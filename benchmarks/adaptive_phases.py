@@ -75,7 +75,7 @@ def print_costs(chooser: DraftChooser) -> None:
             f"(x{b.weight[0]:.0f}), with {fmt(b.seconds[1]) if b.weight[1] else '-':>8} ms (x{b.weight[1]:.0f})"
         )
     for (_, later), run in sorted(costs.measured_runs.items()):
-        print(f"  steady run: tokens {run.num_tokens:7.1f}, L {later}: {fmt(run.seconds[1])} ms (x{run.weight[1]:.0f})")
+        print(f"  steady run: tokens {run.num_tokens:7.1f}, L {later}: {fmt(run.floor)} ms (x{run.weight[1]:.0f})")
     acceptance = ", ".join(f"{a:.2f}" for a in chooser.acceptance.means(5))
     print(f"  server acceptance per position: {acceptance}")
 

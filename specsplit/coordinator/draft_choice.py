@@ -23,9 +23,10 @@ line makes the depths between look dearer or cheaper than they are, and the ones
 A choice made n times in a row for the same batch is then kept for min(n, KEEP) choices (`_kept_choice`): its inputs
 move little between iterations, and choosing every iteration put its host time on every step; a choice of no drafts
 is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th
-while nobody drafts) gives each request one draft more than chosen, for two iterations in a row: iteration times of
-more tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the choice
-follows a drafter whose acceptance changed and a step time measured once in a slow moment.
+while nobody drafts) explores for two iterations in a row, alternately one draft more for each request and a
+shallower uniform depth (each request at most d drafts, d cycling below the deepest chosen): iteration times of more
+and of fewer tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the
+choice follows a drafter whose acceptance changed and a step time measured once in a slow moment, either way.
 
 Where a choice is made afresh, its costly part (the best rate's allocation, `_best`) is computed while the device runs
 the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known then.
@@ -54,6 +55,7 @@ class DraftChooser:
         self.costs = StepCostModel()
         self.acceptance = ServerAcceptance()
         self._num_choices = 0
+        self._num_explored = 0  # explorations so far (`_choose`: deeper and shallower in turn)
         self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # (server version, positions, means)
         self._swept: dict[int, int] = {}  # bucket of token counts: iterations `_sweep` asked for it
         self._swept_batches: set[tuple[int, int, int, int]] = set()  # batches (size, caps) with nothing to sweep
@@ -160,11 +162,21 @@ class DraftChooser:
             self._streak = self._streak + 1 if same else 0
             self._kept = (self.acceptance.version, list(counts), list(caps), 0, chosen)
         self._num_choices += 1
-        # One draft more each, every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a
-        # Propose), twice in a row: measures more tokens and deeper positions, and that depth's steady run again (a
-        # run measured in a slow moment is not kept for good; nor, on a noisy host, a wrong choice of no drafts).
+        # Every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a Propose), twice in a
+        # row, alternately: one draft more each, which measures more tokens and deeper positions, and a shallower
+        # uniform depth (each request at most d drafts, d cycling through 0 .. the deepest chosen - 1). Both measure
+        # that allocation's steady run again: a run measured in a slow moment is not kept for good, deeper or
+        # shallower (nor, on a noisy host, a wrong choice of no drafts). Without the shallower ones, a depth whose
+        # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) was never run again once a
+        # deeper one was chosen: in the simulated H200, 6 slow iterations of depth 1 kept 3 chosen for good, 0.96x.
         if self._num_choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
-            explored = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+            self._num_explored += 1
+            deepest = max(chosen)
+            if self._num_explored % 2 == 0 and deepest > 0:
+                depth = (self._num_explored // 2) % deepest
+                explored = [min(n, depth) for n in chosen]
+            else:
+                explored = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
             self._trial = (list(counts), list(caps), explored)
             return explored
         return chosen

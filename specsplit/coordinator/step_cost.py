@@ -20,16 +20,17 @@ recorded (prefill chunks cost differently per token). Every estimate leaves hicc
 
 The sum is a guess where nothing closer is known, not a law: an iteration with a Propose is also kept whole, per
 bucket of T and L (`measured_runs`), and once a (T, L) was run steadily (verifying as deep as it proposes), its own
-time is what it costs. The drafter's report of its later steps can miss part of their cost, and a batch whose
-requests verify different draft counts can cost more than its T says (on the H200, half the requests at 1 draft and
-half at 5 ran as long as all at 5, though the sum priced it like all at 3): the sum cannot see either, the chooser
-picked such a batch again and again, and only its measured time shows what it costs. A (T, L) never run is priced by
-the sum, tried when it looks best, and then known.
+time is what it costs (the least of its recent samples, `_Run`). The drafter's report of its later steps can miss
+part of their cost, and a batch whose requests verify different draft counts can cost more than its T says (on the
+H200, half the requests at 1 draft and half at 5 ran as long as all at 5, though the sum priced it like all at 3):
+the sum cannot see either, the chooser picked such a batch again and again, and only its measured time shows what it
+costs. A (T, L) never run is priced by the sum, tried when it looks best, and then known.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 EMA = 0.25  # weight of a new measurement
 BUCKETS_PER_OCTAVE = 16
 RUN_SAMPLES = 2  # steady runs of a (T, L) after which their time alone prices it (after one: its mean with the sum)
+RUN_WINDOW = 4  # a steady run's time: the least of its last this many samples (`_Run`)
 # A sample this many times its estimate's value is a hiccup (a kernel compiled at first use, a pause), not what the
 # step costs, and is left out unless the sample before it was one too (a cost that really rose stays high). On the
 # H200 the first iterations verifying 5 drafts took 247 ms against 5-7 ms for every other depth (a compile); taken
@@ -72,6 +74,28 @@ class _Bucket:
         self.seconds[i] += (seconds - self.seconds[i]) / self.weight[i]
 
 
+class _Run(_Bucket):
+    """A (bucket of T, L) run steadily: its time is the least of its last RUN_WINDOW samples (`floor`). A step's time
+    only gains from noise (a host hiccup, clocks still coming up), and a depth the choice has left is measured again
+    only now and then (an exploration): an average kept the slow moment of its first runs for thousands of choices
+    (in the simulated H200, 6 slow iterations of depth 1 in the sweep kept depth 3 chosen, 0.96x the best fixed k, over
+    60 rounds). The least of a few recent samples forgets a slow moment at the first good sample, and still shows a
+    cost that rose once every recent sample did."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(num_tokens)
+        self.recent: collections.deque[float] = collections.deque(maxlen=RUN_WINDOW)
+
+    def add(self, num_tokens: int, seconds: float, proposed: bool) -> None:
+        super().add(num_tokens, seconds, proposed)
+        if not self.hiccup[int(proposed)]:
+            self.recent.append(seconds)
+
+    @property
+    def floor(self) -> float:
+        return min(self.recent) if self.recent else self.seconds[1]
+
+
 class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
@@ -80,10 +104,10 @@ class StepCostModel:
         self.propose_s: float | None = None  # a Propose's fixed cost, seconds
         self.measured = [False, False]  # iterations [without, with] a Propose recorded
         self.num_samples = 0
-        self.measured_runs: dict[tuple[int, int], _Bucket] = {}  # (bucket of T, L) → whole iterations with a Propose
+        self.measured_runs: dict[tuple[int, int], _Run] = {}  # (bucket of T, L) → whole iterations with a Propose
         # The same runs per L as the curve reads them, (buckets, seconds, samples) ascending; rebuilt per L only when
         # one of its runs changed (a curve is built after every recorded iteration, on the coordinator's loop).
-        self._runs_by_depth: dict[int, dict[int, _Bucket]] = {}
+        self._runs_by_depth: dict[int, dict[int, _Run]] = {}
         self._run_arrays: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._stale_depths: set[int] = set()
         self._curve: CostCurve | None = None  # the last curve, until the next record
@@ -128,7 +152,7 @@ class StepCostModel:
         if proposed and verified_depth == num_later_steps + 1:
             run = self.measured_runs.get((key, num_later_steps))
             if run is None:
-                run = self.measured_runs[(key, num_later_steps)] = _Bucket(num_tokens)
+                run = self.measured_runs[(key, num_later_steps)] = _Run(num_tokens)
                 self._runs_by_depth.setdefault(num_later_steps, {})[key] = run
             run.add(num_tokens, seconds, True)
             self._stale_depths.add(num_later_steps)
@@ -169,7 +193,7 @@ class StepCostModel:
                 runs = sorted(self._runs_by_depth[later].items())
                 self._run_arrays[later] = (
                     np.array([key for key, _ in runs], dtype=np.float64),
-                    np.array([run.seconds[1] for _, run in runs]),
+                    np.array([run.floor for _, run in runs]),
                     np.array([run.weight[1] for _, run in runs]),
                 )
             self._stale_depths.clear()

@@ -124,7 +124,41 @@ def test_after_one_steady_run_a_depth_costs_the_mean_of_its_time_and_the_sum():
     summed = curve.base_s(512) + curve.propose_s + 2 * curve.later_step_s
     assert curve.iteration_s(512, 2) == pytest.approx((0.0600 + summed) / 2)
     model.record(512, 2, 0.0300, later_steps_s=0.0004, propose_s=0.001, verified_depth=3)
-    assert model.curve().iteration_s(512, 2) == pytest.approx((0.0600 + 0.0300) / 2)  # two runs: their own time
+    assert model.curve().iteration_s(512, 2) == pytest.approx(0.0300)  # two runs: their own time, the least recent
+
+
+def test_a_steady_runs_time_is_the_least_of_its_recent_samples():
+    """Noise only adds time: a depth measured in a slow moment costs its next good sample at once; a cost that really
+    rose shows once every one of the last RUN_WINDOW samples did."""
+    model = StepCostModel()
+    for seconds in (0.013, 0.013, 0.010):  # two slow runs (clocks coming up), then a good one
+        model.record(128, 0, seconds, propose_s=0.001, verified_depth=1)
+    assert model.curve().iteration_s(128, 0) == pytest.approx(0.010)
+    for _ in range(step_cost.RUN_WINDOW - 1):
+        model.record(128, 0, 0.016, propose_s=0.001, verified_depth=1)
+        assert model.curve().iteration_s(128, 0) == pytest.approx(0.010)  # the good one still among the recent
+    model.record(128, 0, 0.016, propose_s=0.001, verified_depth=1)
+    assert model.curve().iteration_s(128, 0) == pytest.approx(0.016)  # every recent sample rose: so did the cost
+
+
+def test_exploration_goes_deeper_and_shallower_in_turn():
+    """Every EXPLORE_EVERY choices the choice is explored for two iterations, alternately one draft more each and a
+    shallower uniform depth cycling below the deepest chosen, so that a depth measured once in a slow moment is
+    measured again whichever side of the choice it lies."""
+    chooser = DraftChooser()
+    linear_costs(chooser.costs, 0.010, 0.0002, [8, 16, 24, 32, 40, 48])
+    reqs = [counts(0.6) for _ in range(8)]
+    chooser._swept_batches.add((8, 5, 5, 40))  # nothing to sweep: the choice alone
+    steady = chooser.choose([5] * 8, reqs)
+    assert steady == [3] * 8
+    explored = []
+    for _ in range(draft_choice.EXPLORE_EVERY * 8):
+        chosen = chooser.choose([5] * 8, reqs)
+        if chosen != steady:
+            explored.append(chosen)
+    assert len(explored) == 16 and explored[0::2] == explored[1::2]  # each exploration twice in a row
+    assert explored[0::4] == [[4] * 8] * 4  # one draft more
+    assert [e[0] for e in explored[2::4]] == [1, 2, 0, 1] and all(len(set(e)) == 1 for e in explored[2::4])
 
 
 def test_a_depth_never_run_steadily_is_chosen_twice_in_a_row():
