@@ -17,9 +17,9 @@ the two add up below 1. Two services on one device measure their memory in turn,
 the socket directory: `specsplit.models.memory_profile`).
 
 The services end with the process that started them, however it ends: on Linux each child asks the kernel
-for SIGTERM when its parent's starting thread exits (`prctl(PR_SET_PDEATHSIG)`), so a SIGKILLed `up` leaves
-no service holding its ports, and the last service to leave the socket directory removes it. Start a
-cluster from a thread that outlives it (`up`: its main thread).
+for SIGTERM when its parent's starting thread exits (`prctl(PR_SET_PDEATHSIG)`, `end_with_parent`, which every
+service calls first), so a SIGKILLed `up` leaves no service holding its ports, and the last service to leave the
+socket directory removes it. Start a cluster from a thread that outlives it (`up`: its main thread).
 """
 
 from __future__ import annotations
@@ -50,20 +50,22 @@ METRICS_PORT_OFFSETS = {"coordinator": 0, "verifier": 1, "drafter": 2}
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _ended_with_parent():
-    """Linux: a `preexec_fn` after which the child gets SIGTERM when the thread that started it exits (a
-    SIGTERM, not a SIGKILL: the service drains and removes its sockets); also when the parent is already gone.
-    None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl, parent, term = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGTERM)
+PARENT_ENV = "SPECSPLIT_END_WITH_PARENT"  # set by LocalCluster for its children: the pid they end with
 
-    def preexec() -> None:  # between fork and exec: no allocation, no lock
-        prctl(_PR_SET_PDEATHSIG, term)
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os.kill(os.getpid(), term)
 
-    return preexec
+def end_with_parent() -> None:
+    """Called first by every service (`serve` of each role): one that a `LocalCluster` started (its environment names
+    the parent's pid, `PARENT_ENV`) asks the kernel for SIGTERM when the thread that started it exits (Linux,
+    `prctl(PR_SET_PDEATHSIG)`; a SIGTERM, not a SIGKILL: the service drains and removes its sockets), and ends at
+    once if the parent is already gone. Asked here, after exec, not in a `preexec_fn` between fork and exec: a
+    `preexec_fn` makes subprocess fork, which runs gRPC's fork handlers in the parent, and those hung a test process
+    that held gRPC channels while it restarted a drafter (without one, subprocess uses vfork and runs none)."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != int(parent):  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port(host: str = WORKER_HOST) -> int:
@@ -154,7 +156,7 @@ class LocalCluster:
             "drafter": drafter_args or [],
             "coordinator": coordinator_args or [],
         }
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), PARENT_ENV: str(os.getpid())}
         self.services: dict[str, Service] = {}
         self.tls_dir = str(tls_dir) if tls_dir else None
         self.load_format = load_format
@@ -239,7 +241,6 @@ class LocalCluster:
                 text=True,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_ended_with_parent(),
             )
         finally:
             if stderr is not None:

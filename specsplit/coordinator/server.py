@@ -29,6 +29,7 @@ from specsplit.grpc_server import (
     peer_channel,
     run_until_signal,
 )
+from specsplit.launcher import end_with_parent
 from specsplit.local_stream import VERIFIER_RPCS
 from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2_grpc
 from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
@@ -183,6 +184,7 @@ def load_tokenizer(model: str):
 
 
 async def serve(config: CoordinatorConfig) -> None:
+    end_with_parent()  # started by a LocalCluster: ends with it
     tokenizer = load_tokenizer(config.checkpoint)
     servicer = CoordinatorServicer(tokenizer, GRPC_DEFAULTS.with_generation_config(config.checkpoint))
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name

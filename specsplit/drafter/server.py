@@ -19,6 +19,7 @@ from specsplit.grpc_server import (
     freeze_start_up_heap,
     run_until_signal,
 )
+from specsplit.launcher import end_with_parent
 from specsplit.local_stream import serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
 from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
@@ -98,6 +99,7 @@ class DrafterConfig:
 async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> None:
     """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
     `benchmarks/forced_drafter.py`)."""
+    end_with_parent()  # started by a LocalCluster: ends with it
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=True)  # before torch loads: a plain mistake is told at once
     check_tensor_parallel(model_options, config.tensor_parallel_size)

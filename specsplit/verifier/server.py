@@ -18,6 +18,7 @@ from specsplit.grpc_server import (
     freeze_start_up_heap,
     run_until_signal,
 )
+from specsplit.launcher import end_with_parent
 from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
 from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
@@ -141,6 +142,7 @@ def model_info(
 
 
 async def serve(config: VerifierConfig) -> None:
+    end_with_parent()  # started by a LocalCluster: ends with it
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=False)  # before torch loads: a plain mistake is told at once
     check_tensor_parallel(model_options, config.tensor_parallel_size)
