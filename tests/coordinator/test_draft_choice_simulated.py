@@ -97,6 +97,11 @@ def tokens_per_s(
     return tokens / seconds
 
 
+def median_over_rounds(alphas: list[float], k: int | None, chooser: DraftChooser | None, timed: int, ragged_cost: bool):
+    """A mode's tokens/s: the median of its windows, one per seed of ROUND_SEEDS (`chooser` goes on learning)."""
+    return statistics.median(tokens_per_s(alphas, k, chooser, timed, seed, ragged_cost) for seed in ROUND_SEEDS)
+
+
 # The issue's grid with a mixed batch costing as its deepest request (as the H200 run showed), then cells of the cost as
 # the sum says (the drafter's later steps still under-reported).
 GRID = [(f"alpha {a}, batch {b}", [a] * b, True) for a in (0.3, 0.6, 0.9) for b in (1, 8, 32, 64, 128)]
@@ -118,14 +123,10 @@ def test_adaptive_against_every_fixed_k_on_a_simulated_h200(name, alphas, ragged
     """As benchmarks/adaptive.py measures: each mode's median over ROUNDS windows, adaptive going on learning from one
     to the next (a first-time trial, paid once by a server, lands in one window at most)."""
     timed = max(TIMED, 128 // len(alphas))
-
-    def median(k, chooser):
-        return statistics.median(tokens_per_s(alphas, k, chooser, timed, seed, ragged_cost) for seed in ROUND_SEEDS)
-
-    fixed = {k: median(k, None) for k in range(K_MAX + 1)}
+    fixed = {k: median_over_rounds(alphas, k, None, timed, ragged_cost) for k in range(K_MAX + 1)}
     chooser = DraftChooser()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=ragged_cost)  # learning
-    adaptive = median(None, chooser)
+    adaptive = median_over_rounds(alphas, None, chooser, timed, ragged_cost)
     best = max(fixed, key=fixed.get)
     print(f"\n{name}: adaptive {adaptive:.0f} tok/s, best fixed k={best} {fixed[best]:.0f}, k=0 {fixed[0]:.0f}")
     assert adaptive >= 0.97 * fixed[best] and adaptive >= 0.98 * fixed[0]
@@ -141,7 +142,7 @@ def test_a_depth_first_measured_in_a_slow_moment_is_chosen_again_once_measured_a
     and a steady run costs the least of its recent samples, so adaptive comes back to 1 drafts."""
     alphas = [0.6] * 64
     monkeypatch.setitem(GRAPH_MS, 256, 8.6)
-    fixed = {k: statistics.median(tokens_per_s(alphas, k, None, TIMED, s, True) for s in ROUND_SEEDS) for k in (1, 3)}
+    fixed = {k: median_over_rounds(alphas, k, None, TIMED, ragged_cost=True) for k in (1, 3)}
     chooser = DraftChooser()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=True, slow_iterations=12)
     rounds = [tokens_per_s(alphas, None, chooser, TIMED, seed, True) for seed in ROUND_SEEDS * 3]
