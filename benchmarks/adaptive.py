@@ -56,7 +56,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.adaptive_window import Window, cuda_sync, horizon, run_window  # noqa: E402
+from benchmarks.adaptive_window import (  # noqa: E402
+    Window,
+    cuda_sync,
+    horizon,
+    prefill_iterations,
+    run_window,
+    window_token_budget,
+)
 from benchmarks.e2e import PROMPT_LEN, check_lossless, make_prompts  # noqa: E402
 from benchmarks.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
 from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
@@ -138,7 +145,10 @@ def timed_iterations(args: argparse.Namespace, batch: int) -> int:
 
 def max_tokens(args: argparse.Namespace, batch: int) -> int:
     """Each request's max_tokens in a cell of `batch`: more than its windows can emit."""
-    return horizon(args.warm_iterations, max(timed_iterations(args, batch), args.learn_iterations), max(args.ks))
+    max_k = max(args.ks)
+    budget = window_token_budget(max([*args.batches, *args.mixed_batches]), max_k)
+    prefill = prefill_iterations(batch, PROMPT_LEN, budget, max_k)
+    return horizon(args.warm_iterations, max(timed_iterations(args, batch), args.learn_iterations), max_k, prefill)
 
 
 def prompt_lengths(args: argparse.Namespace) -> list[int]:
@@ -397,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     max_k = max(args.ks)
     max_batch = max([*args.batches, *args.mixed_batches])
     engine = InProcessEngine(
-        str(model), args.device, getattr(torch, args.dtype), args.load_format, args.num_blocks, max_batch, max_k
+        str(model),
+        args.device,
+        getattr(torch, args.dtype),
+        args.load_format,
+        args.num_blocks,
+        max_batch,
+        max_k,
+        max_num_batched_tokens=None if args.services else window_token_budget(max_batch, max_k),
     )
     prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     modes = ["target_only", *[f"k{k}" for k in args.ks], "adaptive"]

@@ -104,6 +104,7 @@ class InProcessEngine:
         max_batch: int,
         max_k: int,
         block_size: int = 16,
+        max_num_batched_tokens: int | None = None,  # default: step_token_budget
     ):
         # Built once (CUDA graphs are captured here, like at a server's start); every run frees all it used.
         self.llm = LLM(
@@ -115,7 +116,7 @@ class InProcessEngine:
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_batch,
-            max_num_batched_tokens=step_token_budget(max_batch, max_k),
+            max_num_batched_tokens=max_num_batched_tokens or step_token_budget(max_batch, max_k),
             adaptive=False,  # every request k drafts (benchmarks/adaptive.py switches per run)
         )
         self.target, self.device = self.llm.target, device
