@@ -20,26 +20,27 @@ block-scaled FP8 quantization_config: the dummy weights are quantized to e4m3 wi
 as they are drawn (one linear at a time, so ~110 GB of FP8 weights load on one H200) and the linears run
 the W8A8 kernel.
 
-One H200 (139 GiB = 149.3 GB; bytes from `benchmarks/weight_bytes.py`, tested in
+One H200 (139.8 GiB = 150.1 GB as torch reports it; bytes from `benchmarks/weight_bytes.py`, tested in
 tests/benchmarks/test_weight_bytes.py). `specsplit up` gives the services 0.9 of the device: a co-located
-drafter 0.1 (13.8 GiB after the 1/200 headroom), the verifier 0.8 (110.6 GiB). Each needs its weights, the
-fp32 logits of its largest step (2048 rows) plus 1 GiB of workspace, and a KV cache: the verifier's for batch 32
-(32 x (64 + 32 + 4) = 3200 tokens; more than its --max-model-len 1024 in `benchmarks/e2e.py --services-only`), the
-drafter's for one request of the model's context length (it has no --max-model-len). Decoder linears are FP8
-(1 byte + an fp32 scale per 128 x 128 block), embedding, LM heads and eh_proj bf16, routers fp32; the drafter
-holds an embedding and LM head of its own.
+drafter 0.1 (13.9 GiB after the 1/200 headroom), the verifier 0.8 (111.3 GiB). Each needs its weights, the
+fp32 logits of its largest step (512 rows, the servers' token budget) plus 3.5 GiB of workspace (measured on the
+H200: `weight_bytes.WORKSPACE_BYTES`), and a KV cache: the verifier's for batch 32 (32 x (64 + 32 + 4) = 3200
+tokens; more than its --max-model-len 1024 in `benchmarks/e2e.py --services-only`), the drafter's for one request
+of the model's context length (it has no --max-model-len). Decoder linears are FP8 (1 byte + an fp32 scale per
+128 x 128 block), embedding, LM heads and eh_proj bf16, routers fp32; the drafter holds an embedding and LM head
+of its own.
 
     glm-4.5-air-fp8   attention 109 MB/layer; dense layer 0: + 134 MB; MoE layer: 129 experts x 3 x 4096 x
                       1408 = 2.23 GB + attention = 2.34 GB; embedding + head 2 x 1.24 GB
-                      verifier 2.48 + 0.24 + 45 x 2.34 = 108.2 GB (+ 1.2 logits + 1 GiB + KV 3200 x 188 KB)
-                      = 103.5 GiB of 110.6: fits at up's 0.8 / 0.1 (drafter 4.9 GB, needs 7.2 of 13.8 GiB)
+                      verifier 2.48 + 0.24 + 45 x 2.34 = 108.2 GB, with logits, workspace and KV 105.1 GiB
+                      of 111.3: fits at up's 0.8 / 0.1 (drafter 4.9 GB, needs 8.8 of 13.9 GiB)
     deepseek-v3-fp8   MLA 170 MB FP8 + kv_b_proj 34 MB bf16 (dequantized at load) = 204 MB/layer; dense
                       layers 0-2: + 396 MB = 0.60 GB; MoE layer: 257 experts x 3 x 7168 x 2048 = 11.32 GB +
                       router + MLA = 11.53 GB; embedding + head 2 x 1.85 GB
-                      drafter (MTP layer 11.53 + eh_proj 0.21 + 3.71) = 15.44 GB, needs 16.5 GiB: more than
-                      up's 0.1, so `e2e.py --services-only` gives it 0.13 (18.0 GiB) and the verifier 0.77
-                      (106.5 GiB); verifier 3.71 + 3 x 0.60 + n x 11.53 GB with 2.1 GB of workspace and KV
-                      (3200 x 13.5 KB of latent cache): n = 9 MoE layers (103.8 GiB), 10 would need 114.5 GiB.
+                      drafter (MTP layer 11.53 + eh_proj 0.21 + 3.71) = 15.44 GB, needs 18.3 GiB: more than
+                      up's 0.1, so `e2e.py --services-only` gives it 0.14 (19.5 GiB) and the verifier 0.76
+                      (105.7 GiB); verifier 3.71 + 3 x 0.60 + n x 11.53 GB with its workspace and KV
+                      (3200 x 13.5 KB of latent cache): n = 9 MoE layers (105.6 GiB), 10 would need 116.3 GiB.
                       12 layers of the 61.
 """
 
