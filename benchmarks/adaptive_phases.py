@@ -5,10 +5,11 @@ it verifies k 5's drafts in 96 % of iterations and runs 0.91-0.94x k 5; at batch
 and half 5 and runs 0.71x k 3). This runs one cell's steady-state windows (benchmarks/adaptive_window.py) on the
 in-process engine and prints, per mode, tokens/s and the mean of each phase of `EngineCore.step`'s IterationTiming
 (schedule, the verifier's prepare / forward / sample, the drafter's Propose with its step 0 and later steps, post
-step), so that a ratio of speeds can be read as the phase that differs. Modes:
+step), so that a ratio of speeds can be read as the phase that differs; with more than one round, each round's row
+too (on the H200 target-only's rounds at batch 128 ranged over 15-25 % for the same tokens: which phase moves). Modes:
 
     target_only, k1 .. k5   every request k drafts (`--no-adaptive`)
-    adaptive                learned first in an untimed window, as benchmarks/adaptive.py does
+    adaptive                learned first in an untimed window, then on from round to round, as benchmarks/adaptive.py
     split:A/B               forced: even requests A drafts, odd ones B, every iteration (a fixed allocation through the
                             chooser's seat, to price a ragged batch against the uniform one of the same tokens)
 
@@ -19,7 +20,6 @@ step), so that a ratio of speeds can be read as the phase that differs. Modes:
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import statistics
 import sys
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     results: dict[str, list] = {m: [] for m in args.modes}
     for r in range(args.rounds):
         for mode in args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]:
-            if mode == "adaptive":
-                bench_mode, chooser = "adaptive", copy.deepcopy(learned)
+            if mode == "adaptive":  # goes on learning from round to round, as in benchmarks/adaptive.py
+                bench_mode, chooser = "adaptive", learned
             elif mode.startswith("split:"):
                 bench_mode, chooser = "adaptive", ForcedChoice([int(c) for c in mode[6:].split("/")])
             else:
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
             steady = timings[-args.iterations - 1 : -1] if len(timings) > args.iterations else timings
             results[mode].append((w, steady))
     print(f"\n{args.shape or model.name}, {args.device} {args.dtype}, alpha {args.alpha}, batch {args.batch}")
-    print("mean ms per iteration over the timed windows (median over rounds); tokens/s median [min-max]")
+    print("ms per iteration, the timed windows' mean: median over rounds, then each round; tokens/s median [min-max]")
     print(f"{'mode':>12} {'tok/s':>18} {'drafts':>6} " + " ".join(f"{p:>10}" for p in PHASES))
     for mode, runs in results.items():
         speeds = [w.tokens_per_s for w, _ in runs]
@@ -162,6 +162,14 @@ def main(argv=None) -> int:
         drafts = statistics.mean(w.drafts_per_request for w, _ in runs)
         speed = f"{statistics.median(speeds):.0f} [{min(speeds):.0f}-{max(speeds):.0f}]"
         print(f"{mode:>12} {speed:>18} {drafts:>6.2f} " + " ".join(f"{v:>10.3f}" for v in row))
+        if len(runs) > 1:  # which phase moves when a round runs slower (the same tokens in every round)
+            for r, (w, steady) in enumerate(runs):
+                phases = [statistics.mean(getattr(t, f"{phase}_ns") for t in steady) / 1e6 for phase in PHASES]
+                round_ = f"round {r + 1}"
+                print(
+                    f"{round_:>12} {w.tokens_per_s:>18.0f} {w.drafts_per_request:>6.2f} "
+                    + " ".join(f"{v:>10.3f}" for v in phases)
+                )
         hist = [0] * 8
         for w, _ in runs:
             for d, n in enumerate(w.draft_count_histogram):
