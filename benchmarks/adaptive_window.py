@@ -67,7 +67,7 @@ def prefill_iterations(batch: int, prompt_len: int, budget: int, max_k: int) -> 
     return -(-batch * prompt_len // left) + 1
 
 
-def horizon(warm: int, timed: int, max_k: int, prefill: int = 1) -> int:
+def horizon(warm: int, timed: int, max_k: int, prefill: int) -> int:
     """max_tokens that no request reaches in `prefill` steps (requests prefilled early decode in the later ones),
     `warm` + `timed` decode iterations and the prefill's sampled token."""
     return (prefill + warm + timed + 1) * (max_k + 1)
