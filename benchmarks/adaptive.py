@@ -143,11 +143,15 @@ def timed_iterations(args: argparse.Namespace, batch: int) -> int:
     return max(args.iterations, -(-args.request_iterations // batch))
 
 
+def window_budget(args: argparse.Namespace) -> int:
+    """The in-process engine's token budget per step (`window_token_budget` of the grid's largest batch)."""
+    return window_token_budget(max([*args.batches, *args.mixed_batches]), max(args.ks))
+
+
 def max_tokens(args: argparse.Namespace, batch: int) -> int:
     """Each request's max_tokens in a cell of `batch`: more than its windows can emit."""
     max_k = max(args.ks)
-    budget = window_token_budget(max([*args.batches, *args.mixed_batches]), max_k)
-    prefill = prefill_iterations(batch, PROMPT_LEN, budget, max_k)
+    prefill = prefill_iterations(batch, PROMPT_LEN, window_budget(args), max_k)
     return horizon(args.warm_iterations, max(timed_iterations(args, batch), args.learn_iterations), max_k, prefill)
 
 
@@ -414,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_blocks,
         max_batch,
         max_k,
-        max_num_batched_tokens=None if args.services else window_token_budget(max_batch, max_k),
+        max_num_batched_tokens=None if args.services else window_budget(args),
     )
     prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
     modes = ["target_only", *[f"k{k}" for k in args.ks], "adaptive"]

@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.adaptive import Bench, Cell, kv_blocks, reference_outputs  # noqa: E402
-from benchmarks.adaptive_window import window_token_budget  # noqa: E402
+from benchmarks.adaptive import Bench, Cell, kv_blocks, reference_outputs, window_budget  # noqa: E402
 from benchmarks.e2e import make_prompts  # noqa: E402
 from benchmarks.e2e_modes import InProcessEngine  # noqa: E402
 from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
         kv_blocks(args),
         args.batch,
         max_k,
-        max_num_batched_tokens=window_token_budget(args.batch, max_k),
+        max_num_batched_tokens=window_budget(args),
     )
     prompts = make_prompts(model, args.batch, engine.target.config.vocab_size)
     bench = Bench(engine, prompts, reference_outputs(engine, prompts, args), args)
