@@ -1,7 +1,7 @@
 """A tensor-parallel drafter's runner (`specsplit.drafter.ranks`: rank 0 broadcasts each propose and free, its
 followers run them): over two Proposes and a Free, with greedy and sampled requests of up to 3 drafts, TP 2's
 drafts and sampled q equal one device's, for a Llama MTP module and DeepSeek-V3's (MLA, expert-parallel MoE).
-Forked CPU ranks over gloo."""
+CPU ranks over gloo (`run_ranks`)."""
 
 from __future__ import annotations
 

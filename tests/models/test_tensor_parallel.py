@@ -11,7 +11,6 @@ groups; a slice that would cut a block is refused in one line. The ranks agree o
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 
 import pytest
@@ -25,7 +24,7 @@ from specsplit.models.parallel_layers import Shard
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
-from tests.models.tensor_parallel_ranks import run_ranks
+from tests.models.tensor_parallel_ranks import rank_context, run_ranks
 
 # (new tokens of request a, of request b) per step: prefill chunks, then a verify step of 1 + 3 tokens.
 STEPS = ((7, 5), (3, 2), (4, 4))
@@ -195,7 +194,7 @@ def _join_alone(address: str, results) -> None:
 
 
 def test_a_rank_that_never_joins_fails_start_up_within_the_timeout_with_one_line():
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     results = ctx.Queue()
     proc = ctx.Process(target=_join_alone, args=(f"127.0.0.1:{free_port()}", results))
     proc.start()
