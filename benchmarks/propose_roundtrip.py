@@ -1,7 +1,9 @@
-"""Host cost of one Propose round trip: the verifier's real `DrafterClient` on a `ProposeStream` to a
-real drafter server process on 127.0.0.1 (`specsplit serve drafter`, a tiny checkpoint, the CPU,
-hidden transport grpc), for each `--rpc` in turn against the same drafter: `stream` (the gRPC
-ProposeStream) and `local` (the same stream on a co-located drafter's Unix socket, without gRPC).
+"""Host cost of one Propose round trip: the verifier's real `DrafterClient.propose` (a pooled drafter's path,
+through the event loop) to a real drafter server process on this host (`specsplit serve drafter --placement
+pooled`, a tiny checkpoint, the CPU, hidden transport grpc), for each `--rpc` in turn against the same drafter:
+`local` (ProposeStream on the drafter's Unix socket, which the client takes because the socket is on its host) and
+then `stream` (gRPC's ProposeStream on 127.0.0.1: the drafter's socket file is removed first, as if the drafter were
+on another host). The co-located placement's step-thread path (`DirectProposer`) is not this benchmark's.
 
 Each iteration proposes for `--batch` decoding requests (k + 1 hidden-state rows each, every draft
 accepted), timed around `DrafterClient.propose`. The drafter's step is left out, so what remains is
@@ -18,7 +20,8 @@ time on a shared machine).
         [--step fake|real] [--tracing] [--profile verifier|drafter]
 `--tracing` exports every span to files (what `SPECSPLIT_TRACE_DIR` does); without it no tracer
 provider is installed (the services' default). `--profile drafter` runs cProfile in the drafter
-process with its steps inline on the event loop (one thread, all of the handler visible);
+process on the thread that serves the first timed Propose of the first `--rpc` (the socket connection's
+thread for `local`; for `stream` the event loop, the steps inline on it, all of the handler visible);
 `--profile verifier` profiles this process's loop.
 
 Run from the repository root with it on PYTHONPATH; `--serve` is the drafter process it starts.
@@ -149,7 +152,9 @@ async def round_trips(address: str, drafter_pid: int, args, rpc: str, profiler: 
         ]
         hidden = torch.randn(batch * rows, info.hidden_size).to(getattr(torch, info.dtype))
         plans.append(ProposeBatch(i + 1, items, list(range(0, batch * rows + 1, rows)), hidden))
-    client = DrafterClient(address, rpc=rpc)
+    client = DrafterClient(address)
+    if rpc == "stream":  # the socket's path gone: the client finds no socket on this host and takes gRPC's stream
+        os.unlink(info.propose_socket)
     tracer = trace.get_tracer("propose_roundtrip")
     out = []
     for i, plan in enumerate(plans):
@@ -174,6 +179,9 @@ async def round_trips(address: str, drafter_pid: int, args, rpc: str, profiler: 
         )
     if profiler is not None:
         profiler.disable()
+    ((_, stream),) = client._streams.values()
+    if (type(stream).__name__ == "LocalStream") != (rpc == "local"):
+        raise RuntimeError(f"--rpc {rpc} ran on {type(stream).__name__}")
     cpu = [(time.process_time_ns() - cpu) / args.iterations, (cpu_ns(drafter_pid) - drafter_cpu) / args.iterations]
     await client.close()
     return out[args.warmup :], cpu
@@ -184,7 +192,7 @@ def main() -> None:
         serve_drafter(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rpc", nargs="+", choices=["stream", "local"], default=["stream", "local"])
+    p.add_argument("--rpc", nargs="+", choices=["local", "stream"], default=["local", "stream"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--iterations", type=int, default=2000)
@@ -206,7 +214,7 @@ def main() -> None:
         telemetry.setup("verifier")
         checkpoint = Path(args.model) if args.model else write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
         extra = ["--fake-step"] if args.step == "fake" else []
-        extra += ["--socket-dir", tmp]  # co-located (the default placement): ProposeStream on a Unix socket too
+        extra += ["--placement", "pooled", "--socket-dir", tmp]
         profile_out = Path(tmp) / "drafter.prof"
         if args.profile == "drafter":
             extra += ["--profile-out", str(profile_out), "--profile-after", str(args.warmup + 1)]
@@ -214,7 +222,7 @@ def main() -> None:
         profiler = cProfile.Profile() if args.profile == "verifier" else None
         columns = []
         try:
-            for rpc in args.rpc:
+            for rpc in sorted(args.rpc):  # local first: stream removes the socket's path
                 out, cpu = asyncio.run(round_trips(address, proc.pid, args, rpc, profiler))
                 columns.append([statistics.median(ns) / 1e3 for ns in zip(*out)] + [ns / 1e3 for ns in cpu])
         finally:
@@ -226,7 +234,7 @@ def main() -> None:
             f"µs per Propose (medians of {args.iterations}; CPU: mean)"
         )
         names = ["round trip less steps", "verifier -> drafter", "drafter handler", "drafter -> verifier"]
-        print(f"  {'':22s} " + " ".join(f"{rpc:>8s}" for rpc in args.rpc))
+        print(f"  {'':22s} " + " ".join(f"{rpc:>8s}" for rpc in sorted(args.rpc)))
         for i, name in enumerate(names + ["verifier CPU", "drafter CPU"]):
             print(f"  {name:22s} " + " ".join(f"{column[i]:8.1f}" for column in columns))
         if args.profile:

@@ -273,6 +273,19 @@ async def serve_or_exit(
     return server
 
 
+async def serve_if_possible(server, sockets: SocketDir):
+    """`server` (a `LocalStreamServer` or `ThreadedLocalStreamServer`) started if it can be, else None (logged,
+    `sockets` removed if made): for a socket that only speeds up peers on this host, which gRPC serves without it
+    (a pooled drafter's)."""
+    try:
+        await server.start()
+    except (OSError, ValueError) as err:
+        log.warning("not serving %s (%s): peers on this host take gRPC's stream", server.path, err)
+        sockets.remove()
+        return None
+    return server
+
+
 def served_socket(stub, field: str, peer: str, timeout_s: float) -> Callable[[], Awaitable[str]]:
     """`LocalStream`'s `connect`: the path the server behind `stub` names in `ModelInfo.<field>`, asked
     at each (re)connection (a restarted server may serve another one). Without one, the call fails

@@ -4,8 +4,10 @@
   same pod): ProposeStream on the drafter's Unix socket, hidden states through a CUDA IPC buffer ring
   with the device hand-off (on CPU: bytes in the Propose), exactly one drafter.
 - `pooled` — the drafter runs on GPUs of its own, any number of replicas behind one DNS name:
-  ProposeStream over gRPC, hidden states as bytes in the Propose (`grpc`, any number of replicas) or
-  by NCCL to one dedicated drafter (`nccl`, same host over NVLink or across hosts with RDMA).
+  ProposeStream over gRPC, or on the drafter's own Unix socket where that is on the verifier's host
+  (`DrafterClient` asks each replica at each new channel), hidden states as bytes in the Propose
+  (`grpc`, any number of replicas) or by NCCL to one dedicated drafter (`nccl`, same host over NVLink
+  or across hosts with RDMA).
 
 The coordinator runs beside its verifier in both (same host; on Kubernetes the same pod): VerifyStream
 on the verifier's Unix socket. Verifier and drafter each resolve the placement they are given on their
@@ -29,7 +31,9 @@ class Placement:
 
     @property
     def drafter_rpc(self) -> str:
-        """The verifier → drafter control path: `local` (the drafter's Unix socket) or `stream` (gRPC)."""
+        """The verifier → drafter control path: `local` (the drafter's Unix socket, driven by the verifier's step
+        thread) or `stream` (through the event loop to each replica: gRPC's stream, or the replica's socket where
+        that is on this host)."""
         return "local" if self.name == "colocated" else "stream"
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from specsplit.grpc_server import (
     run_until_signal,
 )
 from specsplit.launcher import end_with_parent
-from specsplit.local_stream import serve_or_exit, socket_dir
+from specsplit.local_stream import serve_if_possible, serve_or_exit, socket_dir
 from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
 from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
 from specsplit.placement import Placement, add_placement_arguments, resolve_placement
@@ -127,21 +128,27 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
     servicer = DrafterServicer(model_options.device, SlowStepWatch("drafter", model_options.slow_step_s))
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
-    socket_server, sockets = None, None
-    if placement.drafter_rpc == "local":  # each connection's thread runs its Proposes itself
-        sockets = socket_dir(config.socket_dir, "drafter")
-        socket_server = ThreadedLocalStreamServer(
-            sockets.path("drafter.sock"),
-            drafter_pb2.ProposeRequest.FromString,
-            servicer.handle_local_request,
-            servicer.draining,
-            config.server.max_message_bytes,
-            name="propose-socket",
-            thread_init=servicer.init_thread,
-            thread_exit=servicer.connection_closed,
-        )
-    # Opened now: a bad path fails before minutes of loading.
-    local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
+    # ProposeStream also on a Unix socket, each connection's thread running its Proposes itself: a co-located
+    # verifier's control path, and a pooled one's wherever the socket is on its host (`DrafterClient`). Pooled, the
+    # file is named for this process alone: a verifier takes it where the path exists on its host, and another pod's
+    # same-named file must not pass for it.
+    sockets = socket_dir(config.socket_dir, "drafter")
+    name = "drafter.sock" if placement.drafter_rpc == "local" else f"drafter-{secrets.token_hex(6)}.sock"
+    socket_server = ThreadedLocalStreamServer(
+        sockets.path(name),
+        drafter_pb2.ProposeRequest.FromString,
+        servicer.handle_local_request,
+        servicer.draining,
+        config.server.max_message_bytes,
+        name="propose-socket",
+        thread_init=servicer.init_thread,
+        thread_exit=servicer.connection_closed,
+    )
+    # Opened now: a bad path fails before minutes of loading (co-located; pooled, gRPC's stream serves without it).
+    if placement.drafter_rpc == "local":
+        local = await serve_or_exit(socket_server, "--socket-dir", lambda: server.stop(0), sockets)
+    else:
+        local = await serve_if_possible(socket_server, sockets)
     step_path = apply_eager_option(model_options.eager)
     loop = asyncio.get_running_loop()
 

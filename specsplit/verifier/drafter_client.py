@@ -22,8 +22,9 @@ import collections
 import itertools
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -31,7 +32,7 @@ import torch
 
 from specsplit.bidi_stream import BidiStream
 from specsplit.errors import UsageError
-from specsplit.local_stream import DRAFTER_RPCS
+from specsplit.local_stream import DRAFTER_RPCS, LocalStream
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.security import TlsFiles
 from specsplit.telemetry import inject_trace_context, outgoing_metadata
@@ -290,7 +291,7 @@ class DrafterClient:
                 finally:
                     staged.one()
                 inject_trace_context(msg.trace_context)
-                resp = await self._stream(replica).call(msg)
+                resp = await (await self._stream(replica)).call(msg)
                 self.transport.finish(transfer, ok=True)
                 replica.freed(finished)
         except (grpc.RpcError, TransportError) as err:
@@ -312,16 +313,53 @@ class DrafterClient:
         self.pool.record_call(address, len(indices))
         return resp, ""
 
-    def _stream(self, replica: Replica) -> BidiStream:
+    async def _stream(self, replica: Replica) -> BidiStream | LocalStream:
         """The replica's ProposeStream, reopened on its current channel (a failed replica gets a fresh
-        channel from its health probe; a stream that failed has closed itself)."""
+        channel from its health probe; a stream that failed has closed itself): on the replica's Unix socket
+        where that is on this host (`_same_host_socket`), else gRPC's. Chosen afresh with each channel, so a
+        replica that restarted elsewhere, or whose socket went away, is reached the way it can be now."""
         stub, stream = self._streams.get(replica.address, (None, None))
         if stub is not replica.stub:
             if stream is not None:
                 stream.close()
-            stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, f"drafter {replica.address}")
+            peer = f"drafter {replica.address}"
+            path = await self._same_host_socket(replica)
+            if path is None:
+                stream = BidiStream(replica.stub.ProposeStream, self.timeout_s, peer)
+            else:
+                stream = LocalStream(_fixed(path), drafter_pb2.ProposeResponse.FromString, self.timeout_s, peer)
             self._streams[replica.address] = (replica.stub, stream)
         return stream
+
+    async def _same_host_socket(self, replica: Replica) -> str | None:
+        """The Unix socket the replica serves ProposeStream on (`ModelInfo.propose_socket`) if this process can
+        connect to it, else None. A pooled drafter names its socket for its own process alone, so a path that
+        exists here is that drafter on this host; one in another pod, or another host's, does not exist here. The
+        socket saves each Propose gRPC's two hops (0.5-0.7 ms each on the H200's host against 0.1 ms)."""
+        try:
+            info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return None  # (the gRPC stream fails the same way: the replica is counted out and probed)
+        path = info.propose_socket
+        if not path or not os.path.exists(path):
+            log.info("drafter %s: ProposeStream on gRPC (its socket %r is not on this host)", replica.address, path)
+            return None
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)  # (a full backlog refuses rather than blocks the loop)
+        try:
+            probe.connect(path)  # (the drafter's thread for this connection ends at once: nothing placed by it)
+        except OSError as err:
+            log.info(
+                "drafter %s: its socket %s is on this host but refused a connection (%s); gRPC",
+                replica.address,
+                path,
+                err,
+            )
+            return None
+        finally:
+            probe.close()
+        log.info("drafter %s: ProposeStream on its Unix socket %s (on this host)", replica.address, path)
+        return path
 
     def _open_call(self, replica: Replica):
         def call(request: drafter_pb2.OpenHiddenTransportRequest):
@@ -415,6 +453,15 @@ class DrafterClient:
             stream.close()
         self.transport.close()
         await self.pool.close()
+
+
+def _fixed(path: str) -> Callable[[], Awaitable[str]]:
+    """`LocalStream`'s `connect` for a path decided once per channel (`DrafterClient._stream`)."""
+
+    async def connect() -> str:
+        return path
+
+    return connect
 
 
 def _draft_sampling(item: drafter_pb2.ProposeItem, sp: common_pb2.SamplingParams) -> None:

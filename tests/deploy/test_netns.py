@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,9 +93,12 @@ def services(hosts, checkpoint, tmp_path, monkeypatch):
         return HostProcess.start(hosts, name, cmd, tmp_path, env)
 
     procs: dict[str, HostProcess] = {}
+    # Drafters on hosts of their own. These hosts share one filesystem, where a pooled drafter's Unix socket would
+    # be on the verifier's host (and taken, past the links): their socket files are removed once they serve.
+    sockets = {name: Path(tempfile.mkdtemp(prefix=f"ns-{name}-")) for name in ("a", "b")}  # (short paths)
     try:
-        procs["a"] = serve("a", "drafter", "--placement", "pooled")  # drafters on hosts of their own
-        procs["b"] = serve("b", "drafter", "--placement", "pooled")
+        procs["a"] = serve("a", "drafter", "--placement", "pooled", "--socket-dir", str(sockets["a"]))
+        procs["b"] = serve("b", "drafter", "--placement", "pooled", "--socket-dir", str(sockets["b"]))
         procs["verifier"] = serve(
             "verifier",
             "verifier",
@@ -116,6 +121,9 @@ def services(hosts, checkpoint, tmp_path, monkeypatch):
         for name, p in procs.items():
             role = "drafter" if name in ("a", "b") else name
             p.wait_for_line(f"{role} listening on {addr[name]}", deadline)
+        for directory in sockets.values():
+            (socket_file,) = directory.glob("drafter-*.sock")
+            socket_file.unlink()
         yield procs, addr
     finally:
         for p in procs.values():  # all drain at once, then each is waited for (SIGKILL if it hangs)
@@ -123,6 +131,8 @@ def services(hosts, checkpoint, tmp_path, monkeypatch):
                 p.proc.terminate()
         for p in procs.values():
             p.stop()
+        for directory in sockets.values():
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def ids_on(ring: HashRing, replica: str, prefix: str, n: int) -> list[str]:

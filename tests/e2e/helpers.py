@@ -1,5 +1,6 @@
 """Helpers shared by the end-to-end tests."""
 
+import os
 import threading
 import time
 
@@ -130,3 +131,13 @@ def assert_first_two_tokens_follow(model, ids: list[int], firsts: list[int], sec
         assert len(obs) >= min_bins  # enough bins that the test can tell distributions apart
         pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
         assert pvalue > 1e-3, f"chi-square p = {pvalue}"
+
+
+def hide_drafter_socket(drafter_address: str) -> str:
+    """Removes the file of the Unix socket the drafter at `drafter_address` serves ProposeStream on (its listening
+    socket stays open): a verifier that looks for it next finds none on its host, as if the drafter ran on another
+    host, and takes gRPC's stream. Returns the path."""
+    with grpc.insecure_channel(drafter_address) as channel:
+        info = drafter_pb2_grpc.DrafterStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+    os.unlink(info.propose_socket)
+    return info.propose_socket

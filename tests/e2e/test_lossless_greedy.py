@@ -8,6 +8,7 @@ import pytest
 
 from specsplit import Client
 from specsplit.launcher import LocalCluster
+from tests.e2e.helpers import hide_drafter_socket
 
 MAX_TOKENS = 24
 
@@ -20,8 +21,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def grpc_stream_cluster(tiny_checkpoint, tmp_path_factory):
-    """Verify and Propose on gRPC's streams (a pooled drafter, a coordinator with `--verifier-rpc stream`),
-    not the co-located placement's Unix sockets."""
+    """Verify and Propose on gRPC's streams (a pooled drafter whose socket is not on the verifier's host, a
+    coordinator with `--verifier-rpc stream`), not the Unix sockets."""
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
@@ -30,6 +31,7 @@ def grpc_stream_cluster(tiny_checkpoint, tmp_path_factory):
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--verifier-rpc", "stream"]
         + ["--no-adaptive"],  # drafts every iteration (the tiny model's are mostly rejected: adaptive drops them)
     ) as c:
+        hide_drafter_socket(c.services["drafter"].address)
         yield c
 
 
