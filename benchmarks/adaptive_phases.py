@@ -15,6 +15,8 @@ too (on the H200 target-only's rounds at batch 128 ranged over 15-25 % for the s
 
     python benchmarks/adaptive_phases.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \
         --alpha 0.9 --batch 64 --modes k3 k5 split:1/5 adaptive
+    # benchmarks/adaptive.py's mixed cell (even requests 0.9, odd ones 0.2) instead of one alpha
+    OMP_NUM_THREADS=1 python benchmarks/adaptive_phases.py --mixed 0.9 0.2 --batch 8 --modes target_only k1 k3 adaptive
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def parse_args(argv):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--alpha", type=float, default=0.9)
+    p.add_argument(
+        "--mixed",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("HI", "LO"),
+        help="benchmarks/adaptive.py's mixed cell instead of --alpha: even requests HI, odd ones LO",
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--modes", nargs="+", default=["k3", "k5", "split:1/5", "adaptive"])
     p.add_argument("--rounds", type=int, default=3)
@@ -121,7 +131,11 @@ def main(argv=None) -> int:
     )
     prompts = make_prompts(model, args.batch, engine.target.config.vocab_size)
     bench = Bench(engine, prompts, reference_outputs(engine, prompts, args), args)
-    cell = Cell(f"alpha={args.alpha}", args.batch, [args.alpha] * args.batch)
+    if args.mixed:
+        hi, lo = args.mixed
+        cell = Cell(f"mixed {hi}/{lo}", args.batch, [hi if i % 2 == 0 else lo for i in range(args.batch)])
+    else:
+        cell = Cell(f"alpha={args.alpha}", args.batch, [args.alpha] * args.batch)
     core = engine.llm.core
     timings: list = []
     step = core.step
@@ -149,7 +163,7 @@ def main(argv=None) -> int:
             w = bench.window(cell, bench_mode, chooser, args.iterations, 8)
             steady = timings[-args.iterations - 1 : -1] if len(timings) > args.iterations else timings
             results[mode].append((w, steady))
-    print(f"\n{args.shape or model.name}, {args.device} {args.dtype}, alpha {args.alpha}, batch {args.batch}")
+    print(f"\n{args.shape or model.name}, {args.device} {args.dtype}, {cell.name}, batch {args.batch}")
     print("ms per iteration, the timed windows' mean: median over rounds, then each round; tokens/s median [min-max]")
     print(f"{'mode':>12} {'tok/s':>18} {'drafts':>6} " + " ".join(f"{p:>10}" for p in PHASES))
     for mode, runs in results.items():

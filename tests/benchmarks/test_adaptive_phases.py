@@ -37,3 +37,23 @@ def test_phases_of_fixed_forced_and_adaptive_allocations(tmp_path):
     # 2 rounds x 4 timed iterations x 4 requests: half at 1 draft, half at 3 (counts 0..5: adaptive's k_max)
     assert "draft counts verified: [0, 16, 0, 16, 0, 0]" in out
     assert "draft counts verified: [0, 32, 0, 0, 0, 0]" in out  # k1
+
+
+def test_the_mixed_cell_runs_lossless_with_its_acceptances_per_request():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_phases.py"), "--batch", "2", "--mixed", "1.0", "0.0"]
+        + ["--modes", "k2", "--rounds", "1", "--iterations", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "mixed 1.0/0.0, batch 2" in out and "failures: []" in out
+    assert "draft counts verified: [0, 0, 8]" in out  # 4 iterations x 2 requests, 2 drafts each
+    # request 0 accepts every draft (3 tokens per iteration), request 1 none (1): 4 tokens per iteration, not 6 or 2
+    row = re.search(r"^\s*k2\s+(\d+) \[.*?\](\s+[0-9.]+){11}$", out, re.M)  # drafts, then 10 phases
+    tokens_per_s, iteration_ms = float(row.group(1)), float(row.group(0).split()[-1])
+    assert 3.6 <= tokens_per_s * iteration_ms / 1e3 <= 4.4, row.group(0)
