@@ -10,10 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_phases_of_fixed_forced_and_adaptive_allocations(tmp_path):
+def phases(*args: str) -> str:
+    """benchmarks/adaptive_phases.py's output with these arguments and 4 timed iterations per window (it must exit
+    0: every window lossless)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "adaptive_phases.py"), "--batch", "4", "--alpha", "0.9"]
-        + ["--modes", "k1", "split:1/3", "adaptive", "--rounds", "2", "--iterations", "4"],
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_phases.py"), *args, "--iterations", "4"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -21,8 +22,12 @@ def test_phases_of_fixed_forced_and_adaptive_allocations(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = proc.stdout
-    assert "failures: []" in out
+    assert "failures: []" in proc.stdout
+    return proc.stdout
+
+
+def test_phases_of_fixed_forced_and_adaptive_allocations():
+    out = phases("--batch", "4", "--alpha", "0.9", "--modes", "k1", "split:1/3", "adaptive", "--rounds", "2")
     header = next(line for line in out.splitlines() if line.strip().startswith("mode"))
     assert header.split()[3:] == ["schedule", "verify", "prepare", "forward", "sample", "propose", "step0"] + [
         "later_steps",
@@ -40,18 +45,8 @@ def test_phases_of_fixed_forced_and_adaptive_allocations(tmp_path):
 
 
 def test_the_mixed_cell_runs_lossless_with_its_acceptances_per_request():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "adaptive_phases.py"), "--batch", "2", "--mixed", "1.0", "0.0"]
-        + ["--modes", "k2", "--rounds", "1", "--iterations", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = proc.stdout
-    assert "mixed 1.0/0.0, batch 2" in out and "failures: []" in out
+    out = phases("--batch", "2", "--mixed", "1.0", "0.0", "--modes", "k2", "--rounds", "1")
+    assert "mixed 1.0/0.0, batch 2" in out
     assert "draft counts verified: [0, 0, 8]" in out  # 4 iterations x 2 requests, 2 drafts each
     # request 0 accepts every draft (3 tokens per iteration), request 1 none (1): 4 tokens per iteration, not 6 or 2
     row = re.search(r"^\s*k2\s+(\d+) \[.*?\](\s+[0-9.]+){11}$", out, re.M)  # drafts, then 10 phases
