@@ -42,7 +42,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specsplit.bidi_stream import StreamError, until_draining, within
-from specsplit.errors import SpecsplitError
+from specsplit.errors import SpecsplitError, UsageError
 from specsplit.proto import common_pb2
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,14 @@ class SocketDir:
 
 
 def socket_dir(given: str | None, role: str) -> SocketDir:
-    """`--socket-dir` (made if missing), or a new private directory under $TMPDIR."""
+    """`--socket-dir` (made if missing; UsageError where it cannot be), or a new private directory under $TMPDIR."""
     if given:
-        os.makedirs(given, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(given, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise UsageError(
+                f"--socket-dir {given} cannot be made a directory ({err.strerror}); give one this user can create"
+            ) from err
         return SocketDir(os.path.abspath(given), owned=False)
     return SocketDir(tempfile.mkdtemp(prefix=f"specsplit-{role}-"), owned=True)
 

@@ -93,6 +93,10 @@ BAD_FLAGS = {
         "--num-speculative-tokens 99 is out of range; give a value in 0-31",
     ),
     "tls-dir": (["serve", "verifier", "--tls-dir", "/nonexistent"], "--tls-dir /nonexistent: missing tls.crt"),
+    "socket-dir": (  # (a pooled drafter serves a socket too, for verifiers on its host)
+        ["serve", "drafter", "--placement", "pooled", "--socket-dir", "/dev/null/sockets"],
+        "--socket-dir /dev/null/sockets cannot be made a directory (Not a directory); give one this user can create",
+    ),
     "tokens": (
         ["serve", "coordinator", "--verifier", "127.0.0.1:1", "--auth-token-file", "/nonexistent"],
         "cannot read --auth-token-file /nonexistent (No such file or directory)",
