@@ -26,7 +26,9 @@ is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th 
 while nobody drafts) explores for two iterations in a row, alternately one draft more for each request and a
 shallower uniform depth (each request at most d drafts, d cycling below the deepest chosen): iteration times of more
 and of fewer tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the
-choice follows a drafter whose acceptance changed and a step time measured once in a slow moment, either way.
+choice follows a drafter whose acceptance changed and a step time measured once in a slow moment, either way. Between
+those, every `RETIME_EVERY`-th choice runs again a close alternative timed before half the iterations recorded so far
+(`_stale_close_alternative`), so that a slow start's prices are re-checked soon.
 
 Where a choice is made afresh, its costly part (the best rate's allocation, `_best`) is computed while the device runs
 the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known then.
@@ -42,6 +44,12 @@ from specsplit.coordinator.draft_acceptance import PRIOR_WEIGHT, PositionCounts,
 from specsplit.coordinator.step_cost import StepCostModel, bucket_of
 
 EXPLORE_EVERY = 128
+# Between those, every RETIME_EVERY choices: an alternative of the choice (one draft more each, or a shallower uniform
+# depth) predicted within CLOSE of its rate whose steady run was last timed before half of the iterations recorded so
+# far (or never) is run again (`_stale_close_alternative`). A price from a slow moment (clocks coming up, a busy host)
+# otherwise stood until the regular exploration reached that depth; a close alternative costs little to time again.
+RETIME_EVERY = 32
+CLOSE = 1.15
 ZERO_KEEP = 16  # choices a choice of no drafts is kept while nothing it depends on changed
 # Most choices a choice made again and again is kept for the same batch: on the H200 a choice took 0.4 ms of a 7.5 ms
 # step at batch 1 and 0.7 ms of 14 at batch 64. 4 and 8 kept a poor choice long enough to fall below 0.97x the best
@@ -170,6 +178,11 @@ class DraftChooser:
         # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) was never run again once a
         # deeper one was chosen: in the simulated H200 with the learning run's first 12 iterations slow, 3 drafts
         # stayed chosen for good where 1 was 4 % faster (0.957x).
+        if self._num_choices % RETIME_EVERY == 0 and self._num_choices % EXPLORE_EVERY:
+            explored = self._stale_close_alternative(chosen, caps, counts)
+            if explored is not None:
+                self._trial = (list(counts), list(caps), explored)
+                return explored
         if self._num_choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
             self._num_explored += 1
             deepest = max(chosen)
@@ -181,6 +194,41 @@ class DraftChooser:
             self._trial = (list(counts), list(caps), explored)
             return explored
         return chosen
+
+    def _stale_close_alternative(
+        self, chosen: list[int], caps: list[int], counts: list[PositionCounts]
+    ) -> list[int] | None:
+        """The alternative of `chosen` (one draft more each, or each shallower uniform depth) whose steady run was
+        timed longest ago, among those timed before half of the iterations recorded so far (or never: the re-checks
+        of one alternative grow ever rarer) and predicted within CLOSE of `chosen`'s rate; None if none is. In the
+        simulated H200 with the learning run's first 12 iterations 1.3x slow (the sweep times no drafts first),
+        adaptive drafted at alpha 0.2, batch 32 at 0.85x target-only for four windows, until the regular exploration
+        reached no drafts."""
+        num_reqs, max_cap = len(chosen), max(caps, default=0)
+        if max_cap == 0:
+            return None
+        costs = self.costs
+        curve = costs.curve()
+        gains = self._gains(caps, counts, max_cap)
+        taken = np.arange(max_cap)
+
+        def rate(allocation: list[int]) -> float:
+            drafts = sum(allocation)
+            tokens = num_reqs + float((gains * (taken < np.array(allocation)[:, None])).sum())
+            if drafts == 0:
+                return tokens / curve.plain_s(num_reqs)
+            return tokens / curve.iteration_s(num_reqs + drafts, max(allocation) - 1)
+
+        deeper = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+        alternatives = [deeper] if deeper != chosen else []
+        alternatives += [[min(n, d) for n in chosen] for d in range(max(chosen))]
+        floor = rate(chosen) / CLOSE
+        best, best_last = None, costs.num_samples // 2
+        for allocation in alternatives:
+            last = costs.last_timed(num_reqs + sum(allocation), max(allocation) - 1)
+            if last < best_last and rate(allocation) >= floor:
+                best, best_last = allocation, last
+        return best
 
     def _repeated_trial(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
         """The last choice once more, if its (tokens, depth) was never run steadily and the batch is the same: the
@@ -245,7 +293,7 @@ class DraftChooser:
         seconds = curve.proposed_s_by_depth(totals, max_cap)[later, num_drafts]  # [L, drafts] → the prefixes'
         rates = np.where(shallower, (num_reqs + tokens) / seconds, -np.inf)
         best = int(rates.argmax())
-        if rates.flat[best] <= num_reqs / curve.base_s(num_reqs):  # (no drafts: no Propose)
+        if rates.flat[best] <= num_reqs / curve.plain_s(num_reqs):  # (no drafts: no Propose)
             return [0] * num_reqs
         depth, end = divmod(best, len(order))
         taken = request_of[: end + 1][shallower[depth, : end + 1]]

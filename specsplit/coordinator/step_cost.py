@@ -75,7 +75,9 @@ class _Bucket:
 
 
 class _Run(_Bucket):
-    """A (bucket of T, L) run steadily: its time is the least of its last RUN_WINDOW samples (`floor`). A step's time
+    """A (bucket of T, L) run steadily, or a bucket of T run steadily without drafts (`StepCostModel.plain_runs`): its
+    time is the least of its last RUN_WINDOW samples (`floor`, kept in the with-a-Propose slot); `last` is the model's
+    sample count at its last sample (how long ago it was timed: `DraftChooser`'s re-timing). A step's time
     only gains from noise (a host hiccup, clocks still coming up), and a depth the choice has left is measured again
     only now and then (an exploration): an average kept the slow moment of its first runs for thousands of choices
     (in the simulated H200 with the learning run's first 12 iterations slow, depth 3 stayed chosen where depth 1 was
@@ -85,11 +87,13 @@ class _Run(_Bucket):
     def __init__(self, num_tokens: int) -> None:
         super().__init__(num_tokens)
         self.recent: collections.deque[float] = collections.deque(maxlen=RUN_WINDOW)
+        self.last = -1
 
-    def add(self, num_tokens: int, seconds: float, proposed: bool) -> None:
-        super().add(num_tokens, seconds, proposed)
-        if not self.hiccup[int(proposed)]:
+    def add(self, num_tokens: int, seconds: float, sample_index: int) -> None:
+        super().add(num_tokens, seconds, True)
+        if not self.hiccup[1]:
             self.recent.append(seconds)
+            self.last = sample_index
 
     @property
     def floor(self) -> float:
@@ -105,6 +109,9 @@ class StepCostModel:
         self.measured = [False, False]  # iterations [without, with] a Propose recorded
         self.num_samples = 0
         self.measured_runs: dict[tuple[int, int], _Run] = {}  # (bucket of T, L) → whole iterations with a Propose
+        # bucket of T → iterations that verified no drafts and proposed none: what no drafts costs, priced as a steady
+        # run with drafts is (`CostCurve.plain_s`), so that the two compare alike.
+        self.plain_runs: dict[int, _Run] = {}
         # The same runs per L as the curve reads them, (buckets, seconds, samples) ascending; rebuilt per L only when
         # one of its runs changed (a curve is built after every recorded iteration, on the coordinator's loop).
         self._runs_by_depth: dict[int, dict[int, _Run]] = {}
@@ -154,8 +161,10 @@ class StepCostModel:
             if run is None:
                 run = self.measured_runs[(key, num_later_steps)] = _Run(num_tokens)
                 self._runs_by_depth.setdefault(num_later_steps, {})[key] = run
-            run.add(num_tokens, seconds, True)
+            run.add(num_tokens, seconds, self.num_samples)
             self._stale_depths.add(num_later_steps)
+        elif not proposed and verified_depth == 0:
+            self.plain_runs.setdefault(key, _Run(num_tokens)).add(num_tokens, seconds, self.num_samples)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(num_tokens)
@@ -178,6 +187,13 @@ class StepCostModel:
     def ready(self) -> bool:
         return bool(self._keys)
 
+    def last_timed(self, num_tokens: int, num_later_steps: int) -> int:
+        """When a steady run of `num_tokens` with a Propose of `num_later_steps` drafter steps after step 0 (-1:
+        without drafts) was last timed, as the count of iterations recorded before it (-1: never)."""
+        key = bucket_of(num_tokens)
+        run = self.plain_runs.get(key) if num_later_steps < 0 else self.measured_runs.get((key, num_later_steps))
+        return -1 if run is None else run.last
+
     def curve(self) -> CostCurve:
         """The model as it stands (call only when `ready`), for the predictions of one choice."""
         if self._curve is None:
@@ -197,8 +213,9 @@ class StepCostModel:
                     np.array([run.weight[1] for _, run in runs]),
                 )
             self._stale_depths.clear()
+            plain = {key: (run.floor, run.weight[1]) for key, run in self.plain_runs.items()}
             self._curve = CostCurve(
-                list(self._keys), tokens, seconds, propose, self.later_step_s or 0.0, dict(self._run_arrays)
+                list(self._keys), tokens, seconds, propose, self.later_step_s or 0.0, dict(self._run_arrays), plain
             )
         return self._curve
 
@@ -248,9 +265,11 @@ class CostCurve:
         propose_s: float,
         later_step_s: float,
         runs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,  # L → (buckets, seconds, samples)
+        plain: dict[int, tuple[float, float]] | None = None,  # bucket → (seconds, samples), steady without drafts
     ):
         self.keys, self.tokens, self.seconds = keys, tokens, seconds
         self.runs = runs or {}  # each L's measured runs, by ascending bucket
+        self.plain = plain or {}
         self._keys, self._seconds = np.array(keys, dtype=np.float64), np.array(seconds)
         self.propose_s, self.later_step_s = propose_s, later_step_s
         span = tokens[-1] - tokens[0]
@@ -284,10 +303,22 @@ class CostCurve:
                 summed[later] = np.where(keys[index] == buckets, measured, summed[later])
         return summed
 
+    def plain_s(self, num_tokens: float) -> float:
+        """Predicted time of an iteration running `num_tokens` without drafts: where that bucket was run so steadily,
+        what it took (the least of its recent samples; after a single run, its mean with `base_s`), as a steady run
+        with drafts is priced; else `base_s`. A mean of every sample instead held a slow moment's price of no drafts
+        against the least of the drafting runs' recent samples, and one new sample barely moved it."""
+        base = self.base_s(num_tokens)
+        run = self.plain.get(bucket_of(num_tokens))
+        if run is None:
+            return base
+        floor, samples = run
+        return floor if samples >= RUN_SAMPLES else (floor + base) / 2
+
     def iteration_s(self, num_tokens: float, num_later_steps: int, proposed: bool = True) -> float:
         """Predicted time of an iteration running `num_tokens`, with a Propose of `num_later_steps` drafter steps
         after step 0 or without one."""
         if not proposed:
-            return self.base_s(num_tokens)
+            return self.plain_s(num_tokens)
         later = max(0, num_later_steps)
         return float(self.proposed_s_by_depth(np.array([float(num_tokens)]), later + 1)[later, 0])

@@ -141,10 +141,12 @@ def test_a_steady_runs_time_is_the_least_of_its_recent_samples():
     assert model.curve().iteration_s(128, 0) == pytest.approx(0.016)  # every recent sample rose: so did the cost
 
 
-def test_exploration_goes_deeper_and_shallower_in_turn():
+def test_exploration_goes_deeper_and_shallower_in_turn(monkeypatch):
     """Every EXPLORE_EVERY choices the choice is explored for two iterations, alternately one draft more each and a
     shallower uniform depth cycling below the deepest chosen, so that a depth measured once in a slow moment is
-    measured again whichever side of the choice it lies."""
+    measured again whichever side of the choice it lies. (The re-timing of stale close alternatives off: nothing
+    is timed here, so every alternative would stay stale.)"""
+    monkeypatch.setattr(draft_choice, "RETIME_EVERY", draft_choice.EXPLORE_EVERY)
     chooser = DraftChooser()
     linear_costs(chooser.costs, 0.010, 0.0002, [8, 16, 24, 32, 40, 48])
     reqs = [counts(0.6) for _ in range(8)]
@@ -159,6 +161,46 @@ def test_exploration_goes_deeper_and_shallower_in_turn():
     assert len(explored) == 16 and explored[0::2] == explored[1::2]  # each exploration twice in a row
     assert explored[0::4] == [[4] * 8] * 4  # one draft more
     assert [e[0] for e in explored[2::4]] == [1, 2, 0, 1] and all(len(set(e)) == 1 for e in explored[2::4])
+
+
+def test_a_close_alternative_timed_before_half_the_recorded_iterations_is_timed_again():
+    """Every RETIME_EVERY choices, the alternative of the choice (one draft more each, a shallower uniform depth)
+    predicted within CLOSE of its rate whose steady run was timed longest ago, and before half of the iterations
+    recorded so far, runs twice; one timed since is not run again, nor a far one however stale."""
+    chooser = DraftChooser()
+    costs = chooser.costs
+    linear_costs(costs, 0.010, 0.0002, [8, 16, 24, 32, 40, 48])
+    reqs, caps = [counts(0.6) for _ in range(8)], [5] * 8
+    chooser._swept_batches.add((8, 5, 5, 40))  # nothing to sweep: the choice alone
+    assert chooser.choose(caps, reqs) == [3] * 8
+
+    def timed(depth: int) -> None:  # a steady run of every request at `depth` drafts
+        tokens = 8 + 8 * depth
+        seconds = 0.010 + 0.0002 * tokens
+        if depth == 0:
+            costs.record(tokens, 0, seconds, proposed=False, verified_depth=0)
+        else:
+            costs.record(tokens, depth - 1, seconds, later_steps_s=0.0, verified_depth=depth)
+
+    for depth in (0, 1, 2, 4):  # no drafts timed first: the stalest, but 1.7x slower than 3 drafts each
+        timed(depth)
+
+    def explorations(n: int) -> list[list[int]]:
+        out = []
+        for _ in range(n):
+            chosen = chooser.choose(caps, reqs)
+            if chosen != [3] * 8:
+                out.append(chosen)
+            timed(max(chosen))  # every choice runs (steadily, as in a kept choice)
+        return out
+
+    # choices 2 .. 32: at the 32nd every alternative was timed since half the iterations recorded
+    assert explorations(draft_choice.RETIME_EVERY - 1) == []
+    for _ in range(100):
+        timed(3)  # the choice runs on: the alternatives' timings grow old
+    # choices 33 .. 65: at the 64th the stalest close alternative, twice in a row
+    assert explorations(draft_choice.RETIME_EVERY + 1) == [[1] * 8, [1] * 8]
+    assert explorations(draft_choice.RETIME_EVERY) == [[2] * 8, [2] * 8]  # 66 .. 97: then the next stalest
 
 
 def test_a_depth_never_run_steadily_is_chosen_twice_in_a_row():
@@ -366,11 +408,17 @@ def _learned_at_batch_1(compile_s: float) -> DraftChooser:
 def test_a_compile_among_the_first_iterations_does_not_price_drafts_out(monkeypatch):
     """On the H200 the first iterations verifying 5 drafts took ~0.5 s (a kernel compiled at first use); taken in,
     the drafter's later-step estimate and, through the curve's pooling, the cost of a batch without drafts were
-    pulled so far that 1 draft at acceptance 0.33 (8-12 % faster there) looked dear: adaptive drafted nothing."""
+    pulled so far that 1 draft at acceptance 0.33 (8-12 % faster there) looked dear: adaptive drafted nothing. Both
+    the hiccup rule and the price of no drafts by its own steady runs (`CostCurve.plain_s`) keep it out."""
     assert _learned_at_batch_1(0.0).choose([5], [PositionCounts()]) == [1]
     assert _learned_at_batch_1(0.48).choose([5], [PositionCounts()]) == [1]
-    monkeypatch.setattr(step_cost, "HICCUP", float("inf"))  # every sample taken in: the H200's choice
-    assert _learned_at_batch_1(0.48).choose([5], [PositionCounts()]) == [0]
+    monkeypatch.setattr(step_cost, "HICCUP", float("inf"))  # every sample taken in
+    unguarded = _learned_at_batch_1(0.48)
+    curve = unguarded.costs.curve()
+    # the compile pulls the later step up and the pooled base of 1 token down (which chose 0 drafts on the H200) ...
+    assert unguarded.costs.later_step_s > 4 * 0.00045 and curve.base_s(1) < 0.5 * 0.0046
+    # ... but no drafts cost what their steady runs took
+    assert curve.plain_s(1) == pytest.approx(0.0046) and unguarded.choose([5], [PositionCounts()]) == [1]
 
 
 def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():

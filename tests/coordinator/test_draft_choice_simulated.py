@@ -134,6 +134,21 @@ def test_adaptive_against_every_fixed_k_on_a_simulated_h200(name, alphas, ragged
         assert adaptive > max(fixed.values())
 
 
+def test_no_drafts_first_timed_in_a_slow_moment_are_timed_again_soon():
+    """Alpha 0.2, batch 32, the sum's cost (no draft pays): the learning run's first 12 iterations are 1.3x slow, and
+    the sweep times no drafts first. Priced by that moment (a mean of its samples) and timed again only by every third
+    shallower exploration, no drafts stayed dearer than 3 drafts each: 0.85x target-only over the first four windows.
+    A close alternative timed longer ago than half the server's life is timed again every RETIME_EVERY choices, and
+    no drafts cost what their recent steady runs took."""
+    alphas = [0.2] * 32
+    target_only = median_over_rounds(alphas, 0, None, TIMED, ragged_cost=False)
+    chooser = DraftChooser()
+    tokens_per_s(alphas, None, chooser, LEARN, seed=1, slow_iterations=12)
+    rounds = [tokens_per_s(alphas, None, chooser, TIMED, seed) for seed in ROUND_SEEDS]
+    print(f"\nslow start at no drafts: rounds {[round(r) for r in rounds]}, target-only {target_only:.0f}")
+    assert min(rounds) >= 0.98 * target_only
+
+
 def test_a_depth_first_measured_in_a_slow_moment_is_chosen_again_once_measured_again(monkeypatch):
     """Alpha 0.6, batch 64, the 256-token step a little dearer than in the grid (k 1 then beats k 3 by 4 %, as on the
     H200's 2026-12-02 runs, where adaptive verified 3 drafts per request at 0.81-0.97x k 1): the learning run's first
