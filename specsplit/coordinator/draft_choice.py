@@ -186,11 +186,11 @@ class DraftChooser:
         if self._num_choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
             self._num_explored += 1
             deepest = max(chosen)
+            deeper, *shallower = _alternatives(chosen, caps)
             if self._num_explored % 2 == 0 and deepest > 0:
-                depth = (self._num_explored // 2) % deepest
-                explored = [min(n, depth) for n in chosen]
+                explored = shallower[(self._num_explored // 2) % deepest]
             else:
-                explored = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+                explored = deeper
             self._trial = (list(counts), list(caps), explored)
             return explored
         return chosen
@@ -219,9 +219,7 @@ class DraftChooser:
                 return tokens / curve.plain_s(num_reqs)
             return tokens / curve.iteration_s(num_reqs + drafts, max(allocation) - 1)
 
-        deeper = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
-        alternatives = [deeper] if deeper != chosen else []
-        alternatives += [[min(n, d) for n in chosen] for d in range(max(chosen))]
+        alternatives = [a for a in _alternatives(chosen, caps) if a != chosen]  # (one more each: none past the caps)
         floor = rate(chosen) / CLOSE
         best, best_last = None, costs.num_samples // 2
         for allocation in alternatives:
@@ -298,6 +296,13 @@ class DraftChooser:
         depth, end = divmod(best, len(order))
         taken = request_of[: end + 1][shallower[depth, : end + 1]]
         return np.bincount(taken, minlength=num_reqs).tolist()
+
+
+def _alternatives(chosen: list[int], caps: list[int]) -> list[list[int]]:
+    """What an exploration runs beside `chosen`: one draft more each (at most the cap), then each shallower uniform
+    depth d = 0 .. the deepest chosen - 1 (each request at most d drafts)."""
+    deeper = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
+    return [deeper] + [[min(n, d) for n in chosen] for d in range(max(chosen))]
 
 
 def _same_batch(
