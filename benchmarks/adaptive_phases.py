@@ -188,6 +188,8 @@ def main(argv=None) -> int:
             for d, n in enumerate(w.draft_count_histogram):
                 hist[d] += n
         print(f"{'':>12} draft counts verified: {hist[: max_k + 1]}")
+        emitted = sum(w.tokens for w, _ in runs) / sum(w.num_iterations for w, _ in runs)
+        print(f"{'':>12} tokens emitted per iteration: {emitted:.2f}")
     if "adaptive" in args.modes:
         print_costs(learned)
     print(f"failures: {bench.failures}")

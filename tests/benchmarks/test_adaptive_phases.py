@@ -49,6 +49,5 @@ def test_the_mixed_cell_runs_lossless_with_its_acceptances_per_request():
     assert "mixed 1.0/0.0, batch 2" in out
     assert "draft counts verified: [0, 0, 8]" in out  # 4 iterations x 2 requests, 2 drafts each
     # request 0 accepts every draft (3 tokens per iteration), request 1 none (1): 4 tokens per iteration, not 6 or 2
-    row = re.search(r"^\s*k2\s+(\d+) \[.*?\](\s+[0-9.]+){11}$", out, re.M)  # drafts, then 10 phases
-    tokens_per_s, iteration_ms = float(row.group(1)), float(row.group(0).split()[-1])
-    assert 3.6 <= tokens_per_s * iteration_ms / 1e3 <= 4.4, row.group(0)
+    # (counted, not timed: tokens/s x ms per iteration moves with the machine)
+    assert "tokens emitted per iteration: 4.00" in out
