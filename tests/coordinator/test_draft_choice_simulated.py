@@ -12,6 +12,7 @@ best fixed k in {0..5} and >= 0.98x target-only in every cell, and the mixed bat
 
 import random
 import statistics
+from collections.abc import Callable
 
 import pytest
 
@@ -50,12 +51,16 @@ def tokens_per_s(
     seed: int = 0,
     ragged_cost=False,
     slow_iterations: int = 0,
+    pace: Callable[[], float] | None = None,
 ) -> float:
     """A steady-state window; `k` None: adaptive (with `chooser`'s state), else every request k drafts. `ragged_cost`:
     the verifier's step costs as if every request verified as many drafts as the one with the most (a cost the
     drafter's report of its later steps does not show; the H200 runs of benchmarks/adaptive.py had one of that
     shape: a batch where half the requests verified 1 draft and half 5 took as long as one where all verified 5).
-    `slow_iterations`: the window's first iterations take 1.3x as long (a slow moment: clocks coming up)."""
+    `slow_iterations`: the window's first iterations take 1.3x as long (a slow moment: clocks coming up). `pace`: the
+    machine's speed, called once per iteration (benchmarks/chooser_drift.py): the chooser sees every time scaled by it
+    (the drafter's report too), the window is scored at the unscaled times (how well it chose, not how fast the
+    machine was meanwhile)."""
     rng, batch = random.Random(seed), len(alphas)
     config = SchedulerConfig(
         max_model_len=4096,
@@ -81,6 +86,7 @@ def tokens_per_s(
         t = iteration_s(cost_tokens, len(out.scheduled), out.proposes, out.num_later_steps, rng)
         if step < slow_iterations:
             t *= 1.3
+        seen = 1.0 if pace is None else pace()
         results = []
         for item in out.scheduled:
             r, position, accepted = int(item.request.request_id), len(item.request.output_token_ids), 0
@@ -90,7 +96,8 @@ def tokens_per_s(
             results.append(VerifyResult(item.request.request_id, [7] * (accepted + 1), n - accepted, n))
         s.update_from_output(out, results)
         later = out.num_later_steps if out.proposes else 0
-        s.record_iteration(out, t, out.proposes, later, later_step_s(len(out.scheduled)) * later * REPORTED)
+        reported = later_step_s(len(out.scheduled)) * later * REPORTED
+        s.record_iteration(out, t * seen, out.proposes, later, reported * seen)
         if step > WARM:
             seconds += t
             tokens += sum(len(res.sampled_token_ids) for res in results)
@@ -164,3 +171,17 @@ def test_a_depth_first_measured_in_a_slow_moment_is_chosen_again_once_measured_a
     print(f"\nslow start: rounds {[round(r) for r in rounds]}, fixed {fixed}")
     assert fixed[1] > 1.03 * fixed[3]  # (the case: k 1 is the best by 4 %)
     assert statistics.median(rounds[-3:]) >= 0.97 * fixed[1]
+
+
+@pytest.mark.parametrize("pace", [2.0, 1.3])
+def test_a_machine_uniformly_faster_or_slower_changes_no_choice(pace):
+    """The chooser compares times with times (rates, ratios, hiccups as multiples), never with a constant: every time it
+    sees scaled by one factor, it chooses exactly as before (benchmarks/chooser_drift.py scales them by a pace that
+    drifts)."""
+    for alphas in ([0.6] * 8, [0.9, 0.2] * 16, [0.3] * 128):
+        runs = []
+        for scale in (None, lambda: pace):
+            chooser = DraftChooser()
+            tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=True, pace=scale)
+            runs.append([tokens_per_s(alphas, None, chooser, TIMED, seed, True, pace=scale) for seed in ROUND_SEEDS])
+        assert runs[0] == runs[1]
