@@ -65,8 +65,9 @@ class ForcedChoice(DraftChooser):
 
 
 def print_costs(chooser: DraftChooser) -> None:
-    """What the adaptive chooser learned in its untimed window: the Propose's and a later step's cost, the step time
-    per bucket of tokens without and with a Propose (the sum's base), and the steady runs' times per (tokens, L)."""
+    """What the adaptive chooser learned by the end (its untimed window, then its rounds): the Propose's and a later
+    step's cost, the step time per bucket of tokens without and with a Propose (the sum's base), and the steady runs'
+    prices (without drafts, then per (tokens, L))."""
     costs = chooser.costs
     fmt = lambda s: "-" if s is None else f"{s * 1e3:.3f}"  # noqa: E731
     print(f"learned: propose {fmt(costs.propose_s)} ms, later step {fmt(costs.later_step_s)} ms")
@@ -76,6 +77,8 @@ def print_costs(chooser: DraftChooser) -> None:
             f"  tokens {b.num_tokens:7.1f}: without a Propose {fmt(b.seconds[0]) if b.weight[0] else '-':>8} ms "
             f"(x{b.weight[0]:.0f}), with {fmt(b.seconds[1]) if b.weight[1] else '-':>8} ms (x{b.weight[1]:.0f})"
         )
+    for _, run in sorted(costs.plain_runs.items()):
+        print(f"  steady run: tokens {run.num_tokens:7.1f}, no drafts: {fmt(run.floor)} ms (x{run.weight[1]:.0f})")
     for (_, later), run in sorted(costs.measured_runs.items()):
         print(f"  steady run: tokens {run.num_tokens:7.1f}, L {later}: {fmt(run.floor)} ms (x{run.weight[1]:.0f})")
     acceptance = ", ".join(f"{a:.2f}" for a in chooser.acceptance.means(5))
