@@ -30,10 +30,13 @@ def build_request(
     max_model_len: int,
     num_speculative_tokens: int,
     defaults: SamplingDefaults = GRPC_DEFAULTS,
+    default_max_tokens: int | None = None,
 ) -> Request:
     """The request `msg` asks for (one completion: `build_requests` makes its n). A text prompt is tokenized the
     way the tokenizer does by default, special tokens included (BOS where the checkpoint has one), as
-    transformers and vLLM do."""
+    transformers and vLLM do. Prompt and max_tokens together must fit `max_model_len` (the verifier's). A request
+    without max_tokens (0) gets `default_max_tokens`, at most what the prompt leaves of max_model_len (the HTTP
+    API's: OpenAI's and vLLM's defaults); None: max_tokens must be given (the gRPC API's)."""
     has_text = msg.HasField("prompt")
     has_ids = len(msg.prompt_token_ids) > 0
     if has_text == has_ids:
@@ -58,10 +61,19 @@ def build_request(
             f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len} and at least one "
             "token must be generated"
         )
+    max_tokens = msg.max_tokens
+    if max_tokens == 0 and default_max_tokens is not None:
+        max_tokens = min(default_max_tokens, max_model_len - len(prompt_ids))
+    if max_tokens > max_model_len - len(prompt_ids):
+        raise InvalidArgument(
+            f"prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: {len(prompt_ids) + max_tokens} "
+            f"tokens, but this model's maximum context length is {max_model_len} tokens (max_model_len); give "
+            f"max_tokens <= {max_model_len - len(prompt_ids)} or a shorter prompt"
+        )
     return Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
-        sampling=_sampling(msg, num_speculative_tokens, vocab_size, defaults),
+        sampling=_sampling(msg, max_tokens, num_speculative_tokens, vocab_size, defaults),
     )
 
 
@@ -89,10 +101,14 @@ def build_requests(msg: coordinator_pb2.GenerateRequest, **kwargs) -> list[Reque
 
 
 def _sampling(
-    msg: coordinator_pb2.GenerateRequest, num_speculative_tokens: int, vocab_size: int, defaults: SamplingDefaults
+    msg: coordinator_pb2.GenerateRequest,
+    max_tokens: int,
+    num_speculative_tokens: int,
+    vocab_size: int,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
-    if msg.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be > 0, got {msg.max_tokens}")
+    if max_tokens <= 0:
+        raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
     s = msg.sampling
     temperature = s.temperature if s.HasField("temperature") else defaults.temperature
     if not math.isfinite(temperature) or temperature < 0 or temperature > MAX_TEMPERATURE:
@@ -129,15 +145,15 @@ def _sampling(
         value = getattr(s, name)
         if not math.isfinite(value) or abs(value) > MAX_PENALTY:
             raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-    if not 0 <= s.min_tokens <= msg.max_tokens:
-        raise InvalidArgument(f"min_tokens must be in [0, max_tokens={msg.max_tokens}], got {s.min_tokens}")
+    if not 0 <= s.min_tokens <= max_tokens:
+        raise InvalidArgument(f"min_tokens must be in [0, max_tokens={max_tokens}], got {s.min_tokens}")
     if s.end_token_ids:
         raise InvalidArgument("end_token_ids is set by the coordinator; use stop_token_ids")
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     return SamplingParams(
-        max_tokens=msg.max_tokens,
+        max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(top_k),

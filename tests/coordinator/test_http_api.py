@@ -1,6 +1,8 @@
 """The HTTP API's app without a cluster (ASGI calls in-process): a full queue is 429, a checkpoint without a chat
 template answers chat requests 400 saying so, a request before the verifier answered is 503, and the
-OpenAI body maps to the coordinator's request in one function."""
+OpenAI body maps to the coordinator's request in one function; prompt + max_tokens past the model's length, n 0,
+stream_options without stream and response_format are 400; bodies that are not JSON, unknown paths and methods
+answer OpenAI error objects; a body over the limit is 413 without being read."""
 
 import asyncio
 import json
@@ -9,7 +11,7 @@ import types
 import pytest
 
 from specsplit.coordinator.generation_config import OPENAI_DEFAULTS
-from specsplit.coordinator.http.app import HttpApi
+from specsplit.coordinator.http.app import MAX_BODY_BYTES, HttpApi
 from specsplit.coordinator.http.mapping import to_generate_request
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
 from specsplit.errors import ResourceExhausted
@@ -42,11 +44,33 @@ def tokenizers(tmp_path_factory):
 
 def call(api: HttpApi, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     """One request through the ASGI app; (status, JSON body)."""
-    sent = []
-    payload = json.dumps(body).encode() if body is not None else b""
+    status, data, _ = call_raw(api, method, path, [json.dumps(body).encode() if body is not None else b""])
+    return status, data
+
+
+def call_raw(
+    api: HttpApi, method: str, path: str, chunks, headers: list[tuple[bytes, bytes]] = ()
+) -> tuple[int, dict, int]:
+    """One request through the ASGI app whose body comes in `chunks` (an iterable: the last one ends it);
+    (status, JSON body, how many chunks the app read)."""
+    sent, read = [], [0]
+
+    def messages():
+        body = b""
+        for i, chunk in enumerate(chunks):
+            if i:
+                yield {"type": "http.request", "body": body, "more_body": True}
+            body = chunk
+        yield {"type": "http.request", "body": body, "more_body": False}
+
+    stream = messages()
 
     async def receive():
-        return {"type": "http.request", "body": payload, "more_body": False}
+        message = next(stream, None)
+        if message is None:  # the body was read; the client stays connected
+            await asyncio.Event().wait()
+        read[0] += 1
+        return message
 
     async def send(message):
         sent.append(message)
@@ -60,13 +84,14 @@ def call(api: HttpApi, method: str, path: str, body: dict | None = None) -> tupl
         "path": path,
         "raw_path": path.encode(),
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 2),
     }
     asyncio.run(api.app()(scope, receive, send))
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    data = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    return status, data, read[0]
 
 
 def ready_api(tokenizer, engine=None) -> HttpApi:
@@ -97,12 +122,12 @@ def test_before_the_verifier_answered_requests_are_503_and_health_too(tokenizers
 
 def test_the_body_maps_to_one_generate_request_leaving_unset_options_unset():
     body = CompletionRequest(model="m", prompt="x", n=2, seed=3, stop="END", stop_token_ids=[9], top_k=-1)
-    msg = to_generate_request(body, prompt="x", default_max_tokens=16)
-    assert (msg.prompt, msg.max_tokens, msg.n, msg.sampling.seed) == ("x", 16, 2, 3)
+    msg = to_generate_request(body, prompt="x")
+    assert (msg.prompt, msg.max_tokens, msg.n, msg.sampling.seed) == ("x", 0, 2, 3)  # max_tokens: the endpoint's
     assert list(msg.stop) == ["END"] and list(msg.stop_token_ids) == [9]
     assert not msg.sampling.HasField("temperature") and not msg.sampling.HasField("top_k")  # the server's defaults
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=5)
-    assert to_generate_request(chat, prompt_token_ids=[1, 2], default_max_tokens=60).max_tokens == 5
+    assert to_generate_request(chat, prompt_token_ids=[1, 2]).max_tokens == 5
 
 
 def test_on_sigterm_health_fails_at_once_and_new_requests_after_the_delay(tokenizers):
@@ -141,3 +166,119 @@ def test_unset_sampling_options_take_generation_config_else_openai_defaults_and_
         assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == pytest.approx(expected)
         # a text prompt gets the tokenizer's special tokens: BOS first, as transformers' encode gives it
         assert engine.requests[0].prompt_token_ids == tokenizers[1].encode("hi") and tokenizers[1].encode("hi")[0] == 0
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt of a chat request: the template's text, whose BOS the template writes."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def assert_openai_error(body: dict, says: str, param: str | None = None) -> None:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert says in body["error"]["message"] and body["error"]["param"] == param, body
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_and_max_tokens_past_the_model_length_are_400_saying_both_and_the_limit(tokenizers):
+    """INFO's max_model_len is 64: a prompt of 60 tokens leaves room for 4."""
+    api = ready_api(tokenizers[1])
+    for max_tokens in (5, 2**31 - 1):
+        status, body = call(
+            api, "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 60, "max_tokens": max_tokens}
+        )
+        assert status == 400
+        assert_openai_error(body, f"prompt has 60 tokens and max_tokens is {max_tokens}")
+        assert "maximum context length is 64 tokens" in body["error"]["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    n = len(chat_ids(tokenizers[1], chat["messages"]))
+    for option in ("max_tokens", "max_completion_tokens"):
+        status, body = call(api, "POST", "/v1/chat/completions", {**chat, option: 64 - n + 1})
+        assert status == 400
+        assert_openai_error(body, f"prompt has {n} tokens and max_tokens is {64 - n + 1}")
+    # exactly the room left is admitted (as far as the full queue)
+    assert call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 60, "max_tokens": 4})[0] == 429
+
+
+def test_without_max_tokens_completions_get_16_and_chat_the_rest_of_the_model_length_never_more(tokenizers):
+    engine = Recorder()
+    api = ready_api(tokenizers[1], engine)
+    for prompt in ([7] * 10, [7] * 60):
+        assert call(api, "POST", "/v1/completions", {"model": "tiny", "prompt": prompt})[0] == 429
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert call(api, "POST", "/v1/chat/completions", chat)[0] == 429
+    n = len(chat_ids(tokenizers[1], chat["messages"]))
+    assert [r.sampling.max_tokens for r in engine.requests] == [16, 4, 64 - n]
+
+
+@pytest.mark.parametrize(
+    "path, body, param, says",
+    [
+        (path, *case)
+        for path in ("/v1/completions", "/v1/chat/completions")
+        for case in [
+            ({"n": 0}, "n", "n must be in [1, 16], got 0"),
+            ({"max_tokens": 0}, "max_tokens", "max_tokens must be > 0, got 0"),
+        ]
+    ]
+    + [("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format", "is not supported yet")],
+)
+def test_options_the_request_cannot_mean_are_400_naming_them(tokenizers, path, body, param, says):
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, data = call(ready_api(tokenizers[1]), "POST", path, {"model": "tiny", **prompt, **body})
+    assert status == 400
+    assert_openai_error(data, says, param)  # response_format: refused as chat refuses it
+
+
+@pytest.mark.parametrize("stream_options", [{"include_usage": True}, {}])
+def test_stream_options_are_400_without_stream_true_and_taken_with_it(tokenizers, stream_options):
+    api = ready_api(tokenizers[1])
+    for path, prompt in [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        body = {"model": "tiny", **prompt, "stream_options": stream_options}
+        for stream in ({}, {"stream": False}):
+            status, data = call(api, "POST", path, {**body, **stream})
+            assert status == 400
+            assert_openai_error(data, "stream_options needs stream: true", "stream_options")
+        assert call(api, "POST", path, {**body, "stream": True})[0] == 429  # as far as the full queue
+
+
+@pytest.mark.parametrize(
+    "method, path, payload, status, says",
+    [
+        ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "the body is not valid UTF-8"),
+        ("POST", "/v1/nothing", b"{}", 404, "Invalid URL (POST /v1/nothing)"),
+        ("GET", "/v1/completions", b"", 405, "method GET is not allowed on /v1/completions; allowed: POST"),
+        ("DELETE", "/v1/models", b"", 405, "method DELETE is not allowed on /v1/models; allowed: GET"),
+    ],
+)
+def test_bodies_paths_and_methods_the_api_cannot_take_are_openai_errors(
+    tokenizers, method, path, payload, status, says
+):
+    got, data, _ = call_raw(ready_api(tokenizers[1]), method, path, [payload])
+    assert got == status
+    assert_openai_error(data, says)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizers):
+    """Its content-length says so: none of it is read. Chunked (no content-length): reading stops at the chunk that
+    passes the limit, of an endless body."""
+    api = ready_api(tokenizers[1])
+    chunk = b" " * (1024 * 1024)
+
+    def endless():
+        yield b'{"model": "tiny", "prompt": "'
+        while True:
+            yield chunk
+
+    length = [(b"content-length", str(50 * 1024 * 1024).encode())]
+    status, data, read = call_raw(api, "POST", "/v1/completions", endless(), length)
+    assert (status, read) == (413, 0)
+    assert_openai_error(data, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    status, data, read = call_raw(api, "POST", "/v1/completions", endless())
+    assert (status, read) == (413, 1 + MAX_BODY_BYTES // len(chunk))  # the JSON head, then chunks to the limit
+    assert_openai_error(data, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    under = [b'{"model": "tiny", "prompt": "hi"', chunk, b"}"]  # chunked, under the limit: read whole
+    assert call_raw(api, "POST", "/v1/completions", under)[0] == 429

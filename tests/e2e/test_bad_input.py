@@ -42,6 +42,19 @@ def test_bad_request_is_invalid_argument_and_server_keeps_serving(cluster, msg, 
         assert len(client.generate(prompt_token_ids=[3, 4, 5], max_tokens=2).token_ids) >= 1
 
 
+def test_prompt_and_max_tokens_past_the_model_length_are_invalid_argument_saying_both_and_the_limit(cluster):
+    """The verifier's max_model_len bounds prompt + max_tokens: one token past it is refused, exactly it runs."""
+    with Client(cluster.address, timeout=60) as client:
+        limit = client.model_info().max_model_len
+        prompt = [5] * (limit - 3)
+        with pytest.raises(InvalidArgument) as err:
+            client.generate(prompt_token_ids=prompt, max_tokens=4, ignore_eos=True)
+        assert f"prompt has {limit - 3} tokens and max_tokens is 4" in err.value.message
+        assert f"maximum context length is {limit} tokens" in err.value.message
+        out = client.generate(prompt_token_ids=prompt, max_tokens=3, ignore_eos=True)
+    assert (len(out.token_ids), out.finish_reason) == (3, "length")
+
+
 def test_sdk_raises_the_typed_error_with_the_status_code(cluster):
     with Client(cluster.address, timeout=30) as client, pytest.raises(InvalidArgument) as err:
         client.generate("x", max_tokens=0)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the session cluster's coordinator, through the official `openai` client and raw
 HTTP: completions and chat completions, whole and streamed, equal to the gRPC API's and transformers' greedy output;
-n, seed and stop_token_ids on both APIs; errors as OpenAI error objects; a client that disconnects aborts its
-request everywhere; /v1/models, /health, /metrics."""
+n, seed and stop_token_ids on both APIs; errors as OpenAI error objects (bad options, prompt + max_tokens past the
+model's length, bodies that are not JSON, unknown paths and methods, a body over the limit: 413 before it is read); a
+client that disconnects aborts its request everywhere; /v1/models, /health, /metrics."""
 
 import http.client
 import json
@@ -14,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specsplit import Client
+from specsplit.coordinator.http.app import MAX_BODY_BYTES
 
 from .helpers import assert_kv_all_free, greedy_ignoring_eos, wait_idle
 
@@ -146,7 +148,10 @@ def test_stop_token_ids_end_generation_on_both_apis(cluster, oai, tok, hf_greedy
         ({"min_tokens": 3}, 400, None, "min_tokens must be in [0, max_tokens=2], got 3"),
         ({"max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
         ({"max_tokens": 2**40}, 400, "max_tokens", "out of range"),
-        ({"n": 17}, 400, None, "n must be in [1, 16]"),
+        ({"n": 17}, 400, "n", "n must be in [1, 16], got 17"),
+        ({"n": 0}, 400, "n", "n must be in [1, 16], got 0"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options needs stream: true"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format", "response_format is not supported"),
         ({"model": "gpt-5"}, 404, None, "the model 'gpt-5' does not exist"),
     ],
 )
@@ -219,3 +224,87 @@ def test_models_health_and_metrics(cluster, oai):
         assert series in text, series
     drafts = float(text.split('vllm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
     assert drafts > 0  # the earlier requests of the session were counted
+
+
+def _max_model_len(oai) -> int:
+    return oai.models.list().data[0].model_extra["max_model_len"]
+
+
+def test_prompt_and_max_tokens_past_the_model_length_are_400_and_without_max_tokens_fit(oai):
+    """A prompt 3 tokens short of the model's length: max_tokens 4 is refused (completions and chat, saying the
+    prompt's length, max_tokens and the limit), 3 runs to the limit, and no max_tokens gets the 3 left."""
+    model, limit = oai.models.list().data[0].id, _max_model_len(oai)
+    prompt = [5] * (limit - 3)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    message = err.value.body["message"]
+    assert f"prompt has {limit - 3} tokens and max_tokens is 4" in message
+    assert f"maximum context length is {limit} tokens" in message
+    for max_tokens in (3, None):
+        kw = {} if max_tokens is None else {"max_tokens": max_tokens}
+        out = oai.completions.create(model=model, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}, **kw)
+        assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (3, "length")
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {limit} tokens"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=limit)
+    with pytest.raises(openai.BadRequestError, match=f"max_tokens is {limit}"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=limit)
+
+
+def _send(cluster, head: bytes, body: list[bytes] = ()) -> tuple[int, dict]:
+    """`head` (request line and headers) and then `body`, as they are, on a connection of its own; the answer's
+    (status, JSON body). The answer is read once all of `body` is sent: a body the server refuses part-way must end
+    where the server stops reading (no bytes left unread that would reset the connection)."""
+    url = urllib.parse.urlsplit(cluster.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(head)
+        for part in body:
+            sock.sendall(part)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, json.loads(resp.read())
+
+
+def _head(method: str, path: str, *headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: x", "content-type: application/json", *headers, "", ""]
+    return "\r\n".join(lines).encode()
+
+
+def _assert_openai_error(data: dict, says: str) -> None:
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
+    assert says in data["error"]["message"] and data["error"]["type"] == "invalid_request_error", data
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, says",
+    [
+        ("POST", "/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        ("POST", "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"\xc3": 1}]}', 400, "not valid UTF-8"),
+        ("POST", "/v1/nothing", b"{}", 404, "Invalid URL (POST /v1/nothing)"),
+        ("GET", "/v2/models", b"", 404, "Invalid URL (GET /v2/models)"),
+        ("GET", "/v1/chat/completions", b"", 405, "method GET is not allowed on /v1/chat/completions; allowed: POST"),
+        ("POST", "/v1/models", b"{}", 405, "method POST is not allowed on /v1/models; allowed: GET"),
+    ],
+)
+def test_bodies_paths_and_methods_the_api_cannot_take_are_openai_errors(cluster, method, path, body, status, says):
+    got, data = _send(cluster, _head(method, path, f"content-length: {len(body)}"), [body])
+    assert got == status
+    _assert_openai_error(data, says)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_and_the_server_keeps_serving(cluster, oai):
+    """A content-length of 50 MB is answered with no byte of the body sent; a chunked body once its bytes pass the
+    limit (the last chunk sent passes it by one byte: the server has read all that was sent)."""
+    status, data = _send(cluster, _head("POST", "/v1/completions", f"content-length: {50 * 1024 * 1024}"))
+    assert status == 413
+    _assert_openai_error(data, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    head = b'{"model": "tiny-llama", "prompt": "x"'
+    size = 1024 * 1024
+    parts = [head] + [b" " * size] * ((MAX_BODY_BYTES - len(head)) // size)
+    parts.append(b" " * (MAX_BODY_BYTES + 1 - sum(map(len, parts))))
+    chunked = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts]
+    status, data = _send(cluster, _head("POST", "/v1/completions", "transfer-encoding: chunked"), chunked)
+    assert status == 413
+    _assert_openai_error(data, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    under = [b"%x\r\n%s\r\n" % (len(p), p) for p in (*parts[:-2], b', "max_tokens": 2}')] + [b"0\r\n\r\n"]
+    status, data = _send(cluster, _head("POST", "/v1/completions", "transfer-encoding: chunked"), under)
+    assert status == 200 and data["usage"]["prompt_tokens"] > 0  # a chunked body under the limit: served

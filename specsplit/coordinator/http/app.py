@@ -12,6 +12,8 @@ import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 
 from specsplit.coordinator.generation import Choices
 from specsplit.coordinator.generation_config import SamplingDefaults
@@ -27,6 +29,9 @@ from specsplit.telemetry import incoming_context
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions
+# The largest request body read: a prompt of validation.MAX_PROMPT_CHARS (4 Mi characters, 4 MiB of ASCII) and the
+# JSON around it fit, with room for escapes and multi-byte characters; a larger body is 413 before it is read.
+MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 class HttpApi:
@@ -53,7 +58,9 @@ class HttpApi:
         app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(SpecsplitError, lambda _r, err: from_specsplit_error(err))
         app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(HTTPException, _http_error)
         app.add_exception_handler(Exception, _internal_error)
+        app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
         auth = [Depends(self._authenticate)]
         app.get("/health")(self.health)
         app.get("/metrics")(metrics)
@@ -96,7 +103,8 @@ class HttpApi:
             )
         return self.engine, self.model_info
 
-    def _build(self, msg) -> list:
+    def _build(self, msg, default_max_tokens: int) -> list:
+        """The request's completions; without max_tokens, `default_max_tokens` at most what the prompt leaves."""
         info = self.model_info
         return build_requests(
             msg,
@@ -105,6 +113,7 @@ class HttpApi:
             max_model_len=info.max_model_len,
             num_speculative_tokens=info.num_speculative_tokens,
             defaults=self.defaults,
+            default_max_tokens=default_max_tokens,
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -112,10 +121,8 @@ class HttpApi:
         requests, prompt_tokens = [], 0
         for prompt in _prompts(body.prompt):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            msg = to_generate_request(
-                body, prompt=text, prompt_token_ids=ids, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS
-            )
-            built = self._build(msg)
+            msg = to_generate_request(body, prompt=text, prompt_token_ids=ids)
+            built = self._build(msg, COMPLETIONS_DEFAULT_MAX_TOKENS)
             requests += built
             prompt_tokens += built[0].num_prompt_tokens
         return await self._run(
@@ -131,8 +138,8 @@ class HttpApi:
             add_generation_prompt=body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),
         )
-        msg = to_generate_request(body, prompt_token_ids=ids, default_max_tokens=max(1, info.max_model_len - len(ids)))
-        requests = self._build(msg)
+        msg = to_generate_request(body, prompt_token_ids=ids)
+        requests = self._build(msg, info.max_model_len)  # unset: up to the model's length, as vLLM's chat
         return await self._run(
             request, body, ResponseShape("chat", self.model_name, self.tokenizer), requests, len(ids)
         )
@@ -246,6 +253,57 @@ async def _internal_error(_request, err: Exception) -> JSONResponse:
     """A bug: still an OpenAI error object (500), and the traceback in the log."""
     log.exception("HTTP API: %s", err)
     return error_response(500, f"internal error: {type(err).__name__}", "server_error")
+
+
+async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+    """Starlette's own refusals as OpenAI error objects: an unknown path (404, in OpenAI's words), a method the path
+    does not take (405), a body over MAX_BODY_BYTES (413), a body that is not UTF-8 (400)."""
+    if err.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif err.status_code == 405:
+        allowed = (err.headers or {}).get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.url.path}; allowed: {allowed}"
+    elif isinstance(err.__cause__, UnicodeDecodeError):
+        message = f"the body is not valid UTF-8: {err.__cause__}"
+    else:
+        message = str(err.detail)
+    return error_response(err.status_code, message, "invalid_request_error", headers=err.headers)
+
+
+def _too_large_message(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes, this server's limit"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is 413 (an OpenAI error object), before any of it is read
+    when its content-length says so, else (chunked) once the bytes received pass the limit: at most `limit` bytes
+    of a body are ever held."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            response = error_response(413, _too_large_message(self.limit), "invalid_request_error")
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # raised inside the body's read: `_http_error` answers it
+                    raise HTTPException(413, _too_large_message(self.limit))
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 async def _validation_error(_request, err: RequestValidationError) -> JSONResponse:

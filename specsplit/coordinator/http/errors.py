@@ -32,9 +32,14 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def status_of(err: SpecsplitError) -> tuple[int, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from specsplit.coordinator.http.errors import BadOption
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
+from specsplit.coordinator.validation import MAX_N
 from specsplit.proto import coordinator_pb2
 
 # OpenAI options this server does not honour: (name, the value that means "off").
@@ -24,24 +25,30 @@ def to_generate_request(
     *,
     prompt: str | None = None,
     prompt_token_ids: list[int] | None = None,
-    default_max_tokens: int,
 ) -> coordinator_pb2.GenerateRequest:
     """The GenerateRequest for one prompt of `body` (text or ids); InvalidArgument naming the option for one this
-    server does not support yet or a value the request cannot carry (BadOption). Unset sampling options stay unset: the
-    server's defaults (generation_config.json, else OpenAI's) fill them."""
+    server does not support yet, a value the request cannot carry, or a value whose meaning the GenerateRequest's
+    field would lose (BadOption: 0 is its "unset"). Unset options stay unset: the server's defaults fill them
+    (generation_config.json, else OpenAI's; max_tokens: the endpoint's default, given to `build_requests`)."""
     for name, off in NOT_SUPPORTED_YET:
         value = getattr(body, name, off)
         if value is not None and value != off:
             raise BadOption(f"{name} is not supported yet by this server (got {value!r})", param=name)
+    if body.stream_options is not None and not body.stream:
+        raise BadOption("stream_options needs stream: true", param="stream_options")
+    if not 1 <= body.n <= MAX_N:
+        raise BadOption(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
     msg = coordinator_pb2.GenerateRequest()
-    max_tokens = body.max_tokens
+    max_tokens, max_tokens_name = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
+        max_tokens, max_tokens_name = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None and max_tokens <= 0:
+        raise BadOption(f"{max_tokens_name} must be > 0, got {max_tokens}", param=max_tokens_name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     options = [
         ("prompt", msg, "prompt", prompt),
         ("prompt", msg.prompt_token_ids, None, prompt_token_ids),
-        ("max_tokens", msg, "max_tokens", default_max_tokens if max_tokens is None else max_tokens),
+        (max_tokens_name, msg, "max_tokens", max_tokens),
         ("temperature", msg.sampling, "temperature", body.temperature),
         ("top_p", msg.sampling, "top_p", body.top_p),
         ("top_k", msg.sampling, "top_k", None if body.top_k in (None, -1) else body.top_k),  # vLLM: -1 is off

@@ -42,6 +42,7 @@ class _Body(BaseModel):
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: dict | None = None  # structured output
 
 
 class CompletionRequest(_Body):
@@ -65,7 +66,6 @@ class ChatCompletionRequest(_Body):
     add_generation_prompt: bool = True  # vLLM's extension
     chat_template_kwargs: dict | None = None  # vLLM's extension
     tools: list[dict] | None = None
-    response_format: dict | None = None
     tool_choice: str | dict | None = None
 
 
