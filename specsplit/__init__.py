@@ -4,11 +4,18 @@ Importing it stays torch-free (the client SDK, errors, results); `specsplit.LLM`
 subpackages import torch when used.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from specsplit.client import AsyncClient, Client
 from specsplit.errors import SpecsplitError
 from specsplit.results import GenerationDelta, GenerationResult, SpecStats
 
 __all__ = ["LLM", "AsyncClient", "Client", "GenerationDelta", "GenerationResult", "SpecStats", "SpecsplitError"]
+
+try:
+    __version__ = version("specsplit")  # the installed distribution's (pyproject.toml)
+except PackageNotFoundError:  # a source tree run without installing it
+    __version__ = "unknown"
 
 
 def __getattr__(name: str):

@@ -36,7 +36,12 @@ def _serve(args: argparse.Namespace) -> int:
     config = Config.from_args(args)
     setup_logging(args.role, config.server.log_level)
     http_port = getattr(config, "http_port", None)  # the coordinator's HTTP API serves /metrics
-    telemetry.setup(args.role, metrics_port=config.server.metrics_port, prometheus=http_port is not None)
+    telemetry.setup(
+        args.role,
+        metrics_port=config.server.metrics_port,
+        metrics_host=config.server.metrics_host,
+        prometheus=http_port is not None,
+    )
     try:
         asyncio.run(serve(config))
     finally:
@@ -67,6 +72,9 @@ def up_cluster(args: argparse.Namespace):
         http_port=args.http_port,
         gpu_memory_utilization=args.gpu_memory_utilization,
         coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens, args.adaptive),
+        tls_dir=args.tls_dir,
+        auth_token_file=args.auth_token_file,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -136,6 +144,30 @@ def _start_local(args: argparse.Namespace):
     return cluster, env.get("SPECSPLIT_TRACE_DIR")
 
 
+def _client_security(args: argparse.Namespace) -> dict:
+    """`Client`'s `tls_ca` and `token` from `generate`'s --tls-ca and --auth-token-file; UsageError for a file that
+    does not read, a token without TLS, or either with --local (its services run without them)."""
+    from specsplit.errors import UsageError
+    from specsplit.security import read_token
+
+    if args.local and (args.tls_ca or args.auth_token_file):
+        raise UsageError("--tls-ca and --auth-token-file are for --address; --local starts its services without them")
+    if args.auth_token_file and not args.tls_ca:
+        raise UsageError("--auth-token-file needs --tls-ca: a bearer token is never sent in plaintext")
+    security = {}
+    if args.tls_ca:
+        try:
+            security["tls_ca"] = Path(args.tls_ca).read_bytes()
+        except OSError as err:
+            raise UsageError(
+                f"cannot read --tls-ca {args.tls_ca} ({err.strerror}); give the CA certificate (PEM) that signed the "
+                "coordinator's"
+            ) from err
+    if args.auth_token_file:
+        security["token"] = read_token(args.auth_token_file)
+    return security
+
+
 def _generate(args: argparse.Namespace) -> int:
     from opentelemetry import trace
 
@@ -144,9 +176,11 @@ def _generate(args: argparse.Namespace) -> int:
     from specsplit.errors import SpecsplitError
     from specsplit.results import GenerationResult, SpecStats
 
+    security = _client_security(args)
     cluster, trace_dir = _start_local(args) if args.local else (None, None)
     address = cluster.address if cluster else args.address
-    telemetry.setup("client")
+    if importlib.util.find_spec("opentelemetry.sdk") is not None:  # the client's spans: the telemetry extra
+        telemetry.setup("client")
     tracer = trace.get_tracer("specsplit.client")
     kwargs = dict(
         max_tokens=args.max_tokens,
@@ -159,7 +193,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.num_speculative_tokens is not None and not args.local:
         kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     try:
-        with Client(address) as client, tracer.start_as_current_span("client generate"):
+        with Client(address, **security) as client, tracer.start_as_current_span("client generate"):
             t0 = time.monotonic()
             ids, text, last = [], [], None
             for delta in client.stream(args.prompt, **kwargs):
@@ -229,24 +263,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
-def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
-    """`serve_role`: the role whose options `serve` gets (the one on the command line)."""
-    p = _Parser(prog="specsplit", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run one service")
-    roles = serve.add_subparsers(dest="role", required=True)
-    from specsplit.grpc_server import add_common_arguments
-
-    for role in ROLES:
-        r = roles.add_parser(role)
-        if role == serve_role:  # only the role being started: an image carries one role's dependencies
-            r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
-            add_common_arguments(r)
-            _role_arguments(role)(r)
-    serve.set_defaults(func=_serve)
-
-    up = sub.add_parser("up", help="start the three services on this machine")
+def _add_up_arguments(up: argparse.ArgumentParser) -> None:
+    """`up`'s options."""
     from specsplit.coordinator.server import add_scheduling_arguments
     from specsplit.placement import add_placement_arguments
 
@@ -296,7 +314,8 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="Prometheus metrics: the coordinator's on this port, the verifier's and the drafter's on the next two",
+        help="Prometheus metrics on --host: the coordinator's on this port, the verifier's and the drafter's on the "
+        "next two",
     )
     up.add_argument(
         "--http-port",
@@ -304,14 +323,67 @@ def build_parser(serve_role: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="the coordinator's OpenAI-compatible HTTP API on this port of --host (default: off)",
     )
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the most tokens a request may hold, prompt and output (the verifier's; default: the model's context "
+        "length)",
+    )
+    up.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="bearer tokens clients must present on the coordinator's gRPC and HTTP APIs, one per line",
+    )
+    up.add_argument(
+        "--tls-dir",
+        default=None,
+        help="directory with tls.crt, tls.key, ca.crt: TLS to clients; the three services dial each other at "
+        "127.0.0.1 with mutual TLS, so tls.crt must be valid for IP:127.0.0.1 as well as the coordinator's names",
+    )
     add_scheduling_arguments(up)
     up.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def build_parser(serve_role: str | None = None, up_options: bool = True) -> argparse.ArgumentParser:
+    """`serve_role`: the role whose options `serve` gets (the one on the command line); `up_options`: whether `up`
+    gets its options, which import the coordinator's module (only when `up` is the command: the base install, the
+    client SDK alone, runs `--help`, `generate` and `trace` without the coordinator's dependencies)."""
+    from specsplit import __version__
+
+    p = _Parser(prog="specsplit", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for role in ROLES:
+        r = roles.add_parser(role)
+        if role == serve_role:  # only the role being started: an image carries one role's dependencies
+            from specsplit.grpc_server import add_common_arguments
+
+            r.add_argument("--port", type=int, default=50051 if role == "coordinator" else 0)
+            add_common_arguments(r)
+            _role_arguments(role)(r)
+    serve.set_defaults(func=_serve)
+
+    up = sub.add_parser("up", help="start the three services on this machine")
+    if up_options:
+        _add_up_arguments(up)
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="generate from a prompt (streams text)")
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--address", default="127.0.0.1:50051")
     where.add_argument("--local", action="store_true", help="start the three services, generate, stop them")
+    gen.add_argument(
+        "--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM; the coordinator's ca.crt)"
+    )
+    gen.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="send the first bearer token of this file (the coordinator's --auth-token-file format); needs --tls-ca",
+    )
     gen.add_argument("--model", default=DEFAULT_MODEL, help="with --local: checkpoint directory (default: the demo)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -342,7 +414,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line parsed; `serve ROLE` imports that role's options only. A placement and
     hidden-state transport that do not go together exit 2, as any bad option does."""
     serve_role = argv[1] if argv[:1] == ["serve"] and len(argv) > 1 and argv[1] in ROLES else None
-    parser = build_parser(serve_role)
+    parser = build_parser(serve_role, up_options=argv[:1] == ["up"])
     args = parser.parse_args(argv)
     if getattr(args, "placement", None) is not None:
         from specsplit.placement import resolve_placement
@@ -354,14 +426,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# What each command needs beyond the base install (the client SDK): the extra that brings it.
+# What each command needs beyond the base install (the client SDK, which runs `--help`, `--version`,
+# `generate --address` and `trace`): the extra that brings it.
 _EXTRAS = {
     ("serve", "coordinator"): "coordinator",
     ("serve", "verifier"): "worker",
     ("serve", "drafter"): "worker",
     ("up",): "coordinator,worker",
     ("generate", "--local"): "coordinator,worker",
-    ("generate",): "telemetry",
     ("train-demo",): "worker",
 }
 
@@ -408,11 +480,16 @@ def _main(argv: list[str]) -> int:
 
     try:
         if args.command == "up":  # before three processes start, each to fail on its own
-            from specsplit.grpc_server import check_can_listen
+            from specsplit.grpc_server import check_can_listen, check_flag_ranges
+            from specsplit.security import check_loopback_tls, load_tokens
 
+            check_flag_ranges(args, max_model_len=(1, None))
             check_can_listen(args.host, args.port)
             if args.http_port is not None:
                 check_can_listen(args.host, args.http_port, "--http-port")
+            load_tokens(args.auth_token_file)
+            if args.tls_dir:
+                check_loopback_tls(args.tls_dir)
         return args.func(args)
     except UsageError as err:
         return _refuse(args, err)

@@ -290,6 +290,12 @@ def add_common_arguments(p) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="the address --metrics-port listens on (default: --host), e.g. 0.0.0.0 for a service on loopback that "
+        "Prometheus scrapes from outside",
+    )
+    p.add_argument(
         "--tls-dir",
         default=None,
         help="directory with tls.crt, tls.key, ca.crt: TLS to clients, mutual TLS between services",
@@ -330,6 +336,7 @@ class ServerOptions:
     port: int  # 0: any free port
     log_level: str
     metrics_port: int | None
+    metrics_host: str  # where --metrics-port listens: --metrics-host, else --host
     tls_dir: str | None
     shutdown_grace: float  # seconds in-flight calls get after SIGTERM
     shutdown_delay: float  # seconds between NOT_SERVING and refusing new calls
@@ -344,6 +351,7 @@ class ServerOptions:
             port=args.port,
             log_level=args.log_level,
             metrics_port=args.metrics_port,
+            metrics_host=(args.metrics_host or args.host).removeprefix("[").removesuffix("]"),
             tls_dir=args.tls_dir,
             shutdown_grace=args.shutdown_grace,
             shutdown_delay=args.shutdown_delay,
@@ -357,7 +365,7 @@ class ServerOptions:
         )
         check_can_listen(options.host, options.port)
         if options.metrics_port:
-            check_can_listen("0.0.0.0", options.metrics_port, "--metrics-port")
+            check_can_listen(options.metrics_host, options.metrics_port, "--metrics-port")
         return options
 
     @property

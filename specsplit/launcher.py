@@ -134,6 +134,8 @@ class LocalCluster:
         metrics_port: int | None = None,
         http_port: int | None = None,
         gpu_memory_utilization: float | None = None,
+        auth_token_file: str | Path | None = None,
+        max_model_len: int | None = None,
     ):
         """device: for verifier and drafter unless verifier_device / drafter_device pin them apart
         (e.g. cuda:0 and cuda:1); placement: the drafter's (`specsplit.placement`), given to both model
@@ -141,7 +143,10 @@ class LocalCluster:
         metrics of the coordinator on it, of verifier and drafter on the next two ports; http_port: the
         coordinator's OpenAI-compatible HTTP API on it (on `host`; None: off); gpu_memory_utilization: the share of
         each CUDA device the model servers on it may use together (None: 0.9), split between a verifier and a
-        drafter on one device (`specsplit.models.kv_cache_size.service_shares`); UsageError when given for the CPU."""
+        drafter on one device (`specsplit.models.kv_cache_size.service_shares`); UsageError when given for the CPU.
+        tls_dir: TLS on the coordinator's APIs and mutual TLS between the three services, which dial each other at
+        127.0.0.1 (`specsplit.security`); auth_token_file: the bearer tokens the coordinator's APIs require;
+        max_model_len: the verifier's (None: the model's context length), which the coordinator takes from it."""
         self.model = str(model)
         self.k = num_speculative_tokens
         self.host = host
@@ -159,6 +164,8 @@ class LocalCluster:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), PARENT_ENV: str(os.getpid())}
         self.services: dict[str, Service] = {}
         self.tls_dir = str(tls_dir) if tls_dir else None
+        self.auth_token_file = str(auth_token_file) if auth_token_file else None
+        self.max_model_len = max_model_len
         self.load_format = load_format
         self.role_commands = role_commands or {}
         resolved = {role: resolve_placement(placement, d, hidden_transport) for role, d in self.devices.items()}
@@ -209,14 +216,20 @@ class LocalCluster:
                 cmd += ["--hidden-transport", self.hidden_transport_flag]
         if role == "verifier" and peer:
             cmd += ["--drafter", peer]
+        if role == "verifier" and self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if role == "coordinator":
             cmd += ["--verifier", peer, "--num-speculative-tokens", str(self.k)]
             if self.http_port:
                 cmd += ["--http-port", str(self.http_port)]
+            if self.auth_token_file:
+                cmd += ["--auth-token-file", self.auth_token_file]
         if self.tls_dir:
             cmd += ["--tls-dir", self.tls_dir]
         if self.metrics_port:
             cmd += ["--metrics-port", str(self.metrics_port + METRICS_PORT_OFFSETS[role])]
+            if role != "coordinator":  # scraped where the coordinator listens, though they serve on loopback
+                cmd += ["--metrics-host", self.host]
         return cmd + self.extra[role]
 
     @property

@@ -9,11 +9,17 @@ a directory with `tls.crt`, `tls.key` and `ca.crt` (`--tls-dir`). Every service 
   client certificate.
 The client-facing coordinator port asks for no client certificate; clients authenticate with a
 bearer token (`authorization: Bearer …` metadata) checked against `--auth-token-file`.
+
+Under `specsplit up` the three services dial each other at 127.0.0.1 with that mutual TLS, so `up --tls-dir`
+checks first that `tls.crt` holds for 127.0.0.1, as server and as client (`check_loopback_tls`).
 """
 
 from __future__ import annotations
 
 import hmac
+import socket
+import ssl
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,19 +61,74 @@ def load_tls(directory: str | None) -> TlsFiles | None:
     return TlsFiles.from_dir(directory) if directory else None
 
 
-def load_tokens(path: str | None) -> frozenset[str]:
-    """One bearer token per line; blank lines and # comments are ignored."""
-    if not path:
-        return frozenset()
+def check_loopback_tls(directory: str | Path, host: str = "127.0.0.1") -> None:
+    """Raises UsageError unless the files in `directory` let two services of this machine talk mutual TLS at `host`
+    as gRPC does: `tls.crt` signed by `ca.crt`, valid for `host` (a subject alternative name) and for both server
+    and client use, with `tls.key` its key. A TLS handshake between two in-process ends of a socket pair tells."""
+    d = Path(directory)
+    TlsFiles.from_dir(d)  # the three files are there
+    cert, key, ca = (str(d / name) for name in ("tls.crt", "tls.key", "ca.crt"))
+    give = f"give --tls-dir a certificate signed by ca.crt for server and client use, with IP:{host} among its names"
+    server, client = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        for context in (server, client):
+            context.load_cert_chain(cert, key)
+            context.load_verify_locations(ca)
+    except (ssl.SSLError, OSError) as err:
+        raise UsageError(f"--tls-dir {d}: the files do not load ({err}); {give}") from err
+    server.verify_mode = ssl.CERT_REQUIRED  # as the verifier and the drafter ask their callers
+    ends = socket.socketpair()
+    server_error: list[Exception] = []
+
+    def serve_one() -> None:
+        try:
+            with server.wrap_socket(ends[0], server_side=True) as tls:
+                tls.recv(1)  # after the handshake: the client's certificate has been checked
+        except (ssl.SSLError, OSError) as err:
+            server_error.append(err)
+
+    for end in ends:
+        end.settimeout(10)
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    try:
+        with client.wrap_socket(ends[1], server_hostname=host) as tls:
+            tls.sendall(b"x")
+    except (ssl.SSLError, OSError) as err:
+        thread.join(10)
+        reason = getattr(err, "verify_message", None) or err
+        raise UsageError(
+            f"--tls-dir {d}: a service dialling {host} does not accept tls.crt ({reason}); {give}"
+        ) from err
+    thread.join(10)
+    if server_error:
+        reason = getattr(server_error[0], "verify_message", None) or server_error[0]
+        raise UsageError(
+            f"--tls-dir {d}: a service does not accept tls.crt as a client certificate ({reason}); {give}"
+        ) from server_error[0]
+
+
+def _token_lines(path: str) -> list[str]:
+    """The tokens of an `--auth-token-file`, in order: one per line; blank lines and # comments are ignored."""
     give = "give a file of bearer tokens, one per line"
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
         raise UsageError(f"cannot read --auth-token-file {path} ({err.strerror}); {give}") from err
-    tokens = frozenset(t.strip() for t in lines if t.strip() and not t.strip().startswith("#"))
+    tokens = [t.strip() for t in lines if t.strip() and not t.strip().startswith("#")]
     if not tokens:
         raise UsageError(f"--auth-token-file {path} holds no token; {give}")
     return tokens
+
+
+def load_tokens(path: str | None) -> frozenset[str]:
+    """The bearer tokens a server accepts: one per line; blank lines and # comments are ignored."""
+    return frozenset(_token_lines(path)) if path else frozenset()
+
+
+def read_token(path: str) -> str:
+    """The bearer token a client sends: the first in a file of the server's format (`load_tokens`)."""
+    return _token_lines(path)[0]
 
 
 def bearer_token_valid(authorization: str | None, tokens: frozenset[str]) -> bool:

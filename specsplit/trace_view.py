@@ -14,6 +14,8 @@ from collections import defaultdict
 from html import escape
 from pathlib import Path
 
+from specsplit.errors import UsageError
+
 LANES = ["client", "coordinator", "verifier", "drafter"]
 COLORS = {
     "generate": "#c7d2fe",
@@ -47,14 +49,21 @@ HOPS = [
 
 
 def load_spans(paths: list[str]) -> list[dict]:
+    """The spans of the files and directories `paths`; UsageError for one that does not read or holds no span."""
+    give = "give span files (*.jsonl, `OTEL_TRACES_EXPORTER=file`) or directories holding them"
     spans = []
     for p in paths:
         path = Path(p)
         files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
         for f in files:
-            spans += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            try:
+                spans += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            except OSError as err:
+                raise UsageError(f"cannot read {f} ({err.strerror}); {give}") from err
+            except ValueError as err:  # not JSON lines
+                raise UsageError(f"{f} is not a span file ({err}); {give}") from err
     if not spans:
-        raise ValueError(f"no spans found in {paths}")
+        raise UsageError(f"no spans found in {', '.join(paths)}; {give}")
     return spans
 
 
@@ -63,9 +72,9 @@ def select_trace(spans: list[dict], request_id: str | None) -> list[dict]:
     if request_id is not None:
         roots = [s for s in roots if s["attributes"].get("specsplit.request_id") == request_id]
         if not roots:
-            raise ValueError(f"no request {request_id!r} in the trace files")
+            raise UsageError(f"no request {request_id!r} in the trace files; give --request one of theirs")
     if not roots:
-        raise ValueError("no request span ('generate') in the trace files")
+        raise UsageError("no request span ('generate') in the trace files; give the coordinator's span file too")
     root = max(roots, key=lambda s: s["start_ns"])
     return [s for s in spans if s["trace_id"] == root["trace_id"]]
 

@@ -21,6 +21,7 @@ SERVER_DEFAULTS = ServerOptions(
     port=0,
     log_level="INFO",
     metrics_port=None,
+    metrics_host="127.0.0.1",  # --host's
     tls_dir=None,
     shutdown_grace=30.0,
     shutdown_delay=0.0,
