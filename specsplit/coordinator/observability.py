@@ -18,6 +18,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from specsplit.coordinator import vllm_metrics as vllm
+from specsplit.telemetry import LATENCY_BUCKETS_S
 
 tracer = trace.get_tracer("specsplit.coordinator")
 meter = metrics.get_meter("specsplit.coordinator")
@@ -29,9 +30,15 @@ accepted_tokens_total = meter.create_counter("specsplit.accepted_tokens", descri
 accepted_per_position = meter.create_counter(
     "specsplit.accepted_tokens_per_position", description="accepted drafts by draft position (1-based)"
 )
-time_to_first_token = meter.create_histogram("specsplit.time_to_first_token", unit="s")
-time_per_output_token = meter.create_histogram("specsplit.time_per_output_token", unit="s")
-iteration_duration = meter.create_histogram("specsplit.iteration_duration", unit="s")
+time_to_first_token = meter.create_histogram(
+    "specsplit.time_to_first_token", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+)
+time_per_output_token = meter.create_histogram(
+    "specsplit.time_per_output_token", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+)
+iteration_duration = meter.create_histogram(
+    "specsplit.iteration_duration", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+)
 spec_tokens_chosen = meter.create_histogram(
     "specsplit.spec_tokens_chosen",
     description="drafts a decoding request asks the drafter for, per request and iteration (adaptive speculation)",

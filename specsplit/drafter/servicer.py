@@ -24,7 +24,7 @@ from specsplit.errors import InvalidArgument, SpecsplitError
 from specsplit.models.device import DeviceClaim, StepThread, use_device
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
-from specsplit.telemetry import extract_trace_context
+from specsplit.telemetry import LATENCY_BUCKETS_S, extract_trace_context
 from specsplit.transport.base import HiddenStatesReceiver
 from specsplit.transport.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 
@@ -35,7 +35,10 @@ device_hand_offs = meter.create_counter(
     "specsplit.drafter.device_hand_offs", description="Proposes sent before the verifier's step finished"
 )
 propose_latency = meter.create_histogram(
-    "specsplit.drafter.propose_latency", unit="s", description="Propose handling time, queueing included"
+    "specsplit.drafter.propose_latency",
+    unit="s",
+    description="Propose handling time, queueing included",
+    explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
 )
 
 

@@ -27,7 +27,7 @@ from specsplit.errors import FailedPrecondition, SpecsplitError
 from specsplit.models.device import DeviceClaim, StepThread
 from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
-from specsplit.telemetry import extract_trace_context, incoming_context
+from specsplit.telemetry import LATENCY_BUCKETS_S, extract_trace_context, incoming_context
 from specsplit.verifier.direct_propose import DirectProposer, PendingPropose, PooledProposer
 from specsplit.verifier.drafter_client import DrafterClient, sampling_of
 from specsplit.verifier.proposal import Proposal
@@ -39,7 +39,9 @@ from specsplit.verifier.worker import EarlyStep, VerifierWorker
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
 meter = metrics.get_meter("specsplit.verifier")
-verify_duration = meter.create_histogram("specsplit.verifier.verify_duration", unit="s")
+verify_duration = meter.create_histogram(
+    "specsplit.verifier.verify_duration", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+)
 hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes", unit="By")
 
 

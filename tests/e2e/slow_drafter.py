@@ -1,5 +1,6 @@
-"""A drafter server whose first Propose sleeps (`test_slow_steps.py`): `python -m tests.e2e.slow_drafter SECONDS
-<args of specsplit serve drafter>`, started through `LocalCluster(role_commands=...)`."""
+"""A drafter server whose Proposes sleep: `python -m tests.e2e.slow_drafter SECONDS [--every-propose] <args of
+specsplit serve drafter>`, started through `LocalCluster(role_commands=...)`. The first Propose sleeps SECONDS
+(`test_slow_steps.py`); with `--every-propose`, each one does (`tests/deploy/test_autoscaling.py`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import asyncio
 import sys
 import time
 
+from specsplit import telemetry
 from specsplit.cli import parse_args
 from specsplit.drafter.server import DrafterConfig, serve
 from specsplit.grpc_server import setup_logging
+
+EVERY_PROPOSE = "--every-propose"
 
 
 def _sleeping_through_a_first_use(seconds: float) -> None:
@@ -32,11 +36,27 @@ class FirstProposeSleeps:
         return self.runner.propose(items, hidden_states)
 
 
+class EveryProposeSleeps(FirstProposeSleeps):
+    """A drafter slower than its autoscaler's latency target: each Propose sleeps `seconds` before it drafts."""
+
+    def propose(self, items, hidden_states):
+        time.sleep(self.seconds)
+        return self.runner.propose(items, hidden_states)
+
+
 def main() -> None:
-    seconds = float(sys.argv[1])
-    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *sys.argv[2:]]))
+    seconds, args = float(sys.argv[1]), sys.argv[2:]
+    wrapper = FirstProposeSleeps
+    if args[:1] == [EVERY_PROPOSE]:
+        wrapper, args = EveryProposeSleeps, args[1:]
+    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *args]))
     setup_logging("drafter", config.server.log_level)
-    asyncio.run(serve(config, wrap_runner=lambda runner: FirstProposeSleeps(runner, seconds)))
+    # As `specsplit serve drafter` does: its metrics at --metrics-port (the autoscaling test scrapes them).
+    telemetry.setup("drafter", metrics_port=config.server.metrics_port, metrics_host=config.server.metrics_host)
+    try:
+        asyncio.run(serve(config, wrap_runner=lambda runner: wrapper(runner, seconds)))
+    finally:
+        telemetry.shutdown()
 
 
 if __name__ == "__main__":
