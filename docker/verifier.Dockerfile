@@ -33,7 +33,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /opt/specsplit
 COPY pyproject.toml README.md src/
 COPY specsplit src/specsplit
-RUN pip install "./src[worker]" && rm -rf src
+# [coordinator] too: the co-located overlay runs all three services in this image (`specsplit up`).
+RUN pip install "./src[worker,coordinator]" && rm -rf src
 
 # The demo checkpoint; real models are mounted at /models (docker/k8s/overlays/pooled, colocated). Without
 # arguments the service runs the demo on the CPU; Kubernetes passes --device and --dtype.

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.errors import UsageError
+from specsplit.launcher import outlive_the_coordinator
 from specsplit.security import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,7 @@ async def run_until_signal(
     waiter = asyncio.ensure_future(server.server.wait_for_termination())
     stopper = asyncio.ensure_future(server.stop_requested.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    await outlive_the_coordinator()  # a model server whose `up` was killed serves its draining coordinator first
     log.info("%s: stopping (delay %.1fs, grace %.1fs)", server.role, delay_s, grace_s)
     await server.set_not_serving()
     if on_drain is not None:

@@ -24,6 +24,7 @@ socket directory removes it. Start a cluster from a thread that outlives it (`up
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -51,21 +52,64 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 PARENT_ENV = "SPECSPLIT_END_WITH_PARENT"  # set by LocalCluster for its children: the pid they end with
+# Set by LocalCluster for verifier and drafter: their coordinator's pid, which they serve until it exits should the
+# cluster's parent die first (`outlive_the_coordinator`).
+COORDINATOR_ENV = "SPECSPLIT_COORDINATOR_PID"
+# What the kernel sends a verifier or drafter whose parent died: not SIGTERM, so that it is told apart from a stop
+# its parent (or an operator) asked for; its handler records it and raises SIGTERM.
+PARENT_DIED = signal.SIGUSR2
+OUTLIVE_LIMIT_S = 60.0  # the longest a model server waits for its coordinator after its parent died
+_parent: dict[str, int | bool] = {"died": False}  # and "coordinator": its pid, as `end_with_parent` read it
 
 
 def end_with_parent() -> None:
     """Called first by every service (`serve` of each role): one that a `LocalCluster` started (its environment names
-    the parent's pid, `PARENT_ENV`) asks the kernel for SIGTERM when the thread that started it exits (Linux,
-    `prctl(PR_SET_PDEATHSIG)`; a SIGTERM, not a SIGKILL: the service drains and removes its sockets), and ends at
+    the parent's pid, `PARENT_ENV`) asks the kernel for a signal when the thread that started it exits (Linux,
+    `prctl(PR_SET_PDEATHSIG)`): SIGTERM for the coordinator, `PARENT_DIED` (which becomes a SIGTERM) for a model
+    server that knows its coordinator; a SIGTERM, not a SIGKILL: the service drains and removes its sockets. It ends at
     once if the parent is already gone. Asked here, after exec, not in a `preexec_fn` between fork and exec: a
     `preexec_fn` makes subprocess fork, which runs gRPC's fork handlers in the parent, and those hung a test process
     that held gRPC channels while it restarted a drafter (without one, subprocess uses vfork and runs none)."""
     parent = os.environ.pop(PARENT_ENV, None)
+    coordinator = os.environ.pop(COORDINATOR_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):
         return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    death_signal = signal.SIGTERM
+    if coordinator is not None:
+        _parent["coordinator"] = int(coordinator)
+        signal.signal(PARENT_DIED, _parent_died)
+        death_signal = PARENT_DIED
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(death_signal))
     if os.getppid() != int(parent):  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), death_signal)
+
+
+def _parent_died(_signum, _frame) -> None:
+    _parent["died"] = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def outlive_the_coordinator(limit_s: float = OUTLIVE_LIMIT_S) -> None:
+    """Called by a verifier or drafter that was told to stop: when its cluster's parent died (a SIGKILLed `up`: the
+    kernel signalled every service at once), it goes on serving until its coordinator, which is draining its own
+    requests, has exited (at most `limit_s`); any other stop (its parent's, which stops the coordinator first, or an
+    operator's SIGTERM) returns at once."""
+    coordinator = _parent.get("coordinator")
+    if not _parent["died"] or not _alive(coordinator):
+        return
+    log.info("the process that started this service is gone: serving coordinator %d until it exits", coordinator)
+    deadline = time.monotonic() + limit_s
+    while _alive(coordinator) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def free_port(host: str = WORKER_HOST) -> int:
@@ -252,7 +296,7 @@ class LocalCluster:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
-                env=self.env,
+                env=self._env(role),
                 start_new_session=True,
             )
         finally:
@@ -263,6 +307,13 @@ class LocalCluster:
         threading.Thread(target=self._pump, args=(svc,), daemon=True).start()
         self.services[role] = svc
         return svc
+
+    def _env(self, role: str) -> dict[str, str]:
+        """The environment of a service; verifier and drafter learn their coordinator's pid (`COORDINATOR_ENV`)."""
+        coordinator = self.services.get("coordinator")
+        if role == "coordinator" or coordinator is None:
+            return self.env
+        return {**self.env, COORDINATOR_ENV: str(coordinator.proc.pid)}
 
     @staticmethod
     def _pump(svc: Service) -> None:
@@ -278,11 +329,13 @@ class LocalCluster:
         return self.spawn("verifier", port or free_port(), drafter.address if drafter else None)
 
     def launch(self) -> None:
-        """Spawns drafter, verifier and coordinator without waiting for them to load."""
+        """Spawns coordinator, drafter and verifier without waiting for them to load: the coordinator first, so the
+        model servers know its pid (they outlive it, `outlive_the_coordinator`); it waits for its verifier."""
+        verifier_port = free_port()
+        self.spawn("coordinator", self.port, f"{WORKER_HOST}:{verifier_port}")
         if self.with_drafter:
             self.start_drafter()
-        self.start_verifier()
-        self.spawn("coordinator", self.port, self.services["verifier"].address)
+        self.start_verifier(verifier_port)
 
     def start(self, timeout_s: float = 300.0) -> LocalCluster:
         self.launch()

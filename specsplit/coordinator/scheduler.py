@@ -66,6 +66,8 @@ class Scheduler:
             raise ResourceExhausted(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        # One count per draft position the request may use, whichever depths its iterations reach.
+        request.stats.accepted_per_position.extend([0] * (self._k(request) - len(request.stats.accepted_per_position)))
 
     def finish_request(self, request_id: str, reason: str) -> bool:
         """Ends a request (abort, stop string, error); its KV is freed at the next iteration."""

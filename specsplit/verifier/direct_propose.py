@@ -60,6 +60,7 @@ class PendingPropose:
     transfer: Transfer | None = None
     future: concurrent.futures.Future | None = None  # PooledProposer: the event loop's Propose
     proposal: object = None  # specsplit.verifier.drafter_client.Proposal once answered
+    unsent: bool = False  # failed for want of a connection that `prepare` did not make: the drafter was counted out
 
 
 class DirectProposer:
@@ -75,6 +76,7 @@ class DirectProposer:
         self._pending: collections.deque[PendingPropose] = collections.deque()
         self._done: list[PendingPropose] = []  # answered or failed since the loop last collected
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._counted_out = False  # the pool counted the drafter out when `prepare` last ran
 
     @property
     def replica(self):
@@ -89,7 +91,8 @@ class DirectProposer:
         self._loop = asyncio.get_running_loop()
         await self.client.pool.start()
         self.client.pool.assign(request_ids)
-        if self._sock is not None or not self.replica.healthy:
+        self._counted_out = not self.replica.healthy
+        if self._sock is not None or self._counted_out:
             return
         peer = f"drafter {self.address}"
         try:
@@ -113,6 +116,8 @@ class DirectProposer:
         replica = self.replica
         for p in done:
             ok = p.proposal.ok
+            if p.unsent:  # not a call: a health probe may have found the drafter back meanwhile, which stands
+                continue
             self.client.pool.record_call(self.address, p.num_reqs, None if ok else p.proposal.error)
             if ok:
                 replica.freed(p.finished)
@@ -154,6 +159,7 @@ class DirectProposer:
             with trace.use_span(span):
                 inject_trace_context(msg.trace_context)
             if self._sock is None:
+                pending.unsent = self._counted_out
                 raise StreamError(grpc.StatusCode.UNAVAILABLE, f"no connection to drafter {self.address}'s socket")
             frame = message_frame(msg)
             pending.sent_ns = time.time_ns()

@@ -96,6 +96,24 @@ def test_drafts_are_trimmed_so_max_tokens_cannot_be_overrun():
     assert out.scheduled[0].request.output_token_ids == [50, 51, 52]
 
 
+def test_acceptance_per_position_has_one_entry_per_draft_position_whatever_depth_was_verified():
+    """k 3, but max_tokens lets only one draft be verified: the stats still name all 3 positions (the deeper two at
+    0 accepted); a request capped at 2 drafts names 2, one asking for none names none."""
+    s = make()
+    s.add_request(req("a", prompt_len=3, max_tokens=3))
+    s.add_request(req("b", prompt_len=3, max_tokens=3, num_speculative_tokens=2))
+    s.add_request(req("c", prompt_len=3, max_tokens=3, num_speculative_tokens=0))
+    out = s.schedule()
+    s.update_from_output(out, results(out, [[50], [50], [50]]))
+    out = s.schedule()
+    assert [item.num_draft_tokens for item in out.scheduled] == [1, 1, 0]
+    s.update_from_output(out, results(out, [[51, 52], [51, 52], [51]]))
+    stats = {item.request.request_id: item.request.stats for item in out.scheduled}
+    assert stats["a"].accepted_per_position == [1, 0, 0] and stats["a"].acceptance_per_position == [1.0, 0.0, 0.0]
+    assert stats["b"].accepted_per_position == [1, 0]
+    assert stats["c"].accepted_per_position == [] and stats["c"].num_drafts == 0
+
+
 def test_drafts_are_trimmed_by_max_model_len():
     s = make(max_model_len=8)
     s.add_request(req("a", prompt_len=5, max_tokens=100))

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -214,3 +215,214 @@ def test_the_images_entry_points_serve_the_demo_checkpoint(images, tmp_path):
 
 def _tail(path: Path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
+
+
+# ---- every overlay's every container, as Kubernetes would run it ----------------------------------------------------
+# The manifests' own command, args, env (the ConfigMap's literals, the container's env) and volumes, in the replayed
+# image of the container's image name, with what only a cluster provides stood in for on this machine: the CPU
+# (SPECSPLIT_DEVICE / SPECSPLIT_DTYPE, no --gpu-memory-utilization), a directory per volume (the model volume holding
+# the demo checkpoint, or for pooled-tp a tiny checkpoint whose heads split as SPECSPLIT_VERIFIER_TP asks), 127.0.0.1
+# for 0.0.0.0 and for Services' names, a free local port for each port of a pod, and one replica per Deployment. Only
+# the specsplit images' containers run (the OpenTelemetry collector's image is not ours; its address gets a closed
+# local port).
+
+CPU = {"SPECSPLIT_DEVICE": "cpu", "SPECSPLIT_DTYPE": "float32"}
+GPU_ONLY = ("--gpu-memory-utilization",)  # refused on the CPU (it sizes KV caches from device memory): left out
+MODEL_VOLUME = "specsplit-model"  # the PersistentVolumeClaim of the GPU overlays
+
+
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free ports (`up --metrics-port P` serves P, P+1, P+2)."""
+    import socket
+
+    for _ in range(100):
+        base = _free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class OverlayPods:
+    """One overlay's Deployments (specsplit containers only) as local processes."""
+
+    def __init__(self, overlay: str, images: dict[str, ReplayedImage], root: Path, model: Path):
+        from test_manifests import by_kind, config, render
+
+        self.docs = render(overlay)
+        self.images, self.root = images, root
+        self.config = {**config(self.docs), **CPU, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}
+        self.deployments = {
+            name: dep["spec"]["template"]
+            for name, dep in by_kind(self.docs, "Deployment").items()
+            if any(c["image"].startswith("specsplit-") for c in dep["spec"]["template"]["spec"]["containers"])
+        }
+        self.services = by_kind(self.docs, "Service")
+        self.model = model
+        self.ports: dict[str, dict[int, int]] = {name: {} for name in self.deployments}
+        for name, template in self.deployments.items():
+            for c in template["spec"]["containers"]:
+                for a in c.get("args", []):
+                    if a.startswith("--metrics-port=") and c.get("command", [""])[1:2] == ["up"]:
+                        p = int(a.split("=")[1])
+                        base = _free_ports(3)
+                        self.ports[name].update({p + i: base + i for i in range(3)})
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def port(self, deployment: str, port: int) -> int:
+        return self.ports[deployment].setdefault(port, _free_port())
+
+    def volume_dirs(self, deployment: str) -> dict[str, Path]:
+        """volume name → its local directory."""
+        out = {}
+        for v in self.deployments[deployment]["spec"].get("volumes", []):
+            claim = v.get("persistentVolumeClaim", {}).get("claimName")
+            if claim == MODEL_VOLUME:
+                out[v["name"]] = self.model.parent
+            else:
+                out[v["name"]] = self.root / deployment / v["name"]
+                out[v["name"]].mkdir(parents=True, exist_ok=True)
+        return out
+
+    def service_address(self, name: str, port: int) -> str:
+        """A Service's name and port, as the pod behind it listens here."""
+        spec = self.services[name]["spec"]
+        (sp,) = [p for p in spec["ports"] if p["port"] == port]
+        selector = spec["selector"]
+        (deployment,) = [d for d, t in self.deployments.items() if selector.items() <= t["metadata"]["labels"].items()]
+        target = sp.get("targetPort", port)
+        if isinstance(target, str):
+            (target,) = [
+                p["containerPort"]
+                for c in self.deployments[deployment]["spec"]["containers"]
+                for p in c.get("ports", [])
+                if p["name"] == target
+            ]
+        return f"127.0.0.1:{self.port(deployment, target)}"
+
+    def _local(self, deployment: str, text: str, mounts: dict[str, Path], image: ReplayedImage) -> str:
+        """A manifest string as it reads on this machine."""
+        if mounts:  # one pass, longest path first: a replaced path is not replaced again
+            paths = "|".join(re.escape(p) for p in sorted(mounts, key=len, reverse=True))
+            text = re.sub(rf"(?<![\w/])({paths})(?=/|$|\s|\")", lambda m: str(mounts[m.group(1)]), text)
+        text = text.replace(IMAGE_ROOT, str(image.root / "app"))
+        text = re.sub(r"(?:dns:///)?(specsplit-[a-z-]+):(\d+)", lambda m: self._resolve(m, deployment), text)
+        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{self.port(deployment, int(m.group(1)))}", text)
+        text = re.sub(
+            r"(--[a-z-]*port)=(\d+)", lambda m: f"{m.group(1)}={self.port(deployment, int(m.group(2)))}", text
+        )
+        return text.replace("0.0.0.0", "127.0.0.1")
+
+    def _resolve(self, m: re.Match, deployment: str) -> str:
+        name, port = m.group(1), int(m.group(2))
+        if name in self.services and self.services[name]["spec"].get("selector"):
+            address = self.service_address(name, port)
+            return address.replace("127.0.0.1:", "127.0.0.1:#")  # marked: not mapped again as this pod's port
+        return m.group(0)
+
+    def container_run(self, deployment: str, c: dict) -> tuple[ReplayedImage, list[str], dict[str, str], Path]:
+        role = c["image"].split(":")[0].removeprefix("specsplit-")
+        image = self.images[role]
+        volumes = self.volume_dirs(deployment)
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in volumes}
+        workdir = mounts.get("/tmp") or self.root / deployment / f"{c['name']}-tmp"
+        workdir.mkdir(parents=True, exist_ok=True)
+        mounts.setdefault("/tmp", workdir)
+        raw = dict(self.config)  # the manifest's values: $(VAR) reads these; each value is made local once, below
+        for e in c.get("env", []):
+            if "valueFrom" in e:
+                assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", e
+                raw[e["name"]] = f"{deployment}-0"  # the pod's name
+            else:
+                raw[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: raw[m.group(1)], e["value"])
+        env = image.environ()
+        env.update({k: self._local(deployment, v, mounts, image).replace(":#", ":") for k, v in raw.items()})
+        env["TMPDIR"] = env["HOME"] = str(mounts["/tmp"])
+        (entry,) = [json.loads(a) for i, a in image.ins if i == "ENTRYPOINT"]
+        (cmd,) = [json.loads(a) for i, a in image.ins if i == "CMD"]
+        argv = [*(c.get("command") or entry), *(c.get("args") if "args" in c else cmd)]
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: raw[m.group(1)], a) for a in argv if not a.startswith(GPU_ONLY)]
+        argv = [self._local(deployment, a, mounts, image).replace(":#", ":") for a in argv]
+        argv[0] = str(image.venv / "bin" / argv[0])
+        return image, argv, env, workdir
+
+    def probe(self, deployment: str, c: dict) -> list[str]:
+        """The container's readiness probe as a command on this machine."""
+        image, _, _, _ = self.container_run(deployment, c)
+        probe = c["readinessProbe"]
+        if "grpc" in probe:
+            port = self.port(deployment, probe["grpc"]["port"])
+            argv = ["python", f"{IMAGE_ROOT}/healthcheck.py", f"127.0.0.1:{port}", probe["grpc"].get("service", "")]
+        else:
+            argv = [self._local(deployment, a, {}, image) for a in probe["exec"]["command"]]
+        assert argv[0] == "python", argv
+        return [str(image.venv / "bin" / "python"), *[a.replace(IMAGE_ROOT, str(image.root / "app")) for a in argv[1:]]]
+
+    def containers(self):
+        for deployment, template in self.deployments.items():
+            for c in template["spec"]["containers"]:
+                if c["image"].startswith("specsplit-"):
+                    yield deployment, c
+
+    def start(self, logs: Path) -> None:
+        for deployment, c in self.containers():
+            image, argv, env, workdir = self.container_run(deployment, c)
+            key = f"{deployment}/{c['name']}"
+            with open(logs / f"{deployment}-{c['name']}.log", "w") as log:
+                self.procs[key] = subprocess.Popen(
+                    argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+@pytest.mark.parametrize("overlay", ["colocated", "cpu-demo", "pooled", "pooled-tp"])
+def test_every_overlays_every_container_serves_with_its_images_packages(images, overlay, tmp_path):
+    from test_manifests import OVERLAYS
+
+    assert overlay in OVERLAYS
+    volume = tmp_path / "volume"
+    if overlay == "pooled-tp":  # the demo model's 5 heads do not split 8 ways
+        from tests.fixtures.tiny import write_tiny_checkpoint
+
+        model = write_tiny_checkpoint(volume / "model", num_attention_heads=8, num_key_value_heads=8, seed=3)
+    else:
+        model = volume / "model"
+        shutil.copytree(ROOT / "checkpoints" / "demo", model)
+    root = Path(tempfile.mkdtemp(prefix="ov-"))  # short: the pods' Unix socket paths hold at most 107 bytes
+    pods = OverlayPods(overlay, images, root, model)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        pods.start(logs)
+        deadline = time.monotonic() + 420
+        for deployment, c in pods.containers():
+            probe = pods.probe(deployment, c)
+            while subprocess.run(probe, capture_output=True, timeout=30).returncode != 0:
+                for key, p in pods.procs.items():
+                    log = logs / f"{key.replace('/', '-')}.log"
+                    assert p.poll() is None, f"{overlay}: {key} exited {p.returncode}:\n{_tail(log)}"
+                assert time.monotonic() < deadline, f"{overlay}: {deployment}/{c['name']} not SERVING"
+                time.sleep(1.0)
+        from specsplit import Client
+
+        with Client(pods.service_address("specsplit-coordinator", 50051), timeout=120) as client:
+            result = client.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=12, ignore_eos=True)
+        assert result.completion_tokens == 12
+        assert result.stats.num_draft_tokens > 0  # verifier and drafter found each other as deployed
+    finally:
+        pods.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -37,6 +37,7 @@ PROMPTS = [
     "if __name__ == '__main__':\n",
 ]
 N_TOKENS = 40
+KILL_TOKENS = 160  # streams long enough that `up` is signalled while they run
 
 
 class Up:
@@ -105,6 +106,10 @@ def up(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_and_reference(up):
+    return _target_only(up)
+
+
+def _target_only(up: Up, n_tokens: int = N_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
     """The prompts' token ids and, for each, the target's greedy output alone (num_speculative_tokens=0)."""
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
@@ -112,7 +117,7 @@ def prompts_and_reference(up):
     def target_only(ids: list[int]) -> list[int]:
         with Client(up.address, timeout=120) as client:
             return client.generate(
-                prompt_token_ids=ids, max_tokens=N_TOKENS, ignore_eos=True, num_speculative_tokens=0
+                prompt_token_ids=ids, max_tokens=n_tokens, ignore_eos=True, num_speculative_tokens=0
             ).token_ids
 
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -143,6 +148,38 @@ def test_a_killed_service_is_restarted_and_every_stream_equals_target_only_greed
                 break
             time.sleep(0.2)
     assert out.stats.num_draft_tokens > 0 and out.token_ids == reference[0][:12]
+
+
+def test_a_restarted_drafter_is_counted_out_once_and_back_once(up, prompts_and_reference):
+    """Streams run without a pause through a drafter's SIGKILL, its restart and the verifier's health probe finding
+    it back: the verifier says once that the drafter failed and once that it is back (Proposes it could not send
+    while the drafter was counted out do not count it out again once a probe found it back)."""
+    prompts, _ = prompts_and_reference
+    seen = len(up.stderr.read_text().splitlines())
+    pid = up.pid("drafter")
+    threads, _, errors = start_streams(up.address, prompts, N_TOKENS)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    back_at = None
+    while back_at is None or time.monotonic() < back_at + 2.0:  # traffic on until 2 s after the drafter is back
+        assert time.monotonic() < deadline, "the verifier did not find the drafter back in 180 s"
+        if not any(t.is_alive() for t in threads):
+            assert not errors, errors
+            threads, _, errors = start_streams(up.address, prompts, N_TOKENS)
+        if back_at is None and any(" is back" in line for line in _verifier_lines(up, seen)):
+            back_at = time.monotonic()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    lines = _verifier_lines(up, seen)
+    assert len([line for line in lines if "drafter_pool: drafter" in line and " failed (" in line]) == 1, lines
+    assert len([line for line in lines if " is back" in line]) == 1, lines
+
+
+def _verifier_lines(up: Up, skip: int) -> list[str]:
+    """The verifier's log lines after the first `skip` lines of `up`'s stderr."""
+    return [line for line in up.stderr.read_text().splitlines()[skip:] if " verifier " in line]
 
 
 def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prompts_and_reference):
@@ -199,7 +236,9 @@ def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
 def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tmp_path, sig):
-    """A SIGKILLed `up` (no chance to stop anything) or a closed terminal's SIGHUP: no service is left running under
+    """A SIGKILLed `up` (no chance to stop anything) or a closed terminal's SIGHUP, with streams in flight: the
+    streams finish, each equal to target-only greedy output (after a SIGKILL the kernel signals the three services at
+    once; verifier and drafter serve their coordinator until it has drained), then no service is left running under
     PID 1 holding the port, and the socket directory `up` made in $TMPDIR is gone."""
     (tmp_path / "model").symlink_to(DEMO)
     temp = tempfile.mkdtemp()  # short: socket paths hold at most 107 bytes
@@ -208,9 +247,20 @@ def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tm
         try:
             children = u.children()
             assert len(children) == 3 and len(list(pathlib.Path(temp).glob("specsplit-*"))) == 1
+            prompts, reference = _target_only(u, KILL_TOKENS)
+            progressed = threading.Event()
+            threads, results, errors = start_streams(
+                u.address, prompts, KILL_TOKENS, lambda n: n >= 8 and progressed.set()
+            )
+            assert progressed.wait(120)
             u.proc.send_signal(sig)
+            assert len(results) < len(prompts)  # the signal lands mid-stream
             code = u.proc.wait(60)
             assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+            for t in threads:
+                t.join(120)
+            assert not errors, errors
+            assert [results[i] for i in range(len(prompts))] == reference
             # The services drain (SIGTERM from the kernel) and exit, reaped by whoever adopted them. A process whose
             # memory is already released reads an empty command line while its threads still exit, so wait on the
             # sessions the services led (which hold the services themselves), not on the command lines alone.
