@@ -245,23 +245,6 @@ def test_stream_options_are_400_without_stream_true_and_taken_with_it(tokenizers
         assert call(api, "POST", path, {**body, "stream": True})[0] == 429  # as far as the full queue
 
 
-@pytest.mark.parametrize(
-    "method, path, payload, status, says",
-    [
-        ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "the body is not valid UTF-8"),
-        ("POST", "/v1/nothing", b"{}", 404, "Invalid URL (POST /v1/nothing)"),
-        ("GET", "/v1/completions", b"", 405, "method GET is not allowed on /v1/completions; allowed: POST"),
-        ("DELETE", "/v1/models", b"", 405, "method DELETE is not allowed on /v1/models; allowed: GET"),
-    ],
-)
-def test_bodies_paths_and_methods_the_api_cannot_take_are_openai_errors(
-    tokenizers, method, path, payload, status, says
-):
-    got, data, _ = call_raw(ready_api(tokenizers[1]), method, path, [payload])
-    assert got == status
-    assert_openai_error(data, says)
-
-
 def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizers):
     """Its content-length says so: none of it is read. Chunked (no content-length): reading stops at the chunk that
     passes the limit, of an endless body."""

@@ -11,11 +11,9 @@ import datetime
 import http.client
 import json
 import pathlib
-import signal
 import ssl
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -29,39 +27,10 @@ from specsplit.launcher import free_port
 
 from .certs import make_ca, write_tls_dir
 from .listening import children, wait_listening_on
+from .up_process import Up
 
 TOKEN = "up-s3cret"
 MAX_MODEL_LEN = 40  # the tiny checkpoint's context is 512 tokens
-
-
-class RunningUp:
-    """`python -m specsplit up --model M --port P ARGS…`, its output in files, ready once it printed the
-    coordinator's address; close() stops it with SIGTERM, as a user's Ctrl-C or a kubelet does."""
-
-    def __init__(self, model: pathlib.Path, logs: pathlib.Path, args: list[str]):
-        self.port = free_port()
-        self.stdout, self.stderr = logs / "up.out", logs / "up.err"
-        cmd = [sys.executable, "-m", "specsplit", "up", "--model", str(model), "--port", str(self.port), *args]
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        deadline = time.monotonic() + 240
-        while "coordinator listening on" not in self.stdout.read_text():
-            assert self.proc.poll() is None, f"specsplit up exited early:\n{self.stderr.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"specsplit up not ready in 240 s:\n{self.stderr.read_text()[-3000:]}"
-            time.sleep(0.2)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # its services end with it (`end_with_parent`)
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +56,9 @@ def up(tiny_checkpoint, pki, tmp_path_factory):
     args = ["--auth-token-file", str(pki["tokens"]), "--tls-dir", str(pki["tls_dir"])]
     args += ["--max-model-len", str(MAX_MODEL_LEN), "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
     args.append("--no-adaptive")  # drafts every iteration: the drafter reached over mutual TLS shows in the stats
-    running = RunningUp(tiny_checkpoint, tmp_path_factory.mktemp("up-logs"), args)
+    logs = tmp_path_factory.mktemp("up-logs")
+    (logs / "model").symlink_to(tiny_checkpoint)  # a path of its own: Up finds its services by it
+    running = Up(logs / "model", logs, args)
     running.metrics_port, running.http_port = metrics_port, http_port
     yield running
     running.close()

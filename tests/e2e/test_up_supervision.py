@@ -14,8 +14,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,9 +23,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from specsplit import Client
-from specsplit.launcher import free_port
 
 from .helpers import start_streams
+from .up_process import Up, processes, stat
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 PROMPTS = [
@@ -38,68 +36,14 @@ PROMPTS = [
 ]
 N_TOKENS = 40
 KILL_TOKENS = 160  # streams long enough that `up` is signalled while they run
-
-
-class Up:
-    """`python -m specsplit up` on a checkpoint path of its own, with its output in files."""
-
-    def __init__(self, model: pathlib.Path, logs: pathlib.Path, env: dict[str, str] | None = None):
-        self.model, self.port = str(model), free_port()
-        self.stdout, self.stderr = logs / "up.out", logs / "up.err"
-        cmd = [sys.executable, "-m", "specsplit", "up", "--model", self.model, "--port", str(self.port)]
-        cmd.append("--no-adaptive")  # drafts every iteration: a drafter restarted is seen by its drafts
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
-        deadline = time.monotonic() + 240
-        while "coordinator listening on" not in self.stdout.read_text():
-            assert self.proc.poll() is None, f"specsplit up exited early:\n{self.stderr.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "specsplit up not ready in 240 s"
-            time.sleep(0.2)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def children(self) -> dict[int, str]:
-        """pid → command line of the live processes that name this checkpoint path, `up` itself aside."""
-        return {pid: cmd for pid, cmd in _processes().items() if self.model in cmd and pid != self.proc.pid}
-
-    def pid(self, role: str) -> int:
-        pids = [pid for pid, cmd in self.children().items() if f"specsplit serve {role} " in cmd]
-        assert len(pids) == 1, (role, self.children())
-        return pids[0]
-
-    def lines(self) -> list[str]:
-        """The supervisor's lines (the services' logs share the file)."""
-        return [line for line in self.stderr.read_text().splitlines() if line.startswith("specsplit up: ")]
-
-    def wait_for_line(self, text: str, timeout_s: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = [line for line in self.lines() if text in line]
-            if found:
-                return found[-1]
-            assert self.proc.poll() is None, f"specsplit up exited with {self.proc.returncode}: {self.lines()}"
-            assert time.monotonic() < deadline, f"no line with {text!r} in {timeout_s} s: {self.lines()}"
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for pid in self.children():  # only after a failed test: the SIGTERM test proves there are none
-            os.kill(pid, signal.SIGKILL)
+NO_ADAPTIVE = ["--no-adaptive"]  # drafts every iteration: a drafter restarted is seen by its drafts
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     logs = tmp_path_factory.mktemp("up")
     (logs / "model").symlink_to(DEMO)
-    u = Up(logs / "model", logs)
+    u = Up(logs / "model", logs, NO_ADAPTIVE)
     yield u
     u.close()
 
@@ -195,7 +139,7 @@ def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prom
         "drafter",
         "verifier",
     ]
-    assert {int(_stat(pid)[1]) for pid in children} == {up.proc.pid}  # `up`'s own children, restarted ones too
+    assert {int(stat(pid)[1]) for pid in children} == {up.proc.pid}  # `up`'s own children, restarted ones too
     progressed = threading.Event()
     threads, results, errors = start_streams(up.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
     assert progressed.wait(120)
@@ -212,7 +156,7 @@ def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prom
 
 def test_a_crash_looping_drafter_is_given_up_with_one_line_and_up_exits_1(tmp_path):
     (tmp_path / "model").symlink_to(DEMO)
-    u = Up(tmp_path / "model", tmp_path)
+    u = Up(tmp_path / "model", tmp_path, NO_ADAPTIVE)
     try:
         children = u.children()
         (tmp_path / "model").unlink()  # every restart now fails to load the checkpoint
@@ -243,7 +187,7 @@ def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tm
     (tmp_path / "model").symlink_to(DEMO)
     temp = tempfile.mkdtemp()  # short: socket paths hold at most 107 bytes
     try:
-        u = Up(tmp_path / "model", tmp_path, env={**os.environ, "TMPDIR": temp})
+        u = Up(tmp_path / "model", tmp_path, NO_ADAPTIVE, env={**os.environ, "TMPDIR": temp})
         try:
             children = u.children()
             assert len(children) == 3 and len(list(pathlib.Path(temp).glob("specsplit-*"))) == 1
@@ -276,22 +220,9 @@ def test_up_killed_or_hung_up_takes_its_services_and_socket_directory_with_it(tm
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _processes() -> dict[int, str]:
-    """pid → command line of every live (not zombie) process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _stat(int(entry)) is not None:
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    out[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-    return out
-
-
 def _in_sessions(leaders: dict[int, str]) -> dict[int, str]:
     """pid → command line of every live process in a session one of `leaders` led (the leaders included)."""
-    commands = _processes()
+    commands = processes()
     return {pid: commands.get(pid, "") for pid, sid in _sessions().items() if sid in leaders}
 
 
@@ -299,16 +230,6 @@ def _sessions() -> dict[int, int]:
     """pid → session id of every live (not zombie) process."""
     out = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+        if entry.isdigit() and (fields := stat(int(entry))) is not None:
             out[int(entry)] = int(fields[3])
     return out
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...); None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields
