@@ -68,8 +68,9 @@ def end_with_parent() -> None:
     `prctl(PR_SET_PDEATHSIG)`): SIGTERM for the coordinator, `PARENT_DIED` (which becomes a SIGTERM) for a model
     server that knows its coordinator; a SIGTERM, not a SIGKILL: the service drains and removes its sockets. It ends at
     once if the parent is already gone. Asked here, after exec, not in a `preexec_fn` between fork and exec: a
-    `preexec_fn` makes subprocess fork, which runs gRPC's fork handlers in the parent, and those hung a test process
-    that held gRPC channels while it restarted a drafter (without one, subprocess uses vfork and runs none)."""
+    `preexec_fn` makes subprocess fork, which runs gRPC's fork handlers in the parent, and those can hang a process
+    that holds gRPC channels, as one that restarts a drafter does (without one, subprocess uses vfork and runs
+    none)."""
     parent = os.environ.pop(PARENT_ENV, None)
     coordinator = os.environ.pop(COORDINATOR_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):

@@ -3,9 +3,9 @@ Python stack of the thread running it, and counted (metric ``specsplit.slow_step
 ``step``). The verifier watches its steps (forward + sampling), the drafter its Proposes; both take
 ``--slow-step-s`` (0: off).
 
-Why: one slow step stalls every request in flight. Such stalls (0.3-1.7 s on the H200 machine: cuDNN building
-an attention plan per new shape, Triton compiling a kernel variant, a per-request attention loop) are rare,
-depend on the traffic, and look like a slow GPU from the outside; the stack of the stuck step says which call
+Why: one slow step stalls every request in flight. Such stalls (cuDNN building an attention plan per new shape,
+Triton compiling a kernel variant, a per-request attention loop; docs/performance.md, "Decode step and kernels") are
+rare, depend on the traffic, and look like a slow GPU from the outside; the stack of the stuck step says which call
 it is. The frames below Python (a CUDA library, a compiler) need a native profiler, for example
 ``py-spy dump --native --pid PID`` while the step runs (py-spy is not a dependency).
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _providers: list = []
 
 # Bucket bounds (seconds) of the latency histograms (`explicit_bucket_boundaries_advisory`): 0.1 ms to 500 s in
-# steps of 1-2-5, from a GPU's Propose (about 1 ms) to a queued request's time to first token (minutes). Prometheus'
+# steps of 1-2-5, from a GPU's Propose (milliseconds) to a queued request's time to first token (minutes). Prometheus'
 # `histogram_quantile` interpolates inside the bucket that holds the quantile, whose bounds are at most 2.5x apart.
 # The drafter autoscaler's p95 targets (docker/k8s: 50 ms; the CPU demo's 200 ms) are bounds, so whether a p95 is
 # over its target is read exactly from the buckets.

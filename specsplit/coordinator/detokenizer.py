@@ -15,8 +15,9 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded with the window so word boundaries 
 def fast_decode(tokenizer):
     """The Rust tokenizer's own decode, where it returns exactly what `tokenizer.decode(ids,
     skip_special_tokens=True)` does (a fast tokenizer that does not clean up tokenization spaces);
-    else the tokenizer's decode. transformers' decode spends most of its ~15 µs per call checking and
-    converting the ids, and the engine decodes twice per generated token (~4 ms per iteration at batch 64)."""
+    else the tokenizer's decode. transformers' decode spends most of its time per call checking and converting
+    the ids, and the engine decodes twice per generated token, so at large batches that check is a noticeable share
+    of the coordinator's host time per iteration (docs/performance.md, "Host time around the GPU work (CPU)")."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)

@@ -76,8 +76,9 @@ class ServerAcceptance:
         """Acceptance per position 0..num_positions-1, each shrunk by `SERVER_PRIOR_WEIGHT` pseudo-observations toward
         the position before it (position 0: toward `DEFAULT_ACCEPTANCE`, so that a few early rejections cannot stop
         drafting for good); deeper than any reached: the deepest reached one's. A deep position is reached only
-        after the ones before it were accepted, so rarely where acceptance is low: shrunk toward a fixed 0.5, its
-        few observations made it look better than the positions before it, and deeper drafts were asked for."""
+        after the ones before it were accepted, so rarely where acceptance is low: shrunk toward a fixed value
+        instead, its few observations could make it look better than the positions before it, and deeper drafts
+        would be asked for (docs/design.md §9, "Acceptance")."""
         out, last = [], DEFAULT_ACCEPTANCE
         for j in range(num_positions):
             if j < len(self._reached) and self._reached[j] > 0:

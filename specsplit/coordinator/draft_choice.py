@@ -21,7 +21,7 @@ fewer than `SWEEP_SAMPLES` times is asked for that often (`_sweep`): the cost of
 a line between two far measurements (a GPU step is flat within a CUDA graph size and jumps at the next, so such a
 line makes the depths between look dearer or cheaper than they are, and the ones that look dearer are never tried).
 A choice made n times in a row for the same batch is then kept for min(n, KEEP) choices (`_kept_choice`): its inputs
-move little between iterations, and choosing every iteration put its host time on every step; a choice of no drafts
+move little between iterations, and choosing each time would put its host time on every step; a choice of no drafts
 is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th
 while nobody drafts) explores for two iterations in a row, alternately one draft more for each request and a
 shallower uniform depth (each request at most d drafts, d cycling below the deepest chosen): iteration times of more
@@ -47,13 +47,15 @@ EXPLORE_EVERY = 128
 # Between those, every RETIME_EVERY choices: an alternative of the choice (one draft more each, or a shallower uniform
 # depth) predicted within CLOSE of its rate whose steady run was last timed before half of the iterations recorded so
 # far (or never) is run again (`_stale_close_alternative`). A price from a slow moment (clocks coming up, a busy host)
-# otherwise stood until the regular exploration reached that depth; a close alternative costs little to time again.
+# would otherwise stand until the regular exploration reaches that depth; a close alternative costs little to time
+# again.
 RETIME_EVERY = 32
 CLOSE = 1.15
 ZERO_KEEP = 16  # choices a choice of no drafts is kept while nothing it depends on changed
-# Most choices a choice made again and again is kept for the same batch: on the H200 a choice took 0.4 ms of a 7.5 ms
-# step at batch 1 and 0.7 ms of 14 at batch 64. 4 and 8 kept a poor choice long enough to fall below 0.97x the best
-# fixed k in two of the simulated cells (tests/coordinator/test_draft_choice_simulated.py, which prices no host time).
+# Most choices a choice made again and again is kept for the same batch: choosing puts host time on the step's
+# critical path, and a kept choice that is poor stays poor while it is kept. The value was chosen by measurement: the
+# choice's share of a GPU step, and the simulated cells of tests/coordinator/test_draft_choice_simulated.py (which
+# prices no host time), in which larger values kept a poor choice too long (docs/design.md §9, "Cost of the choice").
 KEEP = 3
 SWEEP_SAMPLES = 3  # iterations a never-timed depth is asked for (one time is too noisy to rank close depths)
 
@@ -119,11 +121,11 @@ class DraftChooser:
 
     def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
         """The best allocation (`_best`, the choice's costly part) for this batch's next iteration, computed now: the
-        engines call this while the device runs the current iteration, so that its host time (0.2-0.6 ms per
-        iteration on the H200, 3-4 % of a batch-1 step) leaves no GPU idle between two steps. The next `choose`
-        takes it where it would compute `_best` for the same requests with the same caps (a request that finished
-        or arrived, or a cap cut near max_tokens, computes it afresh); everything else about the choice (kept
-        choices, sweeps, trials, exploration) is decided there as before. It is computed from what was known one
+        engines call this while the device runs the current iteration, so that its host time (a few percent of a
+        small batch's GPU step: docs/design.md §9, "Cost of the choice") leaves no GPU idle between two steps. The
+        next `choose` takes it where it would compute `_best` for the same requests with the same caps (a request
+        that finished or arrived, or a cap cut near max_tokens, computes it afresh); everything else about the
+        choice (kept choices, sweeps, trials, exploration) is decided there. It is computed from what was known one
         iteration earlier: the acceptance and time of the iteration still running are not in it, as they are not
         in a kept choice. Not computed where the next choice will keep the last one."""
         self._ahead = None
@@ -165,7 +167,8 @@ class DraftChooser:
             if later >= 0 and (bucket_of(num_reqs + sum(chosen)), later) not in self.costs.measured_runs:
                 self._trial = (list(counts), list(caps), chosen)
             # Kept for the same batch (`_kept_choice`): a choice's inputs move little from one iteration to the
-            # next, and choosing every iteration put its host time on every step (0.4 ms of 7.5 at batch 1).
+            # next, and choosing every iteration would put its host time on every step (docs/design.md §9, "Cost of
+            # the choice").
             same = self._kept is not None and self._kept[4] == chosen
             self._streak = self._streak + 1 if same else 0
             self._kept = (self.acceptance.version, list(counts), list(caps), 0, chosen)
@@ -175,9 +178,9 @@ class DraftChooser:
         # uniform depth (each request at most d drafts, d cycling through 0 .. the deepest chosen - 1). Both measure
         # that allocation's steady run again: a run measured in a slow moment is not kept for good, deeper or
         # shallower (nor, on a noisy host, a wrong choice of no drafts). Without the shallower ones, a depth whose
-        # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) was never run again once a
-        # deeper one was chosen: in the simulated H200 with the learning run's first 12 iterations slow, 3 drafts
-        # stayed chosen for good where 1 was 4 % faster (0.957x).
+        # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) would never run again once
+        # a deeper one was chosen, and a slower depth would stay chosen for good (docs/design.md §9, "Start, sweep
+        # and exploration").
         if self._num_choices % RETIME_EVERY == 0 and self._num_choices % EXPLORE_EVERY:
             explored = self._stale_close_alternative(chosen, caps, counts)
             if explored is not None:
@@ -200,10 +203,10 @@ class DraftChooser:
     ) -> list[int] | None:
         """The alternative of `chosen` (one draft more each, or each shallower uniform depth) whose steady run was
         timed longest ago, among those timed before half of the iterations recorded so far (or never: the re-checks
-        of one alternative grow ever rarer) and predicted within CLOSE of `chosen`'s rate; None if none is. In the
-        simulated H200 with the learning run's first 12 iterations 1.3x slow (the sweep times no drafts first),
-        adaptive drafted at alpha 0.2, batch 32 at 0.85x target-only for four windows, until the regular exploration
-        reached no drafts."""
+        of one alternative grow ever rarer) and predicted within CLOSE of `chosen`'s rate; None if none is. Without
+        it, a price from a slow start (the sweep times no drafts first) stands until the regular exploration reaches
+        that alternative, and the choice drafts where no draft pays meanwhile (docs/design.md §9, "Timed again when
+        stale and close")."""
         num_reqs, max_cap = len(chosen), max(caps, default=0)
         if max_cap == 0:
             return None

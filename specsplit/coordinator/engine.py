@@ -196,9 +196,8 @@ class Engine:
                 self.scheduler.reset_all()
                 return []
             self.acceptance.record(*obs.record_verify(span, output, results, response))
-        # The iteration waited for the previous iteration's Propose, whose drafts it verified (async scheduling).
-        # The iteration waited for the previous iteration's Propose (async scheduling): its cost is that wait, of which
-        # the drafter reports the later steps' part.
+        # The iteration waited for the previous iteration's Propose, whose drafts it verified (async scheduling): its
+        # cost is that wait, of which the drafter reports the later steps' part.
         seconds = (time.time_ns() - t_schedule) / 1e9
         proposed, later_steps = self._previous_propose
         timing = response.timing

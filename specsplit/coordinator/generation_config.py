@@ -2,7 +2,7 @@
 
 A request that leaves temperature, top_p, top_k or repetition_penalty unset gets the checkpoint's value where
 `generation_config.json` sets one (vLLM's `generation_config="auto"`; `do_sample` is ignored, as vLLM ignores
-it), else the API's default: greedy on the gRPC API (temperature 0, as before), OpenAI's temperature 1 on the
+it), else the API's default: greedy on the gRPC API (temperature 0), OpenAI's temperature 1 on the
 HTTP API.
 """
 

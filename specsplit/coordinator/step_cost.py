@@ -21,10 +21,10 @@ recorded (prefill chunks cost differently per token). Every estimate leaves hicc
 The sum is a guess where nothing closer is known, not a law: an iteration with a Propose is also kept whole, per
 bucket of T and L (`measured_runs`), and once a (T, L) was run steadily (verifying as deep as it proposes), its own
 time is what it costs (the least of its recent samples, `_Run`). The drafter's report of its later steps can miss
-part of their cost, and a batch whose requests verify different draft counts can cost more than its T says (on the
-H200, half the requests at 1 draft and half at 5 ran as long as all at 5, though the sum priced it like all at 3):
-the sum cannot see either, the chooser picked such a batch again and again, and only its measured time shows what it
-costs. A (T, L) never run is priced by the sum, tried when it looks best, and then known.
+part of their cost, and a batch whose requests verify different draft counts can cost more than its T says (it can
+run as long as its deepest request's depth: docs/design.md §9, "What was run steadily costs what it took"): the sum
+cannot see either, so a chooser that trusts it picks such a batch again and again, and only its measured time shows
+what it costs. A (T, L) never run is priced by the sum, tried when it looks best, and then known.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ BUCKETS_PER_OCTAVE = 16
 RUN_SAMPLES = 2  # steady runs of a (T, L) after which their time alone prices it (after one: its mean with the sum)
 RUN_WINDOW = 4  # a steady run's time: the least of its last this many samples (`_Run`)
 # A sample this many times its estimate's value is a hiccup (a kernel compiled at first use, a pause), not what the
-# step costs, and is left out unless the sample before it was one too (a cost that really rose stays high). On the
-# H200 the first iterations verifying 5 drafts took 247 ms against 5-7 ms for every other depth (a compile); taken
-# in, that pulled the learned cost of a batch without drafts down to where no draft paid.
+# step costs, and is left out unless the sample before it was one too (a cost that really rose stays high). A kernel
+# compiled at the first iteration of a new depth makes that iteration many times a step's time; taken in, it pulls the
+# learned cost of a batch without drafts down to where no draft pays (docs/design.md §9, "Cost").
 HICCUP = 4.0
 
 
@@ -79,10 +79,10 @@ class _Run(_Bucket):
     time is the least of its last RUN_WINDOW samples (`floor`, kept in the with-a-Propose slot); `last` is the model's
     sample count at its last sample (how long ago it was timed: `DraftChooser`'s re-timing). A step's time
     only gains from noise (a host hiccup, clocks still coming up), and a depth the choice has left is measured again
-    only now and then (an exploration): an average kept the slow moment of its first runs for thousands of choices
-    (in the simulated H200 with the learning run's first 12 iterations slow, depth 3 stayed chosen where depth 1 was
-    4 % faster: 0.957x over 18 rounds). The least of a few recent samples forgets a slow moment at the first good
-    sample, and still shows a cost that rose once every recent sample did."""
+    only now and then (an exploration): an average would keep the slow moment of its first runs for thousands of
+    choices, and a slower depth would stay chosen (docs/design.md §9, "What was run steadily costs what it took"). The
+    least of a few recent samples forgets a slow moment at the first good sample, and still shows a cost that rose
+    once every recent sample did."""
 
     def __init__(self, num_tokens: int) -> None:
         super().__init__(num_tokens)
@@ -306,8 +306,8 @@ class CostCurve:
     def plain_s(self, num_tokens: float) -> float:
         """Predicted time of an iteration running `num_tokens` without drafts: where that bucket was run so steadily,
         what it took (the least of its recent samples; after a single run, its mean with `base_s`), as a steady run
-        with drafts is priced; else `base_s`. A mean of every sample instead held a slow moment's price of no drafts
-        against the least of the drafting runs' recent samples, and one new sample barely moved it."""
+        with drafts is priced; else `base_s`. A mean of every sample instead would hold a slow moment's price of no
+        drafts against the least of the drafting runs' recent samples, and one new sample would barely move it."""
         base = self.base_s(num_tokens)
         run = self.plain.get(bucket_of(num_tokens))
         if run is None:

@@ -16,8 +16,9 @@ M > BLOCK_M).
 With `swap_ab` the operands trade places: W's [BLOCK_N, bk] tile is the MMA's row operand and x's tile,
 transposed, its [bk, BLOCK_M] column operand, the result transposed back once per program. At M = 1..16 the
 default puts x's rows on the MMA's rows, padded to 16 and then to the tensor cores' height (64 for Hopper's
-wgmma); swapped, the weight fills that height and x is a 16-wide column operand, the shape the bf16 GEMV's
-tensor-core path (`specsplit/kernels/gemv.py`) runs at 75-90 % of the HBM roofline.
+wgmma); swapped, the weight fills that height and x is a 16-wide column operand, the shape in which the bf16
+GEMV's tensor-core path (`specsplit/kernels/gemv.py`) runs near the HBM roofline (docs/performance.md, "Decode
+step and kernels").
 
 Where N / BLOCK_N programs would leave SMs idle, K is split in whole groups: fp32 partial sums go to a
 [SPLIT_K, M, N] scratch and the GEMV's fixed-order split-K sum adds them (results the same run to run,

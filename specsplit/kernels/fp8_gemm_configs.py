@@ -22,8 +22,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     # Quantize x in a launch of its own (once) instead of in every program over N (each re-quantizing its rows):
-    # the in-kernel way saves a launch, but its work grows with M x N / BLOCK_N and passes the weight read's time
-    # at M of about 64.
+    # the in-kernel way saves a launch, but its work grows with M x N / BLOCK_N until it outlasts the weight read.
     prequantize: bool = False
     # W's tile as the MMA's row operand and x's rows as its columns (y computed transposed): a few rows of x make a
     # narrow MMA (16 columns) instead of rows padded to the tensor cores' height (Hopper's wgmma: 64 rows).
@@ -32,220 +31,220 @@ class Fp8GemmConfig:
 
 CONFIGS: dict[
     tuple[int, int, int], Fp8GemmConfig
-] = {  # benchmarks/fp8_gemm.py on an H200, 2026-12-02 (results/fp8_gemm_h200.md)
-    # glm45air.qkv: fp8 21.3 µs, bf16 29.4 µs
+] = {  # chosen by benchmarks/fp8_gemm.py's sweep (its timings: benchmarks/results/fp8_gemm_h200.md)
+    # glm45air.qkv
     (14336, 4096, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 21.5 µs, bf16 30.5 µs
+    # glm45air.qkv
     (14336, 4096, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 21.7 µs, bf16 30.5 µs
+    # glm45air.qkv
     (14336, 4096, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 22.1 µs, bf16 32.5 µs
+    # glm45air.qkv
     (14336, 4096, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 22.1 µs, bf16 30.7 µs
+    # glm45air.qkv
     (14336, 4096, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 23.0 µs, bf16 31.4 µs
+    # glm45air.qkv
     (14336, 4096, 32): Fp8GemmConfig(
         block_m=32, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.qkv: fp8 27.4 µs, bf16 33.7 µs
+    # glm45air.qkv
     (14336, 4096, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.qkv: fp8 32.2 µs, bf16 33.5 µs
+    # glm45air.qkv
     (14336, 4096, 128): Fp8GemmConfig(
         block_m=128, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.qkv: fp8 57.4 µs, bf16 46.5 µs
+    # glm45air.qkv
     (14336, 4096, 256): Fp8GemmConfig(
         block_m=128, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.o_proj: fp8 20.4 µs, bf16 27.6 µs
+    # glm45air.o_proj
     (4096, 12288, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=9, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.o_proj: fp8 20.5 µs, bf16 31.0 µs
+    # glm45air.o_proj
     (4096, 12288, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=9, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.o_proj: fp8 20.9 µs, bf16 30.9 µs
+    # glm45air.o_proj
     (4096, 12288, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=9, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.o_proj: fp8 21.3 µs, bf16 31.0 µs
+    # glm45air.o_proj
     (4096, 12288, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=9, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.o_proj: fp8 22.0 µs, bf16 29.5 µs
+    # glm45air.o_proj
     (4096, 12288, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=9, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.o_proj: fp8 22.8 µs, bf16 30.4 µs
+    # glm45air.o_proj
     (4096, 12288, 32): Fp8GemmConfig(
         block_m=32, block_n=64, split_k=5, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.o_proj: fp8 26.5 µs, bf16 32.4 µs
+    # glm45air.o_proj
     (4096, 12288, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=5, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.o_proj: fp8 35.5 µs, bf16 33.9 µs
+    # glm45air.o_proj
     (4096, 12288, 128): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=3, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.o_proj: fp8 61.1 µs, bf16 44.3 µs
+    # glm45air.o_proj
     (4096, 12288, 256): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=2, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.gate_up: fp8 11.1 µs, bf16 10.2 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=11, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 11.2 µs, bf16 11.4 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=11, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 11.4 µs, bf16 10.4 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=11, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 11.4 µs, bf16 11.4 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=11, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 11.4 µs, bf16 11.5 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=11, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 11.6 µs, bf16 11.8 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 32): Fp8GemmConfig(
         block_m=32, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # glm45air.expert.gate_up: fp8 12.9 µs, bf16 10.3 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=6, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.gate_up: fp8 14.8 µs, bf16 11.0 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 128): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=3, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.gate_up: fp8 18.9 µs, bf16 12.5 µs
+    # glm45air.expert.gate_up
     (2816, 4096, 256): Fp8GemmConfig(
         block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.down: fp8 7.7 µs, bf16 6.0 µs
+    # glm45air.expert.down
     (4096, 1408, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 7.8 µs, bf16 6.0 µs
+    # glm45air.expert.down
     (4096, 1408, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 7.9 µs, bf16 6.1 µs
+    # glm45air.expert.down
     (4096, 1408, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 7.8 µs, bf16 6.0 µs
+    # glm45air.expert.down
     (4096, 1408, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 8.0 µs, bf16 6.2 µs
+    # glm45air.expert.down
     (4096, 1408, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=6, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 8.9 µs, bf16 6.2 µs
+    # glm45air.expert.down
     (4096, 1408, 32): Fp8GemmConfig(
         block_m=32, block_n=64, split_k=4, num_warps=4, num_stages=4, prequantize=False, swap_ab=True
     ),
-    # glm45air.expert.down: fp8 9.5 µs, bf16 6.3 µs
+    # glm45air.expert.down
     (4096, 1408, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=4, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.down: fp8 10.8 µs, bf16 6.5 µs
+    # glm45air.expert.down
     (4096, 1408, 128): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # glm45air.expert.down: fp8 11.2 µs, bf16 7.9 µs
+    # glm45air.expert.down
     (4096, 1408, 256): Fp8GemmConfig(
         block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.o_proj: fp8 36.5 µs, bf16 57.9 µs
+    # dsv3.o_proj
     (7168, 16384, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=5, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.o_proj: fp8 36.2 µs, bf16 61.8 µs
+    # dsv3.o_proj
     (7168, 16384, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=5, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.o_proj: fp8 37.1 µs, bf16 62.5 µs
+    # dsv3.o_proj
     (7168, 16384, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=5, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.o_proj: fp8 37.6 µs, bf16 63.2 µs
+    # dsv3.o_proj
     (7168, 16384, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=5, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.o_proj: fp8 38.7 µs, bf16 65.1 µs
+    # dsv3.o_proj
     (7168, 16384, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=5, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.o_proj: fp8 39.9 µs, bf16 63.3 µs
+    # dsv3.o_proj
     (7168, 16384, 32): Fp8GemmConfig(
         block_m=32, block_n=64, split_k=3, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.o_proj: fp8 47.2 µs, bf16 63.6 µs
+    # dsv3.o_proj
     (7168, 16384, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=3, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.o_proj: fp8 72.9 µs, bf16 69.4 µs
+    # dsv3.o_proj
     (7168, 16384, 128): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=2, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.o_proj: fp8 105.2 µs, bf16 90.5 µs
+    # dsv3.o_proj
     (7168, 16384, 256): Fp8GemmConfig(
         block_m=128, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.dense.gate_up: fp8 67.9 µs, bf16 122.4 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 1): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 67.9 µs, bf16 128.9 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 2): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 68.3 µs, bf16 128.8 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 4): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 68.9 µs, bf16 128.4 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 8): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 70.3 µs, bf16 128.0 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 16): Fp8GemmConfig(
         block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 91.1 µs, bf16 132.5 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 32): Fp8GemmConfig(
         block_m=32, block_n=128, split_k=2, num_warps=4, num_stages=4, prequantize=True, swap_ab=True
     ),
-    # dsv3.dense.gate_up: fp8 92.1 µs, bf16 134.4 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 64): Fp8GemmConfig(
         block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.dense.gate_up: fp8 136.2 µs, bf16 135.6 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 128): Fp8GemmConfig(
         block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),
-    # dsv3.dense.gate_up: fp8 231.6 µs, bf16 192.2 µs
+    # dsv3.dense.gate_up
     (36864, 7168, 256): Fp8GemmConfig(
         block_m=128, block_n=128, split_k=1, num_warps=8, num_stages=3, prequantize=True, swap_ab=False
     ),

@@ -77,7 +77,7 @@ def _gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # dot path
     # FMA path: one accumulator per row of x, each in the W tile's register layout (a single
-    # [BLOCK_M, BLOCK_N, BLOCK_K] one made Triton pass every W tile through shared memory).
+    # [BLOCK_M, BLOCK_N, BLOCK_K] one makes Triton pass every W tile through shared memory).
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -1,6 +1,6 @@
 """Launch configurations of the Triton GEMV (`specsplit/kernels/gemv.py`).
 
-`CONFIGS` is measured on the H200 by `benchmarks/gemv.py`, which prints the entries to paste here. It
+`CONFIGS` is measured on a GPU by `benchmarks/gemv.py`, which prints the entries to paste here. It
 is keyed by (out_features N, in_features K, M bucket), the bucket being M (rows of x) rounded up to a
 power of two; an entry of None means cuBLAS (`F.linear`) was faster for that shape (FMA entries
 serve buckets <= MAX_FMA_M only). Shapes missing from the table take `default_config`.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 MAX_M = 32  # rows of x the GEMV takes; more rows are a GEMM (F.linear)
 MAX_FMA_M = 4  # the FMA path keeps one [BLOCK_N, BLOCK_K] fp32 accumulator per row of x in registers
-DEFAULT_NUM_SMS = 132  # an H200's; used where the device has no SM count (the Triton interpreter)
+DEFAULT_NUM_SMS = 132  # the SMs of the GPU `CONFIGS` was measured on; for a device without an SM count (interpreter)
 
 
 @dataclass(frozen=True)
@@ -25,67 +25,67 @@ class GemvConfig:
     num_stages: int = 1
 
 
-# benchmarks/gemv.py on one H200 (2026-11-29): the Qwen2-7B shapes.
+# Chosen by benchmarks/gemv.py (docs/performance.md, "Decode step and kernels"): the Qwen2-7B shapes.
 CONFIGS: dict[tuple[int, int, int], GemvConfig | None] = {
-    # qkv: triton 10.5 µs, torch 11.5 µs
+    # qkv
     (4608, 3584, 1): GemvConfig(dot=False, block_n=8, block_k=512, split_k=1, num_warps=4, num_stages=1),
-    # qkv: triton 13.6 µs, torch 11.3 µs
+    # qkv
     (4608, 3584, 2): None,
-    # qkv: triton 13.5 µs, torch 11.3 µs
+    # qkv
     (4608, 3584, 4): None,
-    # qkv: triton 13.6 µs, torch 11.5 µs
+    # qkv
     (4608, 3584, 8): None,
-    # qkv: triton 13.7 µs, torch 11.5 µs
+    # qkv
     (4608, 3584, 16): None,
-    # qkv: triton 15.6 µs, torch 11.7 µs
+    # qkv
     (4608, 3584, 32): None,
-    # o_proj: triton 9.0 µs, torch 12.0 µs
+    # o_proj
     (3584, 3584, 1): GemvConfig(dot=False, block_n=16, block_k=512, split_k=1, num_warps=8, num_stages=1),
-    # o_proj: triton 11.5 µs, torch 12.1 µs
+    # o_proj
     (3584, 3584, 2): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # o_proj: triton 11.4 µs, torch 12.1 µs
+    # o_proj
     (3584, 3584, 4): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # o_proj: triton 11.3 µs, torch 12.1 µs
+    # o_proj
     (3584, 3584, 8): GemvConfig(dot=True, block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=4),
-    # o_proj: triton 11.5 µs, torch 12.4 µs
+    # o_proj
     (3584, 3584, 16): GemvConfig(dot=True, block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=4),
-    # o_proj: triton 12.4 µs, torch 12.6 µs
+    # o_proj
     (3584, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=5, num_warps=4, num_stages=4),
-    # gate_up: triton 62.4 µs, torch 68.1 µs
+    # gate_up
     (37888, 3584, 1): GemvConfig(dot=False, block_n=32, block_k=256, split_k=1, num_warps=8, num_stages=1),
-    # gate_up: triton 65.4 µs, torch 68.1 µs
+    # gate_up
     (37888, 3584, 2): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # gate_up: triton 65.6 µs, torch 67.2 µs
+    # gate_up
     (37888, 3584, 4): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # gate_up: triton 65.7 µs, torch 68.8 µs
+    # gate_up
     (37888, 3584, 8): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # gate_up: triton 66.1 µs, torch 68.8 µs
+    # gate_up
     (37888, 3584, 16): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # gate_up: triton 68.2 µs, torch 70.2 µs
+    # gate_up
     (37888, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # down: triton 35.8 µs, torch 38.2 µs
+    # down
     (3584, 18944, 1): GemvConfig(dot=False, block_n=32, block_k=256, split_k=3, num_warps=8, num_stages=1),
-    # down: triton 36.2 µs, torch 38.5 µs
+    # down
     (3584, 18944, 2): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # down: triton 36.5 µs, torch 39.0 µs
+    # down
     (3584, 18944, 4): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # down: triton 36.6 µs, torch 38.8 µs
+    # down
     (3584, 18944, 8): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # down: triton 37.5 µs, torch 40.0 µs
+    # down
     (3584, 18944, 16): GemvConfig(dot=True, block_n=32, block_k=256, split_k=3, num_warps=4, num_stages=3),
-    # down: triton 40.5 µs, torch 39.7 µs
+    # down
     (3584, 18944, 32): None,
-    # lm_head: triton 236.7 µs, torch 248.6 µs
+    # lm_head
     (152064, 3584, 1): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # lm_head: triton 237.8 µs, torch 249.3 µs
+    # lm_head
     (152064, 3584, 2): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # lm_head: triton 239.5 µs, torch 250.1 µs
+    # lm_head
     (152064, 3584, 4): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # lm_head: triton 241.7 µs, torch 251.8 µs
+    # lm_head
     (152064, 3584, 8): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # lm_head: triton 245.1 µs, torch 253.7 µs
+    # lm_head
     (152064, 3584, 16): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # lm_head: triton 251.5 µs, torch 257.0 µs
+    # lm_head
     (152064, 3584, 32): GemvConfig(dot=True, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
 }
 

@@ -203,9 +203,9 @@ def rejection_sample_triton(
 
 
 WARM_UP_MAX_REQS = 1024  # past the last bucket of LAUNCH_TABLE and of the race-in-stats rule
-# Draft counts per request the start-up warm-up covers: every BLOCK_COLS width up to this many (4 and 8 columns). On
-# the H200 a batch verifying 5 drafts after a warm-up for 3 took ~250 ms instead of ~7 (a compile of the 8-column
-# variant), in the middle of adaptive speculation's first measurements of that depth.
+# Draft counts per request the start-up warm-up covers: every BLOCK_COLS width up to this many (4 and 8 columns). A
+# width left out compiles at its first batch, which then takes many times a step's time, in the middle of adaptive
+# speculation's first measurements of that depth (docs/performance.md, "Adaptive speculation").
 WARM_UP_MAX_DRAFTS = 7
 
 
@@ -239,7 +239,7 @@ def warm_up_plan(vocab_size: int, num_drafts: int = 3) -> list[tuple[str, int]]:
 
 def warm_up(vocab_size: int, device: torch.device, max_drafts: int = WARM_UP_MAX_DRAFTS, num_q_ids: int = 16) -> int:
     """Compiles (or loads from Triton's on-disk cache) the kernel variants that batches without top-k /
-    top-p make the sampler launch, so that no request waits ~0.5 s for a compile mid-run: every launch
+    top-p make the sampler launch, so that no request waits for a compile mid-run: every launch
     shape `default_launch` can pick, greedy, one-hot and sparse (`num_q_ids` ids per draft, the
     drafter's `--draft-top-k`), for every BLOCK_COLS width of up to `max_drafts` drafts per request.
     Returns the number of calls made."""

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 # Per-request inputs arrive as views into one uploaded buffer (`models/step_upload.py`), at offsets that change
-# with the batch. Triton would compile a variant per 16-byte alignment of each pointer, mid-run (0.4-0.9 s on
-# the H200 machine); these are read a scalar at a time anyway, so neither kernel specialises on their alignment.
+# with the batch. Triton would compile a variant per 16-byte alignment of each pointer, mid-run (a stall of every
+# request in flight); these are read a scalar at a time anyway, so neither kernel specialises on their alignment.
 UNALIGNED_INPUTS = ["draft_ids_ptr", "cu_num_draft_ptr", "temperature_ptr", "seeds_ptr", "positions_ptr",
                     "threshold_ptr", "q_ids_ptr"]  # fmt: skip
 BIG_TOKEN = tl.constexpr(2147483647)

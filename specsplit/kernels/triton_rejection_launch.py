@@ -58,10 +58,9 @@ INTERPRETER_LAUNCH = Launch(32768, 16384, 4, 32768, 16384, 4)
 GPU_LAUNCH = Launch(8192, 1024, 4, 8192, 1024, 4)
 # Mode class ("greedy" or "random") -> ((largest num_reqs, launch), ...) in increasing num_reqs; random batches of
 # more than SMALL_BATCH requests take LARGE_BATCH_TABLE instead.
-# Batches of 1 and 8: `cd benchmarks && python3 rejection_tuning.py sweep --quick [--batch 8 --vocab 32000 151936]`
-# on one H200 (k 3): smaller programs at batch 1 (7.3 -> 6.3 µs greedy, 13.9 -> 11.1 µs random) and at batch 8
-# (random 1.2x on average). Greedy batches of 64 and 256: `rejection_tuning.py sweep --vocab 32000 151936 --batch 64
-# 256` (benchmarks/results/rejection_sampler_h200.md).
+# Chosen by measurement (docs/performance.md, "Rejection sampler against vLLM"). Batches of 1 and 8, where smaller
+# programs win: `cd benchmarks && python3 rejection_tuning.py sweep --quick [--batch 8 --vocab 32000 151936]`.
+# Greedy batches of 64 and 256: `rejection_tuning.py sweep --vocab 32000 151936 --batch 64 256`.
 LAUNCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
     "greedy": (
         (1, Launch(2048, 512, 4, 8192, 1024, 4)),
@@ -78,10 +77,9 @@ SMALL_BATCH = 8
 # (rows x chunks per row) stats programs. One-hot rows are mostly rejected early, and the early exit pays only
 # for programs that start after a rejection: small chunks (several waves) up to 64M logits, where the programs
 # grow too many. Dense and sparse rows are read whole: 16,384-id chunks, halved while that leaves fewer than 512
-# programs (8M logits). `cd benchmarks && python3 rejection_tuning.py grid` on one H200 (vocab
-# 32,000 and 151,936, batch 64 and 256, k 1-5; benchmarks/results/rejection_sampler_h200.md): the best candidate
-# or within 5 % of it on every shape but two, both one-hot at vocab 32,000, batch 64, where 16,384 / 2,048 is
-# faster: k 1 (11.7 against 10.4 µs) and k 3 with drafts accepted at p 0.8 (15.5 against 13.1).
+# programs (8M logits). Chosen by `cd benchmarks && python3 rejection_tuning.py grid` (vocab 32,000 and 151,936,
+# batch 64 and 256, k 1-5): the best candidate or close to it on every shape but two, both one-hot at vocab 32,000,
+# batch 64, where 16,384 / 2,048 is faster (benchmarks/results/rejection_sampler_h200.md, "Launch grid").
 LARGE_BATCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
     "one_hot": (
         (64_000_000, Launch(4096, 1024, 4, 4096, 512, 4, race_in_stats=True)),
@@ -100,11 +98,9 @@ LARGE_BATCH_TABLE: dict[str, tuple[tuple[int, Launch], ...]] = {
 
 # Sparse calls (and one-hot ones of at most SMALL_BATCH requests) race in the stats kernel when they have at most
 # this many logits (num_logits * vocab), or rows of at most RACE_IN_STATS_MAX_VOCAB ids and at most
-# RACE_IN_STATS_MAX_ROWS of them; larger one-hot batches always do (LARGE_BATCH_TABLE). One H200: at batch 1
-# (vocab 151,936, k 3) one-hot took 9.5 µs in two launches against 7.6 in one. The launch grid
-# (`rejection_tuning.py grid`, batches of 64 and 256): sparse at vocab 32,000 gained up to 1,024 rows (44.6
-# against 48.4 µs there) and lost at 1,536 (63.3 against 60.6); at vocab 151,936 it lost from 128 rows on (35.3
-# against 30.2).
+# RACE_IN_STATS_MAX_ROWS of them; larger one-hot batches always do (LARGE_BATCH_TABLE). One launch wins while
+# the logits are few; the limits are where it stopped winning in measurements (one-hot at batch 1, and sparse
+# batches of 64 and 256 in `rejection_tuning.py grid`: docs/performance.md, "Rejection sampler against vLLM").
 RACE_IN_STATS_MAX_LOGITS = 2_500_000
 RACE_IN_STATS_MAX_VOCAB = 65_536
 RACE_IN_STATS_MAX_ROWS = 1024

@@ -75,12 +75,13 @@ def log2(x, FAST: tl.constexpr):
 
 @triton.jit
 def fast_clock(u, APPROX: tl.constexpr):
-    """-log2(u) for u in (0, 1) to about 3 ulp (relative; 3.1e-7 at most over every uniform on an H200,
-    ``tests/gpu/test_rejection_cuda.py``), cheaper than the correctly rounded log2 (the whole sampler at
-    batch 256, k 3, one-hot: 251 -> 234 µs). Below 1/2 the clock is >= 1 and ``lg2.approx`` (absolute
-    error ~2^-22) is accurate enough. From 1/2 up, where the clock goes to 0 and needs relative accuracy,
-    -ln(1 - w) with the exact w = 1 - u is 2 atanh(t), t = w / (2 - w) <= 1/3, summed to t^15 (truncation
-    < 2e-9). APPROX=False (the interpreter, tests) checks the same algebra with exact log2 and reciprocal."""
+    """-log2(u) for u in (0, 1) to about 3 ulp (relative; ``tests/gpu/test_rejection_cuda.py`` checks every
+    uniform: benchmarks/results/rejection_sampler_h200.md), cheaper than the correctly rounded log2 (it shortens
+    the whole sampler: docs/performance.md, "Rejection sampler against vLLM"). Below 1/2 the clock is >= 1 and
+    ``lg2.approx`` (absolute error ~2^-22) is accurate enough. From 1/2 up, where the clock goes to 0 and needs
+    relative accuracy, -ln(1 - w) with the exact w = 1 - u is 2 atanh(t), t = w / (2 - w) <= 1/3, summed to t^15
+    (truncation < 2e-9). APPROX=False (the interpreter, tests) checks the same algebra with exact log2 and
+    reciprocal."""
     far = -special(u, "lg2", APPROX)
     w = 1.0 - u
     t = w * special(2.0 - w, "rcp", APPROX)

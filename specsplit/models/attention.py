@@ -7,9 +7,9 @@ cache indices 0 .. seq_len - n + j. Two paths:
   tensors; no host work per request, no host sync, capturable in a CUDA graph. Runners choose it
   (`use_kernel_for`) for decode / verify steps, and for prefill chunks whose (query, key) pairs stay
   few: one program per query token re-reads its context, right for a few new tokens per request,
-  wasteful for long prompts; but the eager path's host work (about 50 ms per 7B step on the H200's
-  host, whatever the prompt: `benchmarks/prefill_step.py`) costs more than that re-reading for short
-  prompts, and the kernel path can replay a CUDA graph.
+  wasteful for long prompts; but the eager path's host work (large per step whatever the prompt:
+  `benchmarks/prefill_step.py`; docs/performance.md, "Decode step and kernels") costs more than that
+  re-reading for short prompts, and the kernel path can replay a CUDA graph.
 - otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): `scaled_dot_product_attention` over
   the gathered K/V, in one call over the step padded to its longest request (`attn.padded_batch`)
   when the padding costs at most twice the real work, else in a per-request loop.
@@ -28,11 +28,10 @@ from specsplit.models.padded_batch import PaddedBatch
 
 def use_precompiled_sdpa() -> None:
     """Keeps `scaled_dot_product_attention` off PyTorch's cuDNN backend in this process (process-wide, as
-    torch's backend switches are; both runners call it). With a mask, on the H200 machine (torch 2.11,
-    cuDNN 9.19) SDPA picked cuDNN, which builds an execution plan (kernels compiled by NVRTC) for every new
-    (query, key) shape: a new shape's first call took 68 ms (median) and up to 1.5 s, against 0.1 ms without
-    cuDNN (measured once on the H200). Prefill chunks come in every length, so
-    each new length stalled every request in flight (the batch-32 stalls of `benchmarks/results/e2e_h200.md`)."""
+    torch's backend switches are; both runners call it). With a mask SDPA may pick cuDNN, which builds an
+    execution plan (kernels compiled by NVRTC) for every new (query, key) shape, so a new shape's first call
+    costs many times what the attention does. Prefill chunks come in every length, so each new length would
+    stall every request in flight (docs/performance.md, "Decode step and kernels")."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 

@@ -34,8 +34,8 @@ MODEL_TYPE_ARCHITECTURES = {
 # What transformers' configuration class of each model_type fills in for a key config.json leaves out, for every
 # key specsplit reads (transformers 5). MiMo (Qwen2 + MTP layers, its "mimo" model_type known to transformers only
 # through trust_remote_code, which we never use) reads as Qwen2. config.json is read here, not by transformers'
-# AutoConfig: importing transformers and its config classes took about half of every verifier and drafter start on
-# CPU (benchmarks/service_start.py). tests/models/test_config_json.py checks that every family reads as transformers
+# AutoConfig: importing transformers and its config classes is a large part of a verifier's or drafter's start
+# (docs/design.md, §8, rule 1). tests/models/test_config_json.py checks that every family reads as transformers
 # reads it, key left out by key.
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",

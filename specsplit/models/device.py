@@ -91,10 +91,9 @@ class DeviceClaim:
     while the other process still works takes the GPU from it.
 
     Two processes on one GPU (the verifier and the drafter) take turns on it, and a turn that starts
-    while the other process's context still holds the GPU waits for the switch: about 0.27 ms per turn
-    on an H200, and 0.21 ms after 0.3 ms of host work (measured once on the H200). Claiming first
-    starts the switch early and brought the latter to 0.13 ms: part of it overlaps the host work (the
-    claim's own launch can wait for the rest). Nothing to do off CUDA."""
+    while the other process's context still holds the GPU waits for the switch. Claiming first starts
+    the switch early, so part of it overlaps the host work (the claim's own launch can wait for the rest)
+    and the step waits less (docs/performance.md, "One iteration on one clock"). Nothing to do off CUDA."""
 
     def __init__(self, device: str | torch.device):
         device = torch.device(device)

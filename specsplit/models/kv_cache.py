@@ -115,7 +115,7 @@ class StepPlan:
         if self.flat_tables is None:
             width = max(map(len, self.block_tables))
             self.flat_tables = []
-            for t in self.block_tables:  # whole-list extends: a per-element comprehension costs 2x
+            for t in self.block_tables:  # whole-list extends: a per-element comprehension costs more
                 self.flat_tables += t
                 if len(t) < width:
                     self.flat_tables += [-1] * (width - len(t))
@@ -126,8 +126,8 @@ class StepPlan:
         allocated (`plan_step(..., more_steps=...)`): step s takes one token of each request with
         `more_steps[r] >= s`. Per step, those requests' indices (into this plan's) and its plan, worked out from
         this plan's lists without the cache: no allocation, a slot per request (plain Python beats numpy here:
-        converting the block tables costs more than it saves, 4x at batch 128). Steps with every request share
-        this plan's block tables."""
+        converting the block tables costs more than it saves; docs/performance.md, "Host time around the GPU work
+        (CPU)"). Steps with every request share this plan's block tables."""
         more = self.more_steps or []
         size, seq_lens, tables, n = self.block_size, self.seq_lens, self.block_tables, len(self.seq_lens)
         rows = list(range(n))

@@ -16,9 +16,9 @@ from specsplit.errors import UsageError
 GPU_MEMORY_UTILIZATION = 0.9  # a model server's default F on CUDA, vLLM's
 COLOCATED_DRAFTER_SHARE = 0.1  # of the device, a co-located drafter's F; its verifier gets the rest of `up`'s F
 CPU_NUM_BLOCKS = 1024  # --num-blocks on a CPU device when none is given
-# Of a share, what the cache leaves free: the allocations that come after the profile (the CUDA graphs captured
-# again on the real cache, the allocator's rounding) overshot a share by 28 MiB of 35 GiB on the H200
-# (tests/gpu/test_memory_sizing_cuda.py) with no headroom; 1/200 of it is 179 MiB there.
+# Of a share, what the cache leaves free for the allocations that come after the profile (the CUDA graphs captured
+# again on the real cache, the allocator's rounding), which overshoot a share without it; chosen by measurement
+# (tests/gpu/test_memory_sizing_cuda.py; docs/deployment.md, "GPU memory and the KV cache").
 HEADROOM = 1 / 200
 GIB = 1 << 30
 

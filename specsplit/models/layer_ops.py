@@ -8,13 +8,13 @@ under TRITON_INTERPRET, where the interpreter would make whole-model runs far to
 training (the kernels have no backward), i.e. any call whose inputs need gradients.
 
 The kernels are **on by default** for CUDA tensors; the servers' `--no-layer-kernels` (or
-`enable_layer_kernels(False)`) keeps the torch ops. On the H200 (`tests/gpu/test_layer_kernels_cuda.py`)
-they equal the torch ops within fp32 rounding (whole tiny models: logits within 4e-6) and cut the 7B
-decode step at batch 1 from 6.96 to 4.94 ms (`benchmarks/results/e2e_h200.md`).
+`enable_layer_kernels(False)`) keeps the torch ops. They equal the torch ops within fp32 rounding, whole tiny
+models included (`tests/gpu/test_layer_kernels_cuda.py`), and shorten a small-batch decode step
+(docs/performance.md, "Decode step and kernels").
 
 The linears (`linear`) run the Triton GEMV of `specsplit/kernels/gemv.py` for steps of at most 32 tokens, **by
-default only for the shapes `benchmarks/gemv.py` measured on the H200** (`specsplit/kernels/gemv_configs.py`;
-there it beat cuBLAS on most (shape, tokens) entries, the others keep `F.linear`); `enable_gemv(True)`
+default only for the shapes `benchmarks/gemv.py` measured** (`specsplit/kernels/gemv_configs.py`; the entries
+where cuBLAS was faster keep `F.linear`); `enable_gemv(True)`
 (the servers' `--gemv`) also runs unmeasured shapes with a default launch, `enable_gemv(False)`
 (`--no-gemv`) keeps cuBLAS everywhere. Everything off CUDA keeps `F.linear`. A block-scaled FP8 linear
 (`specsplit.models.fp8_linear.Fp8Linear`) runs its own forward: the Triton W8A8 kernel on CUDA.

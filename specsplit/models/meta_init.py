@@ -2,9 +2,10 @@
 
 The loader builds a model's modules on the meta device, then fills every parameter from the checkpoint (or with
 seeded dummy weights). A module's constructor still calls `torch.nn.init` on its meta weights, which runs no math
-but sends each call through torch's Python reference kernels, whose first use imports `torch._dynamo`: about 1 s
-of every model server's start on a CPU, for nothing. Inside `on_meta()` the `torch.nn.init` functions leave
-their tensor as it is. It is a torch function mode, so it holds for the thread that entered it only.
+but sends each call through torch's Python reference kernels, whose first use imports `torch._dynamo`: a
+noticeable part of every model server's start (docs/design.md §8), for nothing. Inside
+`on_meta()` the `torch.nn.init` functions leave their tensor as it is. It is a torch function mode, so it holds
+for the thread that entered it only.
 """
 
 from __future__ import annotations

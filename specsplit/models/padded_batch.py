@@ -26,10 +26,9 @@ class PaddedBatch:
 def worth_padding(num_reqs: int, real_pairs: int, padded_pairs: int, on_cuda: bool) -> bool:
     """One SDPA call over a step padded to its longest request, rather than a loop of about ten launches
     per request and layer? Never for one request or past `PADDED_BATCH_MAX_PAIRS`. On CUDA always
-    otherwise: the loop's launches cost far more host time than the padding costs the GPU (on the H200
-    machine, a batch-32 step mixing prefill and decode looped for 0.5-1.4 s of host work,
-    measured on the H200). On CPU the padding is real work: only while it
-    at most doubles the (query, key) pairs."""
+    otherwise: the loop's launches cost far more host time than the padding costs the GPU (a large batch
+    mixing prefill and decode: docs/performance.md, "Decode step and kernels"). On CPU the padding is real
+    work: only while it at most doubles the (query, key) pairs."""
     if num_reqs < 2 or padded_pairs > PADDED_BATCH_MAX_PAIRS:
         return False
     return on_cuda or padded_pairs <= 2 * real_pairs

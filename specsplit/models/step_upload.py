@@ -19,9 +19,10 @@ TYPECODES = ("q", "i", "f")  # the same, as `array` type codes
 
 
 def host_tensor(arrays: Sequence[Sequence], typecode: str, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor of `arrays` concatenated, through `array.array` (C conversion per element, about 3x
-    faster than `torch.tensor` on a list; lists are taken whole by `fromlist`, a third faster again than
-    element by element); the same values, since both round a Python float to float32 the same way."""
+    """A 1-D CPU tensor of `arrays` concatenated, through `array.array` (C conversion per element, faster
+    than `torch.tensor` on a list; lists are taken whole by `fromlist`, faster again than element by element:
+    docs/performance.md, "Host time around the GPU work (CPU)"); the same values, since both round a Python
+    float to float32 the same way."""
     buffer = array.array(typecode)
     for values in arrays:
         if type(values) is list:

@@ -1,12 +1,12 @@
 """Start-up warm-up of a runner's eager path (prefill steps too large for its CUDA graphs).
 
-The first eager step in a process pays one-time costs on the GPU machine: CUDA loads the modules of the
-cuBLAS / attention kernels it picks on their first launch (the first SDPA call of a process took 17–230 ms
-on the H200 machine, by backend, measured once). A runner on CUDA therefore runs a few
+The first eager step in a process pays one-time costs on a GPU: CUDA loads the modules of the cuBLAS /
+attention kernels it picks on their first launch, a stall for the first request that takes that path
+(docs/performance.md, "Decode step and kernels"). A runner on CUDA therefore runs a few
 dummy eager steps at start-up, as large as a step the coordinator's token budget allows, with several
-requests (one padded SDPA call per layer) and with one (per-request SDPA). (The 1.7 s stalls once seen
-here were cuDNN building an SDPA plan for each new shape, which no warm-up can cover:
-`specsplit.models.attention.use_precompiled_sdpa`.)
+requests (one padded SDPA call per layer) and with one (per-request SDPA). No warm-up can cover cuDNN
+building an SDPA plan for each new shape, so SDPA stays off cuDNN
+(`specsplit.models.attention.use_precompiled_sdpa`).
 """
 
 from __future__ import annotations

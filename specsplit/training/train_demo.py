@@ -1,4 +1,4 @@
-"""Train the demo checkpoint: `python -m specsplit.training.train_demo` (the lead wires `specsplit train-demo`).
+"""Train the demo checkpoint: `python -m specsplit.training.train_demo` (also `specsplit train-demo`).
 
 Steps: build the data folder (tokenizer + split + token ids of this machine's Python standard library),
 train a Llama target and one MTP module jointly, keep the state with the best validation loss, save a

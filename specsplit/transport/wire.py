@@ -30,7 +30,7 @@ if sys.byteorder != "little":  # raw bytes are little-endian; a big-endian host 
     raise ImportError("specsplit.transport.wire supports little-endian hosts only")
 
 # torch.frombuffer warns that message bytes are immutable; the tensors are documented as read-only.
-# One filter for this module, instead of a warnings context per tensor (it cost more than decoding).
+# One filter for this module, instead of a warnings context per tensor (which costs more than the decoding).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
 
 

@@ -335,8 +335,9 @@ class DrafterClient:
         """The Unix socket the replica serves ProposeStream on (`ModelInfo.propose_socket`) if this process can
         connect to it, else None. A pooled drafter names its socket for its own process alone, so a path that
         exists here is that drafter on this host; one in another pod, or another host's, does not exist here. The
-        socket carries the same messages without gRPC's per-message work (a round trip's host cost,
-        `benchmarks/propose_roundtrip.py`: 0.37-0.48x gRPC's at batch 1 on the 2-core CPU machine)."""
+        socket carries the same messages without gRPC's per-message work, so its round trip costs the host less
+        (benchmarks/results/cpu_2core.md; docs/performance.md, "End to end: both placements, one process,
+        target-only")."""
         try:
             info = await replica.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
         except grpc.RpcError:

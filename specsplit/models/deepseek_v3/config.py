@@ -141,7 +141,7 @@ def _check_supported(raw: dict[str, Any]) -> None:
     """Reject the DeepSeek variants this code does not implement, rather than computing garbage."""
     unsupported = {
         "hidden_act": (raw.get("hidden_act", "silu"), ("silu",)),
-        "scoring_func": (raw.get("scoring_func", "sigmoid"), ("sigmoid",)),  # V2 used softmax
+        "scoring_func": (raw.get("scoring_func", "sigmoid"), ("sigmoid",)),  # V2: softmax
         "topk_method": (raw.get("topk_method", "noaux_tc"), ("noaux_tc",)),  # V2: greedy / group_limited
         "moe_layer_freq": (raw.get("moe_layer_freq", 1), (1,)),
     }
