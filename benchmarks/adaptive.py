@@ -1,6 +1,6 @@
 """Adaptive speculation against every fixed k: steady-state decode speed over a forced-acceptance x batch-size grid.
 
-Per cell (alpha, batch B) each mode runs a steady-state window (benchmarks/adaptive_window.py): B requests prefilled
+Per cell (alpha, batch B) each mode runs a steady-state window (benchmarks/lib/adaptive_window.py): B requests prefilled
 together (untimed), --warm-iterations decode iterations (untimed), then --iterations decode iterations timed
 (more at a small batch: at least --request-iterations requests x iterations); no request finishes and no prefill
 runs inside the window. The modes:
@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.adaptive_window import (  # noqa: E402
+from benchmarks.e2e import PROMPT_LEN, check_lossless, make_prompts  # noqa: E402
+from benchmarks.lib.adaptive_window import (  # noqa: E402
     Window,
     cuda_sync,
     horizon,
@@ -64,10 +65,9 @@ from benchmarks.adaptive_window import (  # noqa: E402
     run_window,
     window_token_budget,
 )
-from benchmarks.e2e import PROMPT_LEN, check_lossless, make_prompts  # noqa: E402
-from benchmarks.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
-from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
-from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
+from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.coordinator.draft_choice import DraftChooser  # noqa: E402
 
 WARM_UP_TOKENS = 16  # the services' warm-up
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "demo", help="checkpoint directory")
-    where.add_argument("--shape", choices=sorted(SHAPES), help="a model shape from benchmarks/shapes.py")
+    where.add_argument("--shape", choices=sorted(SHAPES), help="a model shape from benchmarks/lib/shapes.py")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -301,7 +301,7 @@ def estimate_seconds(
 
 def services_rows(args, model: Path, work: Path, prompts, reference, oracle: Oracle, modes: list[str]) -> list[dict]:
     """The uniform cells through the services: per alpha a fixed-k cluster, then an adaptive one."""
-    from benchmarks.e2e_modes import run_services
+    from benchmarks.lib.e2e_modes import run_services
     from specsplit.launcher import LocalCluster
 
     oracle.save(work / "oracle.json")
@@ -314,7 +314,7 @@ def services_rows(args, model: Path, work: Path, prompts, reference, oracle: Ora
     }
     failures: list[str] = []
     for alpha in args.alphas:
-        forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(alpha), "--oracle", str(work / "oracle.json")]
+        forced = ["-m", "benchmarks.lib.forced_drafter", "--alpha", str(alpha), "--oracle", str(work / "oracle.json")]
         for adaptive in (False, True):
             scheduling = [
                 "--max-num-seqs",

@@ -2,7 +2,7 @@
 
 benchmarks/adaptive.py shows adaptive slower than a fixed k whose allocation it nearly matches (alpha 0.9: at batch 1
 it verifies k 5's drafts in 96 % of iterations and runs 0.91-0.94x k 5; at batch 64 it gives half the requests 1 draft
-and half 5 and runs 0.71x k 3). This runs one cell's steady-state windows (benchmarks/adaptive_window.py) on the
+and half 5 and runs 0.71x k 3). This runs one cell's steady-state windows (benchmarks/lib/adaptive_window.py) on the
 in-process engine and prints, per mode, tokens/s and the mean of each phase of `EngineCore.step`'s IterationTiming
 (schedule, the verifier's prepare / forward / sample, the drafter's Propose with its step 0 and later steps, post
 step), so that a ratio of speeds can be read as the phase that differs; with more than one round, each round's row
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 
 from benchmarks.adaptive import Bench, Cell, kv_blocks, reference_outputs, window_budget  # noqa: E402
 from benchmarks.e2e import make_prompts  # noqa: E402
-from benchmarks.e2e_modes import InProcessEngine  # noqa: E402
-from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.e2e_modes import InProcessEngine  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.coordinator.draft_choice import DraftChooser  # noqa: E402
 
 PHASES = (

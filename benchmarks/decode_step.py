@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.lib.shapes import SHAPES  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 

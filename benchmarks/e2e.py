@@ -12,10 +12,10 @@ in one process, at several batch sizes and k, side by side in one run.
 Each cell: B concurrent greedy requests of --new-tokens tokens (ignore_eos) on one prompt set; the
 --repeats go round the cells (repeat r of every mode runs side by side), after one untimed warm-up of each;
 tokens/s = B * new_tokens / wall time; time per output token per request; median iteration
-breakdown (verify stages, propose steps, each hop; `benchmarks/e2e_modes.py`). Every output is
+breakdown (verify stages, propose steps, each hop; `benchmarks/lib/e2e_modes.py`). Every output is
 checked against the target-only greedy output (lossless); a mismatch fails the run after printing.
 
---alpha forces acceptance (`benchmarks/forced_acceptance.py`): drafts are the target's own greedy
+--alpha forces acceptance (`benchmarks/lib/forced_acceptance.py`): drafts are the target's own greedy
 continuation kept with probability alpha per position, so speed vs acceptance is measured on
 random-weight models whose own drafts mean nothing.
 
@@ -39,12 +39,12 @@ random-weight models whose own drafts mean nothing.
 shapes do not leave room for. There (a) is the services with every request at 0 drafts (no Propose is sent), run at
 every batch before the speculative cells; its outputs are the lossless reference and the oracle of forced acceptance
 (the forced drafter reads it once written). The verifier's and drafter's --gpu-memory-utilization come from the
-weights' bytes (`benchmarks/weight_bytes.py.plan_shares`: up's 0.8 / 0.1, the drafter's raised where its MTP layer
+weights' bytes (`benchmarks/lib/weight_bytes.py.plan_shares`: up's 0.8 / 0.1, the drafter's raised where its MTP layer
 needs more); a shape that would not fit stops in one line before anything loads.
 
 Every run with --shape prints the roofline table: the median iteration against the time its active weights take
 at 4.8 TB/s (verify step over batch x (k + 1) tokens, drafter steps, routed experts as the expected distinct count
-under uniform routing; `benchmarks/weight_bytes.py`).
+under uniform routing; `benchmarks/lib/weight_bytes.py`).
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.e2e_modes import InProcessEngine, RunResult, run_services, step_token_budget  # noqa: E402
-from benchmarks.e2e_report import add_comparisons, add_roofline, cell_row, print_roofline, print_tables  # noqa: E402
-from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
-from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
-from benchmarks.weight_bytes import ModelBytes, model_bytes, plan_shares  # noqa: E402
+from benchmarks.lib.e2e_modes import InProcessEngine, RunResult, run_services, step_token_budget  # noqa: E402
+from benchmarks.lib.e2e_report import add_comparisons, add_roofline, cell_row, print_roofline, print_tables  # noqa: E402
+from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.weight_bytes import ModelBytes, model_bytes, plan_shares  # noqa: E402
 from specsplit.launcher import LocalCluster  # noqa: E402
 from specsplit.models.kv_cache_size import COLOCATED_DRAFTER_SHARE  # noqa: E402
 from specsplit.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
@@ -116,7 +116,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "demo", help="checkpoint directory")
-    where.add_argument("--shape", choices=sorted(SHAPES), help="a model shape from benchmarks/shapes.py")
+    where.add_argument("--shape", choices=sorted(SHAPES), help="a model shape from benchmarks/lib/shapes.py")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--alpha", type=float, default=None, help="forced acceptance rate per draft position")
     p.add_argument("--seed", type=int, default=0, help="seed of the forced-acceptance coin")
@@ -159,7 +159,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="hold the weights once, in the services: (a) is the services with 0 drafts, run first (its outputs are "
         "the lossless reference and the forced-acceptance oracle), (c) is left out; the shares of verifier and "
-        "drafter are planned from the weights' bytes (benchmarks/weight_bytes.py), failing in one line if they do "
+        "drafter are planned from the weights' bytes (benchmarks/lib/weight_bytes.py), failing in one line if they do "
         "not fit. For shapes whose second copy does not fit the GPU (glm-4.5-air-fp8, deepseek-v3-fp8). Defaults "
         "then: --repeats 1, --warmup-tokens 8",
     )
@@ -232,10 +232,10 @@ def make_cluster(
 
 
 def forced_drafter_command(args, oracle_path: Path) -> dict[str, list[str]]:
-    """The drafter's command under --alpha: `benchmarks.forced_drafter` (reads the oracle once it is written)."""
+    """The drafter's command under --alpha: `benchmarks.lib.forced_drafter` (reads the oracle once it is written)."""
     if args.alpha is None:
         return {}
-    forced = ["-m", "benchmarks.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(oracle_path)]
+    forced = ["-m", "benchmarks.lib.forced_drafter", "--alpha", str(args.alpha), "--oracle", str(oracle_path)]
     return {"drafter": [sys.executable, *forced, "--seed", str(args.seed)]}
 
 

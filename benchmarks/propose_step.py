@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 
 
 def bench(runner, batch: int, k: int, context: int, steps: int, warmup: int, profile: bool) -> dict:

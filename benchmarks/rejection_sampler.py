@@ -26,7 +26,7 @@ when missing).
 
 ``--vllm-src DIR``: an unpacked vllm source tree (``pip download vllm==0.26.0 --no-deps
 --only-binary :all:``, then unzip the wheel). Adds vLLM's V1 and V2 Triton rejection samplers, see
-``benchmarks/vllm_rejection_samplers.py`` for what their timings include. vLLM takes dense q only,
+``benchmarks/lib/vllm_rejection_samplers.py`` for what their timings include. vLLM takes dense q only,
 so its sparse rows are fed the densified q. A sampler whose file is missing or whose API differs is
 reported and skipped.
 """
@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-import vllm_rejection_samplers  # benchmarks/ is on sys.path when this file is run as a script
 
-from specsplit.kernels import SparseDraftProbs, rejection_sample
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.lib import vllm_rejection_samplers  # noqa: E402
+from specsplit.kernels import SparseDraftProbs, rejection_sample  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12
 MODES = ("greedy", "one_hot", "dense", "sparse")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.launcher import free_port  # noqa: E402
 
 

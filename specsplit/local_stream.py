@@ -4,7 +4,7 @@ services on one host, without gRPC.
 The gRPC streams (`BidiStream`) cost each message a trip through grpc.aio's completion-queue
 thread and several generator layers on both ends. Two services on one host can instead exchange
 the same protobuf messages as length-prefixed frames on a Unix socket, read and written directly by
-their event loops (`benchmarks/propose_roundtrip.py --rpc local` measures both).
+their event loops (benchmarks/results/cpu_2core.md times both).
 
 Frame: `<u32 length><u8 kind>` then `length` bytes.
     kind 0  a message (the protobuf's serialised bytes)

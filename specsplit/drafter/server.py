@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,9 +96,7 @@ class DrafterConfig:
         return config
 
 
-async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> None:
-    """`wrap_runner(runner)`, when given, replaces the runner before serving (benchmarks only:
-    `benchmarks/forced_drafter.py`)."""
+async def serve(config: DrafterConfig) -> None:
     end_with_parent()  # started by a LocalCluster: ends with it
     model_options, placement = config.model, config.placement
     check_model_server(model_options, drafter=True)  # before torch loads: a plain mistake is told at once
@@ -189,9 +186,7 @@ async def serve(config: DrafterConfig, wrap_runner: Callable | None = None) -> N
         propose_socket=local.path if local else "",
     )
     servicer.ready(
-        wrap_runner(runner) if wrap_runner else runner,
-        info,
-        make_receiver(placement.hidden_transport, model_options.device, model_config.hidden_size),
+        runner, info, make_receiver(placement.hidden_transport, model_options.device, model_config.hidden_size)
     )
     freeze_start_up_heap()
     await server.mark_serving()

@@ -1,10 +1,10 @@
-"""benchmarks/adaptive_window.py's bound on a window's prefill steps, against the real scheduler: requests prefilled
+"""benchmarks/lib/adaptive_window.py's bound on a window's prefill steps, against the real scheduler: requests prefilled
 early decode in the later prefill steps, so `max_tokens` must count those steps (a batch of 128 at the servers'
 768-token budget took 56 of them on the H200 and its first requests ran past `max_tokens`)."""
 
 import pytest
 
-from benchmarks.adaptive_window import horizon, prefill_iterations, window_token_budget
+from benchmarks.lib.adaptive_window import horizon, prefill_iterations, window_token_budget
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams

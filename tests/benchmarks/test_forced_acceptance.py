@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.forced_acceptance import (
+from benchmarks.lib.forced_acceptance import (
     KEY_LEN,
     ForcedAcceptanceRunner,
     Oracle,

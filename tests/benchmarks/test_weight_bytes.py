@@ -1,11 +1,11 @@
-"""benchmarks/weight_bytes.py: the weight bytes of the real shapes (counted from config.json as the loader holds
-them), the expected routed experts a step touches, and the one-GPU memory plan behind benchmarks/shapes.py's
+"""benchmarks/lib/weight_bytes.py: the weight bytes of the real shapes (counted from config.json as the loader holds
+them), the expected routed experts a step touches, and the one-GPU memory plan behind benchmarks/lib/shapes.py's
 DeepSeek-V3 layer count."""
 
 import pytest
 
-from benchmarks.shapes import DEEPSEEK_V3_H200_LAYERS, SHAPES
-from benchmarks.weight_bytes import LayerBytes, model_bytes, plan_shares
+from benchmarks.lib.shapes import DEEPSEEK_V3_H200_LAYERS, SHAPES
+from benchmarks.lib.weight_bytes import LayerBytes, model_bytes, plan_shares
 from specsplit.models.kv_cache_size import GIB
 
 H200 = int(139.8 * GIB)  # the H200's total memory as torch reports it (its memory plans print 139.8 GiB)

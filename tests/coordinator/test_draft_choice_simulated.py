@@ -5,7 +5,7 @@ plus host time per request, a Propose's fixed cost and a cost per later drafter 
 reports a tenth of its later steps' time (the chooser must not rely on that report: on the H200 it chose, at alpha
 0.9 and batch 64, half the requests 1 draft and half 5 over 3 each, which pays only if a later step is nearly free,
 and ran at 0.68x k 3); drafts are accepted with a forced probability, one coin per request and position (as
-benchmarks/forced_acceptance.py: every mode meets the same positions). Each run is a steady-state window as
+benchmarks/lib/forced_acceptance.py: every mode meets the same positions). Each run is a steady-state window as
 benchmarks/adaptive.py times it: B requests prefilled, WARM decode iterations, then TIMED ones timed, three rounds
 per mode (median); the adaptive chooser learns in a run of its own first. The issue's targets: adaptive >= 0.97x the
 best fixed k in {0..5} and >= 0.98x target-only in every cell, and the mixed batch faster than every fixed k."""
@@ -58,7 +58,7 @@ def tokens_per_s(
     drafter's report of its later steps does not show; the H200 runs of benchmarks/adaptive.py had one of that
     shape: a batch where half the requests verified 1 draft and half 5 took as long as one where all verified 5).
     `slow_iterations`: the window's first iterations take 1.3x as long (a slow moment: clocks coming up). `pace`: the
-    machine's speed, called once per iteration (benchmarks/chooser_drift.py): the chooser sees every time scaled by it
+    machine's speed, called once per iteration (docs/design.md §9's drift): the chooser sees every time scaled by it
     (the drafter's report too), the window is scored at the unscaled times (how well it chose, not how fast the
     machine was meanwhile)."""
     rng, batch = random.Random(seed), len(alphas)
@@ -176,8 +176,7 @@ def test_a_depth_first_measured_in_a_slow_moment_is_chosen_again_once_measured_a
 @pytest.mark.parametrize("pace", [2.0, 1.3])
 def test_a_machine_uniformly_faster_or_slower_changes_no_choice(pace):
     """The chooser compares times with times (rates, ratios, hiccups as multiples), never with a constant: every time it
-    sees scaled by one factor, it chooses exactly as before (benchmarks/chooser_drift.py scales them by a pace that
-    drifts)."""
+    sees scaled by one factor, it chooses exactly as before (docs/design.md §9: what a pace that drifts costs)."""
     for alphas in ([0.6] * 8, [0.9, 0.2] * 16, [0.3] * 128):
         runs = []
         for scale in (None, lambda: pace):

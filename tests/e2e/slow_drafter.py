@@ -4,14 +4,10 @@ specsplit serve drafter>`, started through `LocalCluster(role_commands=...)`. Th
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 
-from specsplit import telemetry
-from specsplit.cli import parse_args
-from specsplit.drafter.server import DrafterConfig, serve
-from specsplit.grpc_server import setup_logging
+from benchmarks.lib.wrapped_drafter import serve_wrapped
 
 EVERY_PROPOSE = "--every-propose"
 
@@ -49,14 +45,7 @@ def main() -> None:
     wrapper = FirstProposeSleeps
     if args[:1] == [EVERY_PROPOSE]:
         wrapper, args = EveryProposeSleeps, args[1:]
-    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *args]))
-    setup_logging("drafter", config.server.log_level)
-    # As `specsplit serve drafter` does: its metrics at --metrics-port (the autoscaling test scrapes them).
-    telemetry.setup("drafter", metrics_port=config.server.metrics_port, metrics_host=config.server.metrics_host)
-    try:
-        asyncio.run(serve(config, wrap_runner=lambda runner: wrapper(runner, seconds)))
-    finally:
-        telemetry.shutdown()
+    serve_wrapped(args, lambda runner: wrapper(runner, seconds))
 
 
 if __name__ == "__main__":

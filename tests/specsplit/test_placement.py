@@ -147,7 +147,7 @@ def test_only_the_coordinator_listens_on_the_host_up_is_given():
 
 
 def test_role_command_replaces_the_program_and_keeps_the_roles_arguments():
-    wrapper = ["python", "benchmarks/forced_drafter.py", "--alpha", "0.8"]
+    wrapper = ["python", "benchmarks/lib/forced_drafter.py", "--alpha", "0.8"]
     cluster = LocalCluster("ckpt", role_commands={"drafter": wrapper}, drafter_args=["--num-blocks", "8"])
     cmd = cluster.command("drafter", 1234)
     assert cmd[: len(wrapper)] == wrapper

@@ -92,10 +92,10 @@ def test_too_few_gpus_are_refused(llama, monkeypatch):
 
 
 def test_the_fp8_benchmark_shapes_split_along_whole_blocks(tmp_path):
-    """benchmarks/shapes.py's FP8 shapes (blocks of 128) split at TP 2, 4 and 8, GLM-4.5-Air's MLPs (10944 and
+    """benchmarks/lib/shapes.py's FP8 shapes (blocks of 128) split at TP 2, 4 and 8, GLM-4.5-Air's MLPs (10944 and
     1408 wide: 85.5 and 11 blocks) in whole blocks as evenly as they go; at TP 16 its shared expert's 11 blocks
     would leave a rank none: refused in one line."""
-    from benchmarks.shapes import write_shape
+    from benchmarks.lib.shapes import write_shape
 
     for shape in ("qwen2-7b-fp8", "glm-4.5-air-fp8"):
         path = write_shape(shape, tmp_path / shape)

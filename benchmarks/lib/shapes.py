@@ -1,7 +1,7 @@
 """Model shapes for benchmarks with random weights (`--load-format dummy`): a checkpoint directory
 holding only config.json, generation_config.json and a tokenizer.
 
-    python benchmarks/shapes.py qwen2-7b /tmp/qwen2-7b
+    python -m benchmarks.lib.shapes qwen2-7b /tmp/qwen2-7b
 
 qwen2-7b is Qwen2-7B's layout (hidden 3584, 28 layers, 28 heads / 4 KV heads of 128, MLP 18944,
 vocabulary 152064, untied head) plus one MTP layer in the DeepSeek-V3 layout of the same width
@@ -20,7 +20,7 @@ block-scaled FP8 quantization_config: the dummy weights are quantized to e4m3 wi
 as they are drawn (one linear at a time, so ~110 GB of FP8 weights load on one H200) and the linears run
 the W8A8 kernel.
 
-One H200 (139.8 GiB = 150.1 GB as torch reports it; bytes from `benchmarks/weight_bytes.py`, tested in
+One H200 (139.8 GiB = 150.1 GB as torch reports it; bytes from `benchmarks/lib/weight_bytes.py`, tested in
 tests/benchmarks/test_weight_bytes.py). `specsplit up` gives the services 0.9 of the device: a co-located
 drafter 0.1 (13.9 GiB after the 1/200 headroom), the verifier 0.8 (111.3 GiB). Each needs its weights, the
 fp32 logits of its largest step (512 rows, the servers' token budget) plus 3.5 GiB of workspace (measured on the
@@ -51,7 +51,7 @@ import json
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "checkpoints" / "demo"
 
 # config.json keys of every shape of an architecture; a shape not in FAMILY is a Qwen2.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.forced_acceptance import prompt_request_id
+from benchmarks.lib.forced_acceptance import prompt_request_id
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_choice import DraftChooser
 from specsplit.coordinator.request import Request, SamplingParams
@@ -99,7 +99,7 @@ def run_window(
     scheduler = Scheduler(config, eos_token_ids, chooser)
     requests = [
         Request(
-            prompt_request_id(i, tag),  # so forced acceptance knows its prompt (benchmarks/forced_acceptance.py)
+            prompt_request_id(i, tag),  # so forced acceptance knows its prompt (benchmarks/lib/forced_acceptance.py)
             list(p),
             SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k),
         )

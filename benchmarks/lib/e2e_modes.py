@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from benchmarks.forced_acceptance import prompt_request_id
+from benchmarks.lib.forced_acceptance import prompt_request_id
 from specsplit import Client
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.engine.llm import LLM

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.e2e_modes import BREAKDOWN, RunResult
-from benchmarks.weight_bytes import HBM_BYTES_PER_S, ModelBytes
+from benchmarks.lib.e2e_modes import BREAKDOWN, RunResult
+from benchmarks.lib.weight_bytes import HBM_BYTES_PER_S, ModelBytes
 from specsplit.results import SpecStats
 
 
@@ -130,7 +130,7 @@ def print_tables(rows: list[dict]) -> None:
             f"{r['iterations']:.0f} | {acc} | {speedup} | {_pct(r['overhead'])} | {_pct(r['iteration_overhead'])} | "
             f"{r['first_iteration_ms']:.1f} | {r['slowest_iteration_ms']:.1f} | {r['outside_iterations_ms']:.1f} |"
         )
-    print("\nPer-iteration breakdown, median ms (hops are one-way; see benchmarks/e2e_modes.py):\n")
+    print("\nPer-iteration breakdown, median ms (hops are one-way; see benchmarks/lib/e2e_modes.py):\n")
     print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
     print("|---|---|---|" + "---|" * len(BREAKDOWN))
     for r in rows:

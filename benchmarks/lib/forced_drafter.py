@@ -1,6 +1,6 @@
 """A drafter server whose runner forces acceptance (benchmarks only; see `forced_acceptance`).
 
-    python -m benchmarks.forced_drafter --alpha 0.8 --oracle oracle.json <args of `specsplit serve drafter`>
+    python -m benchmarks.lib.forced_drafter --alpha 0.8 --oracle oracle.json <args of `specsplit serve drafter`>
 
 `benchmarks/e2e.py` starts it through `LocalCluster(role_commands={"drafter": [...]})`, with the
 repository root on PYTHONPATH. The oracle file may be written after the server starts (`e2e.py --services-only`
@@ -11,14 +11,10 @@ runner's drafts are the MTP's own.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
-from benchmarks.forced_acceptance import ForcedAcceptanceRunner, Oracle
-from specsplit import telemetry
-from specsplit.cli import parse_args
-from specsplit.drafter.server import DrafterConfig, serve
-from specsplit.grpc_server import setup_logging
+from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle
+from benchmarks.lib.wrapped_drafter import serve_wrapped
 
 
 class ForcedOnceWritten:
@@ -50,13 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--oracle", required=True, help="JSON written by Oracle.save")
     p.add_argument("--seed", type=int, default=0)
     ours, rest = p.parse_known_args(argv)
-    config = DrafterConfig.from_args(parse_args(["serve", "drafter", *rest]))
-    setup_logging("drafter", config.server.log_level)
-    telemetry.setup("drafter", metrics_port=config.server.metrics_port)
-    try:
-        asyncio.run(serve(config, wrap_runner=lambda r: ForcedOnceWritten(r, ours.oracle, ours.alpha, ours.seed)))
-    finally:
-        telemetry.shutdown()
+    serve_wrapped(rest, lambda runner: ForcedOnceWritten(runner, ours.oracle, ours.alpha, ours.seed))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bytes of a model's weights from its config.json: what each model server holds (the verifier the target,
 a drafter its MTP layer with an embedding and LM head of its own) and what one step reads, its *active* weights,
-for the HBM roofline of `benchmarks/e2e.py` and the memory plan of `benchmarks/shapes.py`.
+for the HBM roofline of `benchmarks/e2e.py` and the memory plan of `benchmarks/lib/shapes.py`.
 
 Per linear: 1 byte per element plus an fp32 scale per [128, 128] block where the checkpoint is FP8 (every
 linear of the decoder layers but DeepSeek-V3's kv_b_proj, which the loader dequantizes), else the dtype's
@@ -177,7 +177,7 @@ class SharePlan:
         return (
             f"the verifier needs {self.verifier_need / GIB:.1f} GiB (weights, workspace, KV) but its share "
             f"{self.verifier:g} of {self.total / GIB:.1f} GiB holds {self.room(self.verifier) / GIB:.1f} GiB beside "
-            f"a drafter of {self.drafter_need / GIB:.1f} GiB: cut the shape's layers (benchmarks/shapes.py)"
+            f"a drafter of {self.drafter_need / GIB:.1f} GiB: cut the shape's layers (benchmarks/lib/shapes.py)"
         )
 
 
