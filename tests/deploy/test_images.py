@@ -310,23 +310,29 @@ class OverlayPods:
             paths = "|".join(re.escape(p) for p in sorted(mounts, key=len, reverse=True))
             text = re.sub(rf"(?<![\w/])({paths})(?=/|$|\s|\")", lambda m: str(mounts[m.group(1)]), text)
         text = text.replace(IMAGE_ROOT, str(image.root / "app"))
-        text = re.sub(r"(?:dns:///)?(specsplit-[a-z-]+):(\d+)", lambda m: self._resolve(m, deployment), text)
-        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{self.port(deployment, int(m.group(1)))}", text)
+        # One pass: a Service's address becomes its pod's local port, this pod's 127.0.0.1:PORT its own local port.
+        text = re.sub(
+            r"(?:dns:///)?(specsplit-[a-z-]+|127\.0\.0\.1):(\d+)", lambda m: self._address(m, deployment), text
+        )
         text = re.sub(
             r"(--[a-z-]*port)=(\d+)", lambda m: f"{m.group(1)}={self.port(deployment, int(m.group(2)))}", text
         )
         return text.replace("0.0.0.0", "127.0.0.1")
 
-    def _resolve(self, m: re.Match, deployment: str) -> str:
+    def _address(self, m: re.Match, deployment: str) -> str:
         name, port = m.group(1), int(m.group(2))
+        if name == "127.0.0.1":
+            return f"127.0.0.1:{self.port(deployment, port)}"
         if name in self.services and self.services[name]["spec"].get("selector"):
-            address = self.service_address(name, port)
-            return address.replace("127.0.0.1:", "127.0.0.1:#")  # marked: not mapped again as this pod's port
+            return self.service_address(name, port)
         return m.group(0)
 
+    def image(self, c: dict) -> ReplayedImage:
+        """The replayed image of a container's image name."""
+        return self.images[c["image"].split(":")[0].removeprefix("specsplit-")]
+
     def container_run(self, deployment: str, c: dict) -> tuple[ReplayedImage, list[str], dict[str, str], Path]:
-        role = c["image"].split(":")[0].removeprefix("specsplit-")
-        image = self.images[role]
+        image = self.image(c)
         volumes = self.volume_dirs(deployment)
         mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in volumes}
         workdir = mounts.get("/tmp") or self.root / deployment / f"{c['name']}-tmp"
@@ -340,19 +346,19 @@ class OverlayPods:
             else:
                 raw[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: raw[m.group(1)], e["value"])
         env = image.environ()
-        env.update({k: self._local(deployment, v, mounts, image).replace(":#", ":") for k, v in raw.items()})
+        env.update({k: self._local(deployment, v, mounts, image) for k, v in raw.items()})
         env["TMPDIR"] = env["HOME"] = str(mounts["/tmp"])
         (entry,) = [json.loads(a) for i, a in image.ins if i == "ENTRYPOINT"]
         (cmd,) = [json.loads(a) for i, a in image.ins if i == "CMD"]
         argv = [*(c.get("command") or entry), *(c.get("args") if "args" in c else cmd)]
         argv = [re.sub(r"\$\((\w+)\)", lambda m: raw[m.group(1)], a) for a in argv if not a.startswith(GPU_ONLY)]
-        argv = [self._local(deployment, a, mounts, image).replace(":#", ":") for a in argv]
+        argv = [self._local(deployment, a, mounts, image) for a in argv]
         argv[0] = str(image.venv / "bin" / argv[0])
         return image, argv, env, workdir
 
     def probe(self, deployment: str, c: dict) -> list[str]:
         """The container's readiness probe as a command on this machine."""
-        image, _, _, _ = self.container_run(deployment, c)
+        image = self.image(c)
         probe = c["readinessProbe"]
         if "grpc" in probe:
             port = self.port(deployment, probe["grpc"]["port"])

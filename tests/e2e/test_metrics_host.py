@@ -10,7 +10,7 @@ import pytest
 
 from specsplit.launcher import free_port
 
-from .listening import wait_listening_on
+from .proc import wait_listening_on
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from specsplit import Client, SpecsplitError
 from specsplit.launcher import free_port
 
 from .certs import make_ca, write_tls_dir
-from .listening import children, wait_listening_on
+from .proc import children, wait_listening_on
 from .up_process import Up
 
 TOKEN = "up-s3cret"

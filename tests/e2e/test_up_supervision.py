@@ -25,7 +25,8 @@ from tokenizers import Tokenizer
 from specsplit import Client
 
 from .helpers import start_streams
-from .up_process import Up, processes, stat
+from .proc import processes, stat
+from .up_process import Up
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 PROMPTS = [

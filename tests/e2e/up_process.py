@@ -1,4 +1,4 @@
-"""`specsplit up` as a user runs it, in a process of its own, and what /proc says of the processes it leaves."""
+"""`specsplit up` as a user runs it, in a process of its own, (its services found in /proc)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 import time
 
 from specsplit.launcher import free_port
+
+from .proc import processes
 
 
 class Up:
@@ -65,26 +67,3 @@ class Up:
                 self.proc.wait(10)
         for pid in self.children():  # only after a failed test: the SIGTERM test proves there are none
             os.kill(pid, signal.SIGKILL)
-
-
-def processes() -> dict[int, str]:
-    """pid → command line of every live (not zombie) process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and stat(int(entry)) is not None:
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    out[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-    return out
-
-
-def stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...); None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields

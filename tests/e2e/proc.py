@@ -1,4 +1,5 @@
-"""What a process listens on, read from /proc (Linux): its TCP sockets in LISTEN state, matched by inode."""
+"""Processes as /proc (Linux) shows them: their command lines, stat fields, children, and the TCP sockets each listens
+on (LISTEN state, matched by inode)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,7 @@ def wait_listening_on(pid: int, port: int, timeout_s: float = 120.0) -> set[str]
     """The addresses `pid` listens on at `port`, once it listens there at all (AssertionError after timeout_s)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with open(f"/proc/{pid}/stat") as f:
-            assert f.read().rsplit(")", 1)[1].split()[0] != "Z", f"process {pid} exited"
+        assert stat(pid) is not None, f"process {pid} exited"
         addresses = {ip for ip, p in listening(pid) if p == port}
         if addresses:
             return addresses
@@ -56,16 +56,27 @@ def wait_listening_on(pid: int, port: int, timeout_s: float = 120.0) -> set[str]
 
 def children(pid: int) -> dict[int, str]:
     """pid → command line of the live processes whose parent is `pid`."""
+    return {child: cmd.strip() for child, cmd in processes().items() if (stat(child) or [None, None])[1] == str(pid)}
+
+
+def processes() -> dict[int, str]:
+    """pid → command line of every live (not zombie) process."""
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent == pid:
+        if entry.isdigit() and stat(int(entry)) is not None:
+            try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    out[int(entry)] = f.read().replace(b"\0", b" ").decode().strip()
-        except (OSError, IndexError, ValueError):  # exited meanwhile
-            continue
+                    out[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
     return out
+
+
+def stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...); None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields
