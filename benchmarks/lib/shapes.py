@@ -92,7 +92,7 @@ SHAPES = {
         max_position_embeddings=32768,
         rope_theta=1000000.0,
     ),
-    # Qwen2-72B's layout: a target that needs tensor parallelism (145 GB of bf16 weights; benchmarks/tp_step.py).
+    # Qwen2-72B's layout: a target that needs tensor parallelism (145 GB of bf16 weights; benchmarks/step.py --tp).
     "qwen2-72b": dict(
         hidden_size=8192,
         intermediate_size=29568,

@@ -17,13 +17,44 @@ import copy
 import pytest
 import torch
 
-from benchmarks.decode_step import random_qwen2_7b
+from benchmarks.lib.shapes import SHAPES
 from specsplit.models.attention import use_kernel_for
+from specsplit.models.config import ModelConfig
 from specsplit.models.layer_ops import enable_gemv
+from specsplit.models.layers import fuse_projections
+from specsplit.models.target import TargetModel
 
 pytestmark = pytest.mark.gpu
 
 CONTEXT = 64
+
+
+def random_qwen2_7b(dtype: torch.dtype, device: torch.device) -> TargetModel:
+    """The Qwen2-7B shape with N(0, 0.02) weights (norms 1), fused as the loader returns models: unlike the
+    dummy weights (`specsplit.models.dummy_weights`), every linear moves the logits, so each one's error shows."""
+    config = ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        model_type="qwen2",
+        rms_norm_eps=1e-6,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        o_proj_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        num_nextn_predict_layers=0,
+        **SHAPES["qwen2-7b"],
+    )
+    with torch.device("meta"):
+        model = fuse_projections(TargetModel(config).to(dtype))
+    model = model.to_empty(device=device).requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
