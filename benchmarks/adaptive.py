@@ -68,7 +68,7 @@ from benchmarks.lib.adaptive_window import (  # noqa: E402
 from benchmarks.lib.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
 from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
-from specsplit.coordinator.draft_choice import DraftChooser  # noqa: E402
+from specsplit.coordinator.draft_choice import AdaptiveDraftCount, DraftPolicy  # noqa: E402
 
 WARM_UP_TOKENS = 16  # the services' warm-up
 
@@ -196,16 +196,15 @@ class Bench:
         self.failures: list[str] = []
         self._num_runs = 0
 
-    def window(self, cell: Cell, mode: str, chooser: DraftChooser | None, timed: int, warm: int) -> Window:
+    def window(self, cell: Cell, mode: str, chooser: DraftPolicy | None, timed: int, warm: int) -> Window:
         k = mode_k(mode, self.max_k)
         config = dataclasses.replace(self.base_config, adaptive=mode == "adaptive", max_num_seqs=cell.batch)
-        core = self.engine.llm.core
-        runner = self.engine.drafter
-        core.drafter = ForcedAcceptanceRunner(runner, self.oracle, cell.alphas, self.args.seed) if k > 0 else None
-        self._num_runs += 1
         llm = self.engine.llm
+        llm.drafter.runner = ForcedAcceptanceRunner(self.engine.drafter, self.oracle, cell.alphas, self.args.seed)
+        llm.step.use_drafter(llm.drafter if k > 0 else None)
+        self._num_runs += 1
         result = run_window(
-            core,
+            llm.step,
             config,
             llm.eos_token_ids,
             self.prompts[: cell.batch],
@@ -225,7 +224,7 @@ class Bench:
 
     def cell(self, cell: Cell, modes: list[str]) -> dict:
         args = self.args
-        learned = DraftChooser()
+        learned = AdaptiveDraftCount()
         if args.learn_iterations:
             self.window(cell, "adaptive", learned, args.learn_iterations, 0)
         windows: dict[str, list[Window]] = {m: [] for m in modes}

@@ -4,12 +4,7 @@ services on one host, without gRPC.
 The gRPC streams (`BidiStream`) cost each message a trip through grpc.aio's completion-queue
 thread and several generator layers on both ends. Two services on one host can instead exchange
 the same protobuf messages as length-prefixed frames on a Unix socket, read and written directly by
-their event loops (benchmarks/results/cpu_2core.md times both).
-
-Frame: `<u32 length><u8 kind>` then `length` bytes.
-    kind 0  a message (the protobuf's serialised bytes)
-    kind 1  an error: `<u32 grpc status code>` then the details in UTF-8; the server closes the
-            connection after it, as a gRPC stream ends with its status
+their event loops (benchmarks/results/cpu_2core.md times both), as the frames of `specsplit.frames`.
 
 Two servers: `LocalStreamServer` reads and answers on its event loop and awaits an async handler;
 `ThreadedLocalStreamServer` (`specsplit/threaded_stream.py`) serves each connection on a thread of
@@ -32,36 +27,26 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from specsplit.bidi_stream import StreamError, until_draining, within
 from specsplit.errors import SpecsplitError, UsageError
+from specsplit.frames import HEADER, BadFrame, answer_of, error_frame, message_frame, parse_request, request_length
 from specsplit.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
 # The verifier's control paths to its drafters (its placement picks one: `specsplit.placement`): the gRPC
-# ProposeStream or the same stream on a co-located drafter's Unix socket through this module; the
+# ProposeStream or the same stream on a co-located drafter's Unix socket (`specsplit.verifier.drafter_channel`); the
 # coordinator's `--verifier-rpc`: the gRPC VerifyStream or the same stream on the verifier's socket.
 DRAFTER_RPCS = ("stream", "local")
 VERIFIER_RPCS = ("stream", "local")
-HEADER = struct.Struct("<IB")
-ERROR_CODE = struct.Struct("<I")
-KIND_MESSAGE, KIND_ERROR = 0, 1
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL (Linux)
-
-
-def message_frame(message) -> bytes:
-    body = message.SerializeToString()
-    return HEADER.pack(len(body), KIND_MESSAGE) + body
 
 
 async def _write_message(writer: asyncio.StreamWriter, message) -> None:
@@ -69,43 +54,6 @@ async def _write_message(writer: asyncio.StreamWriter, message) -> None:
     writer.write(message_frame(message))
     if writer.transport.get_write_buffer_size() > 2**20:
         await writer.drain()
-
-
-def error_frame(code: grpc.StatusCode, details: str) -> bytes:
-    body = ERROR_CODE.pack(code.value[0]) + details.encode()
-    return HEADER.pack(len(body), KIND_ERROR) + body
-
-
-def error_of_frame(body: bytes) -> StreamError:
-    """The status an error frame's body carries."""
-    (code,) = ERROR_CODE.unpack_from(body)
-    return StreamError(_CODES.get(code, grpc.StatusCode.UNKNOWN), body[ERROR_CODE.size :].decode(errors="replace"))
-
-
-def header_error(length: int, kind: int, max_message_bytes: int) -> bytes | None:
-    """A server's answer to a request frame header it refuses (an error frame), or None."""
-    if kind != KIND_MESSAGE:
-        return error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}")
-    if length > max_message_bytes:
-        details = f"message of {length} bytes over the limit of {max_message_bytes}"
-        return error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
-    return None
-
-
-def parse_error(err: DecodeError) -> bytes:
-    return error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {err}")
-
-
-def recv_exactly(conn: socket.socket, n: int) -> bytes:
-    """Up to `n` bytes from a blocking socket: fewer only when the peer closed the connection."""
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 class LocalStreamServer:
@@ -180,20 +128,16 @@ class LocalStreamServer:
         error status and ends the connection."""
         while True:
             try:
-                length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+                header = await reader.readexactly(HEADER.size)
             except asyncio.IncompleteReadError as err:
-                if err.partial:
-                    writer.write(error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
-                return
-            refused = header_error(length, kind, self._max_message_bytes)
-            if refused is not None:
-                writer.write(refused)
-                return
-            body = await reader.readexactly(length)
+                header = err.partial
+                if not header:
+                    return
             try:
-                request = self._parse(body)
-            except DecodeError as err:
-                writer.write(parse_error(err))
+                length = request_length(header, self._max_message_bytes)
+                request = parse_request(await reader.readexactly(length), self._parse)
+            except BadFrame as bad:
+                writer.write(bad.frame)
                 return
             yield request
 
@@ -343,25 +287,22 @@ class LocalStream:
         if self._reader is None:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"no open stream to the {self._peer}")
         try:
-            length, kind, body = await within(self._read_frame, self._timeout_s)
+            kind, body = await within(self._read_frame, self._timeout_s)
         except asyncio.TimeoutError:
             self.close()
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout_s}s") from None
         except (OSError, asyncio.IncompleteReadError):
             self.close()
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the {self._peer} closed the stream") from None
-        if kind == KIND_ERROR:
-            self.close()
-            raise error_of_frame(body)
         try:
-            return self._parse(body)
-        except DecodeError as err:
+            return answer_of(kind, body, self._parse, self._peer)
+        except StreamError:
             self.close()
-            raise StreamError(grpc.StatusCode.INTERNAL, f"cannot parse the {self._peer}'s answer: {err}") from None
+            raise
 
-    async def _read_frame(self) -> tuple[int, int, bytes]:
+    async def _read_frame(self) -> tuple[int, bytes]:
         length, kind = HEADER.unpack(await self._reader.readexactly(HEADER.size))
-        return length, kind, await self._reader.readexactly(length)
+        return kind, await self._reader.readexactly(length)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -5,7 +5,7 @@
   with the device hand-off (on CPU: bytes in the Propose), exactly one drafter.
 - `pooled` — the drafter runs on GPUs of its own, any number of replicas behind one DNS name:
   ProposeStream over gRPC, or on the drafter's own Unix socket where that is on the verifier's host
-  (`DrafterClient` asks each replica at each new channel), hidden states as bytes in the Propose
+  (`PoolChannel` asks each replica at each new channel), hidden states as bytes in the Propose
   (`grpc`, any number of replicas) or by NCCL to one dedicated drafter (`nccl`, same host over NVLink
   or across hosts with RDMA).
 

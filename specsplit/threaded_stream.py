@@ -1,4 +1,5 @@
-"""`ThreadedLocalStreamServer`: `specsplit.local_stream`'s protocol served by one thread per connection.
+"""`ThreadedLocalStreamServer`: `specsplit.local_stream`'s protocol (`specsplit.frames`) served by one thread per
+connection.
 
 The thread reads a request, calls the synchronous handler itself and writes the answer: no event loop
 and no hand-over between threads lies between a request's bytes and the model (the co-located
@@ -18,18 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from specsplit.errors import SpecsplitError
-from specsplit.local_stream import (
-    HEADER,
-    claim_path,
-    error_frame,
-    header_error,
-    message_frame,
-    parse_error,
-    recv_exactly,
-)
+from specsplit.frames import HEADER, BadFrame, error_frame, message_frame, parse_request, recv_exactly, request_length
+from specsplit.local_stream import claim_path
 
 log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 30.0  # the wait for the rest of a frame begun
@@ -144,22 +137,16 @@ class ThreadedLocalStreamServer:
             if self._draining.is_set() or self._closed.is_set():
                 return None
         header = recv_exactly(conn, HEADER.size)
-        if len(header) < HEADER.size:
-            if header:
-                conn.sendall(error_frame(grpc.StatusCode.INVALID_ARGUMENT, "truncated frame header"))
-            return None
-        length, kind = HEADER.unpack(header)
-        refused = header_error(length, kind, self._max_message_bytes)
-        if refused is not None:
-            conn.sendall(refused)
-            return None
-        body = recv_exactly(conn, length)
-        if len(body) < length:
+        if not header:
             return None
         try:
-            return self._parse(body)
-        except DecodeError as err:
-            conn.sendall(parse_error(err))
+            length = request_length(header, self._max_message_bytes)
+            body = recv_exactly(conn, length)
+            if len(body) < length:
+                return None
+            return parse_request(body, self._parse)
+        except BadFrame as bad:
+            conn.sendall(bad.frame)
             return None
 
 

@@ -1,4 +1,5 @@
-"""A steady-state decode window on the in-process engine, what benchmarks/adaptive.py times.
+"""A steady-state decode window on the in-process engine (the coordinator's loop, `Engine.step`, over the verifier's
+step in this process), what benchmarks/adaptive.py times.
 
 B requests (one per slot) are prefilled together (untimed), run `warm` decode iterations (untimed), then exactly
 `timed` decode iterations are timed: the tokens they emitted over their wall time. Every request has more tokens
@@ -9,6 +10,7 @@ batch emptying. The garbage collector is off inside the window (collected just b
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from dataclasses import dataclass, field
@@ -17,11 +19,13 @@ import torch
 
 from benchmarks.lib.forced_acceptance import prompt_request_id
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.draft_choice import DraftPolicy
+from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.engine.core import EngineCore
+from specsplit.engine.local import LocalVerifier
 from specsplit.results import SpecStats
+from specsplit.verifier.step import VerifierStep
 
 
 @dataclass
@@ -81,22 +85,41 @@ def _stats(requests: list[Request]) -> SpecStats:
 
 
 def run_window(
-    core: EngineCore,
+    step: VerifierStep,
     config: SchedulerConfig,
     eos_token_ids: list[int],
     prompts: list[list[int]],
     k: int,
-    chooser: DraftChooser | None,
+    chooser: DraftPolicy | None,
     warm: int,
     timed: int,
     max_tokens: int,
     sync=None,
     tag: str = "w",
 ) -> Window:
-    """`k`: drafts per request (0: target-only, no drafter expected on `core`); `chooser`: adaptive speculation's
+    """`k`: drafts per request (0: target-only, no drafter expected on `step`); `chooser`: adaptive speculation's
     state (with `config.adaptive`). Frees everything it used."""
+    return asyncio.run(
+        _run_window(step, config, eos_token_ids, prompts, k, chooser, warm, timed, max_tokens, sync, tag)
+    )
+
+
+async def _run_window(
+    step: VerifierStep,
+    config: SchedulerConfig,
+    eos_token_ids: list[int],
+    prompts: list[list[int]],
+    k: int,
+    chooser: DraftPolicy | None,
+    warm: int,
+    timed: int,
+    max_tokens: int,
+    sync,
+    tag: str,
+) -> Window:
     sync = sync or (lambda: None)
     scheduler = Scheduler(config, eos_token_ids, chooser)
+    engine = Engine(scheduler, LocalVerifier(step, scheduler.eos_token_ids), None)
     requests = [
         Request(
             prompt_request_id(i, tag),  # so forced acceptance knows its prompt (benchmarks/lib/forced_acceptance.py)
@@ -106,7 +129,7 @@ def run_window(
         for i, p in enumerate(prompts)
     ]
     for r in requests:
-        scheduler.add_request(r)
+        engine.add_request(r)
 
     def decoding() -> bool:
         return all(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
@@ -130,12 +153,12 @@ def run_window(
         for _ in range(len(prompts) * max(len(p) for p in prompts) + 1):  # prefill (bounded: a chunk per step)
             if decoding() and scheduler.num_waiting == 0:
                 break
-            core.step(scheduler)
+            await engine.step()
         else:
             raise RuntimeError("prefill did not finish")
         t1 = time.perf_counter()
         for _ in range(warm):
-            core.step(scheduler)
+            await engine.step()
         before = _stats(requests)
         emitted = sum(len(r.output_token_ids) for r in requests)
         gc.collect()
@@ -145,7 +168,7 @@ def run_window(
         t2 = time.perf_counter()
         try:
             for _ in range(timed):
-                core.step(scheduler)
+                await engine.step()
             sync()
             t3 = time.perf_counter()
         finally:
@@ -173,10 +196,12 @@ def run_window(
     finally:
         if chooser is not None:
             del chooser.choose, chooser.choose_ahead  # the class's again (a copy of the chooser must not call these)
-        ids = [r.request_id for r in requests]
-        for rid in ids:
-            scheduler.finish_request(rid, "abort")
-        core.free(ids)
+        for r in requests:
+            engine.abort(r.request_id)
+        for _ in range(4):  # the iteration that frees them (bounded: one is enough)
+            if not scheduler.has_work():
+                break
+            await engine.step()
 
 
 def cuda_sync(device: str):

@@ -91,8 +91,8 @@ def step_token_budget(max_batch: int, max_k: int) -> int:
 
 
 class InProcessEngine:
-    """`specsplit.LLM`: the services' iteration (`EngineCore.step`) in one process, what disaggregation is
-    measured against; k = 0 runs without a drafter (target-only)."""
+    """`specsplit.LLM`: the services' iteration (their coordinator loop and verifier step) in one process, what
+    disaggregation is measured against; k = 0 runs without a drafter (target-only)."""
 
     def __init__(
         self,
@@ -120,7 +120,7 @@ class InProcessEngine:
             adaptive=False,  # every request k drafts (benchmarks/adaptive.py switches per run)
         )
         self.target, self.device = self.llm.target, device
-        self.drafter = self.llm.core.drafter
+        self.drafter = self.llm.drafter.runner if self.llm.drafter is not None else None
         self.wrap_drafter = lambda runner: runner  # e.g. forced acceptance
 
     def _sync(self) -> None:
@@ -128,7 +128,9 @@ class InProcessEngine:
             torch.cuda.synchronize()
 
     def run(self, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
-        self.llm.core.drafter = self.wrap_drafter(self.drafter) if k > 0 else None
+        if k > 0:
+            self.llm.drafter.runner = self.wrap_drafter(self.drafter)
+        self.llm.step.use_drafter(self.llm.drafter if k > 0 else None)
         self._sync()
         t_start = time.perf_counter()
         results = self.llm.generate(
@@ -136,21 +138,7 @@ class InProcessEngine:
         )
         self._sync()
         seconds = time.perf_counter() - t_start
-        breakdown = [
-            dict.fromkeys(BREAKDOWN, 0.0)
-            | {
-                "coordinator": _ms(t.schedule_ns + t.post_step_ns),
-                "prepare": _ms(t.prepare_ns),
-                "forward": _ms(t.forward_ns),
-                "sample": _ms(t.sample_ns),
-                "verifier_other": _ms(t.verify_ns - t.prepare_ns - t.forward_ns - t.sample_ns),
-                "step0": _ms(t.step0_ns),
-                "later_steps": _ms(t.later_steps_ns),
-                "drafter_other": _ms(t.propose_ns - t.step0_ns - t.later_steps_ns),
-                "iteration": _ms(t.iteration_ns),
-            }
-            for t in self.llm.iteration_timings
-        ]
+        breakdown = [services_breakdown(t) for t in self.llm.iteration_timings]
         stats = SpecStats()
         for r in results:
             stats.merge(r.stats)

@@ -4,15 +4,17 @@ Position j (0-based) is *reached* when an iteration verified more than j drafts 
 accepted when draft j was kept too. a_j = accepted_j / reached_j is the acceptance of draft j given that the drafts
 before it were accepted, so a request with drafts 0..d-1 emits 1 + sum over i < d of prod_{j <= i} a_j tokens on
 average. A request's own counts are few, so its estimate is shrunk toward the server's recent per-position acceptance
-(`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations; `DraftChooser` scales it by the
-request's position 0 and applies it); the server's own estimate of a position is shrunk toward the position before
-it, and positions the server never reached take the deepest one it did.
+(`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations, scaled by the request's position 0:
+`ServerAcceptance.gains`); the server's own estimate of a position is shrunk toward the position before it, and
+positions the server never reached take the deepest one it did.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+
+import numpy as np
 
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the server's acceptance in each request's estimate
 DEFAULT_ACCEPTANCE = 0.5  # before the server has verified any draft
@@ -61,6 +63,7 @@ class ServerAcceptance:
         self.version = 0  # bumped by every record
         self._reached: list[float] = []
         self._accepted: list[float] = []
+        self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # `means` kept: (version, positions, means)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.version += 1
@@ -86,3 +89,24 @@ class ServerAcceptance:
                 last = (self._accepted[j] + weight * last) / (self._reached[j] + weight)
             out.append(last)
         return out
+
+    def gains(self, caps: list[int], counts: list[PositionCounts], max_cap: int) -> np.ndarray:
+        """[num_reqs, max_cap]: the marginal gain prod_{j <= i} a_rj of request r's draft i (0 past its cap).
+
+        a_rj = (accepted_rj + w * prior_rj) / (reached_rj + w): the request's counts shrunk toward a prior, the
+        server's acceptance at j scaled by how the request's position 0 compares with the server's (deeper positions
+        are reached rarely: a request that is often rejected at once is assumed to be so further on as well)."""
+        version, positions, prior = self._prior
+        if version != self.version or positions != max_cap:
+            prior = np.array(self.means(max_cap))
+            self._prior = (self.version, max_cap, prior)
+        own = np.frombuffer(b"".join([c.row(max_cap) for c in counts]), np.float64).reshape(len(counts), 2 * max_cap)
+        reached, accepted = own[:, :max_cap], own[:, max_cap:]
+        w = PRIOR_WEIGHT
+        a0 = (accepted[:, 0] + w * min(1.0, prior[0])) / (reached[:, 0] + w)
+        mean = np.minimum(1.0, prior * (a0 / prior[0])[:, None])  # (the means are never 0: shrunk toward 0.5)
+        mean[:, 0] = min(1.0, prior[0])
+        gains = ((accepted + w * mean) / (reached + w)).cumprod(axis=1)
+        if min(caps) < max_cap:
+            gains[np.arange(max_cap) >= np.array(caps)[:, None]] = 0.0
+        return gains

@@ -1,6 +1,10 @@
-"""Adaptive speculation: how many drafts each decoding request asks the drafter for, chosen every iteration.
+"""How many drafts each decoding request asks the drafter for, chosen every iteration: the scheduler's `DraftPolicy`.
 
-The choice maximises the batch's expected emitted tokens per second in steady state (async scheduling: the drafts
+`FixedDraftCount` gives every request its cap (the fixed k, `--no-adaptive`). `AdaptiveDraftCount` (adaptive
+speculation, the default: `draft_policy`) chooses as below, from what it learned (step times, acceptance), which it
+keeps from one scheduler to the next it is given to.
+
+Its choice maximises the batch's expected emitted tokens per second in steady state (async scheduling: the drafts
 asked for now are verified next iteration, so an iteration's time is that of verifying them plus proposing):
 
     rate(s) = sum_r (1 + sum_{i < s_r} prod_{j <= i} a_rj) / time(n + sum_r s_r, max_r s_r - 1)
@@ -30,18 +34,22 @@ choice follows a drafter whose acceptance changed and a step time measured once 
 those, every `RETIME_EVERY`-th choice runs again a close alternative timed before half the iterations recorded so far
 (`_stale_close_alternative`), so that a slow start's prices are re-checked soon.
 
-Where a choice is made afresh, its costly part (the best rate's allocation, `_best`) is computed while the device runs
-the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known then.
+Where a choice is made afresh, its costly part (the best rate's allocation, `best_allocation`) is computed while the
+device runs the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known
+then.
 """
 
 from __future__ import annotations
 
+import abc
 import operator
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from specsplit.coordinator.draft_acceptance import PRIOR_WEIGHT, PositionCounts, ServerAcceptance
-from specsplit.coordinator.step_cost import StepCostModel, bucket_of
+from specsplit.coordinator.config import SchedulerConfig
+from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance
+from specsplit.coordinator.step_cost import CostCurve, StepCostModel, bucket_of
 
 EXPLORE_EVERY = 128
 # Between those, every RETIME_EVERY choices: an alternative of the choice (one draft more each, or a shallower uniform
@@ -60,57 +68,149 @@ KEEP = 3
 SWEEP_SAMPLES = 3  # iterations a never-timed depth is asked for (one time is too noisy to rank close depths)
 
 
-class DraftChooser:
+class DraftPolicy(abc.ABC):
+    """How many drafts each decoding request asks the drafter for (`choose`, every iteration), and what the choice
+    learns from (`record_verified`, `record_iteration`). The scheduler calls every method, whichever the policy."""
+
+    @abc.abstractmethod
+    def choose(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> list[int]:
+        """Drafts to ask for, per decoding request, each at most its cap; `counts`: its acceptance per draft position;
+        `remaining`: its tokens still to generate."""
+
+    @abc.abstractmethod
+    def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
+        """Prepares the next `choose` for this batch, while the device runs the current iteration."""
+
+    @abc.abstractmethod
+    def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
+        """A request's verification of `num_drafts` drafts, the first `num_accepted` of them kept; `counts`: its
+        acceptance per draft position."""
+
+    @abc.abstractmethod
+    def record_iteration(
+        self,
+        num_tokens: int,
+        num_later_steps: int,
+        seconds: float,
+        later_steps_s: float | None,
+        proposed: bool,
+        propose_s: float | None,
+        verified_depth: int,
+    ) -> None:
+        """A decode iteration's measured time (`StepCostModel.record`'s arguments)."""
+
+
+class FixedDraftCount(DraftPolicy):
+    """Every request asks for its cap (the fixed k: `--no-adaptive`, `num_speculative_tokens`); nothing is learned."""
+
+    def choose(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> list[int]:
+        return list(caps)
+
+    def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
+        """Nothing to prepare."""
+
+    def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
+        """Not learned from."""
+
+    def record_iteration(
+        self,
+        num_tokens: int,
+        num_later_steps: int,
+        seconds: float,
+        later_steps_s: float | None,
+        proposed: bool,
+        propose_s: float | None,
+        verified_depth: int,
+    ) -> None:
+        """Not learned from."""
+
+
+def draft_policy(config: SchedulerConfig) -> DraftPolicy:
+    """A new policy as `config` says: adaptive where it is on and requests may draft, else the fixed k."""
+    if config.adaptive and config.num_speculative_tokens > 0:
+        return AdaptiveDraftCount()
+    return FixedDraftCount()
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """Draft counts chosen for a batch: its requests (their counts, by identity), their caps, and what was chosen."""
+
+    caps: list[int]
+    counts: list[PositionCounts]
+    drafts: list[int]
+
+    def is_for(self, caps: list[int], counts: list[PositionCounts]) -> bool:
+        """The same requests (their counts, by identity) with the same caps."""
+        return caps == self.caps and len(counts) == len(self.counts) and all(map(operator.is_, counts, self.counts))
+
+
+@dataclass
+class KeptChoice:
+    """The last choice made afresh, kept for the same batch while it is young (`AdaptiveDraftCount._kept_choice`)."""
+
+    choice: BatchChoice
+    acceptance_version: int  # the server's acceptance it was made from (a choice of no drafts: kept while unchanged)
+    repeats: int  # choices made afresh in a row before it that chose the same (it is kept for min(repeats, KEEP))
+    age: int = 0  # choices that kept it so far
+
+    def keeps(self, caps: list[int], counts: list[PositionCounts], acceptance_version: int) -> bool:
+        """Whether the next choice for this batch keeps it."""
+        if any(self.choice.drafts):
+            stale = self.age + 1 >= min(self.repeats, KEEP)
+        else:
+            stale = self.acceptance_version != acceptance_version or self.age + 1 >= ZERO_KEEP
+        return not stale and self.choice.is_for(caps, counts)
+
+
+@dataclass
+class ChoiceCounters:
+    """Choices made (a sweep's are not counted: the exploration and re-timing run every so many) and explorations
+    (deeper and shallower in turn)."""
+
+    choices: int = 0
+    explorations: int = 0
+
+
+@dataclass
+class SweepProgress:
+    """The sweep of uniform depths (`AdaptiveDraftCount._sweep`): iterations asked for per bucket of token counts, and
+    the batches (size, deepest cap, least cap, caps' sum) with nothing left to sweep."""
+
+    asked: dict[int, int] = field(default_factory=dict)
+    done: set[tuple[int, int, int, int]] = field(default_factory=set)
+
+
+class AdaptiveDraftCount(DraftPolicy):
+    """Adaptive speculation (this module's docstring). What it learned, the step cost (`costs`) and the server's
+    acceptance (`acceptance`), goes on with it to the next scheduler it is given to."""
+
     def __init__(self) -> None:
         self.costs = StepCostModel()
         self.acceptance = ServerAcceptance()
-        self._num_choices = 0
-        self._num_explored = 0  # explorations so far (`_choose`: deeper and shallower in turn)
-        self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # (server version, positions, means)
-        self._swept: dict[int, int] = {}  # bucket of token counts: iterations `_sweep` asked for it
-        self._swept_batches: set[tuple[int, int, int, int]] = set()  # batches (size, caps) with nothing to sweep
-        self._streak = 0  # choices in a row that chose what the one before chose (each kept as long, up to KEEP)
-        self._kept: tuple | None = None  # the last choice, kept: (acceptance version, counts, caps, age, choice)
-        self._trial: tuple | None = None  # a choice of a depth never run steadily, to repeat once: (counts, caps, it)
-        self._ahead: tuple | None = None  # the next `_best`, computed ahead (`choose_ahead`): (caps, counts, it)
-
-    def _gains(self, caps: list[int], counts: list[PositionCounts], max_cap: int) -> np.ndarray:
-        """[num_reqs, max_cap]: the marginal gain prod_{j <= i} a_rj of request r's draft i (0 past its cap).
-
-        a_rj = (accepted_rj + w * prior_rj) / (reached_rj + w): the request's counts shrunk toward a prior, the
-        server's acceptance at j scaled by how the request's position 0 compares with the server's (deeper positions
-        are reached rarely: a request that is often rejected at once is assumed to be so further on as well)."""
-        version, positions, prior = self._prior
-        if version != self.acceptance.version or positions != max_cap:
-            prior = np.array(self.acceptance.means(max_cap))
-            self._prior = (self.acceptance.version, max_cap, prior)
-        own = np.frombuffer(b"".join([c.row(max_cap) for c in counts]), np.float64).reshape(len(counts), 2 * max_cap)
-        reached, accepted = own[:, :max_cap], own[:, max_cap:]
-        w = PRIOR_WEIGHT
-        a0 = (accepted[:, 0] + w * min(1.0, prior[0])) / (reached[:, 0] + w)
-        mean = np.minimum(1.0, prior * (a0 / prior[0])[:, None])  # (the means are never 0: shrunk toward 0.5)
-        mean[:, 0] = min(1.0, prior[0])
-        gains = ((accepted + w * mean) / (reached + w)).cumprod(axis=1)
-        if min(caps) < max_cap:
-            gains[np.arange(max_cap) >= np.array(caps)[:, None]] = 0.0
-        return gains
+        self._counters = ChoiceCounters()
+        self._swept = SweepProgress()
+        self._kept: KeptChoice | None = None
+        self._trial: BatchChoice | None = None  # a choice of a depth never run steadily, to repeat once
+        self._ahead: BatchChoice | None = None  # the next best allocation, computed ahead (`choose_ahead`)
 
     def _sweep(self, caps: list[int], num_reqs: int, max_cap: int) -> list[int] | None:
         """The uniform depth (every request that many drafts, at most its cap) whose token count was timed fewer than
         SWEEP_SAMPLES times, if any: asked for at most that often per bucket of token counts, so that the cost of
         every depth is measured rather than extrapolated (a GPU step's time is far from a line: flat, then a jump at
         each CUDA graph size)."""
+        swept = self._swept
         batch = (num_reqs, max_cap, min(caps), sum(caps))  # (caps are mostly all k: then this is exact)
-        if batch in self._swept_batches:
+        if batch in swept.done:
             return None
         totals = num_reqs + np.minimum(np.arange(max_cap + 1)[:, None], np.array(caps)).sum(axis=1)
         for depth, total in enumerate(totals.tolist()):
             bucket = bucket_of(total)
-            asked = self._swept.get(bucket, 0)
+            asked = swept.asked.get(bucket, 0)
             if asked < SWEEP_SAMPLES and self.costs.samples_at(total) < SWEEP_SAMPLES:
-                self._swept[bucket] = asked + 1
+                swept.asked[bucket] = asked + 1
                 return [min(depth, cap) for cap in caps]
-        self._swept_batches.add(batch)  # every depth of it swept (samples never decrease)
+        swept.done.add(batch)  # every depth of it swept (samples never decrease)
         return None
 
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
@@ -119,23 +219,35 @@ class DraftChooser:
             counts.record(num_drafts, num_accepted)
             self.acceptance.record(num_drafts, num_accepted)
 
+    def record_iteration(
+        self,
+        num_tokens: int,
+        num_later_steps: int,
+        seconds: float,
+        later_steps_s: float | None,
+        proposed: bool,
+        propose_s: float | None,
+        verified_depth: int,
+    ) -> None:
+        """A decode iteration's time, into the step cost."""
+        self.costs.record(num_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s, verified_depth)
+
     def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
-        """The best allocation (`_best`, the choice's costly part) for this batch's next iteration, computed now: the
-        engines call this while the device runs the current iteration, so that its host time (a few percent of a
-        small batch's GPU step: docs/design.md §9, "Cost of the choice") leaves no GPU idle between two steps. The
-        next `choose` takes it where it would compute `_best` for the same requests with the same caps (a request
-        that finished or arrived, or a cap cut near max_tokens, computes it afresh); everything else about the
-        choice (kept choices, sweeps, trials, exploration) is decided there. It is computed from what was known one
-        iteration earlier: the acceptance and time of the iteration still running are not in it, as they are not
-        in a kept choice. Not computed where the next choice will keep the last one."""
+        """The best allocation (`best_allocation`, the choice's costly part) for this batch's next iteration, computed
+        now: the engines call this while the device runs the current iteration, so that its host time (a few percent
+        of a small batch's GPU step: docs/design.md §9, "Cost of the choice") leaves no GPU idle between two steps.
+        The next `choose` takes it where it would compute the best allocation for the same requests with the same
+        caps (a request that finished or arrived, or a cap cut near max_tokens, computes it afresh); everything else
+        about the choice (kept choices, sweeps, trials, exploration) is decided there. It is computed from what was
+        known one iteration earlier: the acceptance and time of the iteration still running are not in it, as they
+        are not in a kept choice. Not computed where the next choice will keep the last one."""
         self._ahead = None
         max_cap = max(caps, default=0)
         if max_cap == 0 or not self.costs.ready or self.costs.propose_s is None or self._keeps(caps, counts):
             return
-        self._ahead = (list(caps), list(counts), self._best(caps, counts, remaining, len(caps), max_cap))
+        self._ahead = BatchChoice(list(caps), list(counts), self._best(caps, counts, remaining))
 
     def choose(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> list[int]:
-        """Drafts to ask for, per decoding request, each at most its cap; `remaining`: its tokens still to generate."""
         try:
             return self._choose(caps, counts, remaining)
         finally:
@@ -158,21 +270,22 @@ class DraftChooser:
             chosen = self._kept_choice(caps, counts)
         if chosen is None:
             ahead = self._ahead
-            if ahead is not None and _same_batch(caps, counts, ahead[0], ahead[1]):
-                chosen = list(ahead[2])  # computed while the last step ran
+            if ahead is not None and ahead.is_for(caps, counts):
+                chosen = list(ahead.drafts)  # computed while the last step ran
             else:
-                chosen = self._best(caps, counts, remaining, num_reqs, max_cap)
+                chosen = self._best(caps, counts, remaining)
             self._trial = None
             later = max(chosen) - 1
             if later >= 0 and (bucket_of(num_reqs + sum(chosen)), later) not in self.costs.measured_runs:
-                self._trial = (list(counts), list(caps), chosen)
+                self._trial = BatchChoice(list(caps), list(counts), chosen)
             # Kept for the same batch (`_kept_choice`): a choice's inputs move little from one iteration to the
             # next, and choosing every iteration would put its host time on every step (docs/design.md §9, "Cost of
             # the choice").
-            same = self._kept is not None and self._kept[4] == chosen
-            self._streak = self._streak + 1 if same else 0
-            self._kept = (self.acceptance.version, list(counts), list(caps), 0, chosen)
-        self._num_choices += 1
+            last = self._kept
+            repeats = last.repeats + 1 if last is not None and last.choice.drafts == chosen else 0
+            self._kept = KeptChoice(BatchChoice(list(caps), list(counts), chosen), self.acceptance.version, repeats)
+        counters = self._counters
+        counters.choices += 1
         # Every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a Propose), twice in a
         # row, alternately: one draft more each, which measures more tokens and deeper positions, and a shallower
         # uniform depth (each request at most d drafts, d cycling through 0 .. the deepest chosen - 1). Both measure
@@ -181,20 +294,20 @@ class DraftChooser:
         # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) would never run again once
         # a deeper one was chosen, and a slower depth would stay chosen for good (docs/design.md §9, "Start, sweep
         # and exploration").
-        if self._num_choices % RETIME_EVERY == 0 and self._num_choices % EXPLORE_EVERY:
+        if counters.choices % RETIME_EVERY == 0 and counters.choices % EXPLORE_EVERY:
             explored = self._stale_close_alternative(chosen, caps, counts)
             if explored is not None:
-                self._trial = (list(counts), list(caps), explored)
+                self._trial = BatchChoice(list(caps), list(counts), explored)
                 return explored
-        if self._num_choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
-            self._num_explored += 1
+        if counters.choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
+            counters.explorations += 1
             deepest = max(chosen)
             deeper, *shallower = _alternatives(chosen, caps)
-            if self._num_explored % 2 == 0 and deepest > 0:
-                explored = shallower[(self._num_explored // 2) % deepest]
+            if counters.explorations % 2 == 0 and deepest > 0:
+                explored = shallower[(counters.explorations // 2) % deepest]
             else:
                 explored = deeper
-            self._trial = (list(counts), list(caps), explored)
+            self._trial = BatchChoice(list(caps), list(counts), explored)
             return explored
         return chosen
 
@@ -212,7 +325,7 @@ class DraftChooser:
             return None
         costs = self.costs
         curve = costs.curve()
-        gains = self._gains(caps, counts, max_cap)
+        gains = self.acceptance.gains(caps, counts, max_cap)
         taken = np.arange(max_cap)
 
         def rate(allocation: list[int]) -> float:
@@ -238,8 +351,7 @@ class DraftChooser:
         trial, self._trial = self._trial, None
         if trial is None:
             return None
-        kept_counts, kept_caps, chosen = trial
-        return chosen if _same_batch(caps, counts, kept_caps, kept_counts) else None
+        return trial.drafts if trial.is_for(caps, counts) else None
 
     def _kept_choice(self, caps: list[int], counts: list[PositionCounts]) -> list[int] | None:
         """The last choice again, for the same requests and caps, if it was chosen n times in a row before and was made
@@ -249,56 +361,53 @@ class DraftChooser:
         every time would cost a comparison of the batch's requests, not a choice). Else None (choose)."""
         if not self._keeps(caps, counts):
             return None
-        version, kept_counts, kept_caps, age, chosen = self._kept
-        self._kept = (version, kept_counts, kept_caps, age + 1, chosen)
-        return list(chosen)
+        self._kept.age += 1
+        return list(self._kept.choice.drafts)
 
     def _keeps(self, caps: list[int], counts: list[PositionCounts]) -> bool:
         """Whether `_kept_choice` would keep the last choice for this batch now."""
-        if self._kept is None:
-            return False
-        version, kept_counts, kept_caps, age, chosen = self._kept
-        if any(chosen):
-            stale = age + 1 >= min(self._streak, KEEP)
-        else:
-            stale = version != self.acceptance.version or age + 1 >= ZERO_KEEP
-        return not stale and _same_batch(caps, counts, kept_caps, kept_counts)
+        return self._kept is not None and self._kept.keeps(caps, counts, self.acceptance.version)
 
-    def _best(
-        self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None, num_reqs: int, max_cap: int
-    ) -> list[int]:
-        """The draft counts of the best rate (all 0 when no drafts pay)."""
+    def _best(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None) -> list[int]:
+        """`best_allocation` for this batch, as the step cost and the acceptance stand."""
         curve = self.costs.curve()
-        gains = self._gains(caps, counts, max_cap)
-        # Every (request, draft) pair in falling order of gain weighted by the tokens the request has left (relative
-        # to the batch's mean; to 1/100), then shallower first: each request's drafts come in order, so every prefix
-        # is an allocation. Indices are depth * num_reqs + request (column-major: a stable sort keeps that tie order).
-        weight = 1.0
-        if remaining:
-            weight = np.array(remaining, dtype=np.float64)[:, None] * (num_reqs / max(num_reqs, sum(remaining)))
-        keys = -np.round(gains * weight, 2)
-        if min(caps) < max_cap:
-            keys[gains == 0] = np.inf  # past the request's cap: last, cut off
-        keys = keys.T.ravel()
-        order = keys.argsort(kind="stable")[: sum(caps)]
-        depth_of, request_of = np.divmod(order, num_reqs)
-        # The drafter's steps are a cost per depth, not per draft: for each depth D, every prefix of the order
-        # restricted to drafts shallower than D (row D - 1), the rate of those ending at one of its drafts.
-        shallower = depth_of[None, :] < np.arange(1, max_cap + 1)[:, None]  # [max_cap, len(order)]
-        tokens = (shallower * gains.T.ravel()[order]).cumsum(axis=1)
-        num_drafts = shallower.cumsum(axis=1)
-        # Each prefix at its own depth (its deepest draft: a row's prefix need not reach the row's depth), so that an
-        # allocation costs the same in every row it is in.
-        later = np.maximum.accumulate(np.where(shallower, depth_of[None, :], 0), axis=1)
-        totals = num_reqs + np.arange(len(order) + 1, dtype=np.float64)  # [0 .. every draft]
-        seconds = curve.proposed_s_by_depth(totals, max_cap)[later, num_drafts]  # [L, drafts] → the prefixes'
-        rates = np.where(shallower, (num_reqs + tokens) / seconds, -np.inf)
-        best = int(rates.argmax())
-        if rates.flat[best] <= num_reqs / curve.plain_s(num_reqs):  # (no drafts: no Propose)
-            return [0] * num_reqs
-        depth, end = divmod(best, len(order))
-        taken = request_of[: end + 1][shallower[depth, : end + 1]]
-        return np.bincount(taken, minlength=num_reqs).tolist()
+        return best_allocation(curve, self.acceptance.gains(caps, counts, max(caps)), caps, remaining)
+
+
+def best_allocation(curve: CostCurve, gains: np.ndarray, caps: list[int], remaining: list[int] | None) -> list[int]:
+    """The draft counts of the best rate (all 0 when no drafts pay): `gains` [num_reqs, max_cap] the marginal gains
+    of each request's drafts (`ServerAcceptance.gains`), `curve` the iterations' predicted times, `remaining` each
+    request's tokens still to generate."""
+    num_reqs, max_cap = gains.shape
+    # Every (request, draft) pair in falling order of gain weighted by the tokens the request has left (relative
+    # to the batch's mean; to 1/100), then shallower first: each request's drafts come in order, so every prefix
+    # is an allocation. Indices are depth * num_reqs + request (column-major: a stable sort keeps that tie order).
+    weight = 1.0
+    if remaining:
+        weight = np.array(remaining, dtype=np.float64)[:, None] * (num_reqs / max(num_reqs, sum(remaining)))
+    keys = -np.round(gains * weight, 2)
+    if min(caps) < max_cap:
+        keys[gains == 0] = np.inf  # past the request's cap: last, cut off
+    keys = keys.T.ravel()
+    order = keys.argsort(kind="stable")[: sum(caps)]
+    depth_of, request_of = np.divmod(order, num_reqs)
+    # The drafter's steps are a cost per depth, not per draft: for each depth D, every prefix of the order
+    # restricted to drafts shallower than D (row D - 1), the rate of those ending at one of its drafts.
+    shallower = depth_of[None, :] < np.arange(1, max_cap + 1)[:, None]  # [max_cap, len(order)]
+    tokens = (shallower * gains.T.ravel()[order]).cumsum(axis=1)
+    num_drafts = shallower.cumsum(axis=1)
+    # Each prefix at its own depth (its deepest draft: a row's prefix need not reach the row's depth), so that an
+    # allocation costs the same in every row it is in.
+    later = np.maximum.accumulate(np.where(shallower, depth_of[None, :], 0), axis=1)
+    totals = num_reqs + np.arange(len(order) + 1, dtype=np.float64)  # [0 .. every draft]
+    seconds = curve.proposed_s_by_depth(totals, max_cap)[later, num_drafts]  # [L, drafts] → the prefixes'
+    rates = np.where(shallower, (num_reqs + tokens) / seconds, -np.inf)
+    best = int(rates.argmax())
+    if rates.flat[best] <= num_reqs / curve.plain_s(num_reqs):  # (no drafts: no Propose)
+        return [0] * num_reqs
+    depth, end = divmod(best, len(order))
+    taken = request_of[: end + 1][shallower[depth, : end + 1]]
+    return np.bincount(taken, minlength=num_reqs).tolist()
 
 
 def _alternatives(chosen: list[int], caps: list[int]) -> list[list[int]]:
@@ -306,10 +415,3 @@ def _alternatives(chosen: list[int], caps: list[int]) -> list[list[int]]:
     depth d = 0 .. the deepest chosen - 1 (each request at most d drafts)."""
     deeper = [min(n + 1, cap) for n, cap in zip(chosen, caps)]
     return [deeper] + [[min(n, d) for n in chosen] for d in range(max(chosen))]
-
-
-def _same_batch(
-    caps: list[int], counts: list[PositionCounts], kept_caps: list[int], kept_counts: list[PositionCounts]
-) -> bool:
-    """The same requests (their counts, by identity) with the same caps as a choice kept from before."""
-    return caps == kept_caps and len(counts) == len(kept_counts) and all(map(operator.is_, counts, kept_counts))

@@ -1,6 +1,9 @@
-"""The coordinator's engine loop: schedule → Verify (→ propose, inside the verifier) → post_step.
+"""The coordinator's loop, the one iteration every engine runs: schedule → the verifier's step (→ propose, inside
+it) → post_step, over a verifier handle: the services' `RpcVerifier` (`verify_stream.py`: the persistent
+VerifyStream) or one process's `specsplit.engine.local.LocalVerifier`. Nothing else calls `schedule()` or
+`update_from_output()`.
 
-One iteration is in flight at a time, on one persistent VerifyStream.
+One iteration is in flight at a time.
 
 Outputs are pushed to per-request asyncio queues that the Generate handlers stream from. Post_step
 updates the request state at once (the next schedule needs it) but streams the outputs (detokenize,
@@ -18,7 +21,6 @@ import asyncio
 import collections
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -26,17 +28,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from specsplit.coordinator import observability as obs
-from specsplit.coordinator import wire
 from specsplit.coordinator.acceptance import AcceptanceMonitor
 from specsplit.coordinator.detokenizer import IncrementalDetokenizer
-from specsplit.coordinator.iteration import SchedulerOutput, StepUpdate
+from specsplit.coordinator.iteration import IterationTiming, SchedulerOutput, StepUpdate
 from specsplit.coordinator.request import Request
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.coordinator.verify_stream import VerifyStream, local_verify_stream
 from specsplit.errors import SpecsplitError, Unavailable
-from specsplit.proto import coordinator_pb2, verifier_pb2_grpc
 from specsplit.results import SpecStats, TokenLogprobs
-from specsplit.telemetry import inject_trace_context
 
 log = logging.getLogger(__name__)
 MAX_INTERNAL_RETRIES = 3  # consecutive failed iterations after which INTERNAL fails the batch
@@ -55,47 +53,40 @@ class RequestOutput:
 
 
 class _Stream:
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, queue: asyncio.Queue[RequestOutput]):
+    def __init__(
+        self, request: Request, detokenizer: IncrementalDetokenizer | None, queue: asyncio.Queue[RequestOutput]
+    ):
         self.request = request
         self.detokenizer = detokenizer
         self.queue = queue
 
 
 class Engine:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        verifier: verifier_pb2_grpc.VerifierStub,
-        tokenizer,
-        *,
-        verify_timeout_s: float = 120.0,
-        verifier_unavailable_s: float = 30.0,
-        verifier_rpc: str = "stream",
-    ):
+    """`scheduler`'s requests run over `verifier` (a handle: `async send(output)`, `async receive()` ->
+    VerifyOutcome, `close()`; a failed iteration raises grpc.RpcError with its status). `tokenizer` None: outputs
+    carry token ids only, no text."""
+
+    def __init__(self, scheduler: Scheduler, verifier, tokenizer, *, verifier_unavailable_s: float = 30.0):
         self.scheduler = scheduler
         self.verifier = verifier
         self.tokenizer = tokenizer
-        self.verify_timeout_s = verify_timeout_s
         self.verifier_unavailable_s = verifier_unavailable_s
         self.totals = SpecStats()
         self.num_finished = 0
         self.num_iterations = 0
         self._streams: dict[str, _Stream] = {}
+        self._pending: list[StepUpdate] = []  # outputs of the last iteration, streamed once the next is sent
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._failing_since: float | None = None
         self._num_failures = 0
         # The last iteration's span: the next one links to it (the drafts' hop).
         self._previous_iteration: trace.SpanContext | None = None
-        self.coordinator_id = uuid.uuid4().hex
-        # gRPC's VerifyStream, or the same stream on the verifier's Unix socket.
-        make_stream = local_verify_stream if verifier_rpc == "local" else VerifyStream
-        self._verify_stream = make_stream(verifier, verify_timeout_s)
         self.acceptance = AcceptanceMonitor()
         # Whether the last iteration sent a Propose, and its drafter steps after step 0 (the next one waits for it).
         self._previous_propose = (False, 0)
         # Where the time of recent iterations went (GetStats with include_iterations; benchmarks).
-        self.iteration_timings: collections.deque[coordinator_pb2.IterationTiming] = collections.deque(maxlen=4096)
+        self.iteration_timings: collections.deque[IterationTiming] = collections.deque(maxlen=4096)
         obs.observe_queue(scheduler)
 
     # ---- public API used by the servicer ---------------------------------------------------------
@@ -105,11 +96,10 @@ class Engine:
         """Queues `request`; its outputs go to `queue` (one several requests can share: each output names its
         request) or to a new one; returns that queue."""
         self.scheduler.add_request(request)
-        stream = _Stream(
-            request,
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop),
-            asyncio.Queue() if queue is None else queue,
-        )
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        stream = _Stream(request, detokenizer, asyncio.Queue() if queue is None else queue)
         self._streams[request.request_id] = stream
         self._wake()
         return stream.queue
@@ -136,36 +126,46 @@ class Engine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._verify_stream.close()
+        self.verifier.close()
 
     # ---- loop --------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        pending: list[StepUpdate] = []  # outputs of the last iteration, streamed once the next is sent
         while True:
             if not self.scheduler.has_work():
-                pending = self._stream_outputs(pending)
+                self.flush_outputs()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            t_schedule = time.time_ns()
-            output = self.scheduler.schedule()
-            t_scheduled = time.time_ns()
-            if not output.scheduled and not output.finished_request_ids:
-                pending = self._stream_outputs(pending)
+            if not await self.step():
                 await asyncio.sleep(0.001)  # everything waits for KV blocks; let aborts land
-                continue
-            span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
-            obs.record_draft_choice(output)
-            self._previous_iteration = span.get_span_context()
-            outputs, pending = pending, []
-            try:
-                with trace.use_span(span, end_on_exit=True):
-                    obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
-                    pending = await self._iteration(output, span, t_schedule, outputs)
-            except grpc.RpcError as err:
-                await self._on_verify_error(output, err)
-            finally:
-                obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
+
+    async def step(self) -> bool:
+        """One iteration: schedule → the verifier's step → post_step; the previous iteration's outputs are streamed
+        once this one is sent, this one's are held until the next is (or `flush_outputs`). False when nothing could
+        be scheduled. The loop (`start`) runs it; a benchmark may run it a counted number of times instead."""
+        t_schedule = time.time_ns()
+        output = self.scheduler.schedule()
+        t_scheduled = time.time_ns()
+        if not output.scheduled and not output.finished_request_ids:
+            self.flush_outputs()
+            return False
+        span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
+        obs.record_draft_choice(output)
+        self._previous_iteration = span.get_span_context()
+        outputs, self._pending = self._pending, []
+        try:
+            with trace.use_span(span, end_on_exit=True):
+                obs.tracer.start_span("schedule", start_time=t_schedule).end(end_time=t_scheduled)
+                self._pending = await self._iteration(output, span, t_schedule, outputs)
+        except grpc.RpcError as err:
+            await self._on_verify_error(output, err)
+        finally:
+            obs.iteration_duration.record((time.time_ns() - t_schedule) / 1e9)
+        return True
+
+    def flush_outputs(self) -> None:
+        """Streams the outputs of the last iteration still held."""
+        self._pending = self._stream_outputs(self._pending)
 
     async def _iteration(
         self, output: SchedulerOutput, span: trace.Span, t_schedule: int, outputs: list[StepUpdate]
@@ -173,22 +173,19 @@ class Engine:
         """Runs one iteration; streams `outputs` (the previous one's) once its request is sent; returns
         this iteration's outputs, still to be streamed."""
         with obs.tracer.start_as_current_span("verify", kind=SpanKind.CLIENT):
-            request = wire.verify_request(output, self.coordinator_id, self.scheduler.eos_token_ids)
-            inject_trace_context(request.trace_context)
             t_sent = time.time_ns()
-            stream = self._verify_stream
             try:
-                await stream.send(request)
+                await self.verifier.send(output)
             finally:  # also when the send failed: these tokens are the client's either way
                 self._stream_outputs(outputs)
             self.scheduler.choose_ahead(output)  # while the verifier and drafter run it
-            response = await stream.receive()
+            response = await self.verifier.receive()
             t_received = time.time_ns()
         self._failing_since = None
         self._num_failures = 0
         self.num_iterations += 1
         with obs.tracer.start_as_current_span("post_step"):
-            results = wire.verify_results(response)
+            results = response.results
             try:
                 updates = self.scheduler.update_from_output(output, results, response.drafter_ok)
             except SpecsplitError as err:
@@ -205,7 +202,7 @@ class Engine:
         self.scheduler.record_iteration(output, seconds, proposed, later_steps, later_s, propose_s)
         self._previous_propose = (output.proposes, output.num_later_steps)
         self.iteration_timings.append(
-            coordinator_pb2.IterationTiming(
+            IterationTiming(
                 iteration=output.iteration,
                 batch_size=len(output.scheduled),
                 num_draft_tokens=sum(s.num_draft_tokens for s in output.scheduled),
@@ -239,12 +236,14 @@ class Engine:
         text_ids = new_token_ids
         if finished and new_token_ids and new_token_ids[-1] in request.sampling.stop_token_ids:
             text_ids = new_token_ids[:-1]  # a stop token's text is not output (vLLM's behaviour too)
-        text = stream.detokenizer.add_tokens(text_ids)
-        if stream.detokenizer.stopped and not finished:
-            self.scheduler.finish_request(request.request_id, "stop")
-            finished = True
-        if finished:
-            text += stream.detokenizer.flush()
+        text, detokenizer = "", stream.detokenizer
+        if detokenizer is not None:
+            text = detokenizer.add_tokens(text_ids)
+            if detokenizer.stopped and not finished:
+                self.scheduler.finish_request(request.request_id, "stop")
+                finished = True
+            if finished:
+                text += detokenizer.flush()
         stream.queue.put_nowait(RequestOutput(request.request_id, new_token_ids, text, logprobs=logprobs))
         if finished:
             self._streams.pop(request.request_id, None)

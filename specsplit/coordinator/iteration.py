@@ -75,3 +75,48 @@ class StepUpdate:
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+
+
+@dataclass
+class VerifierTiming:
+    """Where the verifier's side of an iteration went (Unix ns stamps and durations in ns); the Propose's stamps are
+    those of the Propose whose drafts the iteration verified (async scheduling). Zero where not measured."""
+
+    prepare_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+    propose_ns: int = 0
+    received_ns: int = 0
+    replied_ns: int = 0
+    propose_sent_ns: int = 0
+    propose_received_ns: int = 0
+    drafter_received_ns: int = 0
+    drafter_replied_ns: int = 0
+    step0_ns: int = 0
+    later_steps_ns: int = 0
+    drafts_wait_ns: int = 0  # the step's wait for those drafts
+
+
+@dataclass
+class VerifyOutcome:
+    """What the verifier's handle returned for one iteration."""
+
+    results: list[VerifyResult]  # per scheduled request, in order
+    drafter_ok: bool = True
+    drafter_error: str = ""
+    hidden_state_bytes: int = 0
+    timing: VerifierTiming = field(default_factory=VerifierTiming)
+
+
+@dataclass
+class IterationTiming:
+    """Where one iteration's time went, as the coordinator's loop stamped it (Unix ns), with the verifier's."""
+
+    iteration: int
+    batch_size: int
+    num_draft_tokens: int
+    schedule_start_ns: int
+    verify_sent_ns: int
+    verify_received_ns: int
+    post_step_end_ns: int
+    verifier: VerifierTiming

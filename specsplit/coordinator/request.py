@@ -36,6 +36,12 @@ class SamplingParams:
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the server's k
 
+    def end_token_ids(self, eos_token_ids) -> tuple[int, ...]:
+        """What min_tokens keeps from being sampled: the stop token ids and, unless ignore_eos, the model's EOS."""
+        if not self.min_tokens:
+            return ()
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))))
+
 
 @dataclass
 class Request:

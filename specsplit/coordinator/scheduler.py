@@ -5,9 +5,10 @@ Each iteration `schedule()` decides, per request, which tokens the verifier runs
 - a decoding request gets `[last token] + scheduled_spec_decode_tokens[req]`, the drafts the
   previous iteration's propose left in `request.spec_token_ids`, trimmed so that accepting all of
   them cannot overrun `max_tokens`, `max_model_len` or the token budget.
-With `adaptive` (the default) the number of drafts each decoding request asks for next
-(`num_spec_tokens`, at most the k above) is chosen for the whole batch by `DraftChooser` (draft_choice.py) from
-the requests' acceptance and the iteration times the engine reports (`record_iteration`).
+The number of drafts each decoding request asks for next (`num_spec_tokens`, at most the k above) is chosen for the
+whole batch by the scheduler's `DraftPolicy` (draft_choice.py): with `adaptive` (the default) `AdaptiveDraftCount`,
+from the requests' acceptance and the iteration times the engine reports (`record_iteration`); else
+`FixedDraftCount`, every request its k.
 `update_from_output()` is post_step: it appends the sampled tokens, rolls
 `num_computed_tokens` back by `num_rejected`, applies stop conditions and
 `update_draft_token_ids` (the next drafts become `request.spec_token_ids`).
@@ -30,7 +31,7 @@ import time
 from collections import deque
 
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.draft_choice import DraftPolicy, draft_policy
 from specsplit.coordinator.iteration import (
     DRAFT_PLACEHOLDER,
     ScheduledRequest,
@@ -43,8 +44,9 @@ from specsplit.errors import FailedPrecondition, ResourceExhausted
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int], chooser: DraftChooser | None = None):
-        """`chooser`: the adaptive choice's learned state to go on from (by default a new one when adaptive)."""
+    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int], policy: DraftPolicy | None = None):
+        """`policy`: the draft counts' policy with what it learned to go on from (by default a new one as `config`
+        says: `draft_policy`)."""
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -54,9 +56,7 @@ class Scheduler:
         self._to_free: list[str] = []  # requests whose KV the next iteration frees
         # Groups of requests of a refused batch, each scheduled alone in its turn (`isolate`).
         self._suspects: deque[set[str]] = deque()
-        self.chooser = None
-        if config.adaptive and config.num_speculative_tokens > 0:
-            self.chooser = chooser or DraftChooser()
+        self.policy = policy if policy is not None else draft_policy(config)
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -187,8 +187,7 @@ class Scheduler:
             kept.append(request)
 
         self.running = kept
-        if self.chooser is not None:
-            self._choose_drafts(scheduled)
+        self._choose_drafts(scheduled)
         finished, self._to_free = self._to_free, []
         return SchedulerOutput(self.iteration, scheduled, finished, num_preempted)
 
@@ -216,9 +215,9 @@ class Scheduler:
         )
 
     def _choose_drafts(self, scheduled: list[ScheduledRequest]) -> None:
-        """Adaptive speculation: each sampling request's `num_spec_tokens` (its cap until now) as chosen."""
+        """Each sampling request's `num_spec_tokens` (its cap until now) as the policy chooses."""
         sampling = [item for item in scheduled if item.sample]
-        chosen = self.chooser.choose(
+        chosen = self.policy.choose(
             [item.num_spec_tokens for item in sampling],
             [item.request.position_counts for item in sampling],
             [item.request.sampling.max_tokens - len(item.request.output_token_ids) for item in sampling],
@@ -227,15 +226,13 @@ class Scheduler:
             item.num_spec_tokens = n
 
     def choose_ahead(self, output: SchedulerOutput) -> None:
-        """Adaptive speculation: the costly part of the next iteration's choice for `output`'s sampling requests
-        (their best allocation), computed now, while the verifier and drafter run `output`
-        (`DraftChooser.choose_ahead`); the next `schedule` takes it if its decoding batch is the same. Call it once
-        `output`'s step is on its way, before its results."""
-        if self.chooser is None:
-            return
+        """The next iteration's choice for `output`'s sampling requests, prepared now, while the verifier and drafter
+        run `output` (`DraftPolicy.choose_ahead`: adaptive speculation computes its costly part, the best allocation);
+        the next `schedule` takes it if its decoding batch is the same. Call it once `output`'s step is on its way,
+        before its results."""
         requests = [item.request for item in output.scheduled if item.sample]
         if requests:
-            self.chooser.choose_ahead(
+            self.policy.choose_ahead(
                 [self._num_spec_after(r) for r in requests],  # (a cap that the step's tokens cut: chosen afresh)
                 [r.position_counts for r in requests],
                 [r.sampling.max_tokens - len(r.output_token_ids) for r in requests],
@@ -250,16 +247,16 @@ class Scheduler:
         later_steps_s: float | None = None,
         propose_s: float | None = None,
     ) -> None:
-        """An iteration's measured time (schedule to post_step), for the adaptive choice: `proposed`, whether it
+        """An iteration's measured time (schedule to post_step), for the draft counts' policy: `proposed`, whether it
         covered a Propose, `num_later_steps` that Propose's drafter steps after step 0, `later_steps_s` their time
         as the drafter reports it and `propose_s` the rest of the Propose's time in it, when known. Iterations with a
         prefill chunk are not decode steps and are not learned from."""
-        if self.chooser is None or not output.scheduled:
+        if not output.scheduled:
             return
         if any(not item.sample or len(item.token_ids) != item.num_draft_tokens + 1 for item in output.scheduled):
             return
         depth = max(item.num_draft_tokens for item in output.scheduled)
-        self.chooser.costs.record(
+        self.policy.record_iteration(
             output.num_scheduled_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s, depth
         )
 
@@ -346,8 +343,7 @@ class Scheduler:
                     f"and accepted {num_sampled - 1}"
                 )
             request.stats.record(num_drafts, num_sampled - 1)
-            if self.chooser is not None:
-                self.chooser.record_verified(request.position_counts, num_drafts, num_sampled - 1)
+            self.policy.record_verified(request.position_counts, num_drafts, num_sampled - 1)
             request.num_computed_tokens = request.num_kv_tokens - result.num_rejected
             update = StepUpdate(request)
             for token in result.sampled_token_ids:

@@ -16,6 +16,7 @@ from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, OPENAI_DEFAULTS
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
+from specsplit.coordinator.verify_stream import RpcVerifier
 from specsplit.coordinator.vllm_metrics import set_model_name
 from specsplit.errors import UsageError
 from specsplit.grpc_server import (
@@ -229,7 +230,8 @@ async def serve(config: CoordinatorConfig) -> None:
         max_waiting=config.max_waiting,
         adaptive=config.adaptive,
     )
-    engine = Engine(Scheduler(scheduler_config, eos), stub, tokenizer, verifier_rpc=config.verifier_rpc)
+    scheduler = Scheduler(scheduler_config, eos)
+    engine = Engine(scheduler, RpcVerifier(stub, scheduler.eos_token_ids, rpc=config.verifier_rpc), tokenizer)
     engine.start()
     servicer.ready(engine, model_info)
     model_name = config.served_model_name or model_info.model

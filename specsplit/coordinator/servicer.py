@@ -11,6 +11,7 @@ from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.generation import Choices
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.validation import build_requests
+from specsplit.coordinator.wire import iteration_timing_pb
 from specsplit.errors import SpecsplitError
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specsplit.telemetry import incoming_context
@@ -92,5 +93,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_finished_requests=engine.num_finished,
             num_waiting=engine.scheduler.num_waiting,
             num_running=len(engine.scheduler.running),
-            iterations=list(engine.iteration_timings) if request.include_iterations else [],
+            iterations=[iteration_timing_pb(t) for t in engine.iteration_timings] if request.include_iterations else [],
         )

@@ -77,7 +77,7 @@ class _Bucket:
 class _Run(_Bucket):
     """A (bucket of T, L) run steadily, or a bucket of T run steadily without drafts (`StepCostModel.plain_runs`): its
     time is the least of its last RUN_WINDOW samples (`floor`, kept in the with-a-Propose slot); `last` is the model's
-    sample count at its last sample (how long ago it was timed: `DraftChooser`'s re-timing). A step's time
+    sample count at its last sample (how long ago it was timed: `AdaptiveDraftCount`'s re-timing). A step's time
     only gains from noise (a host hiccup, clocks still coming up), and a depth the choice has left is measured again
     only now and then (an exploration): an average would keep the slow moment of its first runs for thousands of
     choices, and a slower depth would stay chosen (docs/design.md §9, "What was run steadily costs what it took"). The

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from specsplit.coordinator.iteration import SchedulerOutput, VerifyResult
+import dataclasses
+
+from specsplit.coordinator.iteration import (
+    IterationTiming,
+    SchedulerOutput,
+    VerifierTiming,
+    VerifyOutcome,
+    VerifyResult,
+)
 from specsplit.coordinator.request import SamplingParams
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2
 from specsplit.results import TokenLogprobs
 
 
@@ -42,7 +50,7 @@ def _sampling(s: SamplingParams, eos_token_ids: frozenset[int]) -> common_pb2.Sa
     pb.presence_penalty, pb.frequency_penalty = s.presence_penalty, s.frequency_penalty
     if s.min_tokens:
         pb.min_tokens = s.min_tokens
-        pb.end_token_ids.extend(sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else eos_token_ids)))
+        pb.end_token_ids.extend(s.end_token_ids(eos_token_ids))
     if s.logprobs is not None:
         pb.logprobs = s.logprobs
     return pb
@@ -59,3 +67,23 @@ def verify_results(response: verifier_pb2.VerifyResponse) -> list[VerifyResult]:
         )
         for r in response.results
     ]
+
+
+_TIMING_FIELDS = [f.name for f in dataclasses.fields(VerifierTiming)]
+
+
+def verify_outcome(response: verifier_pb2.VerifyResponse) -> VerifyOutcome:
+    t = response.timing
+    return VerifyOutcome(
+        verify_results(response),
+        response.drafter_ok,
+        response.drafter_error,
+        response.hidden_state_bytes,
+        VerifierTiming(**{name: getattr(t, name) for name in _TIMING_FIELDS}),
+    )
+
+
+def iteration_timing_pb(t: IterationTiming) -> coordinator_pb2.IterationTiming:
+    """GetStats' form of an iteration's timing."""
+    fields = dataclasses.asdict(t)
+    return coordinator_pb2.IterationTiming(**fields | {"verifier": verifier_pb2.VerifyTiming(**fields["verifier"])})

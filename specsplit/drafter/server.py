@@ -126,7 +126,7 @@ async def serve(config: DrafterConfig) -> None:
     add_service(server.server, drafter_pb2.DESCRIPTOR.services_by_name["Drafter"], servicer)
     await server.start()  # health says NOT_SERVING until the weights are loaded
     # ProposeStream also on a Unix socket, each connection's thread running its Proposes itself: a co-located
-    # verifier's control path, and a pooled one's wherever the socket is on its host (`DrafterClient`). Pooled, the
+    # verifier's control path, and a pooled one's wherever the socket is on its host (`PoolChannel`). Pooled, the
     # file is named for this process alone: a verifier takes it where the path exists on its host, and another pod's
     # same-named file must not pass for it.
     sockets = socket_dir(config.socket_dir, "drafter")

@@ -1,2 +1,2 @@
-"""The iteration in one process (`core.EngineCore`) and the offline API over it (`llm.LLM`,
-`specsplit.LLM`). Imports torch: the coordinator and the client SDK never import this package."""
+"""One process: the services' iteration with its two seams joined in place (`local.py`) and the offline API over
+it (`llm.LLM`, `specsplit.LLM`). Imports torch: the coordinator and the client SDK never import this package."""

@@ -5,28 +5,31 @@
     (result,) = llm.generate(["def read_lines(path):\\n"], max_tokens=64)
     print(result.text, result.stats.acceptance_rate)
 
-The iteration is `EngineCore.step` (schedule → verify → propose → post_step), the one the services
-run split across processes; outputs are the same (greedy: equal to target-only decoding).
+The iteration is the services' own: the coordinator's loop (`specsplit/coordinator/engine.py`) over the verifier's
+step (`specsplit/verifier/step.py`) over the drafter's runner, joined in this process by `specsplit/engine/local.py`
+instead of gRPC; outputs are the same (greedy: equal to target-only decoding).
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
 
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.detokenizer import IncrementalDetokenizer
-from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.engine import Engine, RequestOutput
+from specsplit.coordinator.iteration import IterationTiming
 from specsplit.coordinator.request import Request
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.validation import build_request
 from specsplit.drafter.runner import DrafterRunner
-from specsplit.engine.core import EngineCore, IterationTiming
+from specsplit.engine.local import LocalDrafter, LocalVerifier
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.proto import coordinator_pb2
 from specsplit.results import GenerationResult
 from specsplit.verifier.runner import VerifierRunner
+from specsplit.verifier.step import VerifierStep
 from specsplit.verifier.worker import VerifierWorker
 
 
@@ -68,21 +71,22 @@ class LLM:
             max_waiting=1 << 30,  # offline: every prompt of a generate() call waits its turn
             adaptive=adaptive,
         )
-        # What adaptive speculation learned (step times, acceptance), kept from one generate() to the next.
-        self.chooser = DraftChooser() if adaptive else None
         runner = VerifierRunner(
             self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
         )
-        verifier = VerifierWorker(runner, vocab_size=config.vocab_size, max_model_len=self.max_model_len, device=device)
-        drafter = None
+        worker = VerifierWorker(runner, vocab_size=config.vocab_size, max_model_len=self.max_model_len, device=device)
+        self.drafter: LocalDrafter | None = None
         if num_speculative_tokens > 0:
             self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
-            drafter = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
-        self.core = EngineCore(verifier, drafter, device_hand_off=device_hand_off)
+            runner = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
+            self.drafter = LocalDrafter(runner, device_hand_off=device_hand_off)
+        # One scheduler for the LLM's life: what adaptive speculation learns goes on from one generate() to the next.
+        self.scheduler = Scheduler(self.scheduler_config, self.eos_token_ids)
+        self.step = VerifierStep(worker, self.drafter)  # its drafter: None for target-only steps
+        self.engine = Engine(self.scheduler, LocalVerifier(self.step, self.scheduler.eos_token_ids), None)
+        self._loop = asyncio.new_event_loop()
         self._tokenizer = None
         self._next_id = 0
-        # Where the time of the last generate()'s iterations went (benchmarks).
-        self.iteration_timings: list[IterationTiming] = []
 
     @property
     def tokenizer(self):
@@ -112,8 +116,9 @@ class LLM:
         `seed`: request i samples with `seed + i` (None: random). `num_speculative_tokens`: drafts per
         iteration of these requests, at most the engine's (None: the engine's). `detokenize=False`: token
         ids only (no text, no tokenizer needed for id prompts; no stop strings)."""
-        scheduler = Scheduler(self.scheduler_config, self.eos_token_ids, self.chooser)
-        requests, detokenizers = [], []
+        if stop and not detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        requests = []
         for i, prompt in enumerate(prompts):
             msg = coordinator_pb2.GenerateRequest(
                 request_id=f"llm-{self._next_id}", max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
@@ -130,44 +135,49 @@ class LLM:
             request = build_request(
                 msg,
                 tokenizer=self.tokenizer if isinstance(prompt, str) else None,
-                vocab_size=self.core.verifier.vocab_size,
+                vocab_size=self.target.config.vocab_size,
                 max_model_len=self.max_model_len,
                 num_speculative_tokens=self.num_speculative_tokens,
             )
             self._next_id += 1
-            scheduler.add_request(request)
             requests.append(request)
-            ids, params = request.prompt_token_ids, request.sampling
-            # Text as the coordinator makes it; with stop strings, step by step (a stop ends the request).
-            if stop and not detokenize:
-                raise ValueError("stop strings need detokenize=True")
-            detokenizers.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop) if stop else None)
-        self.iteration_timings = []
-        texts: list[list[str]] = [[] for _ in requests]
-        index = {r.request_id: i for i, r in enumerate(requests)}
-        while scheduler.running or scheduler.waiting:
-            updates, timing = self.core.step(scheduler)
-            self.iteration_timings.append(timing)
-            for update in updates:
-                i = index[update.request.request_id]
-                if detokenizers[i] is None:
-                    continue
-                texts[i].append(detokenizers[i].add_tokens(update.new_token_ids))
-                if detokenizers[i].stopped and not update.finished:
-                    scheduler.finish_request(update.request.request_id, "stop")
-        self.core.free([r.request_id for r in requests])  # finished last: no later schedule freed them
-        return [self._result(r, d, t, detokenize) for r, d, t in zip(requests, detokenizers, texts)]
+        self.engine.tokenizer = self.tokenizer if detokenize else None
+        texts = self._loop.run_until_complete(self._run(requests))
+        return [self._result(r, t) for r, t in zip(requests, texts)]
 
-    def _result(
-        self, request: Request, detokenizer: IncrementalDetokenizer | None, texts: list[str], detokenize: bool
-    ) -> GenerationResult:
-        if detokenizer is None and detokenize:  # no stop strings: the text at once, off the iterations
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            texts = [detokenizer.add_tokens(request.output_token_ids)]
+    async def _run(self, requests: list[Request]) -> list[str]:
+        """The requests through the engine's loop until each has finished and what they held is freed; their texts."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        texts: list[list[str]] = [[] for _ in requests]
+        for request in requests:
+            self.engine.add_request(request, queue)
+        self.engine.iteration_timings.clear()
+        self.engine.start()
+        try:
+            left = len(requests)
+            while left:
+                out = await queue.get()
+                if out.error is not None:
+                    raise out.error
+                texts[index[out.request_id]].append(out.text)
+                left -= out.finish_reason is not None
+            while self.scheduler.has_work():  # the frees of the last iteration's requests: one more iteration
+                await asyncio.sleep(0)
+        finally:
+            await self.engine.stop()
+        return ["".join(t) for t in texts]
+
+    @property
+    def iteration_timings(self) -> list[IterationTiming]:
+        """Where the time of the last generate()'s iterations went (benchmarks)."""
+        return list(self.engine.iteration_timings)
+
+    def _result(self, request: Request, text: str) -> GenerationResult:
         return GenerationResult(
             request.request_id,
             list(request.output_token_ids),
-            "".join(texts) + detokenizer.flush() if detokenizer is not None else "",
+            text,
             request.finish_reason or "length",
             request.stats,
             len(request.prompt_token_ids),

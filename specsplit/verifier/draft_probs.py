@@ -1,4 +1,4 @@
-"""Sparse draft distributions q from a VerifyRequest → one SparseDraftProbs for the batch, validated.
+"""Sparse draft distributions q of a batch's requests → one SparseDraftProbs for the batch, validated.
 
 Each sampled-draft request carries its q as two [num_drafts, K] tensors (token ids, probabilities);
 requests with greedy drafts carry none and get one-hot rows at their draft. Shapes are checked per
@@ -14,7 +14,6 @@ import torch
 
 from specsplit.errors import InvalidArgument
 from specsplit.kernels.types import SparseDraftProbs
-from specsplit.transport.wire import tensor_from_proto
 
 
 @dataclass
@@ -26,15 +25,11 @@ class RequestQ:
 
 
 def decode_q(r, rid: str, drafts: list[int]) -> RequestQ:
-    """The request's sparse q, first len(drafts) rows (the coordinator may have trimmed its drafts)."""
+    """The sparse q of `r` (a VerifyItem), first len(drafts) rows (the coordinator may have trimmed its drafts)."""
     d = len(drafts)
-    if d == 0 or not r.HasField("draft_probs"):
+    if d == 0 or r.draft_probs is None:
         return RequestQ(rid, drafts, None, None)
-    try:
-        ids = tensor_from_proto(r.draft_probs.token_ids, expected_dtype=torch.int32)
-        probs = tensor_from_proto(r.draft_probs.probs, expected_dtype=torch.float32)
-    except ValueError as err:
-        raise InvalidArgument(f"request {rid!r}: draft_probs: {err}") from err
+    ids, probs = r.draft_probs.token_ids, r.draft_probs.probs
     if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[0] < d or ids.shape[1] < 1:
         raise InvalidArgument(
             f"request {rid!r}: draft_probs must be two [>= {d}, K] tensors, got {tuple(ids.shape)} and "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specsplit.errors import InvalidArgument
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import DraftProbs, VerifyBatch, VerifyItem
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.runner import StepOutput
 
@@ -23,7 +23,7 @@ from specsplit.verifier.runner import StepOutput
 class HeldDraft:
     last_position: int  # position of the request's last sampled token; the drafts follow it
     token_ids: list[int]
-    probs: common_pb2.DraftProbs | None  # q of sampled drafts
+    probs: DraftProbs | None  # q of sampled drafts
 
 
 class HeldDrafts:
@@ -38,7 +38,7 @@ class HeldDrafts:
         batch: InputBatch,
         step: StepOutput,
         drafts: list[list[int]],  # per request of the batch
-        probs: list[common_pb2.DraftProbs | None] | None,
+        probs: list[DraftProbs | None] | None,
         num_cached_tokens=None,  # callable: request id -> tokens the KV cache holds; 0: freed meanwhile
     ) -> None:
         """The Propose of `batch`'s step is back: hold each sampling request's drafts for its next
@@ -53,12 +53,12 @@ class HeldDrafts:
             self._held[rid] = HeldDraft(last, list(drafts[i]), probs[i] if probs else None)
 
     @staticmethod
-    def placeholders(msg: verifier_pb2.VerifyRequest) -> dict[str, int]:
+    def placeholders(msg: VerifyBatch) -> dict[str, int]:
         """Request id → held drafts asked for, of the requests `fill` can fill (one token, no drafts,
         sampling): what a batch planned before the drafts are in holds in their place."""
         return {r.request_id: r.num_held_drafts for r in msg.requests if r.num_held_drafts > 0 and _fillable(r)}
 
-    def fill(self, msg: verifier_pb2.VerifyRequest, filled: list[list[int]] | None = None) -> list[int]:
+    def fill(self, msg: VerifyBatch, filled: list[list[int]] | None = None) -> list[int]:
         """Puts the held drafts into `msg`'s requests that ask for them (in place); returns, per
         request, how many of its placeholders stayed unfilled. `filled`, when given, gets per request the
         drafts put in (`with_held_drafts` takes them from there, not from the message)."""
@@ -79,10 +79,10 @@ class HeldDrafts:
             if held is not None and held.last_position == r.num_computed_tokens:
                 use = held.token_ids[:n]
             if use:
-                r.token_ids.extend(use)
+                r.token_ids = r.token_ids + use
                 r.num_draft_tokens = len(use)
                 if held.probs is not None:
-                    r.draft_probs.CopyFrom(held.probs)
+                    r.draft_probs = held.probs
             unfilled.append(n - len(use))
             if filled is not None:
                 filled.append(use)
@@ -96,6 +96,6 @@ class HeldDrafts:
         self._held.clear()
 
 
-def _fillable(r: verifier_pb2.ScheduledRequest) -> bool:
+def _fillable(r: VerifyItem) -> bool:
     """Where held drafts may go: a sampling request's one token, with no drafts of its own."""
     return not r.num_draft_tokens and r.sample and len(r.token_ids) == 1

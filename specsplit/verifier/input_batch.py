@@ -15,7 +15,7 @@ import torch
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.kernels.types import MAX_DRAFTS_PER_REQUEST, SparseDraftProbs
 from specsplit.models.step_upload import StepUpload
-from specsplit.proto import verifier_pb2
+from specsplit.verifier.batch import VerifyBatch
 from specsplit.verifier.draft_probs import RequestQ, batch_q, decode_q
 
 
@@ -95,7 +95,7 @@ class PlannedBatch:
     top_ps: list[float]
     seeds: list[int]
     first_pos: list[int]
-    msgs: list  # per sampling request, its VerifyRequest entry (its q is decoded at upload)
+    msgs: list  # per sampling request, its VerifyItem (its q is checked at upload)
     placeholders: dict[str, int]  # request id → placeholder drafts planned in its place
     cu_num_logits: list[int]  # [num_sampling + 1] prefix sum of num_drafts + 1
     cu_num_draft: list[int]  # [num_sampling + 1] prefix sum of num_drafts
@@ -103,7 +103,7 @@ class PlannedBatch:
 
 
 def build_input_batch(
-    msg: verifier_pb2.VerifyRequest,
+    msg: VerifyBatch,
     *,
     vocab_size: int,
     max_model_len: int,
@@ -118,7 +118,7 @@ def build_input_batch(
 
 
 def plan_input_batch(
-    msg: verifier_pb2.VerifyRequest,
+    msg: VerifyBatch,
     *,
     vocab_size: int,
     max_model_len: int,
@@ -185,7 +185,7 @@ def plan_input_batch(
         flat_pos.extend(range(nc, nc + n))
         if r.sample:
             sp = r.sampling
-            top_p = sp.top_p if sp.HasField("top_p") else 1.0
+            top_p = sp.top_p
             if not (sp.temperature >= 0 and 0 < top_p <= 1 and sp.top_k >= 0):
                 raise InvalidArgument(f"request {rid!r}: invalid sampling parameters")
             sampling_indices.append(i)
@@ -197,7 +197,7 @@ def plan_input_batch(
             temps.append(sp.temperature)
             top_ks.append(sp.top_k)
             top_ps.append(top_p)
-            seeds.append(sp.seed & (2**63 - 1))
+            seeds.append((sp.seed or 0) & (2**63 - 1))
             first_pos.append(nc + n - d - 1)
             msgs.append(r)
         else:
@@ -245,7 +245,7 @@ def upload_input_batch(
         raise ValueError("a batch planned with placeholder drafts needs with_held_drafts() first")
     p = planned
     draft_probs = None
-    if any(r.HasField("draft_probs") for r in p.msgs):  # sampled drafts' q (greedy steps send none)
+    if any(r.draft_probs is not None for r in p.msgs):  # sampled drafts' q (greedy steps send none)
         q_rows: list[RequestQ] = [
             decode_q(r, r.request_id, p.drafts[start : start + d])
             for r, start, d in zip(p.msgs, (p.draft_start[i] for i in p.sampling_indices), p.num_drafts)

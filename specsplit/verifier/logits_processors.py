@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.proto import common_pb2
+from specsplit.results import TokenLogprobs
+from specsplit.verifier.batch import Sampling
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,20 @@ class LogitsOptions:
     logprobs: int | None = None  # None: none; N: the emitted token's and the top N
 
     @classmethod
-    def of(cls, sp: common_pb2.SamplingParams) -> LogitsOptions | None:
+    def of(cls, sp: Sampling) -> LogitsOptions | None:
         """The options of `sp`, or None when it uses none of them (the common case: nothing to do)."""
-        if not (
-            sp.HasField("repetition_penalty") or sp.presence_penalty or sp.frequency_penalty or sp.min_tokens
-        ) and not sp.HasField("logprobs"):
+        if (
+            not (sp.repetition_penalty is not None or sp.presence_penalty or sp.frequency_penalty or sp.min_tokens)
+            and sp.logprobs is None
+        ):
             return None
         options = cls(
-            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
             min_tokens=sp.min_tokens,
             end_token_ids=tuple(sp.end_token_ids),
-            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            logprobs=sp.logprobs,
         )
         return options if options.penalized or options.min_tokens or options.logprobs is not None else None
 
@@ -204,23 +206,24 @@ def logprobs_to_host(
     num_sampled: list[int],  # per sampling request
     sampling_slot: dict[int, int],  # batch index -> sampling request
     num_reqs: int,
-) -> list[list[common_pb2.TokenLogprobs] | None]:
+    sampled_token_ids: list[list[int]],  # per request of the batch
+) -> list[list[TokenLogprobs] | None]:
     """Per request of the batch: one TokenLogprobs per emitted token (None where none was asked)."""
     chosen_h = chosen.tolist()
     values = launched.top_values.tolist() if launched.top_values is not None else None
     ids = launched.top_ids.tolist() if launched.top_ids is not None else None
-    out: list[list[common_pb2.TokenLogprobs] | None] = [None] * num_reqs
+    out: list[list[TokenLogprobs] | None] = [None] * num_reqs
     row = 0
     for r in launched.requests:
         n_top = r.options.logprobs
         emitted = num_sampled[sampling_slot[r.index]]
         entries = []
+        tokens = sampled_token_ids[r.index]
         for k in range(emitted):
-            entry = common_pb2.TokenLogprobs(logprob=chosen_h[row + k])
+            top = ()
             if n_top and values is not None:
-                entry.top_token_ids.extend(ids[row + k][:n_top])
-                entry.top_logprobs.extend(values[row + k][:n_top])
-            entries.append(entry)
+                top = tuple(zip(ids[row + k][:n_top], values[row + k][:n_top]))
+            entries.append(TokenLogprobs(tokens[k], chosen_h[row + k], top))
         out[r.index] = entries
         row += len(r.drafts) + 1
     return out

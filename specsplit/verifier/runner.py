@@ -21,7 +21,7 @@ from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCac
 from specsplit.models.parallel import broadcast_from_first, tp_size
 from specsplit.models.target import TargetModel
 from specsplit.models.warm_up import warm_up_eager
-from specsplit.proto import common_pb2
+from specsplit.results import TokenLogprobs
 from specsplit.verifier.forward_step import ForwardStep
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.logits_processors import LaunchedLogprobs, LogitsPlan, apply, logprobs_to_host, take_logprobs
@@ -60,7 +60,7 @@ class StepOutput:
     # Wall-clock stamps (time.time_ns): start, inputs prepared, forward done, sampling done.
     stamps_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
     # Per request, the target's log-probabilities of its sampled tokens (None: not asked; None for all: nobody).
-    logprobs: list[list[common_pb2.TokenLogprobs] | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
     @property
     def prepare_ns(self) -> int:
@@ -225,7 +225,9 @@ class VerifierRunner:
         if launched.logprobs is not None:
             batch = launched.batch
             slots = _sampling_slots(batch)
-            step.logprobs = logprobs_to_host(launched.logprobs, launched.chosen, num_sampled, slots, batch.num_reqs)
+            step.logprobs = logprobs_to_host(
+                launched.logprobs, launched.chosen, num_sampled, slots, batch.num_reqs, step.sampled_token_ids
+            )
         return step
 
 

@@ -151,7 +151,7 @@ async def serve(config: VerifierConfig) -> None:
     from specsplit.models.device import device_executor, use_device
     from specsplit.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_sender
-    from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+    from specsplit.verifier.drafter_channel import TransportConfigError, make_channel
     from specsplit.verifier.loading import load_and_size
     from specsplit.verifier.ranks import follower_main
     from specsplit.verifier.servicer import VerifierServicer
@@ -175,7 +175,7 @@ async def serve(config: VerifierConfig) -> None:
             timeout_s=config.transport_timeout,
             device_hand_off=placement.device_hand_off,
         )
-        drafter = DrafterClient(
+        drafter = make_channel(
             config.drafter, config.drafter_timeout, tls=tls, rpc=placement.drafter_rpc, transport=transport
         )
     except ValueError as err:  # a --drafter target that is not HOST:PORT

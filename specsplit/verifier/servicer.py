@@ -1,5 +1,5 @@
 """Verifier gRPC servicer: the adapter of the verifier's worker (`worker.py`) to the coordinator's stream and the
-drafter's proposer: protobuf in → worker (held drafts, input batch, step) → proposer → protobuf out.
+drafter channel: protobuf in → worker (held drafts, input batch, step) → drafter channel → protobuf out.
 
 Async scheduling (the only mode): the response goes back as soon as the tokens are
 sampled and the Propose runs on; its drafts are held (`held_drafts.py`) for the next Verify, which
@@ -7,8 +7,8 @@ waits for that Propose before its step. The coordinator's post_step, schedule an
 both hops then overlap the drafter instead of following it.
 
 One control plane: the step thread waits for the last Propose, steps and sends this step's, through
-the drafter client's proposer (`direct_propose.py`: a co-located drafter's socket or pooled drafters);
-the event loop decodes, prepares the proposer, and encodes.
+the drafter channel (`drafter_channel.py`: a co-located drafter's socket or pooled drafters);
+the event loop decodes, prepares the channel, and encodes.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from specsplit.models.device import DeviceClaim, StepThread
 from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specsplit.slow_steps import SlowStepWatch
 from specsplit.telemetry import LATENCY_BUCKETS_S, extract_trace_context, incoming_context
-from specsplit.verifier.direct_propose import DirectProposer, PendingPropose, PooledProposer
-from specsplit.verifier.drafter_client import DrafterClient, sampling_of
+from specsplit.verifier.batch import VerifyBatch
+from specsplit.verifier.drafter_channel import DrafterChannel
 from specsplit.verifier.proposal import Proposal
-from specsplit.verifier.response import verify_response
 from specsplit.verifier.runner import StepOutput
-from specsplit.verifier.step_context import HeldStep
-from specsplit.verifier.worker import EarlyStep, VerifierWorker
+from specsplit.verifier.step import VerifierStep
+from specsplit.verifier.wire import verify_batch, verify_response
+from specsplit.verifier.worker import VerifierWorker
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specsplit.verifier")
@@ -48,7 +48,7 @@ hidden_state_bytes = meter.create_counter("specsplit.verifier.hidden_state_bytes
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Registered before the server starts; answers UNAVAILABLE until `ready()` (weights loaded)."""
 
-    def __init__(self, drafter: DrafterClient, device: str, slow_steps: SlowStepWatch | None = None):
+    def __init__(self, drafter: DrafterChannel, device: str, slow_steps: SlowStepWatch | None = None):
         self.worker: VerifierWorker | None = None
         self.model_info: common_pb2.ModelInfo | None = None
         self.drafter = drafter
@@ -67,10 +67,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._streams: dict[asyncio.Task, str] = {}
         self.draining = asyncio.Event()
         self._last_iteration = 0
-        # Async scheduling: the Propose still running (its drafts go to the worker's held drafts once answered).
-        self._proposing: PendingPropose | None = None
+        self.step: VerifierStep | None = None  # the worker's steps over the drafter (`step.py`)
 
     def ready(self, worker: VerifierWorker, model_info: common_pb2.ModelInfo) -> None:
+        self.step = VerifierStep(
+            worker, self.drafter, slow_steps=self.slow_steps, begin=self._check_order, claim=self._device_claim.claim
+        )
         self.worker = worker
         self.model_info = model_info
 
@@ -78,7 +80,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self.worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its weights")
 
-    def _check_order(self, request: verifier_pb2.VerifyRequest) -> None:
+    def _check_order(self, request: VerifyBatch) -> None:
         """Iterations of one coordinator arrive in order; a new coordinator starts afresh."""
         if request.coordinator_id != self._coordinator_id:
             if self._coordinator_id is not None:
@@ -92,34 +94,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 "iterations of a coordinator must strictly increase"
             )
         self._last_iteration = request.iteration
-
-    def _begin_step(self, request: verifier_pb2.VerifyRequest) -> None:
-        """Once per step, first: the iteration's order checked, finished requests freed."""
-        self._check_order(request)
-        self.worker.free(request.finished_request_ids)
-
-    def _plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
-        """Step thread, while the drafts are still on their way: the step begun and planned ahead
-        (`VerifierWorker.plan_early`). Never raises, so the drafts are always read first: an error of the
-        step's beginning is raised by the step."""
-        try:
-            self._begin_step(request)
-        except Exception as err:  # noqa: BLE001 (raised by the step, after the drafts are read)
-            return EarlyStep(error=err, planned_ns=time.time_ns())
-        return self.worker.plan_early(request)
-
-    def _launch(self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None):
-        """The step of `request` queued on the device (`VerifierWorker.launch`); `early`: what `_plan_early`
-        made of it, None when the step begins now."""
-        # The drafter is done with the GPU (its drafts are in) but its context may still hold it: the switch
-        # starts now and overlaps what is left to do on the host. Not earlier: it would preempt the drafter.
-        self._device_claim.claim()
-        if early is None:
-            self._begin_step(request)
-        elif early.error is not None:
-            raise early.error
-        with self.slow_steps.watch("step"):
-            return self.worker.launch(request, early)
 
     async def VerifyStream(self, request_iterator, context):
         await self._require_ready(context)
@@ -179,10 +153,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             "specsplit.verifier_rpc": rpc,
         }
         with tracer.start_as_current_span("Verify", context=parent, kind=SpanKind.SERVER, attributes=attrs) as span:
-            proposer = self.drafter.proposer
-            span.set_attribute("specsplit.proposer", proposer.name)
+            span.set_attribute("specsplit.proposer", self.drafter.name)
             batch, step, unfilled, proposal, drafts_wait_ns = await self._verify_and_propose(
-                request, proposer, received_ns
+                verify_batch(request), received_ns
             )
             if proposal is not None:
                 span.set_attribute("specsplit.drafter_ok", proposal.ok)
@@ -192,75 +165,26 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         response.timing.replied_ns = time.time_ns()
         return response
 
-    async def _verify_and_propose(
-        self, request: verifier_pb2.VerifyRequest, proposer: DirectProposer | PooledProposer, received_ns: int
-    ):
-        """The step thread waits for the last Propose, steps, and sends this step's."""
-        earlier, self._proposing = self._proposing, None
-        previous = None
+    async def _verify_and_propose(self, request: VerifyBatch, received_ns: int):
+        """The step thread waits for the last Propose, steps, and sends this step's (`VerifierStep.run`)."""
         parent = otel_context.get_current()  # the Verify span: the Propose's span goes under it
-        async with self._lock:  # the step thread uses the proposer only inside calls made under it
+        async with self._lock:  # the step thread uses the drafter channel only inside calls made under it
             if self._coordinator_id not in (None, request.coordinator_id):  # taken over (`_check_order`):
                 self.drafter.free_all()  # before the new one's requests are placed (its ids may be the old ones')
-            await proposer.prepare([r.request_id for r in request.requests])
-            self.drafter.free(list(request.finished_request_ids))
-            batch, step, unfilled, (w0, w1, early), pending = await self._steps.run(
-                self._step_and_propose, request, earlier, proposer, parent
-            )
-            self._record(proposer)
-        self._proposing = pending
-        if earlier is not None and request.requests:
+            await self.drafter.prepare([r.request_id for r in request.requests])
+            result = await self._steps.run(self.step.run, request, parent)
+            self._record()
+        if result.previous is not None:
+            w0, w1, early = result.wait_start_ns, result.wait_end_ns, result.early
             tracer.start_span("wait_for_drafts", start_time=w0).end(end_time=w1)
             attributes = {"specsplit.plan_used": early.used}
             tracer.start_span("plan_ahead", start_time=w0, attributes=attributes).end(end_time=early.planned_ns)
-            previous = earlier.proposal
-        self._step_spans(step)
-        return batch, step, unfilled, previous, w1 - received_ns
+        self._step_spans(result.step)
+        return result.batch, result.step, result.unfilled, result.previous, result.wait_end_ns - received_ns
 
-    def _step_and_propose(
-        self, request, earlier: PendingPropose | None, proposer: DirectProposer | PooledProposer, parent
-    ):
-        """Step thread: the last Propose's drafts, the step, this step's Propose sent."""
-        w0 = time.time_ns()
-        early = None
-        if earlier is not None and request.requests:  # an iteration that only frees does not wait
-            early = self._plan_early(request)  # while the drafts are on their way
-            proposer.wait(earlier)
-        w1 = time.time_ns()
-        batch, launched, unfilled = self._launch(request, early)
-        sampling = sampling_of(request)
-        plan = self.drafter.device_plan(request.iteration, launched, sampling) if launched is not None else None
-        worker = self.worker
-        if plan is not None:  # a device hand-off: the Propose goes before the step is done
-            held = HeldStep(batch)
-            pending = proposer.send(plan, held, self._keep_answered, parent)
-            with self.slow_steps.watch("step"):
-                step = held.finished(worker.finish(batch, launched, with_rows=False), self._keep_answered)
-        else:
-            # Nobody wants drafts (adaptive speculation chose none): no Propose, so no hidden-state rows either.
-            no_propose = bool(request.requests) and all(r.sample and not r.num_spec_tokens for r in request.requests)
-            with self.slow_steps.watch("step"):
-                step = worker.finish(batch, launched, with_rows=not no_propose)
-            if no_propose:
-                return batch, step, unfilled, (w0, w1, early), None
-            plan = self.drafter.build_request(request.iteration, batch, step, sampling)
-            pending = proposer.send(plan, HeldStep(batch, step), self._keep_answered, parent)
-        return batch, step, unfilled, (w0, w1, early), pending
-
-    def _keep_answered(self, pending: PendingPropose) -> None:
-        """Step thread: a Propose is answered (or failed): its drafts are held for the next step (a device
-        hand-off's once its step is finished)."""
-        held: HeldStep = pending.context
-        if held.step is None:
-            held.answered = pending
-            return
-        proposal = pending.proposal
-        self.worker.keep(held.batch, held.step, proposal.drafts, proposal.draft_probs)
-
-    @staticmethod
-    def _record(proposer: DirectProposer | PooledProposer) -> None:
+    def _record(self) -> None:
         """Event loop: the Proposes answered meanwhile, in the hidden-state bytes metric."""
-        for p in proposer.collect():
+        for p in self.drafter.collect():
             hidden_state_bytes.add(p.nbytes)
 
     @staticmethod
@@ -273,8 +197,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Free(self, request, context):
         await self._require_ready(context)
         async with self._lock:
-            self.worker.free(request.request_ids)
-            self.drafter.free(list(request.request_ids))
+            self.step.free(request.request_ids)
         return verifier_pb2.FreeResponse(num_free_blocks=self.worker.kv_cache.num_free_blocks)
 
     async def GetModelInfo(self, request, context):

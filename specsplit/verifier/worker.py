@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from specsplit.errors import FailedPrecondition
 from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.step_upload import StepUpload
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import DraftProbs, VerifyBatch
 from specsplit.verifier.held_drafts import HeldDrafts
 from specsplit.verifier.input_batch import (
     InputBatch,
@@ -73,7 +73,7 @@ class VerifierWorker:
         self.held.clear()
         self._histories.clear()
 
-    def plan_early(self, request: verifier_pb2.VerifyRequest) -> EarlyStep:
+    def plan_early(self, request: VerifyBatch) -> EarlyStep:
         """While the drafts are still on their way: the step's batch planned with placeholder drafts and its KV
         slots allocated, all on the host (a co-located drafter is using the GPU), so that only the drafts, the
         uploads and the launch are left once they are in. Never raises: anything that fails here is left to the
@@ -93,7 +93,7 @@ class VerifierWorker:
         return EarlyStep(planned, prepared, planned_ns=time.time_ns(), options=options)
 
     def launch(
-        self, request: verifier_pb2.VerifyRequest, early: EarlyStep | None = None
+        self, request: VerifyBatch, early: EarlyStep | None = None
     ) -> tuple[InputBatch, LaunchedStep | None, list[int]]:
         """The step of `request` with its held drafts filled in (on `early`'s plan when the drafts that came fit
         it), queued on the device: the batch, the launched step (None for a batch without requests, an iteration
@@ -120,7 +120,7 @@ class VerifierWorker:
         return batch, self.runner.launch(batch, prepared, logits_plan), unfilled
 
     def _logits_plan(
-        self, request: verifier_pb2.VerifyRequest, planned: PlannedBatch, options: list | None = None
+        self, request: VerifyBatch, planned: PlannedBatch, options: list | None = None
     ) -> LogitsPlan | None:
         """The step's penalties, min_tokens and logprobs (None: no request uses any), with the history of each
         request with penalties: its tokens up to its last one (the chunks of its prompt, then what each step ran
@@ -166,7 +166,7 @@ class VerifierWorker:
         batch: InputBatch,
         step: StepOutput,
         drafts: list[list[int]],
-        probs: list[common_pb2.DraftProbs | None] | None,
+        probs: list[DraftProbs | None] | None,
     ) -> None:
         """The Propose of `batch`'s step is answered: its drafts held for each request's next iteration (not for
         a request freed while the Propose ran)."""

@@ -10,7 +10,13 @@ import pytest
 from specsplit.coordinator import draft_choice, step_cost
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_acceptance import PositionCounts, ServerAcceptance
-from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.draft_choice import (
+    AdaptiveDraftCount,
+    DraftPolicy,
+    FixedDraftCount,
+    best_allocation,
+    draft_policy,
+)
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
@@ -34,26 +40,26 @@ def counts(acceptance: float, positions: int = 5, n: int = 200) -> PositionCount
 
 
 def test_before_any_timing_every_request_gets_its_cap():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     assert chooser.choose([5, 3, 0], [PositionCounts()] * 3) == [5, 3, 0]
 
 
 def test_low_acceptance_gets_no_drafts():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.0001, [8, 16, 24, 32, 40, 48])  # every depth of batch 8 timed
     low = counts(0.05)
     assert chooser.choose([5] * 8, [low] * 8) == [0] * 8
 
 
 def test_high_acceptance_and_cheap_tokens_get_the_maximum():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 24, 32, 40, 48])
     high = counts(0.95)
     assert chooser.choose([5] * 8, [high] * 8) == [5] * 8
 
 
 def test_mixed_batch_gets_per_request_counts():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.0004, [16, 32, 48, 64, 80, 96])
     high, low = counts(0.9), counts(0.1)
     chosen = chooser.choose([5] * 16, [high] * 8 + [low] * 8)
@@ -63,11 +69,11 @@ def test_mixed_batch_gets_per_request_counts():
 
 def test_expensive_tokens_cut_the_draft_count():
     """At 0.6 acceptance, cheap tokens pay for every draft; tokens costing as much as the fixed part do not."""
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     mid = counts(0.6)
     linear_costs(chooser.costs, 0.010, 0.00001, [32, 64, 96, 128, 160, 192])
     many = sum(chooser.choose([5] * 32, [mid] * 32))
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.0005, [32, 64, 96, 128, 160, 192])
     few = sum(chooser.choose([5] * 32, [mid] * 32))
     assert many == 5 * 32 and few < 32
@@ -109,10 +115,8 @@ def test_a_depth_run_steadily_costs_its_measured_time_not_the_sum():
     assert by_depth[4, 1] == pytest.approx(curve.base_s(100) + curve.propose_s + 4 * curve.later_step_s)
     # Half the batch at 5 drafts, half at 1 (T 256, 4 later steps) against all at 3 (T 256, 2 later steps): at
     # acceptance 0.9 the first emits 2 % more tokens for 58 % more time.
-    chooser = DraftChooser()
-    chooser.costs = model
-    chooser._swept_batches.add((64, 5, 5, 320))  # nothing to sweep: the choice alone
-    assert chooser._best([5] * 64, [counts(0.9)] * 64, None, 64, 5) == [3] * 64
+    gains = ServerAcceptance().gains([5] * 64, [counts(0.9)] * 64, 5)
+    assert best_allocation(curve, gains, [5] * 64, None) == [3] * 64
 
 
 def test_after_one_steady_run_a_depth_costs_the_mean_of_its_time_and_the_sum():
@@ -147,11 +151,10 @@ def test_exploration_goes_deeper_and_shallower_in_turn(monkeypatch):
     measured again whichever side of the choice it lies. (The re-timing of stale close alternatives off: nothing
     is timed here, so every alternative would stay stale.)"""
     monkeypatch.setattr(draft_choice, "RETIME_EVERY", draft_choice.EXPLORE_EVERY)
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.0002, [8, 16, 24, 32, 40, 48])
     reqs = [counts(0.6) for _ in range(8)]
-    chooser._swept_batches.add((8, 5, 5, 40))  # nothing to sweep: the choice alone
-    steady = chooser.choose([5] * 8, reqs)
+    steady = chooser.choose([5] * 8, reqs)  # (every depth of batch 8 timed: nothing to sweep)
     assert steady == [3] * 8
     explored = []
     for _ in range(draft_choice.EXPLORE_EVERY * 8):
@@ -167,12 +170,11 @@ def test_a_close_alternative_timed_before_half_the_recorded_iterations_is_timed_
     """Every RETIME_EVERY choices, the alternative of the choice (one draft more each, a shallower uniform depth)
     predicted within CLOSE of its rate whose steady run was timed longest ago, and before half of the iterations
     recorded so far, runs twice; one timed since is not run again, nor a far one however stale."""
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     costs = chooser.costs
     linear_costs(costs, 0.010, 0.0002, [8, 16, 24, 32, 40, 48])
     reqs, caps = [counts(0.6) for _ in range(8)], [5] * 8
-    chooser._swept_batches.add((8, 5, 5, 40))  # nothing to sweep: the choice alone
-    assert chooser.choose(caps, reqs) == [3] * 8
+    assert chooser.choose(caps, reqs) == [3] * 8  # (every depth of batch 8 timed: nothing to sweep)
 
     def timed(depth: int) -> None:  # a steady run of every request at `depth` drafts
         tokens = 8 + 8 * depth
@@ -206,27 +208,35 @@ def test_a_close_alternative_timed_before_half_the_recorded_iterations_is_timed_
 def test_a_depth_never_run_steadily_is_chosen_twice_in_a_row():
     """The iteration that first proposes a new depth verifies the previous choice's drafts: the choice is repeated
     once, for the same batch, so that the next iteration verifies and proposes it (a steady run, kept whole)."""
-    model = StepCostModel()
-    for t in (8, 16, 24, 32, 40, 48):
-        for _ in range(3):
-            model.record(t, 0, 0.010 + 0.0001 * t, later_steps_s=0.0, proposed=False)
-            model.record(t, 0, 0.012 + 0.0001 * t, later_steps_s=0.0, propose_s=0.002)
-    model.record(16, 1, 0.0116 + 0.002 + 0.0002, later_steps_s=0.0002, propose_s=0.002)  # a later step's report
-    chooser = DraftChooser()
-    chooser.costs = model
+
+    def learned() -> AdaptiveDraftCount:
+        chooser = AdaptiveDraftCount()
+        for t in range(8, 49):  # every token count of batch 8 (a cap cut too): nothing to sweep
+            for _ in range(3):
+                chooser.costs.record(t, 0, 0.010 + 0.0001 * t, later_steps_s=0.0, proposed=False)
+                chooser.costs.record(t, 0, 0.012 + 0.0001 * t, later_steps_s=0.0, propose_s=0.002)
+        chooser.costs.record(16, 1, 0.0116 + 0.002 + 0.0002, later_steps_s=0.0002, propose_s=0.002)  # a later step
+        return chooser
+
+    chooser = learned()
+    model = chooser.costs
     batch, caps = [counts(0.9) for _ in range(8)], [5] * 8
     first = chooser.choose(caps, batch)
     assert max(first) > 1 and (bucket_of(8 + sum(first)), max(first) - 1) not in model.measured_runs
     model.record(8 + sum(first), max(first) - 1, 1.0, later_steps_s=0.0, verified_depth=1)  # dear, not steady
     assert chooser.choose(caps, batch) == first  # repeated all the same, though it now looks dear
-    assert chooser._trial is None  # once only
-    assert chooser.choose(caps, batch) != first
-    chooser._trial = (batch, caps, first)
-    assert chooser.choose(caps[:7] + [4], batch) != first  # the batch changed: chosen anew
+    assert chooser.choose(caps, batch) != first  # once only
+    chooser = learned()
+    first = chooser.choose(caps, batch)
+    assert first[7] == 5  # (repeated, it would overrun the cut cap)
+    cut = caps[:7] + [4]
+    chosen = chooser.choose(cut, batch)  # the batch changed (a cap cut): chosen anew, not repeated
+    assert chosen != first and all(n <= cap for n, cap in zip(chosen, cut))
 
 
 def test_a_proposes_cost_is_learned_where_iterations_with_and_without_one_meet():
-    model = StepCostModel()
+    chooser = AdaptiveDraftCount()
+    model = chooser.costs
     for t in (8, 16, 32):
         model.record(t, 0, 0.010 + 0.0001 * t + (0.003 if t == 32 else 0.0), proposed=t == 32)
     model.record(16, 0, 0.0116 + 0.003)  # the first iteration of drafting again: verifies none, proposes
@@ -240,8 +250,6 @@ def test_a_proposes_cost_is_learned_where_iterations_with_and_without_one_meet()
         for _ in range(2):
             model.record(t, 0, 0.010 + 0.0001 * t, proposed=False)
     assert model.propose_s == pytest.approx(0.003)
-    chooser = DraftChooser()
-    chooser.costs = model
     # At acceptance 0.3 one draft each gains 30 % more tokens for 2 % more tokens run, but the Propose costs 26 %.
     assert chooser.choose([3] * 8, [counts(0.3)] * 8) == [0] * 8
     assert chooser.choose([3] * 8, [counts(0.9)] * 8) != [0] * 8
@@ -257,7 +265,7 @@ def test_a_proposes_cost_measured_apart_is_taken_as_it_is():
 
 
 def test_iterations_without_drafts_are_tried_until_a_proposes_cost_is_known():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     chooser.costs.record(32, 0, 0.0103)  # batch 8 at k = 3, with a Propose
     high = counts(0.95)
     assert chooser.choose([3] * 8, [high] * 8) == [0] * 8  # the probe
@@ -268,13 +276,13 @@ def test_iterations_without_drafts_are_tried_until_a_proposes_cost_is_known():
     chosen = [chooser.choose([3] * 8, [high] * 8) for _ in range(4 * draft_choice.SWEEP_SAMPLES)]
     sweeps = [[d] * 8 for d in (0, 1, 2) for _ in range(draft_choice.SWEEP_SAMPLES)] + [[3] * 8]
     assert chosen == sweeps + [[3] * 8] * (len(chosen) - len(sweeps))
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     chooser.costs.record(8, 0, 0.0100, proposed=False)  # only iterations without one so far (no drafter, say)
     assert chooser.choose([3] * 8, [high] * 8) == [3] * 8  # then one with: the cap
 
 
 def test_every_request_gets_one_draft_more_every_so_many_choices():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.001, [4, 7, 10, 13, 16, 19])  # batch 4 (one with no drafts) at every depth
     low = counts(0.05)
     n = 4 * draft_choice.EXPLORE_EVERY  # nobody drafts: the rarer exploration
@@ -283,7 +291,7 @@ def test_every_request_gets_one_draft_more_every_so_many_choices():
     assert chosen[-1] == [1, 1, 1, 0]
     assert chooser.choose([5, 5, 5, 0], [low] * 4) == [1, 1, 1, 0]  # twice: the second iteration is a steady run
     assert chooser.choose([5, 5, 5, 0], [low] * 4) == [0] * 4
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 23, 30, 37, 44])  # every depth timed
     chooser.costs.record(48, 1, 0.0115, later_steps_s=0.0015)  # drafter steps after step 0 cost 1.5 ms each
     caps, mid = [5, 1, 5, 5, 5, 5, 5, 5], counts(0.6)
@@ -297,8 +305,8 @@ def test_every_request_gets_one_draft_more_every_so_many_choices():
 def test_a_choice_of_no_drafts_is_kept_until_a_draft_is_verified_the_batch_changes_or_it_is_old():
     reqs = [counts(0.5) for _ in range(8)]
 
-    def chooser_at_zero() -> DraftChooser:
-        chooser = DraftChooser()
+    def chooser_at_zero() -> AdaptiveDraftCount:
+        chooser = AdaptiveDraftCount()
         linear_costs(chooser.costs, 0.010, 0.002, [8, 16, 24, 32])  # tokens dear: at acceptance 0.5 no draft pays
         assert chooser.choose([3] * 8, reqs) == [0] * 8
         for _ in range(8):
@@ -317,26 +325,49 @@ def test_a_choice_of_no_drafts_is_kept_until_a_draft_is_verified_the_batch_chang
     assert chooser.choose([3] * 8, reqs) == [3] * 8
 
 
+def steady_at_five() -> AdaptiveDraftCount:
+    """A chooser that gives a batch of 8 at acceptance 0.95 every request 5 drafts, and 2 each where they are rejected
+    at once (`rejected_at_once`); every token count of batch 8 timed (nothing to sweep), 5 drafts each run steadily (no
+    trial of it due)."""
+    chooser = AdaptiveDraftCount()
+    linear_costs(chooser.costs, 0.010, 0.0001, list(range(8, 49)))
+    for _ in range(3):
+        chooser.costs.record(48, 4, 0.0148, later_steps_s=0.0002, verified_depth=5)
+    return chooser
+
+
+def rejected_at_once(batch: list[PositionCounts]) -> None:
+    """Each request's drafts from now on rejected at once, so often that its own counts outweigh the earlier ones."""
+    for request in batch:
+        for _ in range(2000):
+            request.record(5, 0)
+
+
 def test_a_choice_made_again_and_again_is_kept_as_many_times_as_it_was_made_in_a_row_up_to_keep():
     """Choosing every iteration put the choice's host time on every step (0.4 ms of 7.5 ms at batch 1 on the H200):
-    a choice made n times in a row for the same batch is kept for min(n, KEEP) choices; one that changes is made
-    afresh every time, and another batch is chosen for at once."""
+    a choice made n times in a row for the same batch is kept for min(n, KEEP) choices, whatever changed meanwhile;
+    one that changes is made afresh every time, and another batch is chosen for at once. Seen here as the choices
+    that still give every request 5 drafts after the batch's drafts turned out rejected at once (a choice made afresh
+    then gives 2)."""
     assert draft_choice.KEEP == 3  # (the counts below)
-    chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 24, 32, 40, 48])
-    for _ in range(3):  # every request 5 drafts, run steadily: no trial of it is due
-        chooser.costs.record(48, 4, 0.0105, later_steps_s=0.0002, verified_depth=5)
-    high = [counts(0.95) for _ in range(8)]
-    made = []
-    best = chooser._best
-    chooser._best = lambda *args: made.append(len(made)) or best(*args)
-    chosen = [chooser.choose([5] * 8, high) for _ in range(12)]
-    assert chosen == [[5] * 8] * 12
+
+    def kept_after(made: int) -> int:
+        """Choices still at 5 drafts each once the batch's acceptance fell after `made` choices at 5 each."""
+        chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
+        assert [chooser.choose([5] * 8, high) for _ in range(made)] == [[5] * 8] * made
+        rejected_at_once(high)
+        for kept in range(draft_choice.KEEP + 1):
+            if chooser.choose([5] * 8, high) != [5] * 8:
+                return kept
+        raise AssertionError("kept longer than KEEP")
+
     # made at choices 1, 2, 3 (in a row: 0, 1, 2 before), 5 (kept once), 8 (kept twice), 11 (kept KEEP - 1 times)
-    assert len(made) == 6
+    assert [kept_after(n) for n in range(1, 12)] == [0, 0, 1, 0, 2, 1, 0, 2, 1, 0, 2]
+    chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
+    assert [chooser.choose([5] * 8, high) for _ in range(5)] == [[5] * 8] * 5  # (kept for the 2 choices after)
     other = [counts(0.95) for _ in range(8)]
-    chooser.choose([5] * 8, other)
-    assert len(made) == 7  # another batch: chosen at once
+    rejected_at_once(other)
+    assert chooser.choose([5] * 8, other) == [2] * 8  # another batch: chosen at once
 
 
 def test_a_token_count_costs_what_the_next_measured_bucket_costs():
@@ -382,10 +413,10 @@ def test_a_hiccup_is_left_out_and_a_first_sample_that_was_one_is_replaced():
     assert first.later_step_s == pytest.approx(0.00045)
 
 
-def _learned_at_batch_1(compile_s: float) -> DraftChooser:
+def _learned_at_batch_1(compile_s: float) -> AdaptiveDraftCount:
     """A chooser after its first iterations at batch 1, shaped after the H200's alpha 0.3 cell: 5 drafts (the cap)
     before any timing, the first of them with a compile of `compile_s`, then the sweep of depths 0..5."""
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     for rep in range(2):
         extra = compile_s if rep == 0 else 0.0
         chooser.costs.record(6, 4, 0.0079 + extra, later_steps_s=0.0018 + extra, verified_depth=5)
@@ -430,7 +461,7 @@ def test_a_slow_measurement_cannot_make_fewer_tokens_dearer():
 
 
 def test_request_estimate_shrinks_toward_the_server():
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     for _ in range(100):
         chooser.acceptance.record(3, 1)  # position 0 always accepted, position 1 never
     prior = chooser.acceptance.means(4)
@@ -444,9 +475,9 @@ def test_request_estimate_shrinks_toward_the_server():
     scale = a0 / prior[0]
     a1 = (40 + 8 * min(1.0, prior[1] * scale)) / 48
     a2 = min(1.0, prior[2] * scale)
-    (gains,) = chooser._gains([3], [own], 3)
+    (gains,) = chooser.acceptance.gains([3], [own], 3)
     assert gains == pytest.approx([a0, a0 * a1, a0 * a1 * a2])
-    (fresh,) = chooser._gains([3], [PositionCounts()], 3)
+    (fresh,) = chooser.acceptance.gains([3], [PositionCounts()], 3)
     assert fresh == pytest.approx([prior[0], prior[0] * prior[1], prior[0] * prior[1] * prior[2]])  # the server's
 
 
@@ -466,25 +497,24 @@ def test_a_rarely_reached_position_is_shrunk_toward_the_one_before_it():
 
 def test_a_request_rejected_at_once_is_expected_to_be_further_on():
     """Position 0 is where a request's own evidence is; its deeper positions follow the server's, scaled by it."""
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     for _ in range(200):
         chooser.acceptance.record(3, 3)  # the server's requests: all accepted
     low = PositionCounts()
     for _ in range(30):
         low.record(3, 0)  # this one: rejected at once
-    (gains,) = chooser._gains([3], [low], 3)
+    (gains,) = chooser.acceptance.gains([3], [low], 3)
     assert gains[0] < 0.25 and gains[1] < gains[0] ** 2 * 1.01
 
 
 def test_choice_cost_per_batch_size():
     """Not a timed assert: prints what one choice costs on the coordinator's loop at batch 1..128, k_max 5, each after
     an iteration's timing (the cost curve rebuilt, as on a server), with every depth timed (no sweep)."""
-    costs = StepCostModel()
-    linear_costs(costs, 0.015, 0.00002, sorted({b * (d + 1) for b in (1, 8, 32, 64, 128) for d in range(6)}))
     line = []
     for batch in (1, 8, 32, 64, 128):
-        chooser = DraftChooser()
-        chooser.costs = costs
+        chooser = AdaptiveDraftCount()
+        costs = chooser.costs
+        linear_costs(costs, 0.015, 0.00002, [batch * (d + 1) for d in range(6)])
         reqs = [counts(0.3 + 0.6 * (i % 7) / 6) for i in range(batch)]
         left = [20 + i % 5 for i in range(batch)]
         chosen = chooser.choose([5] * batch, reqs, left)
@@ -497,7 +527,7 @@ def test_choice_cost_per_batch_size():
             best = min(best, (time.perf_counter() - t0) / 20)
         line.append(f"B {batch}: {best * 1e3:.3f} ms")
         assert 0 < sum(chosen) <= 5 * batch
-    print("\nDraftChooser.choose, k_max 5, after a timing each: " + ", ".join(line))
+    print("\nAdaptiveDraftCount.choose, k_max 5, after a timing each: " + ", ".join(line))
 
 
 def test_scheduler_asks_the_drafter_for_the_chosen_count():
@@ -526,57 +556,65 @@ def test_scheduler_asks_the_drafter_for_the_chosen_count():
         assert [r.num_spec_tokens for r in message.requests] == ([0] * 4 if adaptive else [3] * 4)
 
 
-def test_a_best_allocation_computed_ahead_is_taken_by_the_next_choice_of_the_same_batch_only():
-    """`choose_ahead` computes the best allocation for a batch while its step runs; the next `choose` of the same
-    requests and caps takes it instead of computing it; another batch (a cap cut, another request) computes it
-    afresh; nothing is computed ahead where the next choice keeps the last one."""
-    chooser = DraftChooser()
-    linear_costs(chooser.costs, 0.010, 0.00001, [8, 16, 24, 32, 40, 48, 56, 64])
-    high = [counts(0.95) for _ in range(8)]
+def test_a_best_allocation_computed_ahead_is_taken_by_the_next_choice_of_the_same_batch_only(monkeypatch):
+    """`choose_ahead` computes the best allocation for a batch while its step runs, from what is known then; the next
+    `choose` of the same requests and caps takes it instead of computing it (here: every request 5 drafts, though
+    its drafts were since rejected at once, which a choice made afresh gives 2 each); another batch (a cap cut,
+    another request) computes it afresh; nothing is computed ahead where the next choice keeps the last one."""
     made = []
-    real_best = chooser._best
-    chooser._best = lambda caps, *args: made.append(caps) or real_best(caps, *args)
+    real_best = draft_choice.best_allocation
+    monkeypatch.setattr(draft_choice, "best_allocation", lambda *args: made.append(1) or real_best(*args))
+
+    chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
     chooser.choose_ahead([5] * 8, high, [100] * 8)
     assert len(made) == 1  # computed ahead
-    assert chooser.choose([5] * 8, high, [99] * 8) == [5] * 8
-    assert len(made) == 1  # taken, not computed again
-    kept = 0
-    for _ in range(6):  # the same choice again and again: kept for a while (`KEEP`), then computed (ahead) again
-        keeps, before = chooser._keeps([5] * 8, high), len(made)
+    rejected_at_once(high)  # (the step that ran meanwhile)
+    assert chooser.choose([5] * 8, high, [99] * 8) == [5] * 8  # taken, not computed again
+    assert len(made) == 1
+    assert chooser.choose([5] * 8, high) == [2] * 8  # what was computed ahead serves one choice only
+
+    chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
+    chooser.choose_ahead([5] * 8, high)
+    rejected_at_once(high)
+    assert chooser.choose([5] * 7 + [2], high) == [2] * 8  # a cap cut near max_tokens: computed afresh
+
+    chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
+    chooser.choose_ahead([5] * 8, high)
+    late = counts(0.95)
+    rejected_at_once([late])
+    other = [*high[:7], late]  # a request finished, another took its place
+    assert chooser.choose([5] * 8, other) == [5] * 7 + [0]  # computed afresh: none for the one rejected at once
+
+    chooser, high = steady_at_five(), [counts(0.95) for _ in range(8)]
+    computed = []
+    for _ in range(8):  # the same choice again and again: kept for a while (`KEEP`), then computed (ahead) again
+        before = len(made)
         chooser.choose_ahead([5] * 8, high)
         assert chooser.choose([5] * 8, high) == [5] * 8
-        assert len(made) == before + (not keeps)  # computed once, ahead, where not kept
-        kept += keeps
-    assert 0 < kept < 6
-    chooser.choose_ahead([5] * 8, high)
-    chooser.choose([5] * 7 + [2], high)  # a cap cut near max_tokens: computed afresh
-    n = len(made)
-    chooser._kept = None  # (no choice to keep from here on)
-    chooser.choose_ahead([5] * 8, high)
-    assert len(made) == n + 1
-    other = [*high[:7], counts(0.95)]  # a request finished, another took its place
-    chooser.choose([5] * 8, other)
-    assert len(made) == n + 2 and made[-1] == [5] * 8
-    chooser._kept = None
-    chooser.choose([5] * 8, high)  # what was computed ahead serves one choice only
-    assert len(made) == n + 3
+        computed.append(len(made) - before)
+    assert computed == [1, 1, 1, 0, 1, 0, 0, 1]  # once (ahead) per choice made; for a kept one, not at all
 
 
-def test_the_scheduler_takes_the_allocation_computed_while_the_step_ran():
+def test_the_scheduler_takes_the_allocation_computed_while_the_step_ran(monkeypatch):
     """The engines call `Scheduler.choose_ahead` once a step is on its way: the next schedule of the same decoding
     batch takes the best allocation computed then (the chooser's costly part is then not between two steps); a batch
     that changed computes it at schedule."""
     cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3)
-    s = Scheduler(cfg, [99])
+    chooser = AdaptiveDraftCount()
+    s = Scheduler(cfg, [99], chooser)
     for i in range(3):
         s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True)))
-    for tokens in range(3, 17):  # every depth timed, with and without a Propose: choices are made by `_best`
-        s.chooser.costs.record(tokens, 0, 0.01 + 0.0001 * tokens, proposed=False)
-        s.chooser.costs.record(tokens, 0, 0.011 + 0.0001 * tokens, propose_s=0.001)
+    for tokens in range(3, 17):  # every depth timed, with and without a Propose: choices are `best_allocation`'s
+        chooser.costs.record(tokens, 0, 0.01 + 0.0001 * tokens, proposed=False)
+        chooser.costs.record(tokens, 0, 0.011 + 0.0001 * tokens, propose_s=0.001)
     at_schedule, ahead = [], []
-    real_best = s.chooser._best
-    s.chooser._best = lambda caps, *args: (
-        (ahead if computing_ahead else at_schedule).append(len(caps)) or real_best(caps, *args)
+    real_best = draft_choice.best_allocation
+    monkeypatch.setattr(
+        draft_choice,
+        "best_allocation",
+        lambda curve, gains, *args: (
+            (ahead if computing_ahead else at_schedule).append(len(gains)) or real_best(curve, gains, *args)
+        ),
     )
     computing_ahead = False
     for step in range(16):
@@ -592,3 +630,105 @@ def test_the_scheduler_takes_the_allocation_computed_while_the_step_ran():
         s.update_from_output(out, results)  # (every draft rejected: kept choices stay few)
     assert len(ahead) >= 4 and 4 in ahead  # computed while steps ran, for the new batch too
     assert at_schedule.count(3) <= 1 and at_schedule.count(4) <= 1  # at schedule: only where the batch changed
+
+
+class RecordingPolicy(DraftPolicy):
+    """Every request half its cap (rounded up); each call the scheduler makes, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def choose(self, caps, counts, remaining=None):
+        self.calls.append(("choose", list(caps), list(counts), remaining))
+        return [-(-cap // 2) for cap in caps]
+
+    def choose_ahead(self, caps, counts, remaining=None):
+        self.calls.append(("choose_ahead", list(caps), list(counts), remaining))
+
+    def record_verified(self, counts, num_drafts, num_accepted):
+        self.calls.append(("record_verified", counts, num_drafts, num_accepted))
+
+    def record_iteration(self, *args):
+        self.calls.append(("record_iteration", *args))
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_scheduler_asks_its_policy_for_the_draft_counts_and_reports_to_it(adaptive):
+    """The policy given to the scheduler (whatever `adaptive` says, which picks only the default one) chooses every
+    sampling request's drafts, which the drafter is asked for on the wire; it hears of each request's verification
+    and of every decode iteration's time (not a prefill's)."""
+    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3, adaptive=adaptive)
+    policy = RecordingPolicy()
+    s = Scheduler(cfg, [99], policy)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
+    s.add_request(Request("b", [1, 2], SamplingParams(max_tokens=50, ignore_eos=True, num_speculative_tokens=1)))
+    a, b = s.requests["a"], s.requests["b"]
+    verified = []
+    for _ in range(3):
+        out = s.schedule()
+        assert [r.num_spec_tokens for r in verify_request(out, "c").requests] == [2, 1]  # half of 3 and of 1
+        s.choose_ahead(out)
+        results = [
+            VerifyResult(x.request.request_id, [7], x.num_draft_tokens, x.num_draft_tokens) for x in out.scheduled
+        ]
+        s.update_from_output(out, results)
+        s.record_iteration(out, 0.01, True, 1, 0.001, 0.002)
+        verified.append([x.num_draft_tokens for x in out.scheduled])
+    assert verified == [[0, 0], [2, 1], [2, 1]]
+    kinds = [call[0] for call in policy.calls]
+    per_step = ["choose", "choose_ahead", "record_verified", "record_verified"]
+    assert kinds == per_step + [*per_step, "record_iteration"] * 2  # (the first step prefills: not recorded)
+    assert policy.calls[0] == ("choose", [3, 1], [a.position_counts, b.position_counts], [50, 50])
+    assert policy.calls[1] == ("choose_ahead", [3, 1], [a.position_counts, b.position_counts], [50, 50])
+    assert policy.calls[6:9] == [
+        ("record_verified", a.position_counts, 2, 0),
+        ("record_verified", b.position_counts, 1, 0),
+        ("record_iteration", 5, 1, 0.01, 0.001, True, 0.002, 2),  # 2 tokens + 3 drafts, the deepest 2
+    ]
+
+
+def test_fixed_draft_count_gives_every_request_its_cap_and_learns_nothing():
+    policy, request = FixedDraftCount(), counts(0.0)
+    for _ in range(50):  # iterations and verifications that make an adaptive choice stop drafting
+        policy.record_iteration(8, 0, 0.010, None, False, None, 0)
+        policy.record_iteration(32, 2, 0.100, 0.001, True, 0.001, 3)
+        policy.record_verified(request, 3, 0)
+    policy.choose_ahead([5, 3, 0], [request] * 3)
+    assert policy.choose([5, 3, 0], [request] * 3) == [5, 3, 0]
+    assert request == counts(0.0)  # the request's own counts untouched
+
+
+def test_the_default_policy_follows_the_config():
+    """`adaptive` (the default) with drafts: adaptive speculation; `--no-adaptive` or no drafts: every request its k."""
+    config = dict(max_model_len=512, block_size=16, num_blocks=256)
+    assert type(draft_policy(SchedulerConfig(**config))) is AdaptiveDraftCount
+    assert type(draft_policy(SchedulerConfig(**config, adaptive=False))) is FixedDraftCount
+    assert type(draft_policy(SchedulerConfig(**config, num_speculative_tokens=0))) is FixedDraftCount
+
+
+def test_what_the_adaptive_choice_learned_goes_on_with_it_to_the_next_scheduler():
+    """As `specsplit.LLM` does from one generate() to the next: a scheduler given the policy another one taught (drafts
+    always rejected, tokens dear) asks for no drafts from its first choice, where a new policy gives every request its
+    cap until it has timed an iteration."""
+    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3)
+
+    def run(s: Scheduler, iterations: int) -> list[list[int]]:
+        for i in range(4):
+            s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)))
+        asked = []
+        for _ in range(iterations):
+            out = s.schedule()
+            asked.append([r.num_spec_tokens for r in verify_request(out, "c").requests])
+            res = [
+                VerifyResult(x.request.request_id, [7], x.num_draft_tokens, x.num_draft_tokens) for x in out.scheduled
+            ]
+            s.update_from_output(out, res)
+            s.record_iteration(out, 0.010 + 0.002 * out.num_scheduled_tokens, out.proposes, out.num_later_steps, 0.0)
+        for i in range(4):
+            s.finish_request(f"r{i}", "abort")
+        return asked
+
+    policy = AdaptiveDraftCount()
+    assert run(Scheduler(cfg, [99], policy), 30)[-1] == [0] * 4
+    assert run(Scheduler(cfg, [99], policy), 1) == [[0] * 4]
+    assert run(Scheduler(cfg, [99]), 1) == [[3] * 4]

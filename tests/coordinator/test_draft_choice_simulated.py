@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from specsplit.coordinator.config import SchedulerConfig
-from specsplit.coordinator.draft_choice import DraftChooser
+from specsplit.coordinator.draft_choice import AdaptiveDraftCount, DraftPolicy
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
@@ -46,7 +46,7 @@ def iteration_s(num_tokens: int, batch: int, proposes: bool, later_steps: int, r
 def tokens_per_s(
     alphas: list[float],
     k: int | None,
-    chooser: DraftChooser | None,
+    chooser: DraftPolicy | None,
     timed: int,
     seed: int = 0,
     ragged_cost=False,
@@ -104,7 +104,7 @@ def tokens_per_s(
     return tokens / seconds
 
 
-def median_over_rounds(alphas: list[float], k: int | None, chooser: DraftChooser | None, timed: int, ragged_cost: bool):
+def median_over_rounds(alphas: list[float], k: int | None, chooser: DraftPolicy | None, timed: int, ragged_cost: bool):
     """A mode's tokens/s: the median of its windows, one per seed of ROUND_SEEDS (`chooser` goes on learning)."""
     return statistics.median(tokens_per_s(alphas, k, chooser, timed, seed, ragged_cost) for seed in ROUND_SEEDS)
 
@@ -131,7 +131,7 @@ def test_adaptive_against_every_fixed_k_on_a_simulated_h200(name, alphas, ragged
     to the next (a first-time trial, paid once by a server, lands in one window at most)."""
     timed = max(TIMED, 128 // len(alphas))
     fixed = {k: median_over_rounds(alphas, k, None, timed, ragged_cost) for k in range(K_MAX + 1)}
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=ragged_cost)  # learning
     adaptive = median_over_rounds(alphas, None, chooser, timed, ragged_cost)
     best = max(fixed, key=fixed.get)
@@ -149,7 +149,7 @@ def test_no_drafts_first_timed_in_a_slow_moment_are_timed_again_soon():
     no drafts cost what their recent steady runs took."""
     alphas = [0.2] * 32
     target_only = median_over_rounds(alphas, 0, None, TIMED, ragged_cost=False)
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, slow_iterations=12)
     rounds = [tokens_per_s(alphas, None, chooser, TIMED, seed) for seed in ROUND_SEEDS]
     print(f"\nslow start at no drafts: rounds {[round(r) for r in rounds]}, target-only {target_only:.0f}")
@@ -165,7 +165,7 @@ def test_a_depth_first_measured_in_a_slow_moment_is_chosen_again_once_measured_a
     alphas = [0.6] * 64
     monkeypatch.setitem(GRAPH_MS, 256, 8.6)
     fixed = {k: median_over_rounds(alphas, k, None, TIMED, ragged_cost=True) for k in (1, 3)}
-    chooser = DraftChooser()
+    chooser = AdaptiveDraftCount()
     tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=True, slow_iterations=12)
     rounds = [tokens_per_s(alphas, None, chooser, TIMED, seed, True) for seed in ROUND_SEEDS * 3]
     print(f"\nslow start: rounds {[round(r) for r in rounds]}, fixed {fixed}")
@@ -180,7 +180,7 @@ def test_a_machine_uniformly_faster_or_slower_changes_no_choice(pace):
     for alphas in ([0.6] * 8, [0.9, 0.2] * 16, [0.3] * 128):
         runs = []
         for scale in (None, lambda: pace):
-            chooser = DraftChooser()
+            chooser = AdaptiveDraftCount()
             tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=True, pace=scale)
             runs.append([tokens_per_s(alphas, None, chooser, TIMED, seed, True, pace=scale) for seed in ROUND_SEEDS])
         assert runs[0] == runs[1]

@@ -2,16 +2,15 @@
 verifier works meanwhile), and never loses or repeats them, also when that send fails."""
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 
 from specsplit.bidi_stream import StreamError
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.engine import Engine
+from specsplit.coordinator.iteration import VerifyOutcome, VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.proto import verifier_pb2
 
 PROMPT = list(b"hi: ")
 
@@ -25,7 +24,7 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-class FakeVerifyStream:
+class FakeVerifier:
     """Answers each request with the token of its next position (no drafts); records, at every send and
     receive, how many tokens had been streamed to the client; fails the send of the iterations in `fail_sends`."""
 
@@ -38,12 +37,12 @@ class FakeVerifyStream:
         self.batch_sizes = {}  # iteration -> requests it ran
         self._last = None
 
-    async def send(self, request):
-        self.events.append(("send", request.iteration, self.streamed()))
-        self.batch_sizes[request.iteration] = len(request.requests)
-        if request.iteration in self.fail_sends:
+    async def send(self, output):
+        self.events.append(("send", output.iteration, self.streamed()))
+        self.batch_sizes[output.iteration] = len(output.scheduled)
+        if output.iteration in self.fail_sends:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, "verifier went away")
-        self._last = request
+        self._last = output
 
     async def receive(self):
         await asyncio.sleep(0)
@@ -51,14 +50,15 @@ class FakeVerifyStream:
         code = self.fail_receives.get(self._last.iteration)
         if code is not None:
             raise StreamError(code, "verifier: Internal error from Core")
-        if self.refuse & {r.request_id for r in self._last.requests}:
+        if self.refuse & {s.request.request_id for s in self._last.scheduled}:
             self.events.append(("refused", self._last.iteration, self.streamed()))
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "verifier: position out of range")
-        response = verifier_pb2.VerifyResponse()
-        for r in self._last.requests:
-            position = r.num_computed_tokens + len(r.token_ids)
-            response.results.add(request_id=r.request_id, sampled_token_ids=[token_at(position)], num_rejected=0)
-        return response
+        return VerifyOutcome(
+            [
+                VerifyResult(s.request.request_id, [token_at(s.num_computed_tokens + len(s.token_ids))], 0)
+                for s in self._last.scheduled
+            ]
+        )
 
     def close(self):
         pass
@@ -66,16 +66,12 @@ class FakeVerifyStream:
 
 async def generate(max_tokens: int, fail_sends=(), fail_receives=None):
     config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
-    engine = Engine(
-        Scheduler(config, eos_token_ids=[]), verifier=SimpleNamespace(VerifyStream=None), tokenizer=ByteTokenizer()
-    )
-    queue = engine.add_request(Request("r", PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     queued = []  # every output put on the client's queue, consumed or not
+    stream = FakeVerifier(lambda: sum(len(o.token_ids) for o in queued), fail_sends, fail_receives)
+    engine = Engine(Scheduler(config, eos_token_ids=[]), verifier=stream, tokenizer=ByteTokenizer())
+    queue = engine.add_request(Request("r", PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     put = queue.put_nowait
     queue.put_nowait = lambda out: (queued.append(out), put(out))[1]
-    engine._verify_stream = stream = FakeVerifyStream(
-        lambda: sum(len(o.token_ids) for o in queued), fail_sends, fail_receives
-    )
     engine.start()
     tokens, reason, error = [], None, None
     try:
@@ -135,14 +131,12 @@ def test_a_refused_request_fails_alone_and_the_rest_of_its_batch_finishes_whole(
 
     async def run():
         config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
-        engine = Engine(
-            Scheduler(config, eos_token_ids=[]), verifier=SimpleNamespace(VerifyStream=None), tokenizer=ByteTokenizer()
-        )
+        stream = FakeVerifier(lambda: 0, refuse={"r4"})
+        engine = Engine(Scheduler(config, eos_token_ids=[]), verifier=stream, tokenizer=ByteTokenizer())
         ids = [f"r{i}" for i in range(6)]
         queues = {
             rid: engine.add_request(Request(rid, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))) for rid in ids
         }
-        engine._verify_stream = stream = FakeVerifyStream(lambda: 0, refuse={"r4"})
         engine.start()
         got = {}
         try:
@@ -176,13 +170,13 @@ def test_an_outage_that_began_before_a_request_arrived_counts_from_its_arrival()
 
     async def run():
         config = SchedulerConfig(max_model_len=256, block_size=16, num_blocks=64, num_speculative_tokens=0)
+        stream = FakeVerifier(lambda: 0)
         engine = Engine(
             Scheduler(config, eos_token_ids=[]),
-            verifier=SimpleNamespace(VerifyStream=None),
+            verifier=stream,
             tokenizer=ByteTokenizer(),
             verifier_unavailable_s=1.2,  # more than the longest backoff (1 s)
         )
-        stream = FakeVerifyStream(lambda: 0)
         failing = {"sends": 10**6}
         answer = stream.send
 
@@ -193,7 +187,6 @@ def test_an_outage_that_began_before_a_request_arrived_counts_from_its_arrival()
             await answer(request)
 
         stream.send = send
-        engine._verify_stream = stream
         engine.start()
         try:
             first = engine.add_request(Request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)))

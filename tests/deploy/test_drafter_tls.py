@@ -19,8 +19,9 @@ from cryptography.x509.oid import NameOID
 from specsplit.grpc_server import ServiceServer
 from specsplit.proto import drafter_pb2, drafter_pb2_grpc
 from specsplit.security import TlsFiles
-from specsplit.verifier.drafter_client import DrafterClient, ProposeBatch
+from specsplit.verifier.drafter_channel import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool
+from specsplit.verifier.propose_request import ProposeBatch
 
 
 def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, dns: str | None = None) -> x509.Certificate:
@@ -70,10 +71,10 @@ def test_drafters_found_by_dns_are_checked_against_the_service_name():
         port = server.port
         plan = ProposeBatch(1, [drafter_pb2.ProposeItem(request_id="r", next_token_ids=[1])], [0, 1], torch.zeros(1, 4))
         by_name = DrafterPool([f"dns:///drafters.test:{port}"], resolver=lambda h, p: [f"127.0.0.1:{p}"], tls=tls)
-        ok = await DrafterClient(None, timeout_s=5, pool=by_name).propose(plan, 1)
+        ok = await make_channel(None, timeout_s=5, pool=by_name).propose(plan, 1)
         assert ok.ok and ok.drafts == [[9]], ok.error
         by_ip = DrafterPool([f"127.0.0.1:{port}"], tls=tls)  # the certificate does not name the IP
-        refused = await DrafterClient(None, timeout_s=5, pool=by_ip).propose(plan, 1)
+        refused = await make_channel(None, timeout_s=5, pool=by_ip).propose(plan, 1)
         assert not refused.ok and refused.drafts == [[]] and "hostname" in refused.error.lower()
         await by_name.close()
         await by_ip.close()

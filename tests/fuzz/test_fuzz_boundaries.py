@@ -14,6 +14,7 @@ from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import common_pb2, coordinator_pb2, drafter_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_from_proto, tensor_to_proto
 from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.wire import verify_batch
 
 FAST = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 4, 5: 8}
@@ -121,7 +122,9 @@ scheduled = st.builds(
 def test_verify_request_validation(reqs, cached):
     msg = verifier_pb2.VerifyRequest(iteration=1, requests=reqs)
     try:
-        batch = build_input_batch(msg, vocab_size=VOCAB, max_model_len=16, num_cached_tokens=lambda r: cached.get(r, 0))
+        batch = build_input_batch(
+            verify_batch(msg), vocab_size=VOCAB, max_model_len=16, num_cached_tokens=lambda r: cached.get(r, 0)
+        )
     except (InvalidArgument, FailedPrecondition) as err:
         assert str(err)
         return
@@ -133,6 +136,60 @@ def test_verify_request_validation(reqs, cached):
     )
     assert all(0 <= int(t) < VOCAB for t in batch.input_ids)
     assert all(nc <= cached.get(rid, 0) for rid, nc in zip(batch.req_ids, batch.num_computed_tokens))
+
+
+# q of sampled drafts: any tensor messages, or well-encoded [rows, K] tensors with any ids and probabilities.
+draft_probs = st.one_of(
+    st.builds(common_pb2.DraftProbs, token_ids=tensors, probs=tensors),
+    st.tuples(st.integers(0, 4), st.integers(1, 3)).flatmap(
+        lambda shape: st.builds(
+            lambda ids, probs: common_pb2.DraftProbs(
+                token_ids=tensor_to_proto(torch.tensor(ids, dtype=torch.int32).view(shape)),
+                probs=tensor_to_proto(torch.tensor(probs, dtype=torch.float32).view(shape)),
+            ),
+            st.lists(st.integers(-3, VOCAB + 2), min_size=math.prod(shape), max_size=math.prod(shape)),
+            st.lists(floats, min_size=math.prod(shape), max_size=math.prod(shape)),
+        )
+    ),
+)
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 3), st.one_of(st.none(), draft_probs)), min_size=1, max_size=3))
+def test_verify_request_draft_probs_validation(reqs):
+    """Valid decode steps whose drafts carry any q: refused naming a request that sent q, or one q row per draft
+    with ids in the vocabulary (or -1) and finite non-negative probabilities: the request's own first rows, one-hot
+    at its drafts where it sent none."""
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    for i, (d, q) in enumerate(reqs):
+        r = msg.requests.add(
+            request_id=f"r{i}", token_ids=[7, *range(d)], num_draft_tokens=d, sample=True,
+            sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
+        )  # fmt: skip
+        if q is not None:
+            r.draft_probs.CopyFrom(q)
+    try:
+        batch = build_input_batch(verify_batch(msg), vocab_size=VOCAB, max_model_len=16, num_cached_tokens=lambda r: 0)
+    except InvalidArgument as err:
+        assert any(f"request 'r{i}': draft_probs" in str(err) for i, (d, q) in enumerate(reqs) if d and q is not None)
+        return
+    q = batch.draft_probs
+    if q is None:
+        assert not any(d and q is not None for d, q in reqs)
+        return
+    assert q.ids.shape == q.probs.shape and q.ids.shape[0] == batch.draft_token_ids.numel() == sum(d for d, _ in reqs)
+    assert bool(((q.ids >= -1) & (q.ids < VOCAB)).all()) and bool((torch.isfinite(q.probs) & (q.probs >= 0)).all())
+    row = 0
+    for d, sent in reqs:
+        ids, probs = q.ids[row : row + d], q.probs[row : row + d]
+        if sent is None:
+            assert ids[:, 0].tolist() == list(range(d)) and probs[:, 0].tolist() == [1.0] * d
+            assert bool((ids[:, 1:] == -1).all()) and bool((probs[:, 1:] == 0).all())
+        elif d:
+            k = list(sent.token_ids.shape)[1]
+            assert ids[:, :k].tolist() == tensor_from_proto(sent.token_ids)[:d].tolist()
+            assert torch.equal(probs[:, :k], tensor_from_proto(sent.probs)[:d])
+        row += d
 
 
 items = st.builds(

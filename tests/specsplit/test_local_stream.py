@@ -15,7 +15,8 @@ import pytest
 
 from specsplit.bidi_stream import StreamError
 from specsplit.errors import FailedPrecondition
-from specsplit.local_stream import HEADER, LocalStream, LocalStreamServer, served_socket
+from specsplit.frames import HEADER
+from specsplit.local_stream import LocalStream, LocalStreamServer, served_socket
 from specsplit.proto import common_pb2
 from specsplit.threaded_stream import ThreadedLocalStreamServer
 

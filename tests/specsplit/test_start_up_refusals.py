@@ -15,7 +15,7 @@ from specsplit.grpc_server import ServiceServer
 from specsplit.local_stream import LocalStreamServer, serve_or_exit
 from specsplit.proto import common_pb2, drafter_pb2_grpc
 from specsplit.threaded_stream import ThreadedLocalStreamServer
-from specsplit.verifier.drafter_client import DrafterClient, TransportConfigError
+from specsplit.verifier.drafter_channel import TransportConfigError, make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE
 
 
@@ -49,13 +49,13 @@ def test_a_socket_path_too_long_stops_the_service_with_exit_2(tmp_path, caplog, 
 
 def test_a_transport_other_than_grpc_and_a_colocated_drafter_need_exactly_one_drafter():
     with pytest.raises(TransportConfigError, match="hidden states by nccl needs exactly one --drafter HOST:PORT"):
-        DrafterClient("127.0.0.1:1,127.0.0.1:2", 2.0, transport=SimpleNamespace(name="nccl"))
+        make_channel("127.0.0.1:1,127.0.0.1:2", 2.0, transport=SimpleNamespace(name="nccl"))
     with pytest.raises(
         TransportConfigError, match="a co-located drafter needs exactly one --drafter.*--placement pooled"
     ):
-        DrafterClient("dns:///drafters:50053", 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
-    no_drafter = DrafterClient(None, 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
-    assert no_drafter.proposer.name == "pooled"  # no socket to drive: Proposes fail at once, no drafts
+        make_channel("dns:///drafters:50053", 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
+    no_drafter = make_channel(None, 2.0, rpc="local", transport=SimpleNamespace(name="grpc"))
+    assert no_drafter.name == "pooled"  # no socket to drive: Proposes fail at once, no drafts
 
 
 class InfoOnlyDrafter(drafter_pb2_grpc.DrafterServicer):
@@ -81,7 +81,7 @@ def test_the_verifier_refuses_a_drafter_that_cannot_serve_its_flags(rpc, transpo
         await server.start()
         await server.mark_serving()
         fake_transport = SimpleNamespace(name=transport, close=lambda: None)
-        client = DrafterClient(server.address, 2.0, rpc=rpc, transport=fake_transport)
+        client = make_channel(server.address, 2.0, rpc=rpc, transport=fake_transport)
         try:
             with pytest.raises(TransportConfigError, match=says):
                 await client.open_transport(None, wait_s=5.0)
@@ -102,10 +102,10 @@ def test_the_verifier_warns_of_a_drafter_holding_fewer_tokens_than_itself(caplog
         drafter_pb2_grpc.add_DrafterServicer_to_server(InfoOnlyDrafter(info), server.server)
         await server.start()
         await server.mark_serving()
-        client = DrafterClient(server.address, 2.0, transport=SimpleNamespace(name="grpc", close=lambda: None))
+        client = make_channel(server.address, 2.0, transport=SimpleNamespace(name="grpc", close=lambda: None))
         caplog.clear()
         try:
-            with caplog.at_level(logging.WARNING, logger="specsplit.verifier.drafter_client"):
+            with caplog.at_level(logging.WARNING, logger="specsplit.verifier.drafter_channel"):
                 await client.open_transport(None, wait_s=5.0, model=ours)
         finally:
             await client.close()

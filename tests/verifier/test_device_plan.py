@@ -1,4 +1,4 @@
-"""DrafterClient.device_plan: a launched step's Propose as a device hand-off (sent before the step
+"""DrafterChannel.device_plan: a launched step's Propose as a device hand-off (sent before the step
 finishes). Only where the transport takes hand-offs and every request is a greedy decode step that
 wants drafts; its items carry their row counts and start positions, its tokens stay on the device."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from specsplit.models.loader import load_target
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.proto import common_pb2
 from specsplit.transport.base import HiddenStatesSender
-from specsplit.verifier.drafter_client import DrafterClient
+from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
+from specsplit.verifier.drafter_channel import make_channel
 from specsplit.verifier.input_batch import build_input_batch
 from specsplit.verifier.runner import VerifierRunner
-from specsplit.verifier.servicer import VerifierServicer
-from specsplit.verifier.step_context import HeldStep
+from specsplit.verifier.step import HeldStep, VerifierStep
 from tests.fixtures.tiny import write_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -41,27 +41,29 @@ def runner(tmp_path_factory):
 
 
 def batch(runner, reqs, temperature: float = 0.0):
-    msg = verifier_pb2.VerifyRequest(iteration=1)
-    for rid, computed, tokens, drafts, sample, spec in reqs:
-        msg.requests.add(
+    items = [
+        VerifyItem(
             request_id=rid,
             num_computed_tokens=computed,
-            token_ids=tokens,
+            token_ids=list(tokens),
             num_draft_tokens=drafts,
             sample=sample,
             next_token_id=0 if sample else tokens[-1],
-            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=1.0),
+            sampling=Sampling(temperature=temperature),
             num_spec_tokens=spec,
         )
+        for rid, computed, tokens, drafts, sample, spec in reqs
+    ]
+    msg = VerifyBatch(iteration=1, requests=items)
     return build_input_batch(
         msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
     )
 
 
 def plan_of(runner, reqs, sender=None, temperature: float = 0.0):
-    client = DrafterClient("127.0.0.1:1", transport=sender or HandOffSender())
+    client = make_channel("127.0.0.1:1", transport=sender or HandOffSender())
     launched = runner.launch(batch(runner, reqs, temperature))
-    sampling = [common_pb2.SamplingParams(temperature=temperature)] * len(reqs)
+    sampling = [Sampling(temperature=temperature)] * len(reqs)
     try:
         return launched, client.device_plan(7, launched, sampling)
     finally:
@@ -105,16 +107,16 @@ def test_a_hand_off_answered_before_its_step_finished_is_held_once_it_has():
     """The device hand-off's Propose goes before the step finishes: an answer (or a failed send) that
     comes first is held back until the step's output exists, then kept exactly once."""
     kept = []
-    servicer = VerifierServicer(DrafterClient("127.0.0.1:1", transport=HandOffSender()), "cpu")
-    servicer.worker = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
+    worker = types.SimpleNamespace(keep=lambda batch, step, drafts, *_: kept.append((batch, step, drafts)))
+    step = VerifierStep(worker, make_channel("127.0.0.1:1", transport=HandOffSender()))
     held = HeldStep("batch")
     pending = types.SimpleNamespace(context=held, proposal=types.SimpleNamespace(drafts=[[4, 5]], draft_probs=None))
-    servicer._keep_answered(pending)
+    step._keep_answered(pending)
     assert kept == [] and held.answered is pending
-    assert held.finished("step", servicer._keep_answered) == "step"
+    assert held.finished("step", step._keep_answered) == "step"
     assert kept == [("batch", "step", [[4, 5]])]
     later = HeldStep("batch 2", "step 2")  # the host path: the step is there when the answer comes
-    servicer._keep_answered(types.SimpleNamespace(context=later, proposal=pending.proposal))
+    step._keep_answered(types.SimpleNamespace(context=later, proposal=pending.proposal))
     assert kept[-1] == ("batch 2", "step 2", [[4, 5]])
 
 
@@ -140,14 +142,14 @@ def test_a_propose_message_is_built_once_and_carries_only_what_the_drafter_reads
     """The first message of every request is the plan's own ProposeRequest (no per-item copies), with the frees;
     a later one (another replica's share, a retry) is a copy. Items carry a sampled request's temperature and seed
     and nothing of a greedy one's sampling (penalties and end tokens are the verifier's)."""
-    client = DrafterClient("127.0.0.1:1")
+    client = make_channel("127.0.0.1:1")
     batch = types.SimpleNamespace(req_ids=["g", "s"], num_spec_tokens=[3, 2])
     step = types.SimpleNamespace(
         start_positions=[4, 9], next_token_ids=[[7], [8, 9]], num_rejected=[0, 1], hidden_states=torch.zeros(3, 2)
     )
     sampling = [
-        common_pb2.SamplingParams(temperature=0.0, top_p=0.5, seed=5, end_token_ids=[0, 1], presence_penalty=0.5),
-        common_pb2.SamplingParams(temperature=0.7, top_k=4, seed=11, end_token_ids=[0, 1], min_tokens=3),
+        Sampling(temperature=0.0, top_p=0.5, seed=5, end_token_ids=(0, 1), presence_penalty=0.5),
+        Sampling(temperature=0.7, top_k=4, seed=11, end_token_ids=(0, 1), min_tokens=3),
     ]
     plan = client.build_request(3, batch, step, sampling)
     assert plan.row_offsets == [0, 1, 3]

@@ -1,5 +1,6 @@
-"""Sparse draft distributions in a VerifyRequest: laid out as one batch q, and every bad value
-refused with INVALID_ARGUMENT naming the request (values are checked once for the whole batch)."""
+"""Sparse draft distributions in a VerifyRequest: laid out as one batch q, and every bad tensor or value
+refused with INVALID_ARGUMENT naming the request (tensors as the message is converted, `wire.verify_batch`; values
+once for the whole batch, as it is built)."""
 
 import math
 
@@ -10,6 +11,7 @@ from specsplit.errors import InvalidArgument
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_to_proto
 from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.wire import verify_batch
 
 VOCAB = 50
 
@@ -29,7 +31,7 @@ def request(msg, rid, drafts, q=None):
 
 
 def build(msg):
-    return build_input_batch(msg, vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 0)
+    return build_input_batch(verify_batch(msg), vocab_size=VOCAB, max_model_len=64, num_cached_tokens=lambda rid: 0)
 
 
 def test_batch_q_pads_to_the_widest_request_and_makes_greedy_drafts_one_hot():
@@ -73,3 +75,24 @@ def test_bad_shapes_are_refused():
     request(msg, "short", [3, 4], ([[3]], [[1.0]]))  # one q row for two drafts
     with pytest.raises(InvalidArgument, match=r"request 'short': draft_probs must be two \[>= 2, K\] tensors"):
         build(msg)
+
+
+@pytest.mark.parametrize(
+    ("field", "tensor", "message"),
+    [
+        ("token_ids", torch.tensor([[6]], dtype=torch.int64), "tensor dtype is torch.int64, expected torch.int32"),
+        ("probs", torch.tensor([[1.0]], dtype=torch.float16), "tensor dtype is torch.float16, expected torch.float32"),
+        ("probs", None, "tensor data has 3 bytes, expected 4"),
+    ],
+)
+def test_badly_encoded_tensors_are_refused_naming_their_request(field, tensor, message):
+    msg = verifier_pb2.VerifyRequest(iteration=1)
+    request(msg, "good", [3], ([[3]], [[1.0]]))
+    request(msg, "bad", [6], ([[6]], [[1.0]]))
+    bad = getattr(msg.requests[1].draft_probs, field)
+    if tensor is None:
+        bad.data = bad.data[:3]  # one float32 element's shape with 3 bytes of data
+    else:
+        bad.CopyFrom(tensor_to_proto(tensor))
+    with pytest.raises(InvalidArgument, match=f"request 'bad': draft_probs: {message}"):
+        verify_batch(msg)

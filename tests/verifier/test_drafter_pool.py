@@ -16,8 +16,10 @@ import torch
 
 from specsplit.grpc_server import ServiceServer
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specsplit.verifier.drafter_client import DrafterClient
+from specsplit.transport.wire import fill_tensor_proto
+from specsplit.verifier.drafter_channel import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool, HashRing, parse_targets, resolve_dns
+from specsplit.verifier.pool_channel import PoolChannel
 from specsplit.verifier.runner import StepOutput
 
 HIDDEN = 4
@@ -52,9 +54,20 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DrafterFreeResponse()
 
 
+class MalformedQDrafter(FakeDrafter):
+    """Answers every draft with a q of float token ids."""
+
+    async def answer(self, request):
+        resp = await super().answer(request)
+        for d in resp.drafts:
+            fill_tensor_proto(d.draft_probs.token_ids, torch.zeros(1, 1))
+            fill_tensor_proto(d.draft_probs.probs, torch.ones(1, 1))
+        return resp
+
+
 class Replica:
-    def __init__(self, tag: int, port: int = 0):
-        self.fake = FakeDrafter(tag)
+    def __init__(self, tag: int, port: int = 0, fake: FakeDrafter | None = None):
+        self.fake = fake or FakeDrafter(tag)
         self.server = ServiceServer(f"drafter{tag}", "127.0.0.1", port, [DRAFTER_SERVICE])
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.fake, self.server.server)
         self.address = self.server.address
@@ -80,7 +93,7 @@ def step_for(rids: list[str], rows_per_req: list[int]) -> tuple[SimpleNamespace,
     return batch, step
 
 
-async def propose(client: DrafterClient, rids: list[str], rows: list[int] | None = None):
+async def propose(client: PoolChannel, rids: list[str], rows: list[int] | None = None):
     rows = rows or [1 + i % 3 for i in range(len(rids))]
     batch, step = step_for(rids, rows)
     plan = client.build_request(1, batch, step, [common_pb2.SamplingParams()] * len(rids))
@@ -125,7 +138,7 @@ def test_default_resolver_returns_every_address_with_the_port():
 
 def test_no_drafter_configured_gives_no_drafts():
     async def body():
-        proposal, _ = await propose(DrafterClient(None), ["a", "b"])
+        proposal, _ = await propose(make_channel(None), ["a", "b"])
         assert not proposal.ok and proposal.drafts == [[], []] and "no drafter" in proposal.error
 
     asyncio.run(body())
@@ -134,7 +147,7 @@ def test_no_drafter_configured_gives_no_drafts():
 def test_requests_stick_to_one_replica_and_drafts_merge_in_batch_order():
     async def body():
         a, b = await Replica(1).start(), await Replica(2).start()
-        client = DrafterClient(f"{a.address},{b.address}", timeout_s=5)
+        client = make_channel(f"{a.address},{b.address}", timeout_s=5)
         rids = [f"r{i}" for i in range(16)]
         first, offsets = await propose(client, rids)
         assert first.ok
@@ -158,7 +171,7 @@ def test_a_lost_replica_hands_its_requests_over_and_is_used_again_when_back():
     async def body():
         a, b = await Replica(1).start(), await Replica(2).start()
         pool = DrafterPool([a.address, b.address], backoff_s=(0.05, 0.2), probe_timeout_s=0.5)
-        client = DrafterClient(None, timeout_s=2, pool=pool, rpc="stream")
+        client = make_channel(None, timeout_s=2, pool=pool, rpc="stream")
         rids = [f"r{i}" for i in range(16)]
         before = drafted_by((await propose(client, rids))[0])
         on_b = [r for r, tag in zip(rids, before) if tag == 2]
@@ -186,10 +199,29 @@ def test_a_lost_replica_hands_its_requests_over_and_is_used_again_when_back():
     asyncio.run(body())
 
 
+def test_a_replica_answering_a_malformed_q_fails_only_its_share_and_is_counted_out():
+    async def body():
+        a, b = await Replica(1).start(), await Replica(2, fake=MalformedQDrafter(2)).start()
+        client = make_channel(f"{a.address},{b.address}", timeout_s=5)
+        rids = [f"r{i}" for i in range(16)]
+        proposal, offsets = await propose(client, rids)
+        on_a = [i for i, rid in enumerate(rids) if client.pool.owner[rid] == a.address]
+        assert on_a and len(on_a) < 16  # both replicas drafted
+        assert not proposal.ok and proposal.error.startswith(f"{b.address}: ") and "draft_probs" in proposal.error
+        assert [proposal.drafts[i] for i in on_a] == [[offsets[i], 1] for i in on_a]  # A's drafts kept
+        assert all(not d for i, d in enumerate(proposal.drafts) if i not in on_a)  # none of B's
+        assert client.pool.stats()[b.address].failures == 1 and b.address not in client.pool.healthy()
+        await client.close()
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(body())
+
+
 def test_one_persistent_stream_per_replica_carries_every_iteration():
     async def body():
         a = await Replica(1).start()
-        client = DrafterClient(a.address, timeout_s=5)
+        client = make_channel(a.address, timeout_s=5)
         for _ in range(4):
             proposal, offsets = await propose(client, ["r0", "r1"])
             assert proposal.ok and [d[0] for d in proposal.drafts] == offsets
@@ -204,7 +236,7 @@ def test_a_replica_that_dies_mid_stream_fails_the_iteration_and_a_new_stream_ope
     async def body():
         a = await Replica(1).start()
         pool = DrafterPool([a.address], backoff_s=(0.05, 0.2), probe_timeout_s=0.5)
-        client = DrafterClient(None, timeout_s=2, pool=pool)
+        client = make_channel(None, timeout_s=2, pool=pool)
         assert (await propose(client, ["r0"]))[0].ok
         await a.stop()  # the open stream breaks under the client
         lost, _ = await propose(client, ["r0"])
@@ -222,7 +254,7 @@ def test_a_replica_that_dies_mid_stream_fails_the_iteration_and_a_new_stream_ope
 def test_frees_go_to_the_replica_that_owned_the_request():
     async def body():
         a, b = await Replica(1).start(), await Replica(2).start()
-        client = DrafterClient(f"{a.address},{b.address}", timeout_s=5)
+        client = make_channel(f"{a.address},{b.address}", timeout_s=5)
         rids = [f"r{i}" for i in range(12)]
         tags = drafted_by((await propose(client, rids))[0])
         client.free(rids)
@@ -242,7 +274,7 @@ def test_dns_reresolution_adds_and_removes_replicas_without_a_restart():
         a, b = await Replica(1).start(), await Replica(2).start()
         answer = [a.address]
         pool = DrafterPool(["dns:///drafters:50053"], resolve_interval_s=0.05, resolver=lambda h, p: list(answer))
-        client = DrafterClient(None, timeout_s=5, pool=pool)
+        client = make_channel(None, timeout_s=5, pool=pool)
         old = [f"r{i}" for i in range(8)]
         assert drafted_by((await propose(client, old))[0]) == [1] * 8
 

@@ -1,5 +1,5 @@
 """A batch planned before its held drafts are in (async scheduling: `VerifierWorker.plan_early`, driven
-by `VerifierServicer._plan_early`): placeholders where the drafts go, then `with_held_drafts` puts the
+by `VerifierStep._plan_early`): placeholders where the drafts go, then `with_held_drafts` puts the
 real ones in. It must equal the batch planned from the filled request, refuse what planning refuses,
 and give up (None) when fewer drafts came than planned."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specsplit.errors import FailedPrecondition, InvalidArgument
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.proto import common_pb2
+from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.held_drafts import HeldDraft, HeldDrafts
 from specsplit.verifier.input_batch import build_input_batch, plan_input_batch, upload_input_batch, with_held_drafts
 from specsplit.verifier.runner import Prepared
@@ -19,26 +20,27 @@ from specsplit.verifier.worker import VerifierWorker
 VOCAB = 50
 
 
-def _request(held: dict[str, int]) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest(iteration=2)
-    msg.requests.add(  # a prefill chunk: no held drafts
-        request_id="chunk", num_computed_tokens=0, token_ids=[3, 4, 5], sample=False, next_token_id=6,
-        sampling=common_pb2.SamplingParams(top_p=1.0),
-    )  # fmt: skip
+def _request(held: dict[str, int]) -> VerifyBatch:
+    msg = VerifyBatch(iteration=2, requests=[])
+    msg.requests.append(  # a prefill chunk: no held drafts
+        VerifyItem(request_id="chunk", num_computed_tokens=0, token_ids=[3, 4, 5], sample=False, next_token_id=6)
+    )
     for i, (rid, n) in enumerate(held.items()):
-        msg.requests.add(
-            request_id=rid, num_computed_tokens=10 + i, token_ids=[7 + i], sample=True, num_held_drafts=n,
-            num_spec_tokens=n, sampling=common_pb2.SamplingParams(top_p=0.9, temperature=0.5, seed=i),
+        msg.requests.append(
+            VerifyItem(
+                request_id=rid, num_computed_tokens=10 + i, token_ids=[7 + i], sample=True, num_held_drafts=n,
+                num_spec_tokens=n, sampling=Sampling(top_p=0.9, temperature=0.5, seed=i),
+            )
         )  # fmt: skip
     return msg
 
 
-def _fill(msg: verifier_pb2.VerifyRequest, drafts: dict[str, list[int]]) -> list[list[int]]:
+def _fill(msg: VerifyBatch, drafts: dict[str, list[int]]) -> list[list[int]]:
     """What `HeldDrafts.fill` does for drafts that continue where each request stands; per request, the drafts
     put in."""
     for r in msg.requests:
         if r.request_id in drafts:
-            r.token_ids.extend(drafts[r.request_id])
+            r.token_ids = r.token_ids + drafts[r.request_id]
             r.num_draft_tokens = len(drafts[r.request_id])
     return [drafts.get(r.request_id, []) for r in msg.requests]
 
@@ -96,8 +98,8 @@ def test_a_batch_with_placeholders_cannot_be_uploaded():
 
 def test_only_requests_fill_can_fill_get_placeholders():
     msg = _request({"a": 2})
-    msg.requests.add(request_id="two_tokens", token_ids=[1, 2], sample=True, num_held_drafts=2)
-    msg.requests.add(request_id="chunk_held", token_ids=[1], sample=False, num_held_drafts=2)
+    msg.requests.append(VerifyItem("two_tokens", 0, [1, 2], sample=True, num_held_drafts=2))
+    msg.requests.append(VerifyItem("chunk_held", 0, [1], sample=False, num_held_drafts=2))
     assert HeldDrafts.placeholders(msg) == {"a": 2}
 
 
@@ -131,29 +133,29 @@ def _servicer():
 def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
     servicer = _servicer()
     msg = _request({"a": 2})
-    early = servicer._plan_early(msg)
+    early = servicer.step._plan_early(msg)
     assert early.error is None and servicer.worker.runner.calls == [("free", []), ("prepare", [3, 3])]
     _hold(servicer, {"a": [11, 12]})
-    batch, out, unfilled = servicer._launch(msg, early)
+    batch, out, unfilled = servicer.step._launch(msg, early)
     assert out == "launched" and batch.token_ids[1] == [7, 11, 12] and unfilled == [0, 0]
     assert servicer.worker.runner.calls[-1] == ("launch", [3, 3], True)  # on the early prepare: no second one
 
 
 def test_an_early_error_is_raised_by_the_step_and_order_is_checked_once():
     servicer = _servicer()
-    servicer._launch(_request({"a": 2}), None)  # iteration 2 has run
+    servicer.step._launch(_request({"a": 2}), None)  # iteration 2 has run
     stale = _request({"a": 2})  # iteration 2 again
-    early = servicer._plan_early(stale)
+    early = servicer.step._plan_early(stale)
     assert isinstance(early.error, FailedPrecondition)
     with pytest.raises(FailedPrecondition, match="strictly increase"):
-        servicer._launch(stale, early)
+        servicer.step._launch(stale, early)
 
 
 def test_a_plan_refused_early_is_planned_again_by_the_step():
     servicer = _servicer()
     msg = _request({"a": 60})  # 60 placeholders after position 10 overflow max_model_len 64...
-    early = servicer._plan_early(msg)
+    early = servicer.step._plan_early(msg)
     assert early.planned is None and early.error is None
     _hold(servicer, {"a": [11, 12]})  # ... but only 2 drafts came: the step plans them and runs
-    batch, out, _ = servicer._launch(msg, early)
+    batch, out, _ = servicer.step._launch(msg, early)
     assert out == "launched" and batch.num_new_tokens == [3, 3]

@@ -4,9 +4,10 @@ iteration's placeholders only where the request continues exactly where the draf
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specsplit.errors import InvalidArgument
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import DraftProbs, VerifyBatch, VerifyItem
 from specsplit.verifier.held_drafts import HeldDrafts
 
 
@@ -24,25 +25,22 @@ def batch_and_step():
     return batch, step
 
 
-def verify_request(*items) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest()
-    for rid, nc, last, n in items:
-        msg.requests.add(request_id=rid, num_computed_tokens=nc, token_ids=[last], sample=True, num_held_drafts=n)
-    return msg
+def verify_request(*items) -> VerifyBatch:
+    requests = [VerifyItem(rid, nc, [last], sample=True, num_held_drafts=n) for rid, nc, last, n in items]
+    return VerifyBatch(iteration=1, requests=requests)
 
 
 def test_held_drafts_fill_the_next_iterations_placeholders():
     held = HeldDrafts()
     batch, step = batch_and_step()
-    probs = common_pb2.DraftProbs()
-    probs.token_ids.shape.extend([3, 2])
+    probs = DraftProbs(torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2))
     held.keep(batch, step, [[1, 2, 3], [4, 5, 6], []], [None, probs, None])
     assert len(held) == 2
     msg = verify_request(("a", 12, 13, 3), ("b", 5, 50, 2))
     assert held.fill(msg) == [0, 0]
     a, b = msg.requests
-    assert list(a.token_ids) == [13, 1, 2, 3] and a.num_draft_tokens == 3 and not a.HasField("draft_probs")
-    assert list(b.token_ids) == [50, 4, 5] and b.num_draft_tokens == 2 and b.HasField("draft_probs")
+    assert a.token_ids == [13, 1, 2, 3] and a.num_draft_tokens == 3 and a.draft_probs is None
+    assert b.token_ids == [50, 4, 5] and b.num_draft_tokens == 2 and b.draft_probs is probs
     assert len(held) == 0  # used once
 
 
@@ -52,7 +50,7 @@ def test_a_request_that_moved_elsewhere_gets_no_drafts():
     # "a" was re-prefilled (preempted) and stands at another position; "z" never had drafts.
     msg = verify_request(("a", 7, 13, 3), ("z", 3, 9, 2))
     assert held.fill(msg) == [3, 2]
-    assert [list(r.token_ids) for r in msg.requests] == [[13], [9]]
+    assert [r.token_ids for r in msg.requests] == [[13], [9]]
     assert all(r.num_draft_tokens == 0 for r in msg.requests)
 
 
@@ -63,7 +61,7 @@ def test_fewer_held_drafts_than_placeholders_and_a_failed_propose():
     held.keep(batch, step, [[1], [], []], None)  # the next Propose failed for "b": its old drafts go
     msg = verify_request(("a", 12, 13, 3), ("b", 5, 50, 3))
     assert held.fill(msg) == [2, 3]
-    assert list(msg.requests[0].token_ids) == [13, 1]
+    assert msg.requests[0].token_ids == [13, 1]
 
 
 def test_freed_requests_lose_their_drafts():
@@ -80,10 +78,10 @@ def test_placeholders_with_drafts_or_without_sampling_are_invalid(field):
     msg = verify_request(("a", 12, 13, 3))
     r = msg.requests[0]
     if field == "drafts":
-        r.token_ids.append(5)
+        r.token_ids = [*r.token_ids, 5]
         r.num_draft_tokens = 1
     elif field == "two_tokens":
-        r.token_ids.append(5)
+        r.token_ids = [*r.token_ids, 5]
     elif field == "no_sample":
         r.sample = False
     else:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit.models.loader import load_target
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply, take_logprobs
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.worker import VerifierWorker
@@ -95,23 +95,23 @@ def worker(model):
 PROMPT = [5, 17, 42, 5, 7, 3, 17]
 
 
-def _speculate(worker, sampling: common_pb2.SamplingParams, oracle: list[int], n: int) -> tuple[list[int], list]:
+def _speculate(worker, sampling: Sampling, oracle: list[int], n: int) -> tuple[list[int], list]:
     """Greedy decoding of n tokens through the worker, each step verifying 3 drafts: the oracle's next tokens with
     the last one wrong every other step (so steps accept all, or reject one)."""
     out, logprobs, it = [], [], 0
     while len(out) < n:
         it += 1
-        msg = verifier_pb2.VerifyRequest(iteration=it)
-        r = msg.requests.add(request_id="a", sample=True, num_prompt_tokens=len(PROMPT), sampling=sampling)
+        r = VerifyItem("a", 0, [], sample=True, num_prompt_tokens=len(PROMPT), sampling=sampling)
         if not out:
-            r.token_ids.extend(PROMPT)
+            r.token_ids = list(PROMPT)
         else:
             drafts = oracle[len(out) : len(out) + 3]
             if it % 2 and drafts:
                 drafts[-1] = (drafts[-1] + 1) % 100
             r.num_computed_tokens = len(PROMPT) + len(out) - 1
-            r.token_ids.extend([out[-1], *drafts])
+            r.token_ids = [out[-1], *drafts]
             r.num_draft_tokens = len(drafts)
+        msg = VerifyBatch(iteration=it, requests=[r])
         batch, launched, _ = worker.launch(msg)
         step = worker.finish(batch, launched)
         out += step.sampled_token_ids[0]
@@ -122,8 +122,8 @@ def _speculate(worker, sampling: common_pb2.SamplingParams, oracle: list[int], n
 @pytest.mark.parametrize(
     "hf_options, sampling",
     [
-        ({"repetition_penalty": 1.8}, common_pb2.SamplingParams(repetition_penalty=1.8)),
-        ({"repetition_penalty": 0.7}, common_pb2.SamplingParams(repetition_penalty=0.7)),
+        ({"repetition_penalty": 1.8}, Sampling(repetition_penalty=1.8)),
+        ({"repetition_penalty": 0.7}, Sampling(repetition_penalty=0.7)),
     ],
 )
 def test_greedy_with_drafts_equals_transformers_penalised_generation(worker, hf_model, hf_options, sampling):
@@ -147,7 +147,7 @@ def test_min_tokens_keeps_the_end_tokens_out_until_enough_are_out(worker, hf_mod
             pad_token_id=0,
         )[0, len(PROMPT) :].tolist()  # fmt: skip
     assert end not in oracle[:6]
-    sampling = common_pb2.SamplingParams(min_tokens=6, end_token_ids=[end])
+    sampling = Sampling(min_tokens=6, end_token_ids=(end,))
     got, _ = _speculate(worker, sampling, oracle, len(oracle))
     assert got == oracle
 
@@ -160,13 +160,13 @@ def test_logprobs_of_each_emitted_token_are_the_targets(worker, hf_model):
         )
     oracle = full.sequences[0, len(PROMPT) :].tolist()
     want = [torch.log_softmax(step_logits[0].float(), -1) for step_logits in full.logits]  # raw logits per position
-    got, logprobs = _speculate(worker, common_pb2.SamplingParams(logprobs=3), oracle, n)
+    got, logprobs = _speculate(worker, Sampling(logprobs=3), oracle, n)
     assert got == oracle and len(logprobs) == n
     for k, entry in enumerate(logprobs):
-        assert entry.logprob == pytest.approx(want[k][oracle[k]].item(), abs=1e-4)
+        assert entry.token_id == oracle[k] and entry.logprob == pytest.approx(want[k][oracle[k]].item(), abs=1e-4)
         top = want[k].topk(3)
-        assert list(entry.top_token_ids) == top.indices.tolist()
-        assert list(entry.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(model, hf_model):
@@ -187,12 +187,14 @@ def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(m
     sampling = dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4)
     counts = torch.zeros_like(p)
     for it in range(10):
-        msg = verifier_pb2.VerifyRequest(iteration=it + 1)
-        for i in range(200):
-            msg.requests.add(
-                request_id=f"r{i}", token_ids=[*PROMPT, draft], num_draft_tokens=1, sample=True, num_prompt_tokens=3,
-                sampling=common_pb2.SamplingParams(seed=1000 * it + i, **sampling),
-            )  # fmt: skip
+        requests = [
+            VerifyItem(
+                f"r{i}", 0, [*PROMPT, draft], num_draft_tokens=1, sample=True, num_prompt_tokens=3,
+                sampling=Sampling(seed=1000 * it + i, **sampling),
+            )
+            for i in range(200)
+        ]  # fmt: skip
+        msg = VerifyBatch(iteration=it + 1, requests=requests)
         batch, launched, _ = worker.launch(msg)
         step = worker.finish(batch, launched)
         for tokens in step.sampled_token_ids:

@@ -8,7 +8,7 @@ import torch
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_target
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.input_batch import build_input_batch
 from specsplit.verifier.runner import VerifierRunner, step_output
 from tests.fixtures.tiny import write_tiny_checkpoint
@@ -38,18 +38,19 @@ def runner(model, request):
 
 
 def step(runner, reqs, it=1):
-    msg = verifier_pb2.VerifyRequest(iteration=it)
-    for rid, nc, tokens, d, sample in reqs:
-        msg.requests.add(
+    items = [
+        VerifyItem(
             request_id=rid,
             num_computed_tokens=nc,
-            token_ids=tokens,
+            token_ids=list(tokens),
             num_draft_tokens=d,
             sample=sample,
             next_token_id=tokens[0] if not sample else 0,
-            sampling=common_pb2.SamplingParams(top_p=1.0),
             num_spec_tokens=2,
         )
+        for rid, nc, tokens, d, sample in reqs
+    ]
+    msg = VerifyBatch(iteration=it, requests=items)
     batch = build_input_batch(
         msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
     )
@@ -137,20 +138,20 @@ def test_hidden_states_are_float_rows_of_hidden_size(runner):
 @pytest.mark.parametrize(
     ("sampling", "all_greedy", "any_filter"),
     [
-        ([common_pb2.SamplingParams(top_p=1.0)] * 2, True, False),
-        ([common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(temperature=0.7)], False, False),
-        ([common_pb2.SamplingParams(temperature=0.7, top_k=5)], False, True),
-        ([common_pb2.SamplingParams(temperature=0.7, top_p=0.9)], False, True),
+        ([Sampling()] * 2, True, False),
+        ([Sampling(), Sampling(temperature=0.7)], False, False),
+        ([Sampling(temperature=0.7, top_k=5)], False, True),
+        ([Sampling(temperature=0.7, top_p=0.9)], False, True),
     ],
 )
 def test_input_batch_tells_the_sampler_what_the_host_knows(sampling, all_greedy, any_filter):
     """all_greedy / any_filter / max_num_draft let the sampler skip a launch and every device sync;
     a wrong flag would change tokens (greedy race skipped, filters ignored), so they must be exact."""
-    msg = verifier_pb2.VerifyRequest(iteration=1)
-    for i, sp in enumerate(sampling):
-        msg.requests.add(
-            request_id=f"r{i}", token_ids=[5, 6, 7, 8][: 2 + i], num_draft_tokens=1 + i, sample=True, sampling=sp
-        )
+    requests = [
+        VerifyItem(f"r{i}", 0, [5, 6, 7, 8][: 2 + i], num_draft_tokens=1 + i, sample=True, sampling=sp)
+        for i, sp in enumerate(sampling)
+    ]
+    msg = VerifyBatch(iteration=1, requests=requests)
     batch = build_input_batch(msg, vocab_size=100, max_model_len=64, num_cached_tokens=lambda rid: 0)
     assert (batch.all_greedy, batch.any_filter, batch.max_num_draft) == (all_greedy, any_filter, len(sampling))
 
@@ -192,18 +193,12 @@ def test_hidden_rows_are_those_of_the_accepted_positions_request_after_request(w
     """`step_output` sends the drafter the hidden rows of each request's kept positions, in request
     order: one run of rows when every draft is kept (a slice), separate runs when a request loses its
     tail (an index); both must pick exactly the rows of the positions the tokens follow."""
-    msg = verifier_pb2.VerifyRequest(iteration=1)
     # a: 1 token + 2 drafts; b: 1 token + 1 draft. Query rows: a 0..2, b 3..4.
-    for rid, tokens in (("a", [5, 6, 7]), ("b", [8, 9])):
-        msg.requests.add(
-            request_id=rid,
-            num_computed_tokens=4,
-            token_ids=tokens,
-            num_draft_tokens=len(tokens) - 1,
-            sample=True,
-            sampling=common_pb2.SamplingParams(top_p=1.0),
-            num_spec_tokens=2,
-        )
+    requests = [
+        VerifyItem(rid, 4, tokens, num_draft_tokens=len(tokens) - 1, sample=True, num_spec_tokens=2)
+        for rid, tokens in (("a", [5, 6, 7]), ("b", [8, 9]))
+    ]
+    msg = VerifyBatch(iteration=1, requests=requests)
     batch = build_input_batch(msg, vocab_size=100, max_model_len=64, num_cached_tokens=lambda rid: 4)
     hidden = torch.arange(5, dtype=torch.float32)[:, None].repeat(1, 3)  # row i holds i
     # Sampled per request (padded with -1): a keeps both drafts or loses both; b keeps its draft.
@@ -242,12 +237,11 @@ def test_a_step_prepared_for_more_drafts_than_came_equals_a_plain_step(runner):
 
 
 def _batch(runner, reqs):
-    msg = verifier_pb2.VerifyRequest(iteration=1)
-    for rid, nc, tokens, d, sample in reqs:
-        msg.requests.add(
-            request_id=rid, num_computed_tokens=nc, token_ids=tokens, num_draft_tokens=d, sample=sample,
-            sampling=common_pb2.SamplingParams(top_p=1.0), num_spec_tokens=3,
-        )  # fmt: skip
+    items = [
+        VerifyItem(rid, nc, list(tokens), num_draft_tokens=d, sample=sample, num_spec_tokens=3)
+        for rid, nc, tokens, d, sample in reqs
+    ]
+    msg = VerifyBatch(iteration=1, requests=items)
     return build_input_batch(
         msg, vocab_size=runner.model.config.vocab_size, max_model_len=256, num_cached_tokens=runner.kv_cache.num_tokens
     )

@@ -5,7 +5,7 @@ and an iteration that only frees launches nothing."""
 import pytest
 
 from specsplit.models.loader import load_target
-from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.verifier.batch import VerifyBatch, VerifyItem
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.worker import VerifierWorker
 from tests.fixtures.tiny import write_tiny_checkpoint
@@ -24,16 +24,16 @@ def worker(model):
     return VerifierWorker(runner, vocab_size=model.config.vocab_size, max_model_len=256, device="cpu")
 
 
-def _message(iteration: int, **request) -> verifier_pb2.VerifyRequest:
-    msg = verifier_pb2.VerifyRequest(iteration=iteration)
+def _message(iteration: int, **request) -> VerifyBatch:
+    msg = VerifyBatch(iteration=iteration, requests=[])
     if request:
-        msg.requests.add(sample=True, num_spec_tokens=2, sampling=common_pb2.SamplingParams(top_p=1.0), **request)
+        msg.requests.append(VerifyItem(sample=True, num_spec_tokens=2, **request))
     return msg
 
 
 def _prefill(worker):
     """Iteration 1, request "a"'s prompt: the sampled token and the step."""
-    batch, launched, unfilled = worker.launch(_message(1, request_id="a", token_ids=PROMPT))
+    batch, launched, unfilled = worker.launch(_message(1, request_id="a", num_computed_tokens=0, token_ids=PROMPT))
     step = worker.finish(batch, launched)
     assert unfilled == [0] and len(step.sampled_token_ids[0]) == 1
     return batch, step

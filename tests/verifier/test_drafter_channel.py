@@ -1,5 +1,5 @@
-"""specsplit.verifier.direct_propose: the step thread's Proposes, on a co-located drafter's Unix socket
-(DirectProposer) or through the event loop to pooled drafters (PooledProposer). Answers are taken in the
+"""specsplit.verifier.drafter_channel: the step thread's Proposes, on a co-located drafter's Unix socket
+(SocketChannel) or through the event loop to pooled drafters (PoolChannel). Answers are taken in the
 order the Proposes went out, each handed to its `on_answer` (the held drafts) on the step thread with the
 drafts merged back; on the socket a drafter error, a drafter gone, no answer in time or a malformed answer
 fail every Propose in flight with the status a call would have, and the next Propose reconnects; a pooled
@@ -7,6 +7,7 @@ Propose that raises is a failed Propose."""
 
 import asyncio
 import os
+import threading
 import time
 import types
 
@@ -18,11 +19,12 @@ from specsplit.errors import FailedPrecondition
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.threaded_stream import ThreadedLocalStreamServer
 from specsplit.transport.grpc_bytes import GrpcSender
-from specsplit.transport.wire import tensor_from_proto
-from specsplit.verifier.direct_propose import DirectProposer, PooledProposer
-from specsplit.verifier.drafter_client import ProposeBatch
-from specsplit.verifier.drafter_pool import Replica
+from specsplit.transport.wire import fill_tensor_proto, tensor_from_proto
+from specsplit.verifier.drafter_pool import DrafterPool, Replica
+from specsplit.verifier.pool_channel import PoolChannel
 from specsplit.verifier.proposal import Proposal
+from specsplit.verifier.propose_request import ProposeBatch
+from specsplit.verifier.socket_channel import SocketChannel
 
 ADDRESS = "127.0.0.1:1"
 
@@ -36,7 +38,8 @@ def socket_path(tmp_path_factory):
 
 class FakeDrafter:
     """Answers each request's items with drafts [iteration, row count]; iteration 13 is refused,
-    iteration 7 takes 0.5 s, iteration 9 answers one draft too few; records what it got."""
+    iteration 7 takes 0.5 s, iteration 9 answers one draft too few, iteration 11 answers a q of float token ids;
+    records what it got."""
 
     def __init__(self):
         self.got: list[tuple[int, list[str], int]] = []
@@ -51,33 +54,41 @@ class FakeDrafter:
         items = request.requests[:-1] if request.iteration == 9 else request.requests
         response = drafter_pb2.ProposeResponse(step0_ns=5, received_ns=1)
         for item in items:
-            response.drafts.add(request_id=item.request_id, token_ids=[request.iteration, rows])
+            drafts = response.drafts.add(request_id=item.request_id, token_ids=[request.iteration, rows])
+            if request.iteration == 11:
+                fill_tensor_proto(drafts.draft_probs.token_ids, torch.zeros(2, 1))
+                fill_tensor_proto(drafts.draft_probs.probs, torch.ones(2, 1))
         return response
 
 
-class FakeClient:
-    """What DirectProposer uses of DrafterClient: one replica (its stub names the socket), the
-    transport, the timeout."""
+class FakePool:
+    """What SocketChannel uses of the DrafterPool: one replica (its stub names the socket), placing requests and
+    recording calls."""
 
-    def __init__(self, path: str, timeout_s: float = 5.0):
+    def __init__(self, path: str):
         async def model_info(request, timeout):
             return common_pb2.ModelInfo(propose_socket=path)
 
-        async def start():
-            pass
-
-        replica = Replica(ADDRESS, None, None, types.SimpleNamespace(GetModelInfo=model_info))
-        self.calls: list[tuple[str, int, str | None]] = []  # the drafter pool's record of each call
-
-        def record_call(address, num_reqs, error=None):
-            self.calls.append((address, num_reqs, error))
-
+        self.targets = [ADDRESS]
+        self.replicas = {ADDRESS: Replica(ADDRESS, None, None, types.SimpleNamespace(GetModelInfo=model_info))}
+        self.calls: list[tuple[str, int, str | None]] = []  # the record of each call
         self.assigned: list[list[str]] = []
-        self.pool = types.SimpleNamespace(
-            replicas={ADDRESS: replica}, start=start, record_call=record_call, assign=self.assigned.append
-        )
-        self.transport = GrpcSender()
-        self.timeout_s = timeout_s
+
+    async def start(self):
+        pass
+
+    def assign(self, request_ids):
+        self.assigned.append(request_ids)
+
+    def record_call(self, address, num_reqs, error=None):
+        self.calls.append((address, num_reqs, error))
+
+    async def close(self):
+        pass
+
+
+def socket_channel(path: str, timeout_s: float = 5.0) -> SocketChannel:
+    return SocketChannel(FakePool(path), GrpcSender(), timeout_s)
 
 
 def plan(iteration: int, request_ids: list[str]) -> ProposeBatch:
@@ -99,29 +110,28 @@ def run(coro):
 
 def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(socket_path):
     drafter, answered = FakeDrafter(), []
-    client = FakeClient(socket_path)
+    direct = socket_channel(socket_path)
 
     async def main():
         server = await serve(socket_path, drafter)
-        client.pool.replicas[ADDRESS].pending_free.extend(["gone"])
-        direct = DirectProposer(client, ADDRESS)
+        direct.replica.pending_free.extend(["gone"])
         await direct.prepare(["a", "b"])  # the step's requests placed on this drafter: their frees go to it
         a = direct.send(plan(1, ["a", "b"]), "A", answered.append, None)
-        free_queue = client.pool.replicas[ADDRESS].pending_free
+        free_queue = direct.replica.pending_free
         free_queue.append("late")  # queued after A went out: B carries it
         b = direct.send(plan(2, ["c"]), "B", answered.append, None)  # pipelined: A not read yet
         free_queue.append("later")  # queued after B: no call carried it yet
-        assert direct.busy
+        assert a.proposal is None  # not read yet
         proposal = await asyncio.to_thread(direct.wait, b)  # reads A's answer first
         done = direct.collect()
-        direct.close()
+        await direct.close()
         await server.close()
         return a, b, proposal, done, free_queue
 
     a, b, proposal, done, free_queue = run(main())
     assert [p.context for p in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
-    assert client.calls == [(ADDRESS, 2, None), (ADDRESS, 1, None)]  # collect() counts them in the pool
-    assert client.assigned == [["a", "b"]]
+    assert direct.pool.calls == [(ADDRESS, 2, None), (ADDRESS, 1, None)]  # collect() counts them in the pool
+    assert direct.pool.assigned == [["a", "b"]]
     assert a.proposal.ok and a.proposal.drafts == [[1, 2], [1, 2]] and a.finished == ["gone"]
     assert proposal is b.proposal and proposal.ok and proposal.drafts == [[2, 1]]
     assert proposal.step0_ns == 5 and proposal.sent_ns > 0 and proposal.received_ns >= proposal.sent_ns
@@ -131,15 +141,20 @@ def test_answers_come_in_send_order_with_their_drafts_and_frees_travel_along(soc
 
 @pytest.mark.parametrize(
     "iteration, timeout_s, code",
-    [(13, 5.0, "FAILED_PRECONDITION: thirteen is refused"), (7, 0.1, "DEADLINE_EXCEEDED"), (9, 5.0, "returned 1")],
-    ids=["drafter-error", "too-slow", "drafts-missing"],
+    [
+        (13, 5.0, "FAILED_PRECONDITION: thirteen is refused"),
+        (7, 0.1, "DEADLINE_EXCEEDED"),
+        (9, 5.0, "returned 1"),
+        (11, 5.0, "draft_probs"),
+    ],
+    ids=["drafter-error", "too-slow", "drafts-missing", "malformed-q"],
 )
 def test_a_failed_propose_fails_what_is_in_flight_and_the_next_one_reconnects(socket_path, iteration, timeout_s, code):
     drafter, answered = FakeDrafter(), []
 
     async def main():
         server = await serve(socket_path, drafter)
-        direct = DirectProposer(FakeClient(socket_path, timeout_s), ADDRESS)
+        direct = socket_channel(socket_path, timeout_s)
         await direct.prepare([])
         bad = direct.send(plan(iteration, ["a", "b"]), "bad", answered.append, None)
         behind = direct.send(plan(3, ["c"]), "behind", answered.append, None)
@@ -147,13 +162,13 @@ def test_a_failed_propose_fails_what_is_in_flight_and_the_next_one_reconnects(so
         await direct.prepare([])  # reconnects if the failure closed the connection
         after = direct.send(plan(4, ["d"]), "after", answered.append, None)
         await asyncio.to_thread(direct.wait, after)
-        direct.close()
+        await direct.close()
         await server.close()
         return bad, behind, after
 
     bad, behind, after = run(main())
     assert not bad.proposal.ok and code in bad.proposal.error and bad.proposal.drafts == [[], []]
-    if iteration != 9:  # a malformed answer fails only its own Propose; a broken stream fails all in flight
+    if iteration not in (9, 11):  # a malformed answer fails only its own Propose; a broken stream fails all in flight
         assert not behind.proposal.ok and behind.proposal.drafts == [[]]
     else:
         assert behind.proposal.ok
@@ -165,14 +180,14 @@ def test_no_drafter_is_a_failed_propose_and_a_drafter_back_is_found(socket_path)
     drafter, answered = FakeDrafter(), []
 
     async def main():
-        direct = DirectProposer(FakeClient(socket_path), ADDRESS)
+        direct = socket_channel(socket_path)
         await direct.prepare([])  # nobody listens: not connected
         lost = direct.send(plan(1, ["a"]), "lost", answered.append, None)
         server = await serve(socket_path, drafter)
         await direct.prepare([])
         found = direct.send(plan(2, ["a"]), "found", answered.append, None)
         await asyncio.to_thread(direct.wait, found)
-        direct.close()
+        await direct.close()
         await server.close()
         return lost, found
 
@@ -186,19 +201,18 @@ def test_a_drafter_the_pool_counts_out_gets_no_connection_until_a_probe_finds_it
     """Requests a drafter drafted for while the pool counted it out would have no owner there, and their frees
     would never reach it: its socket is not used until the pool has it healthy again."""
     drafter, answered = FakeDrafter(), []
-    client = FakeClient(socket_path)
+    direct = socket_channel(socket_path)
 
     async def main():
         server = await serve(socket_path, drafter)
-        client.pool.replicas[ADDRESS].healthy = False  # a failed call; the probe has not found it back
-        direct = DirectProposer(client, ADDRESS)
+        direct.replica.healthy = False  # a failed call; the probe has not found it back
         await direct.prepare(["a"])
         out = direct.send(plan(1, ["a"]), "out", answered.append, None)
-        client.pool.replicas[ADDRESS].healthy = True  # the probe found it SERVING
+        direct.replica.healthy = True  # the probe found it SERVING
         await direct.prepare(["a"])
         back = direct.send(plan(2, ["a"]), "back", answered.append, None)
         await asyncio.to_thread(direct.wait, back)
-        direct.close()
+        await direct.close()
         await server.close()
         return out, back
 
@@ -214,7 +228,7 @@ def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socke
 
     async def main():
         server = await serve(socket_path, drafter)
-        direct = DirectProposer(FakeClient(socket_path), ADDRESS)
+        direct = socket_channel(socket_path)
         await direct.prepare([])
         bad = direct.send(plan(13, ["a"]), "bad", answered.append, None)
         for _ in range(250):  # the drafter has refused it and closed the connection: its thread is gone
@@ -222,7 +236,7 @@ def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socke
                 break
             await asyncio.sleep(0.02)
         behind = await asyncio.to_thread(direct.send, plan(3, ["b"]), "behind", answered.append, None)
-        direct.close()
+        await direct.close()
         await server.close()
         return bad, behind
 
@@ -232,21 +246,15 @@ def test_a_send_after_the_drafter_closed_reads_the_answers_before_it_first(socke
     assert [p.context for p in answered] == ["bad", "behind"]
 
 
-class FakePooledClient:
-    """What PooledProposer uses of DrafterClient: `propose` on the event loop (drafts [iteration] per
-    request after `delay_s`, staging first; iteration 13 raises), the pool's targets, the timeout."""
+class FakePoolChannel(PoolChannel):
+    """A PoolChannel whose `propose` on the event loop answers drafts [iteration] per request after a moment,
+    staging first; iteration 13 raises."""
 
     def __init__(self, targets=("dns:///drafters:50053",)):
-        async def start():
-            pass
-
-        self.pool = types.SimpleNamespace(targets=list(targets), start=start)
-        self.timeout_s = 5.0
+        super().__init__(DrafterPool(list(targets), resolver=lambda host, port: []), GrpcSender(), 5.0)
         self.threads: list[str] = []
 
-    async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged):
-        import threading
-
+    async def propose(self, plan: ProposeBatch, num_reqs: int, on_staged=None):
         self.threads.append(threading.current_thread().name)
         on_staged()
         await asyncio.sleep(0.05 if plan.iteration == 1 else 0)
@@ -256,15 +264,12 @@ class FakePooledClient:
 
 
 def test_pooled_proposes_run_on_the_loop_and_are_answered_in_order_on_the_step_thread():
-    client, answered = FakePooledClient(), []
+    pooled, answered = FakePoolChannel(), []
 
     def on_answer(pending):
-        import threading
-
         answered.append((pending.context, threading.current_thread().name))
 
     async def main():
-        pooled = PooledProposer(client)
         await pooled.prepare([])
 
         def step_thread():  # as the verifier's step thread: send two, then wait for the second
@@ -273,11 +278,13 @@ def test_pooled_proposes_run_on_the_loop_and_are_answered_in_order_on_the_step_t
             return a, b, pooled.wait(b)
 
         a, b, proposal = await asyncio.to_thread(step_thread)
-        return a, b, proposal, pooled.collect()
+        done = pooled.collect()
+        await pooled.close()
+        return a, b, proposal, done
 
     a, b, proposal, done = run(main())
     loop_thread = "MainThread"
-    assert client.threads == [loop_thread, loop_thread]  # DrafterClient.propose ran on the event loop
+    assert pooled.threads == [loop_thread, loop_thread]  # PoolChannel.propose ran on the event loop
     assert [context for context, _ in answered] == ["A", "B"] and [p.context for p in done] == ["A", "B"]
     assert all(thread != loop_thread for _, thread in answered)  # on_answer: on the step thread
     assert a.proposal.drafts == [[1], [1]] and proposal is b.proposal and proposal.drafts == [[2]]
@@ -287,12 +294,14 @@ def test_a_pooled_propose_that_raises_is_a_failed_propose_and_no_drafter_fails_a
     answered = []
 
     async def main():
-        pooled = PooledProposer(FakePooledClient())
+        pooled = FakePoolChannel()
         await pooled.prepare([])
         broken = await asyncio.to_thread(lambda: pooled.wait(pooled.send(plan(13, ["a"]), "X", answered.append, None)))
-        nobody = PooledProposer(FakePooledClient(targets=()))
+        nobody = FakePoolChannel(targets=())
         await nobody.prepare([])
         none = await asyncio.to_thread(lambda: nobody.wait(nobody.send(plan(2, ["a"]), "Y", answered.append, None)))
+        await pooled.close()
+        await nobody.close()
         return broken, none
 
     broken, none = run(main())

@@ -1,0 +1,92 @@
+"""The Propose of a verifier step: one builder of its items for both kinds (`build_propose`), the finished step's
+(each request's next tokens and rejections, its rows on the host) and a device hand-off's (each request's row count;
+its tokens stay on the device), and the batch that splits them by drafter replica (`ProposeBatch`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.proto import drafter_pb2
+from specsplit.verifier.batch import Sampling
+
+
+@dataclass
+class ProposeBatch:
+    """One iteration's drafter input before it is split by replica."""
+
+    iteration: int
+    items: Sequence[drafter_pb2.ProposeItem]  # per request, batch order
+    row_offsets: list[int]  # [num_reqs + 1]: request i's hidden-state rows are [off[i], off[i+1])
+    hidden_states: torch.Tensor  # [num_rows, hidden_size]
+    # A device hand-off: the step's sampled tokens still on the device, items with num_rows.
+    sampled: torch.Tensor | None = None  # [num_reqs, width]
+    num_sampled: torch.Tensor | None = None  # [num_reqs]
+    # The Propose of every request, built with the items (`items` are its requests): the first `message` of
+    # them all is this one, no copy of each item made.
+    request: drafter_pb2.ProposeRequest | None = None
+
+    @property
+    def hidden_state_bytes(self) -> int:
+        return self.hidden_states.numel() * self.hidden_states.element_size()
+
+    def rows(self, indices: list[int]) -> torch.Tensor:
+        """[rows of the requests at `indices`, hidden_size], batch order kept."""
+        if len(indices) == len(self.items):
+            return self.hidden_states
+        off = self.row_offsets
+        return torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
+
+    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
+        """The Propose call for the requests at `indices`, without its hidden states (the transport adds them)."""
+        if self.request is not None and len(indices) == len(self.items):
+            msg, self.request = self.request, None  # the caller fills it in: given once
+            msg.finished_request_ids.extend(finished)
+            return msg
+        return drafter_pb2.ProposeRequest(
+            iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
+        )
+
+
+def build_propose(
+    iteration: int,
+    req_ids: Sequence[str],
+    start_positions: Sequence[int],
+    num_spec_tokens: Sequence[int],
+    sampling: Sequence[Sampling],
+    hidden_states: torch.Tensor,
+    *,
+    next_token_ids: Sequence[Sequence[int]] | None = None,
+    num_rejected: Sequence[int] | None = None,
+    num_rows: Sequence[int] | None = None,
+    sampled: torch.Tensor | None = None,
+    num_sampled: torch.Tensor | None = None,
+) -> ProposeBatch:
+    """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
+    what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
+    `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device."""
+    msg = drafter_pb2.ProposeRequest(iteration=iteration)
+    add = msg.requests.add
+    hand_off = num_rows is not None
+    for i, rid in enumerate(req_ids):
+        item = add()  # fields set one by one: a ProposeItem(...) copied in costs several times more
+        item.request_id = rid
+        item.start_position = start_positions[i]
+        item.num_spec_tokens = num_spec_tokens[i]
+        if hand_off:
+            item.num_rows = num_rows[i]
+        else:
+            item.next_token_ids.extend(next_token_ids[i])
+            item.num_rejected = num_rejected[i]
+        sp = sampling[i]
+        # What the drafter reads of a request's sampling: a sampled request's temperature and seed (a greedy one's
+        # temperature is 0, unset); not the rest (penalties, end tokens), which only the verifier applies.
+        if sp.temperature:
+            item.sampling.temperature = sp.temperature
+            if sp.seed is not None:
+                item.sampling.seed = sp.seed
+    offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
+    return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)
