@@ -4,8 +4,11 @@ that runs the drafter's runner in place. The services put gRPC (or a socket) at 
 (`coordinator/verify_stream.RpcVerifier`, `verifier/drafter_channel.DrafterChannel`); the iteration is the same code.
 
 As in the services, a step's Propose is not waited for by the step that sends it but by the next one, before its
-launch (async scheduling): here that wait is where the Propose runs. A device hand-off's Propose reads the step's
-sampled tokens on the device, so it runs without their host copy.
+launch (async scheduling): here that wait is where the Propose runs. A device hand-off's Propose runs where it is
+sent instead, queued on the device behind the step it drafts after (its tokens never wait for their host copy): one
+process has no other worker to run it meanwhile, and launching it later would leave the device idle while the host
+schedules. Its time then falls in the iteration that sends it, not the next one (the cost the adaptive choice
+records: alike while the choice holds still).
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class LocalDrafter:
     def send(self, plan: _Plan, context, on_answer, parent=None) -> _Pending:
         pending = _Pending(plan, context, on_answer)
         self._pending.append(pending)
+        if plan.device_tokens is not None:
+            self.wait(pending)
         return pending
 
     def wait(self, pending: _Pending) -> Proposal:
