@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specsplit import Client, SpecStats  # noqa: E402
-from specsplit.launcher import LocalCluster  # noqa: E402
+from specsplit.cli.launcher import LocalCluster  # noqa: E402
 
 
 def heldout_prompts(model: Path, num_files: int, prompt_len: int, new_tokens: int) -> list[list[int]]:

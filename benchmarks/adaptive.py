@@ -301,7 +301,7 @@ def estimate_seconds(
 def services_rows(args, model: Path, work: Path, prompts, reference, oracle: Oracle, modes: list[str]) -> list[dict]:
     """The uniform cells through the services: per alpha a fixed-k cluster, then an adaptive one."""
     from benchmarks.lib.e2e_modes import run_services
-    from specsplit.launcher import LocalCluster
+    from specsplit.cli.launcher import LocalCluster
 
     oracle.save(work / "oracle.json")
     max_k, max_batch = max(args.ks), max(args.batches)

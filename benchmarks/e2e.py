@@ -72,9 +72,9 @@ from benchmarks.lib.e2e_report import add_comparisons, add_roofline, cell_row, p
 from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from benchmarks.lib.weight_bytes import ModelBytes, model_bytes, plan_shares  # noqa: E402
-from specsplit.launcher import LocalCluster  # noqa: E402
-from specsplit.models.kv_cache_size import COLOCATED_DRAFTER_SHARE  # noqa: E402
-from specsplit.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
+from specsplit.cli.launcher import LocalCluster  # noqa: E402
+from specsplit.rpc.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
+from specsplit.runtime.kv_cache_size import COLOCATED_DRAFTER_SHARE  # noqa: E402
 
 PROMPT_LEN = 64
 ENGINE_NUM_BLOCKS = 4096  # the in-process engine's KV cache without --num-blocks (room for any batch here)

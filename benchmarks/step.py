@@ -228,8 +228,8 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
     import torch
 
     from specsplit.models.attention import use_precompiled_sdpa
-    from specsplit.models.cuda_graphs import CudaGraphRunner
     from specsplit.models.loader import load_target
+    from specsplit.runtime.cuda_graphs import CudaGraphRunner
 
     dtype = getattr(torch, args.dtype)
     model = load_target(model_dir, dtype=dtype, device=device, load_format=load_format)
@@ -365,7 +365,7 @@ def run_rank(rank: int, size: int, address: str, args, name: str, model_dir: Pat
 
 def run_ranks(size: int, args, name: str, model_dir: Path, load_format: str) -> list[dict]:
     """The rows of every rank of a tensor-parallel group of `size` spawned processes."""
-    from specsplit.launcher import free_port
+    from specsplit.rpc.process import free_port
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -6,9 +6,9 @@ subpackages import torch when used.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from specsplit.client import AsyncClient, Client
-from specsplit.errors import SpecsplitError
-from specsplit.results import GenerationDelta, GenerationResult, SpecStats
+from specsplit.client.errors import SpecsplitError
+from specsplit.client.results import GenerationDelta, GenerationResult, SpecStats
+from specsplit.client.sdk import AsyncClient, Client
 
 __all__ = ["LLM", "AsyncClient", "Client", "GenerationDelta", "GenerationResult", "SpecStats", "SpecsplitError"]
 

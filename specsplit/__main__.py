@@ -1,3 +1,3 @@
-from specsplit.cli import main
+from specsplit.cli.commands import main
 
 raise SystemExit(main())

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.lib.forced_acceptance import prompt_request_id
+from specsplit.client.results import SpecStats
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_choice import DraftPolicy
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.engine.local import LocalVerifier
-from specsplit.results import SpecStats
 from specsplit.verifier.step import VerifierStep
 
 

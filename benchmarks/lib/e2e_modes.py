@@ -40,10 +40,10 @@ import torch
 
 from benchmarks.lib.forced_acceptance import prompt_request_id
 from specsplit import Client
+from specsplit.client.results import SpecStats
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.engine.llm import LLM
 from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
-from specsplit.results import SpecStats
 
 BREAKDOWN = (
     "coordinator",

@@ -6,7 +6,7 @@ import statistics
 
 from benchmarks.lib.e2e_modes import BREAKDOWN, RunResult
 from benchmarks.lib.weight_bytes import HBM_BYTES_PER_S, ModelBytes
-from specsplit.results import SpecStats
+from specsplit.client.results import SpecStats
 
 
 def acceptance_per_position(stats: SpecStats) -> list[float]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.models.kv_cache_size import GIB, HEADROOM
+from specsplit.runtime.kv_cache_size import GIB, HEADROOM
 
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e
 FP8_BLOCK = 128

@@ -15,7 +15,7 @@ from collections.abc import Callable
 def serve_wrapped(argv: list[str], wrap: Callable) -> None:
     """Serves a drafter (`argv`: the arguments of `specsplit serve drafter`) whose runner is `wrap(runner)`;
     `wrap`'s object is served in its place, so it passes through the attributes it does not change."""
-    from specsplit import cli
+    from specsplit.cli import commands as cli
     from specsplit.drafter import loading
 
     load = loading.load_and_size

@@ -27,14 +27,14 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from specsplit.client.errors import SpecsplitError, Unavailable
+from specsplit.client.results import SpecStats, TokenLogprobs
 from specsplit.coordinator import observability as obs
 from specsplit.coordinator.acceptance import AcceptanceMonitor
 from specsplit.coordinator.detokenizer import IncrementalDetokenizer
 from specsplit.coordinator.iteration import IterationTiming, SchedulerOutput, StepUpdate
 from specsplit.coordinator.request import Request
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.errors import SpecsplitError, Unavailable
-from specsplit.results import SpecStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
 MAX_INTERNAL_RETRIES = 3  # consecutive failed iterations after which INTERNAL fails the batch

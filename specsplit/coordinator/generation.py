@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from specsplit.client.errors import SpecsplitError
 from specsplit.coordinator import observability as obs
 from specsplit.coordinator.engine import Engine, RequestOutput
 from specsplit.coordinator.request import Request
-from specsplit.errors import SpecsplitError
 
 
 class Choices:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specsplit.client.results import TokenLogprobs
 from specsplit.coordinator.request import Request
-from specsplit.results import TokenLogprobs
 
 DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling): its id is known only there
 

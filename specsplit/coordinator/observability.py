@@ -18,7 +18,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from specsplit.coordinator import vllm_metrics as vllm
-from specsplit.telemetry import LATENCY_BUCKETS_S
+from specsplit.rpc.telemetry import LATENCY_BUCKETS_S
 
 tracer = trace.get_tracer("specsplit.coordinator")
 meter = metrics.get_meter("specsplit.coordinator")

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specsplit.client.results import SpecStats
 from specsplit.coordinator.draft_acceptance import PositionCounts
-from specsplit.results import SpecStats
 
 
 class RequestStatus(enum.Enum):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from specsplit.client.errors import FailedPrecondition, ResourceExhausted
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.draft_choice import DraftPolicy, draft_policy
 from specsplit.coordinator.iteration import (
@@ -40,7 +41,6 @@ from specsplit.coordinator.iteration import (
     VerifyResult,
 )
 from specsplit.coordinator.request import Request, RequestStatus
-from specsplit.errors import FailedPrecondition, ResourceExhausted
 
 
 class Scheduler:

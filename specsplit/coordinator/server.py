@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from specsplit.client.errors import UsageError
 from specsplit.coordinator.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, OPENAI_DEFAULTS
@@ -18,8 +19,11 @@ from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.servicer import CoordinatorServicer
 from specsplit.coordinator.verify_stream import RpcVerifier
 from specsplit.coordinator.vllm_metrics import set_model_name
-from specsplit.errors import UsageError
-from specsplit.grpc_server import (
+from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2_grpc
+from specsplit.rpc.local_stream import VERIFIER_RPCS
+from specsplit.rpc.process import end_with_parent
+from specsplit.rpc.security import BearerTokenInterceptor, load_tls, load_tokens
+from specsplit.rpc.server import (
     ServerOptions,
     ServiceServer,
     add_service,
@@ -30,10 +34,6 @@ from specsplit.grpc_server import (
     peer_channel,
     run_until_signal,
 )
-from specsplit.launcher import end_with_parent
-from specsplit.local_stream import VERIFIER_RPCS
-from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2_grpc
-from specsplit.security import BearerTokenInterceptor, load_tls, load_tokens
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ import time
 
 import grpc
 
+from specsplit.client.errors import SpecsplitError
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.generation import Choices
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.validation import build_requests
 from specsplit.coordinator.wire import iteration_timing_pb
-from specsplit.errors import SpecsplitError
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specsplit.telemetry import incoming_context
+from specsplit.rpc.telemetry import incoming_context
 
 log = logging.getLogger(__name__)
 

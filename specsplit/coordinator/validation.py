@@ -7,9 +7,9 @@ import math
 import random
 import uuid
 
+from specsplit.client.errors import InvalidArgument
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.request import Request, SamplingParams
-from specsplit.errors import InvalidArgument
 from specsplit.proto import coordinator_pb2
 
 MAX_STOP_STRINGS = 16

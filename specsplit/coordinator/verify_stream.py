@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import uuid
 
-from specsplit.bidi_stream import BidiStream
 from specsplit.coordinator import wire
 from specsplit.coordinator.iteration import SchedulerOutput, VerifyOutcome
-from specsplit.local_stream import LocalStream, served_socket
 from specsplit.proto import verifier_pb2, verifier_pb2_grpc
-from specsplit.telemetry import inject_trace_context
+from specsplit.rpc.bidi_stream import BidiStream
+from specsplit.rpc.local_stream import LocalStream, served_socket
+from specsplit.rpc.telemetry import inject_trace_context
 
 
 class RpcVerifier:

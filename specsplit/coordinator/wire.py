@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specsplit.client.results import TokenLogprobs
 from specsplit.coordinator.iteration import (
     IterationTiming,
     SchedulerOutput,
@@ -13,7 +14,6 @@ from specsplit.coordinator.iteration import (
 )
 from specsplit.coordinator.request import SamplingParams
 from specsplit.proto import common_pb2, coordinator_pb2, verifier_pb2
-from specsplit.results import TokenLogprobs
 
 
 def verify_request(

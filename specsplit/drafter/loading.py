@@ -7,9 +7,9 @@ import torch
 
 from specsplit.drafter.runner import DrafterRunner
 from specsplit.models.loader import load_mtp
-from specsplit.models.memory_profile import size_kv_cache
 from specsplit.models.parallel import min_over_ranks
-from specsplit.tensor_parallel import rank_load
+from specsplit.runtime.memory_profile import size_kv_cache
+from specsplit.runtime.tensor_parallel import rank_load
 
 
 def load_and_size(config, step_path: dict, rank: int = 0):

@@ -1,4 +1,4 @@
-"""A tensor-parallel drafter's followers (`specsplit.tensor_parallel` starts and watches them).
+"""A tensor-parallel drafter's followers (`specsplit.runtime.tensor_parallel` starts and watches them).
 
 Rank 0 (the `serve drafter` process) receives each Propose's hidden states over the hidden-state transport
 as a one-device drafter does, then broadcasts the call to its followers (`runner.share_propose`: the items over the
@@ -38,8 +38,8 @@ def follower_main(config, rank: int, address: str) -> None:
     """A follower process: `config` is rank 0's DrafterConfig; loaded and sized as rank 0 is, in step with it
     (the warm-up's collectives, one block count)."""
     from specsplit.drafter.loading import load_and_size
-    from specsplit.models.serve_options import apply_eager_option
-    from specsplit.tensor_parallel import run_follower
+    from specsplit.runtime.serve_options import apply_eager_option
+    from specsplit.runtime.tensor_parallel import run_follower
 
     def load(device: str):
         return load_and_size(config, apply_eager_option(config.model.eager), rank)[1]

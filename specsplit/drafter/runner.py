@@ -36,12 +36,12 @@ from specsplit.drafter.device_propose import (
 from specsplit.drafter.sampling import pick_drafts
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
-from specsplit.models.cuda_graphs import resolve_step_path
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
-from specsplit.models.warm_up import warm_up_eager
+from specsplit.runtime.cuda_graphs import resolve_step_path
+from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
 # A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.

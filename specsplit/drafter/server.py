@@ -9,8 +9,13 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.errors import UsageError
-from specsplit.grpc_server import (
+from specsplit.client.errors import UsageError
+from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.rpc.local_stream import serve_if_possible, serve_or_exit, socket_dir
+from specsplit.rpc.placement import Placement, add_placement_arguments, resolve_placement
+from specsplit.rpc.process import end_with_parent
+from specsplit.rpc.security import load_tls
+from specsplit.rpc.server import (
     ServerOptions,
     ServiceServer,
     add_service,
@@ -19,16 +24,11 @@ from specsplit.grpc_server import (
     freeze_start_up_heap,
     run_until_signal,
 )
-from specsplit.launcher import end_with_parent
-from specsplit.local_stream import serve_if_possible, serve_or_exit, socket_dir
-from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
-from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
-from specsplit.placement import Placement, add_placement_arguments, resolve_placement
-from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.security import load_tls
-from specsplit.slow_steps import SlowStepWatch
-from specsplit.tensor_parallel import add_tensor_parallel_arguments
-from specsplit.threaded_stream import ThreadedLocalStreamServer
+from specsplit.rpc.threaded_stream import ThreadedLocalStreamServer
+from specsplit.runtime.serve_options import ModelOptions, add_model_arguments, apply_eager_option
+from specsplit.runtime.slow_steps import SlowStepWatch
+from specsplit.runtime.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
+from specsplit.runtime.tensor_parallel import add_tensor_parallel_arguments
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ async def serve(config: DrafterConfig) -> None:
     from specsplit.drafter.loading import load_and_size
     from specsplit.drafter.ranks import follower_main
     from specsplit.drafter.servicer import DrafterServicer
-    from specsplit.models.device import device_executor, use_device
-    from specsplit.tensor_parallel import end_followers, start_followers
+    from specsplit.runtime.device import device_executor, use_device
+    from specsplit.runtime.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_receiver
 
     service = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name

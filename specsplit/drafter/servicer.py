@@ -18,13 +18,13 @@ import torch
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
-from specsplit.bidi_stream import until_draining
+from specsplit.client.errors import InvalidArgument, SpecsplitError
 from specsplit.drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
-from specsplit.errors import InvalidArgument, SpecsplitError
-from specsplit.models.device import DeviceClaim, StepThread, use_device
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specsplit.slow_steps import SlowStepWatch
-from specsplit.telemetry import LATENCY_BUCKETS_S, extract_trace_context
+from specsplit.rpc.bidi_stream import until_draining
+from specsplit.rpc.telemetry import LATENCY_BUCKETS_S, extract_trace_context
+from specsplit.runtime.device import DeviceClaim, StepThread, use_device
+from specsplit.runtime.slow_steps import SlowStepWatch
 from specsplit.transport.base import HiddenStatesReceiver
 from specsplit.transport.wire import dtype_from_proto, fill_tensor_protos, tensor_nbytes
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from specsplit.client.results import GenerationResult
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.engine import Engine, RequestOutput
 from specsplit.coordinator.iteration import IterationTiming
@@ -27,7 +28,6 @@ from specsplit.drafter.runner import DrafterRunner
 from specsplit.engine.local import LocalDrafter, LocalVerifier
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.proto import coordinator_pb2
-from specsplit.results import GenerationResult
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.step import VerifierStep
 from specsplit.verifier.worker import VerifierWorker

@@ -16,12 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specsplit.bidi_stream import StreamError
+from specsplit.client.errors import SpecsplitError
 from specsplit.coordinator.iteration import SchedulerOutput, VerifierTiming, VerifyOutcome, VerifyResult
 from specsplit.drafter.device_propose import can_propose_on_device
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK
-from specsplit.errors import SpecsplitError
+from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
 from specsplit.verifier.batch import DraftProbs, Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.proposal import Proposal

@@ -3,7 +3,7 @@
 A tensor-parallel model runs as `size` processes, one per device, each holding a slice of the weights
 (`specsplit.models.parallel_layers`) and taking part in the same collectives at the same points of every
 forward. Rank 0 is the *first rank*: it alone speaks gRPC and samples; the others are *followers* that run
-each step rank 0 broadcasts (`specsplit.tensor_parallel`).
+each step rank 0 broadcasts (`specsplit.runtime.tensor_parallel`).
 
 Two process groups: the *device group* (the default one: NCCL on CUDA, gloo on CPU) carries the model's
 all-reduces and the logits gather inside a forward, capturable in a CUDA graph on NCCL; the *control group*

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specsplit.errors import FailedPrecondition
+from specsplit.client.errors import FailedPrecondition
 from specsplit.proto import drafter_pb2
 
 OpenCall = Callable[[drafter_pb2.OpenHiddenTransportRequest], Awaitable[drafter_pb2.OpenHiddenTransportResponse]]

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import drafter_pb2
 from specsplit.transport.base import (
     DeviceTokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.proto import drafter_pb2
 from specsplit.transport.base import HiddenStatesReceiver, HiddenStatesSender, Transfer, mismatch
 from specsplit.transport.wire import fill_tensor_proto, tensor_from_proto

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import drafter_pb2
 from specsplit.transport.base import mismatch
 from specsplit.transport.wire import dtype_from_proto

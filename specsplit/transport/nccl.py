@@ -16,7 +16,7 @@ import logging
 import torch
 
 import specsplit.transport.process_group as pg
-from specsplit.errors import InvalidArgument, Unavailable
+from specsplit.client.errors import InvalidArgument, Unavailable
 from specsplit.proto import drafter_pb2
 from specsplit.transport.base import HiddenStatesReceiver, HiddenStatesSender, OpenCall, Transfer, TransportError
 from specsplit.transport.handle import OpenState, check_handle

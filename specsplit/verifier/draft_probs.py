@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.kernels.types import SparseDraftProbs
 
 

@@ -49,11 +49,11 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from specsplit.errors import InvalidArgument, UsageError
-from specsplit.local_stream import DRAFTER_RPCS
+from specsplit.client.errors import InvalidArgument, UsageError
 from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.security import TlsFiles
-from specsplit.telemetry import outgoing_metadata
+from specsplit.rpc.local_stream import DRAFTER_RPCS
+from specsplit.rpc.security import TlsFiles
+from specsplit.rpc.telemetry import outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
 from specsplit.transport.grpc_bytes import GrpcSender
 from specsplit.verifier.batch import Sampling

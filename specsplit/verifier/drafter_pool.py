@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.grpc_server import CHANNEL_OPTIONS
 from specsplit.proto import drafter_pb2, drafter_pb2_grpc
-from specsplit.security import TlsFiles
+from specsplit.rpc.security import TlsFiles
+from specsplit.rpc.server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The first rank plans every step (batch, KV blocks, sampling); a follower keeps no request state at all. It
 gets, per step, the flat token ids and positions, the KV cache's step plan (slots and block tables: the
 blocks rank 0 allocated, which index the follower's cache of its KV heads alike) and the logits rows, and runs
-the same forward, taking part in its collectives (`specsplit.tensor_parallel`).
+the same forward, taking part in its collectives (`specsplit.runtime.tensor_parallel`).
 """
 
 from __future__ import annotations

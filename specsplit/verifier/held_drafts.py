@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.verifier.batch import DraftProbs, VerifyBatch, VerifyItem
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.runner import StepOutput

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.kernels.types import MAX_DRAFTS_PER_REQUEST, SparseDraftProbs
 from specsplit.models.step_upload import StepUpload
 from specsplit.verifier.batch import VerifyBatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.tensor_parallel import rank_load
+from specsplit.runtime.tensor_parallel import rank_load
 
 
 def load_and_size(config, step_path: dict, rank: int = 0):
@@ -16,8 +16,8 @@ def load_and_size(config, step_path: dict, rank: int = 0):
     from memory gets the least of the ranks' block counts (`parallel.min_over_ranks`), as rank 0's block plans
     index every rank's."""
     from specsplit.models.loader import load_target
-    from specsplit.models.memory_profile import size_kv_cache
     from specsplit.models.parallel import min_over_ranks
+    from specsplit.runtime.memory_profile import size_kv_cache
     from specsplit.verifier.runner import VerifierRunner
 
     options = config.model

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.results import TokenLogprobs
+from specsplit.client.results import TokenLogprobs
 from specsplit.verifier.batch import Sampling
 
 

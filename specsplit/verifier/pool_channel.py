@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable
 import grpc
 from opentelemetry import trace
 
-from specsplit.bidi_stream import BidiStream
-from specsplit.local_stream import LocalStream
 from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.telemetry import inject_trace_context, outgoing_metadata
+from specsplit.rpc.bidi_stream import BidiStream
+from specsplit.rpc.local_stream import LocalStream
+from specsplit.rpc.telemetry import inject_trace_context, outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
 from specsplit.verifier.drafter_channel import DrafterChannel, PendingPropose, take_drafts
 from specsplit.verifier.drafter_pool import DrafterPool, Replica

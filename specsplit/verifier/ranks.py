@@ -1,4 +1,4 @@
-"""A tensor-parallel verifier's followers (`specsplit.tensor_parallel` starts and watches them): each receives
+"""A tensor-parallel verifier's followers (`specsplit.runtime.tensor_parallel` starts and watches them): each receives
 every step's `ForwardStep` from rank 0 and runs the same forward on its device (a CUDA graph's replay where
 rank 0's would), and so takes part in the step's all-reduces and the logits gather. Rejection sampling, the
 coordinator's messages and the hidden states for the drafter stay on rank 0, whose hidden states are the
@@ -29,8 +29,8 @@ def follow(runner) -> int:
 def follower_main(config, rank: int, address: str) -> None:
     """A follower process: `config` is rank 0's VerifierConfig; loaded and sized as rank 0 is, in step with it
     (the warm-up's collectives, one block count)."""
-    from specsplit.models.serve_options import apply_eager_option
-    from specsplit.tensor_parallel import run_follower
+    from specsplit.runtime.serve_options import apply_eager_option
+    from specsplit.runtime.tensor_parallel import run_follower
     from specsplit.verifier.loading import load_and_size
 
     def load(device: str):

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.errors import ResourceExhausted
+from specsplit.client.errors import ResourceExhausted
+from specsplit.client.results import TokenLogprobs
 from specsplit.kernels.rejection import rejection_sample
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
-from specsplit.models.cuda_graphs import resolve_step_path
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.parallel import broadcast_from_first, tp_size
 from specsplit.models.target import TargetModel
-from specsplit.models.warm_up import warm_up_eager
-from specsplit.results import TokenLogprobs
+from specsplit.runtime.cuda_graphs import resolve_step_path
+from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.verifier.forward_step import ForwardStep
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.logits_processors import LaunchedLogprobs, LogitsPlan, apply, logprobs_to_host, take_logprobs
@@ -109,7 +109,7 @@ class VerifierRunner:
 
     def _warm_up(self, sampler_backend: str) -> None:
         """Start-up, on CUDA: the sampler's kernel variants compiled and large eager steps run once, so no
-        request waits for either (`specsplit.kernels.triton_rejection.warm_up`, `specsplit.models.warm_up`)."""
+        request waits for either (`specsplit.kernels.triton_rejection.warm_up`, `specsplit.runtime.warm_up`)."""
         model, cache = self.model, self.kv_cache
         if sampler_backend in ("auto", "triton"):
             from specsplit.kernels.triton_rejection import warm_up

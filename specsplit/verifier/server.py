@@ -8,8 +8,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.errors import UsageError
-from specsplit.grpc_server import (
+from specsplit.client.errors import UsageError
+from specsplit.proto import common_pb2, verifier_pb2
+from specsplit.rpc.local_stream import LocalStreamServer, serve_or_exit, socket_dir
+from specsplit.rpc.placement import Placement, add_placement_arguments, resolve_placement
+from specsplit.rpc.process import end_with_parent
+from specsplit.rpc.security import load_tls
+from specsplit.rpc.server import (
     ServerOptions,
     ServiceServer,
     add_service,
@@ -18,15 +23,10 @@ from specsplit.grpc_server import (
     freeze_start_up_heap,
     run_until_signal,
 )
-from specsplit.launcher import end_with_parent
-from specsplit.local_stream import LocalStreamServer, serve_or_exit, socket_dir
-from specsplit.models.serve_options import ModelOptions, add_model_arguments, apply_eager_option
-from specsplit.models.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
-from specsplit.placement import Placement, add_placement_arguments, resolve_placement
-from specsplit.proto import common_pb2, verifier_pb2
-from specsplit.security import load_tls
-from specsplit.slow_steps import SlowStepWatch
-from specsplit.tensor_parallel import add_tensor_parallel_arguments
+from specsplit.runtime.serve_options import ModelOptions, add_model_arguments, apply_eager_option
+from specsplit.runtime.slow_steps import SlowStepWatch
+from specsplit.runtime.start_up_checks import check_model_server, check_tensor_parallel, checkpoint_mistakes
+from specsplit.runtime.tensor_parallel import add_tensor_parallel_arguments
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ async def serve(config: VerifierConfig) -> None:
     check_tensor_parallel(model_options, config.tensor_parallel_size)
     import torch
 
-    from specsplit.models.device import device_executor, use_device
-    from specsplit.tensor_parallel import end_followers, start_followers
+    from specsplit.runtime.device import device_executor, use_device
+    from specsplit.runtime.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_sender
     from specsplit.verifier.drafter_channel import TransportConfigError, make_channel
     from specsplit.verifier.loading import load_and_size

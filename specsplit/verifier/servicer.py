@@ -22,12 +22,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
-from specsplit.bidi_stream import until_draining
-from specsplit.errors import FailedPrecondition, SpecsplitError
-from specsplit.models.device import DeviceClaim, StepThread
+from specsplit.client.errors import FailedPrecondition, SpecsplitError
 from specsplit.proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specsplit.slow_steps import SlowStepWatch
-from specsplit.telemetry import LATENCY_BUCKETS_S, extract_trace_context, incoming_context
+from specsplit.rpc.bidi_stream import until_draining
+from specsplit.rpc.telemetry import LATENCY_BUCKETS_S, extract_trace_context, incoming_context
+from specsplit.runtime.device import DeviceClaim, StepThread
+from specsplit.runtime.slow_steps import SlowStepWatch
 from specsplit.verifier.batch import VerifyBatch
 from specsplit.verifier.drafter_channel import DrafterChannel
 from specsplit.verifier.proposal import Proposal

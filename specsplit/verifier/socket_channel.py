@@ -3,11 +3,11 @@
 With async scheduling, the next step waits for the drafts of the last Propose. The step thread does it all: right
 after its step it writes the Propose on a blocking connection, and before the next step it reads the answer itself
 (answers come back in the order the Proposes went out), crossing no event loop; the drafter's connection thread
-answers it the same way (`specsplit.threaded_stream`). The event loop only connects before a step-thread call
+answers it the same way (`specsplit.rpc.threaded_stream`). The event loop only connects before a step-thread call
 (`prepare`) and counts the outcomes in the drafter pool after it (`collect`).
 
 A failure fails every Propose still unanswered with it; the connection and the hidden-state transport are reset, and
-the next Propose reconnects (the frames of `specsplit.frames`).
+the next Propose reconnects (the frames of `specsplit.rpc.frames`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import time
 import grpc
 from opentelemetry import trace
 
-from specsplit.bidi_stream import StreamError
-from specsplit.frames import answer_of, message_frame, read_frame
-from specsplit.local_stream import served_socket
 from specsplit.proto import drafter_pb2
-from specsplit.telemetry import inject_trace_context
+from specsplit.rpc.bidi_stream import StreamError
+from specsplit.rpc.frames import answer_of, message_frame, read_frame
+from specsplit.rpc.local_stream import served_socket
+from specsplit.rpc.telemetry import inject_trace_context
 from specsplit.transport.base import HiddenStatesSender, TransportError
 from specsplit.verifier.drafter_channel import DrafterChannel, PendingPropose, take_drafts
 from specsplit.verifier.drafter_pool import DrafterPool

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specsplit.slow_steps import SlowStepWatch
+from specsplit.runtime.slow_steps import SlowStepWatch
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.runner import StepOutput

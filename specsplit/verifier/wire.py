@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.proto import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_from_proto
 from specsplit.verifier.batch import DraftProbs, Sampling, VerifyBatch, VerifyItem

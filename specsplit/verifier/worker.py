@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specsplit.errors import FailedPrecondition
+from specsplit.client.errors import FailedPrecondition
 from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.step_upload import StepUpload
 from specsplit.verifier.batch import DraftProbs, VerifyBatch

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.lib.shapes import DEEPSEEK_V3_H200_LAYERS, SHAPES
 from benchmarks.lib.weight_bytes import LayerBytes, model_bytes, plan_shares
-from specsplit.models.kv_cache_size import GIB
+from specsplit.runtime.kv_cache_size import GIB
 
 H200 = int(139.8 * GIB)  # the H200's total memory as torch reports it (its memory plans print 139.8 GiB)
 

@@ -3,12 +3,12 @@ trimming, their wire form, and post_step's accounting when the verifier had fewe
 
 import pytest
 
+from specsplit.client.errors import FailedPrecondition
 from specsplit.coordinator import wire
 from specsplit.coordinator.iteration import DRAFT_PLACEHOLDER, VerifyResult
 from specsplit.coordinator.observability import record_verify
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.errors import FailedPrecondition
 from tests.coordinator.test_scheduler import make
 
 

@@ -8,12 +8,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from specsplit.client.results import SpecStats
 from specsplit.coordinator import observability as obs
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.results import SpecStats
 
 
 @pytest.fixture

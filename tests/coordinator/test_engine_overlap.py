@@ -5,12 +5,12 @@ import asyncio
 
 import grpc
 
-from specsplit.bidi_stream import StreamError
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.iteration import VerifyOutcome, VerifyResult
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
+from specsplit.rpc.bidi_stream import StreamError
 
 PROMPT = list(b"hi: ")
 

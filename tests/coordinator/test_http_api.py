@@ -10,11 +10,11 @@ import types
 
 import pytest
 
+from specsplit.client.errors import ResourceExhausted
 from specsplit.coordinator.generation_config import OPENAI_DEFAULTS
 from specsplit.coordinator.http.app import MAX_BODY_BYTES, HttpApi
 from specsplit.coordinator.http.mapping import to_generate_request
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
-from specsplit.errors import ResourceExhausted
 from tests.fixtures.tiny_tokenizer import make_llama_like, write_tiny_tokenizer
 
 INFO = types.SimpleNamespace(vocab_size=320, max_model_len=64, num_speculative_tokens=3, model="tiny")

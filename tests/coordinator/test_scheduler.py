@@ -2,12 +2,12 @@
 
 import pytest
 
+from specsplit.client.errors import FailedPrecondition, ResourceExhausted
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.iteration import DRAFT_PLACEHOLDER as P
 from specsplit.coordinator.iteration import VerifyResult
 from specsplit.coordinator.request import Request, RequestStatus, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
-from specsplit.errors import FailedPrecondition, ResourceExhausted
 
 EOS = 99
 

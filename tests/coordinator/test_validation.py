@@ -5,9 +5,9 @@ import re
 import grpc
 import pytest
 
+from specsplit.client.errors import InvalidArgument
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, OPENAI_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.validation import build_request, build_requests
-from specsplit.errors import InvalidArgument
 from specsplit.proto import common_pb2, coordinator_pb2
 
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from deploy_tools import DOCKER, ROOT, tool
 
-from specsplit.grpc_server import ServiceServer
+from specsplit.rpc.server import ServiceServer
 
 ROLES = {"coordinator": 50051, "verifier": 50052, "drafter": 50053}
 

@@ -16,9 +16,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from specsplit.grpc_server import ServiceServer
 from specsplit.proto import drafter_pb2, drafter_pb2_grpc
-from specsplit.security import TlsFiles
+from specsplit.rpc.security import TlsFiles
+from specsplit.rpc.server import ServiceServer
 from specsplit.verifier.drafter_channel import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool
 from specsplit.verifier.propose_request import ProposeBatch

@@ -1,4 +1,4 @@
-"""The Kubernetes manifests: one overlay per drafter placement (`specsplit.placement`) and the CPU demo.
+"""The Kubernetes manifests: one overlay per drafter placement (`specsplit.rpc.placement`) and the CPU demo.
 Every overlay builds, validates offline against the Kubernetes schemas, runs commands the specsplit
 CLI accepts with the overlay's placement, and says what docs/deployment.md promises (the coordinator
 beside its verifier, probes, GPUs, headless drafters and their autoscaler, network policies)."""
@@ -13,10 +13,10 @@ import pytest
 import yaml
 from deploy_tools import K8S, OVERLAYS, by_kind, dockerfile_exec_form, kustomize
 
-from specsplit.cli import parse_args
-from specsplit.launcher import METRICS_PORT_OFFSETS, LocalCluster
-from specsplit.models.kv_cache_size import service_shares
-from specsplit.placement import DEFAULT_PLACEMENT, PLACEMENTS, resolve_placement
+from specsplit.cli.commands import parse_args
+from specsplit.cli.launcher import METRICS_PORT_OFFSETS, LocalCluster
+from specsplit.rpc.placement import DEFAULT_PLACEMENT, PLACEMENTS, resolve_placement
+from specsplit.runtime.kv_cache_size import service_shares
 from specsplit.verifier.drafter_pool import parse_targets
 
 # overlay -> the drafter placement it deploys

@@ -8,9 +8,9 @@ import torch
 from specsplit.drafter.device_propose import can_propose_on_device, shifted
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import DrafterServicer
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_mtp
 from specsplit.proto import common_pb2, drafter_pb2
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from specsplit.transport.base import DeviceTokens
 from specsplit.transport.grpc_bytes import GrpcReceiver
 from specsplit.transport.wire import fill_tensor_proto

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specsplit.drafter.runner import DrafterRunner, ProposeItem, _collect
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_mtp, load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny import write_tiny_checkpoint
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]

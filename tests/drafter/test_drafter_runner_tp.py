@@ -33,7 +33,7 @@ def drafts(path: str) -> list | None:
     """Rank 0: each Propose's drafts and q rows; a follower follows (None)."""
     from specsplit.drafter.ranks import follow
     from specsplit.models.parallel import tp_rank, tp_size
-    from specsplit.tensor_parallel import end_followers
+    from specsplit.runtime.tensor_parallel import end_followers
 
     mtp = load_mtp(path)
     runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4))

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
+from specsplit.client.errors import InvalidArgument
 from specsplit.drafter.runner import ProposeItem
 from specsplit.drafter.servicer import parse_items
-from specsplit.errors import InvalidArgument
 from specsplit.proto import common_pb2, drafter_pb2
 
 VOCAB = 100

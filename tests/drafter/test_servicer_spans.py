@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import specsplit.drafter.servicer
+from specsplit.client.errors import SpecsplitError
 from specsplit.drafter.runner import ProposeOutput
 from specsplit.drafter.servicer import DrafterServicer
-from specsplit.errors import SpecsplitError
 from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.telemetry import inject_trace_context
+from specsplit.rpc.telemetry import inject_trace_context
 from specsplit.transport.grpc_bytes import GrpcReceiver
 from specsplit.transport.wire import fill_tensor_proto
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster, free_port
+from specsplit.cli.launcher import LocalCluster
+from specsplit.rpc.process import free_port
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_tokenizer import make_llama_like
 

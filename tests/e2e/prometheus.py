@@ -22,8 +22,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster, free_port
+from specsplit.cli.launcher import LocalCluster
 from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
+from specsplit.rpc.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER_VALUES = ROOT / "docker" / "k8s" / "prometheus-adapter" / "values.yaml"

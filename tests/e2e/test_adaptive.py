@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from specsplit.proto import coordinator_pb2, coordinator_pb2_grpc
 from tests.e2e.helpers import generate_concurrently, greedy_ignoring_eos
 from tests.e2e.test_lossless_greedy import prompts

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from specsplit import Client, SpecsplitError
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_IN_THE_BASE_INSTALL = ("torch", "numpy", "transformers", "opentelemetry.sdk", "prometheus_client", "fastapi")

@@ -87,7 +87,7 @@ def test_services_only_takes_target_only_from_the_services_and_checks_every_outp
 def test_the_lossless_check_reports_the_first_differing_token():
     from benchmarks.e2e import check_lossless
     from benchmarks.lib.e2e_modes import RunResult
-    from specsplit.results import SpecStats
+    from specsplit.client.results import SpecStats
 
     expected = [[5, 6, 7, 8], [9, 10, 11]]
     failures: list[str] = []

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.tiny_deepseek_v3 import write_served_tiny_deepseek
 

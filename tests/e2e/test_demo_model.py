@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import assert_first_two_tokens_follow
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"

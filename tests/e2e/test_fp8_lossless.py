@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny import write_tiny_checkpoint

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import assert_first_two_tokens_follow, generate_concurrently
 from tests.fixtures.tiny_glm4_moe import write_served_tiny_glm4_moe
 

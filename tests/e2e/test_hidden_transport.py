@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from .helpers import generate_concurrently, greedy_ignoring_eos

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from specsplit import Client
-from specsplit.launcher import free_port
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specsplit.rpc.process import free_port
 
 from .helpers import assert_kv_all_free
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from specsplit import Client, SpecsplitError
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 
 from .helpers import assert_kv_all_free, wait_idle
 

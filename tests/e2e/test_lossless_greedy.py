@@ -7,7 +7,7 @@ import time
 import pytest
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import hide_drafter_socket
 
 MAX_TOKENS = 24

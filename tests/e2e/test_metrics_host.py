@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from specsplit.launcher import free_port
+from specsplit.rpc.process import free_port
 
 from .proc import wait_listening_on
 

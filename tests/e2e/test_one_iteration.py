@@ -10,13 +10,13 @@ import time
 import grpc
 
 import specsplit
+from specsplit.cli.launcher import LocalCluster
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.engine import Engine
 from specsplit.coordinator.request import Request, SamplingParams
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.verify_stream import RpcVerifier
 from specsplit.engine.local import LocalVerifier
-from specsplit.launcher import LocalCluster
 from specsplit.proto import common_pb2, verifier_pb2_grpc
 
 # The trained demo checkpoint: its drafts are often accepted, so acceptance, and the choices made from it, depend

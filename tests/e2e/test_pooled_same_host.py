@@ -8,7 +8,7 @@ import signal
 import time
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import greedy_ignoring_eos, hide_drafter_socket
 
 PROMPT, MAX_TOKENS = [5, 6, 7, 8], 24

@@ -11,8 +11,9 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit import Client, SpecsplitError
-from specsplit.launcher import LocalCluster, free_port
+from specsplit.cli.launcher import LocalCluster
 from specsplit.proto import common_pb2, verifier_pb2_grpc
+from specsplit.rpc.process import free_port
 
 from .certs import make_ca, make_leaf, write_tls_dir
 

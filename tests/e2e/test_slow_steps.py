@@ -1,12 +1,12 @@
 """--slow-step-s end to end: a drafter whose first Propose stalls logs that Propose's stack while it runs
-(`specsplit/slow_steps.py`), and the generation still completes and matches greedy."""
+(`specsplit/runtime/slow_steps.py`), and the generation still completes and matches greedy."""
 
 import os
 import sys
 from pathlib import Path
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 
 from .helpers import greedy_ignoring_eos
 

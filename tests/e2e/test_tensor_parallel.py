@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster
+from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently, greedy_ignoring_eos, start_streams
 from tests.e2e.test_lossless_greedy import prompts
 from tests.fixtures.tiny import write_tiny_checkpoint

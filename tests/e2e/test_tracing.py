@@ -13,7 +13,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from specsplit import Client
-from specsplit.launcher import LocalCluster, free_port
+from specsplit.cli.launcher import LocalCluster
+from specsplit.rpc.process import free_port
 
 
 def _spans(trace_dir):

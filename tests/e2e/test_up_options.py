@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from specsplit import Client, SpecsplitError
-from specsplit.launcher import free_port
+from specsplit.rpc.process import free_port
 
 from .certs import make_ca, write_tls_dir
 from .proc import children, wait_listening_on

@@ -1,4 +1,4 @@
-"""`specsplit up` supervises its services as a process manager would (specsplit/supervisor.py), run as a user
+"""`specsplit up` supervises its services as a process manager would (specsplit/cli/supervisor.py), run as a user
 runs it, on the demo checkpoint (real acceptance): a SIGKILLed drafter or verifier is restarted while greedy
 streams run, and every stream equals target-only greedy output (the same `up`, asked for no drafts before any
 kill); a drafter that fails at every restart is given up with one line and `up` exits 1; `up` prints the

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from specsplit.launcher import free_port
+from specsplit.rpc.process import free_port
 
 from .proc import processes
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specsplit
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from tests.fixtures.tiny import write_tiny_checkpoint
 
 # Ids from 3 on: 0-2 are the tiny tokenizer's special tokens (transformers would mask a pad id in a prompt).

@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.coordinator.validation import build_request
 from specsplit.drafter.servicer import parse_items
-from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import common_pb2, coordinator_pb2, drafter_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_from_proto, tensor_to_proto
 from specsplit.verifier.input_batch import build_input_batch

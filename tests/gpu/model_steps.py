@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.models.cuda_graphs import CudaGraphRunner
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 
 
 def decode_steps(model, cache, path: str, runner: CudaGraphRunner | None, seed: int = 0) -> list[torch.Tensor]:

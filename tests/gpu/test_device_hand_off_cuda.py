@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from specsplit import Client
+from specsplit.cli.launcher import LocalCluster
 from specsplit.engine.llm import LLM
-from specsplit.launcher import LocalCluster, free_port
+from specsplit.rpc.process import free_port
 
 pytestmark = pytest.mark.gpu
 DEMO = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"

@@ -26,8 +26,8 @@ import torch
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.kernels.fp8_reference import quantize_weight_blockwise
 from specsplit.kernels.fused_moe import fused_routed_experts, routed_experts_reference
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_mtp, load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint

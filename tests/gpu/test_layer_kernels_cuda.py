@@ -15,10 +15,10 @@ import torch
 from specsplit.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from specsplit.kernels.rotary import apply_rotary_qk_triton
 from specsplit.kernels.silu_mul import silu_mul_reference, silu_mul_triton
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.layer_ops import enable_layer_kernels
 from specsplit.models.loader import load_target
 from specsplit.models.rotary import apply_rotary
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
 from tests.gpu.model_steps import decode_steps

@@ -1,4 +1,4 @@
-"""On a CUDA GPU, the KV cache sized from `--gpu-memory-utilization` (specsplit/models/memory_profile.py): a verifier's
+"""On a CUDA GPU, the KV cache sized from `--gpu-memory-utilization` (specsplit/runtime/memory_profile.py): a verifier's
 and a drafter's start-up (weights, probe runner, real cache, graphs and warm-up) leave this process using at most
 F × the device's memory and most of it; the start-up line says the size; a share smaller than the weights is refused
 in one line (exit 2); `specsplit up`'s verifier and drafter on one GPU stay within 0.8 + 0.1 of it and serve.
@@ -21,12 +21,12 @@ import sys
 import pytest
 import torch
 
-from specsplit.cli import parse_args
-from specsplit.client import Client
-from specsplit.launcher import LocalCluster
-from specsplit.models.kv_cache_size import GIB
-from specsplit.models.memory_profile import cache_bytes
-from specsplit.models.serve_options import apply_eager_option
+from specsplit.cli.commands import parse_args
+from specsplit.cli.launcher import LocalCluster
+from specsplit.client.sdk import Client
+from specsplit.runtime.kv_cache_size import GIB
+from specsplit.runtime.memory_profile import cache_bytes
+from specsplit.runtime.serve_options import apply_eager_option
 from tests.fixtures.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -19,8 +19,8 @@ import torch
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.kernels.paged_attention import choose_num_splits, paged_attention_triton
 from specsplit.kernels.paged_attention_reference import paged_attention_reference
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_mtp, load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.gpu.model_steps import decode_steps
 

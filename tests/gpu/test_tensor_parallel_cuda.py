@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from specsplit import Client
+from specsplit.cli.launcher import LocalCluster
 from specsplit.engine.llm import LLM
-from specsplit.launcher import LocalCluster
-from specsplit.models.cuda_graphs import CudaGraphRunner
 from specsplit.models.loader import load_mtp, load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_served_tiny_deepseek

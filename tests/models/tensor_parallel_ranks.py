@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import traceback
 
-from specsplit.launcher import free_port
+from specsplit.rpc.process import free_port
 
 
 def run_ranks(size: int, fn, *args, cuda: bool = False, timeout_s: float = 120.0):

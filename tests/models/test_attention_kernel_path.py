@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.models.cuda_graphs import CudaGraphRunner, token_buckets
 from specsplit.models.loader import load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner, token_buckets
 
 # Steps over two requests: a ragged prefill, then decode / verify steps of 1 .. 4 new tokens each.
 STEPS = [{"a": 7, "b": 5}, {"a": 1, "b": 4}, {"b": 1, "a": 3}, {"a": 1}, {"a": 2, "b": 1}]

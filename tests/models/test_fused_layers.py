@@ -185,7 +185,7 @@ def test_inputs_that_need_gradients_keep_the_torch_ops(monkeypatch):
 
 
 def test_the_servers_eager_switch_turns_every_kernel_off_and_only_then(monkeypatch):
-    from specsplit.models.serve_options import apply_eager_option
+    from specsplit.runtime.serve_options import apply_eager_option
 
     monkeypatch.setattr(layer_ops, "_enabled", layer_ops._enabled)  # restored after the test
     monkeypatch.setattr(layer_ops, "_gemv_mode", layer_ops._gemv_mode)

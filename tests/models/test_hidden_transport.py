@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specsplit.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.transport import make_receiver, make_sender
 from specsplit.transport.base import Transfer

@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from specsplit.launcher import free_port
 from specsplit.models.fp8_linear import tensor_parallel_shards
 from specsplit.models.layers import local_heads
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.models.parallel_layers import Shard
+from specsplit.rpc.process import free_port
 from tests.fixtures.fp8 import write_fp8_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint

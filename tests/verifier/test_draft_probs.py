@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.proto import common_pb2, verifier_pb2
 from specsplit.transport.wire import tensor_to_proto
 from specsplit.verifier.input_batch import build_input_batch

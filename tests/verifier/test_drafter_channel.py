@@ -15,9 +15,9 @@ import grpc
 import pytest
 import torch
 
-from specsplit.errors import FailedPrecondition
+from specsplit.client.errors import FailedPrecondition
 from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.threaded_stream import ThreadedLocalStreamServer
+from specsplit.rpc.threaded_stream import ThreadedLocalStreamServer
 from specsplit.transport.grpc_bytes import GrpcSender
 from specsplit.transport.wire import fill_tensor_proto, tensor_from_proto
 from specsplit.verifier.drafter_pool import DrafterPool, Replica

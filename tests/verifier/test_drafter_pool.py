@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsplit.grpc_server import ServiceServer
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specsplit.rpc.server import ServiceServer
 from specsplit.transport.wire import fill_tensor_proto
 from specsplit.verifier.drafter_channel import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool, HashRing, parse_targets, resolve_dns

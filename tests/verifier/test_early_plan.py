@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.proto import common_pb2
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.held_drafts import HeldDraft, HeldDrafts

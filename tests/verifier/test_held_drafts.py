@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 from specsplit.verifier.batch import DraftProbs, VerifyBatch, VerifyItem
 from specsplit.verifier.held_drafts import HeldDrafts
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specsplit.errors import FailedPrecondition
+from specsplit.client.errors import FailedPrecondition
 from specsplit.verifier.servicer import VerifierServicer
 
 

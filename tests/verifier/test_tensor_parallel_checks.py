@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from specsplit.errors import UsageError
-from specsplit.models.serve_options import ModelOptions
-from specsplit.models.start_up_checks import check_tensor_parallel
+from specsplit.client.errors import UsageError
+from specsplit.runtime.serve_options import ModelOptions
+from specsplit.runtime.start_up_checks import check_tensor_parallel
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint

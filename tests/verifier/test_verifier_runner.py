@@ -5,9 +5,9 @@ rolled back so later steps equal plain decoding."""
 import pytest
 import torch
 
-from specsplit.errors import FailedPrecondition, InvalidArgument
-from specsplit.models.cuda_graphs import CudaGraphRunner
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.models.loader import load_target
+from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.input_batch import build_input_batch
 from specsplit.verifier.runner import VerifierRunner, step_output

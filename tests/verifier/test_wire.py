@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specsplit.client.results import TokenLogprobs
 from specsplit.proto import common_pb2, drafter_pb2, verifier_pb2
-from specsplit.results import TokenLogprobs
 from specsplit.transport.wire import tensor_to_proto
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.input_batch import build_input_batch

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from specsplit.client.errors import InvalidArgument, SpecsplitError, Unavailable
 from specsplit.coordinator.generation import Choices
 from specsplit.coordinator.generation_config import SamplingDefaults
 from specsplit.coordinator.http.chat import chat_prompt_token_ids
@@ -23,9 +24,8 @@ from specsplit.coordinator.http.mapping import to_generate_request
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
 from specsplit.coordinator.http.responses import DONE, ResponseShape, event, usage
 from specsplit.coordinator.validation import build_requests
-from specsplit.errors import InvalidArgument, SpecsplitError, Unavailable
-from specsplit.security import bearer_token_valid
-from specsplit.telemetry import incoming_context
+from specsplit.rpc.security import bearer_token_valid
+from specsplit.rpc.telemetry import incoming_context
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions

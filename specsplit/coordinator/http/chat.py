@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsplit.errors import InvalidArgument
+from specsplit.client.errors import InvalidArgument
 
 
 def chat_prompt_token_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool, **kwargs) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from fastapi.responses import JSONResponse
 
-from specsplit.errors import InvalidArgument, SpecsplitError
+from specsplit.client.errors import InvalidArgument, SpecsplitError
 
 # A coordinator status → (HTTP status, OpenAI error type).
 _STATUS = {

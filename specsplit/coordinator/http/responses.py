@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from specsplit.results import SpecStats, TokenLogprobs
+from specsplit.client.results import SpecStats, TokenLogprobs
 
 
 class ResponseShape:

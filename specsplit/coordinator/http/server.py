@@ -8,7 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
-from specsplit.errors import UsageError
+from specsplit.client.errors import UsageError
 
 
 class _Server(uvicorn.Server):
