@@ -219,20 +219,22 @@ class Engine:
         """Streams post_step's outputs to the Generate handlers; returns the empty pending list."""
         if updates:
             with obs.tracer.start_as_current_span("stream_outputs"):
+                emitted = 0
                 for update in updates:
-                    self._emit(update.request, update.new_token_ids, update.finished, update.new_logprobs)
+                    emitted += self._emit(update.request, update.new_token_ids, update.finished, update.new_logprobs)
+                obs.record_generated_tokens(emitted)  # once per iteration, not per request
         return []
 
     def _emit(
         self, request: Request, new_token_ids: list[int], finished: bool, logprobs: list[TokenLogprobs] | None = None
-    ) -> None:
+    ) -> int:
+        """Puts a request's new tokens (and text) on its stream's queue; returns how many tokens went out."""
         stream = self._streams.get(request.request_id)
         if stream is None:
-            return
+            return 0
         if request.first_token_time is None and new_token_ids:
             request.first_token_time = time.monotonic()
             obs.record_first_token(request)
-        obs.record_generated_tokens(len(new_token_ids))
         text_ids = new_token_ids
         if finished and new_token_ids and new_token_ids[-1] in request.sampling.stop_token_ids:
             text_ids = new_token_ids[:-1]  # a stop token's text is not output (vLLM's behaviour too)
@@ -248,6 +250,7 @@ class Engine:
         if finished:
             self._streams.pop(request.request_id, None)
             self._finish_stream(stream, request.finish_reason or "stop")
+        return len(new_token_ids)
 
     def _finish_stream(self, stream: _Stream, reason: str) -> None:
         self.totals.merge(stream.request.stats)

@@ -156,26 +156,39 @@ def record_draft_choice(output) -> None:
 
 
 def record_verify(iteration_span: trace.Span, output, results, response) -> tuple[int, int]:
-    """Records the iteration's counts; returns (drafts verified, accepted), and accepted + rejected = drafts."""
-    accepted = rejected = 0
+    """Records the iteration's counts; returns (drafts verified, accepted), and accepted + rejected = drafts. The
+    batch's counts go to each series once per iteration (per draft position for the positional ones), not once per
+    request: the same sums, at a host cost that does not grow with the batch."""
+    accepted = rejected = num_drafts = num_draft_tokens = 0
+    drafts_at: list[int] = []  # per draft position: drafts verified there; accepted_at: those accepted
+    accepted_at: list[int] = []
     for item, result in zip(output.scheduled, results):
-        if not item.sample:
+        n_drafts = result.num_draft_tokens
+        if not item.sample or not n_drafts:
             continue
         n_acc = len(result.sampled_token_ids) - 1
-        n_drafts = result.num_draft_tokens
         rejected += n_drafts - n_acc
         accepted += n_acc
-        if n_drafts:
-            drafts_total.add(1)
-            draft_tokens_total.add(n_drafts)
-            accepted_tokens_total.add(n_acc)
-            model = vllm.model()
-            vllm.spec_decode_num_drafts.labels(model).inc()
-            vllm.spec_decode_num_draft_tokens.labels(model).inc(n_drafts)
-            vllm.spec_decode_num_accepted_tokens.labels(model).inc(n_acc)
-            for pos in range(n_drafts):  # zeros too, so every position is exported
-                accepted_per_position.add(int(pos < n_acc), {"position": pos + 1})
-                vllm.spec_decode_num_accepted_tokens_per_pos.labels(model, str(pos)).inc(int(pos < n_acc))
+        num_drafts += 1
+        num_draft_tokens += n_drafts
+        if len(drafts_at) < n_drafts:
+            grow = n_drafts - len(drafts_at)
+            drafts_at += [0] * grow
+            accepted_at += [0] * grow
+        for pos in range(n_drafts):
+            drafts_at[pos] += 1
+            accepted_at[pos] += pos < n_acc
+    if num_drafts:
+        drafts_total.add(num_drafts)
+        draft_tokens_total.add(num_draft_tokens)
+        accepted_tokens_total.add(accepted)
+        model = vllm.model()
+        vllm.spec_decode_num_drafts.labels(model).inc(num_drafts)
+        vllm.spec_decode_num_draft_tokens.labels(model).inc(num_draft_tokens)
+        vllm.spec_decode_num_accepted_tokens.labels(model).inc(accepted)
+        for pos, n in enumerate(accepted_at):  # zeros too, so every position is exported
+            accepted_per_position.add(n, {"position": pos + 1})
+            vllm.spec_decode_num_accepted_tokens_per_pos.labels(model, str(pos)).inc(n)
     iteration_span.set_attributes(
         {
             "specsplit.accepted": accepted,
