@@ -41,6 +41,7 @@ uniform-alpha cells through the three services instead, as closed batches of --n
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import gc
 import json
@@ -203,18 +204,20 @@ class Bench:
         llm.drafter.runner = ForcedAcceptanceRunner(self.engine.drafter, self.oracle, cell.alphas, self.args.seed)
         llm.step.use_drafter(llm.drafter if k > 0 else None)
         self._num_runs += 1
-        result = run_window(
-            llm.step,
-            config,
-            llm.eos_token_ids,
-            self.prompts[: cell.batch],
-            k,
-            chooser,
-            warm,
-            timed,
-            max_tokens(self.args, cell.batch),
-            self.sync,
-            tag=f"r{self._num_runs}",
+        result = asyncio.run(
+            run_window(
+                llm.step,
+                config,
+                llm.eos_token_ids,
+                self.prompts[: cell.batch],
+                k,
+                chooser,
+                warm,
+                timed,
+                max_tokens(self.args, cell.batch),
+                self.sync,
+                tag=f"r{self._num_runs}",
+            )
         )
         for i, (got, want) in enumerate(zip(result.outputs, self.reference)):
             if got != want[: len(got)]:

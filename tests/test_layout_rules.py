@@ -86,3 +86,15 @@ def test_protobuf_stays_at_the_edges():
     # The rule has teeth: the iteration's own modules are among those checked, and exist.
     for core in ("coordinator/engine.py", "verifier/step.py", "verifier/worker.py", "engine/local.py"):
         assert (ROOT / "specsplit" / core).exists(), core
+
+
+def test_nothing_but_main_imports_the_cli():
+    """What the services share with `up` lives in rpc/ (docs/design.md §8 rule 7): no module outside specsplit/cli/
+    but __main__.py imports it, so a service never depends on the command that starts it."""
+    pattern = re.compile(r"^\s*(from specsplit\.cli\b|import specsplit\.cli\b|from specsplit import cli\b)", re.M)
+    importers = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "specsplit").rglob("*.py")
+        if "cli" not in path.relative_to(ROOT / "specsplit").parts[:1] and pattern.search(path.read_text())
+    )
+    assert importers == ["specsplit/__main__.py"], importers

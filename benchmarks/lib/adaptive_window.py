@@ -10,7 +10,6 @@ batch emptying. The garbage collector is off inside the window (collected just b
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 from dataclasses import dataclass, field
@@ -84,7 +83,7 @@ def _stats(requests: list[Request]) -> SpecStats:
     return total
 
 
-def run_window(
+async def run_window(
     step: VerifierStep,
     config: SchedulerConfig,
     eos_token_ids: list[int],
@@ -99,24 +98,6 @@ def run_window(
 ) -> Window:
     """`k`: drafts per request (0: target-only, no drafter expected on `step`); `chooser`: adaptive speculation's
     state (with `config.adaptive`). Frees everything it used."""
-    return asyncio.run(
-        _run_window(step, config, eos_token_ids, prompts, k, chooser, warm, timed, max_tokens, sync, tag)
-    )
-
-
-async def _run_window(
-    step: VerifierStep,
-    config: SchedulerConfig,
-    eos_token_ids: list[int],
-    prompts: list[list[int]],
-    k: int,
-    chooser: DraftPolicy | None,
-    warm: int,
-    timed: int,
-    max_tokens: int,
-    sync,
-    tag: str,
-) -> Window:
     sync = sync or (lambda: None)
     scheduler = Scheduler(config, eos_token_ids, chooser)
     engine = Engine(scheduler, LocalVerifier(step, scheduler.eos_token_ids), None)

@@ -70,23 +70,23 @@ SWEEP_SAMPLES = 3  # iterations a never-timed depth is asked for (one time is to
 
 class DraftPolicy(abc.ABC):
     """How many drafts each decoding request asks the drafter for (`choose`, every iteration), and what the choice
-    learns from (`record_verified`, `record_iteration`). The scheduler calls every method, whichever the policy."""
+    learns from (`record_verified`, `record_iteration`; a policy that learns nothing keeps these no-ops). The
+    scheduler calls every method, whichever the policy."""
 
     @abc.abstractmethod
     def choose(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> list[int]:
         """Drafts to ask for, per decoding request, each at most its cap; `counts`: its acceptance per draft position;
         `remaining`: its tokens still to generate."""
 
-    @abc.abstractmethod
     def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
         """Prepares the next `choose` for this batch, while the device runs the current iteration."""
+        return  # nothing to prepare
 
-    @abc.abstractmethod
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
         """A request's verification of `num_drafts` drafts, the first `num_accepted` of them kept; `counts`: its
         acceptance per draft position."""
+        return  # learns nothing
 
-    @abc.abstractmethod
     def record_iteration(
         self,
         num_tokens: int,
@@ -98,6 +98,7 @@ class DraftPolicy(abc.ABC):
         verified_depth: int,
     ) -> None:
         """A decode iteration's measured time (`StepCostModel.record`'s arguments)."""
+        return  # learns nothing
 
 
 class FixedDraftCount(DraftPolicy):
@@ -105,24 +106,6 @@ class FixedDraftCount(DraftPolicy):
 
     def choose(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> list[int]:
         return list(caps)
-
-    def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
-        """Nothing to prepare."""
-
-    def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
-        """Not learned from."""
-
-    def record_iteration(
-        self,
-        num_tokens: int,
-        num_later_steps: int,
-        seconds: float,
-        later_steps_s: float | None,
-        proposed: bool,
-        propose_s: float | None,
-        verified_depth: int,
-    ) -> None:
-        """Not learned from."""
 
 
 def draft_policy(config: SchedulerConfig) -> DraftPolicy:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from specsplit.kernels.fp8_gemm_configs import Fp8GemmConfig, config_for, effective_split
 from specsplit.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-from specsplit.kernels.gemv import SUM_BLOCK, _split_k_sum_kernel, num_sms
+from specsplit.kernels.gemv import SUM_BLOCK, num_sms, split_k_sum_kernel
 from specsplit.kernels.gemv_configs import cdiv
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -340,7 +340,7 @@ def w8a8_block_linear(
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        _split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
+        split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
             target,
             weight if bias is None else bias,
             out,

@@ -126,7 +126,7 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _split_k_sum_kernel(
+def split_k_sum_kernel(
     partial_ptr,  # [SPLIT_K, M * N] fp32
     bias_ptr,  # [N] (read only if HAS_BIAS)
     out_ptr,  # [M * N]
@@ -228,7 +228,7 @@ def gemv(
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        _split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
+        split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
             target,
             weight if bias is None else bias,
             out,

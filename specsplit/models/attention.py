@@ -8,7 +8,7 @@ cache indices 0 .. seq_len - n + j. Two paths:
   (`use_kernel_for`) for decode / verify steps, and for prefill chunks whose (query, key) pairs stay
   few: one program per query token re-reads its context, right for a few new tokens per request,
   wasteful for long prompts; but the eager path's host work (large per step whatever the prompt:
-  `benchmarks/prefill_step.py`; docs/performance.md, "Decode step and kernels") costs more than that
+  `benchmarks/step.py --phase prefill`; docs/performance.md, "Decode step and kernels") costs more than that
   re-reading for short prompts, and the kernel path can replay a CUDA graph.
 - otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): `scaled_dot_product_attention` over
   the gathered K/V, in one call over the step padded to its longest request (`attn.padded_batch`)

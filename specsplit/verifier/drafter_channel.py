@@ -7,8 +7,8 @@
   ProposeStream each (on the replica's Unix socket where that is on this host, else gRPC's), the batch split by the
   replica that owns each request and the drafts merged back in batch order.
 
-`make_channel` picks one from the verifier's flags. Every method runs on the event loop or on the verifier's step
-thread, as marked; the step thread uses the channel only inside a call the loop makes after `prepare` and before
+`channels.make_channel` picks one from the verifier's flags. Every method runs on the event loop or on the verifier's
+step thread, as marked; the step thread uses the channel only inside a call the loop makes after `prepare` and before
 `collect`:
 
     event loop   prepare(request_ids)       before a step-thread call that may send: the connection made, the
@@ -51,13 +51,10 @@ from opentelemetry.trace import SpanKind
 
 from specsplit.client.errors import InvalidArgument, UsageError
 from specsplit.proto import common_pb2, drafter_pb2
-from specsplit.rpc.local_stream import DRAFTER_RPCS
-from specsplit.rpc.security import TlsFiles
 from specsplit.rpc.telemetry import outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
-from specsplit.transport.grpc_bytes import GrpcSender
 from specsplit.verifier.batch import Sampling
-from specsplit.verifier.drafter_pool import DNS_PREFIX, DrafterPool, Replica, ReplicaStats, parse_targets
+from specsplit.verifier.drafter_pool import DrafterPool, Replica, ReplicaStats
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.propose_request import ProposeBatch, build_propose
@@ -314,41 +311,3 @@ class DrafterChannel:
             log.warning("could not open the hidden-state transport yet (%s); the first Propose retries", err.code())
         except TransportError as err:
             raise TransportConfigError(str(err)) from err
-
-
-def make_channel(
-    address: str | None,
-    timeout_s: float = 30.0,
-    *,
-    tls: TlsFiles | None = None,
-    pool: DrafterPool | None = None,
-    rpc: str = "stream",
-    transport: HiddenStatesSender | None = None,
-) -> DrafterChannel:
-    """The channel for the verifier's flags: `address`, None (no speculation: every Propose fails at once, no drafts)
-    or the `--drafter` targets, e.g. `a:50053,dns:///drafter:50053` (or `pool`, over them); `rpc` "local" (a
-    co-located drafter's socket) or "stream"; `transport` (default: grpc bytes). Raises TransportConfigError where
-    they do not fit together, ValueError for a target that is not HOST:PORT."""
-    # (the implementations subclass DrafterChannel, so they are imported once it is defined)
-    from specsplit.verifier.pool_channel import PoolChannel
-    from specsplit.verifier.socket_channel import SocketChannel
-
-    if rpc not in DRAFTER_RPCS:
-        raise ValueError(f"drafter rpc must be one of {', '.join(DRAFTER_RPCS)}, got {rpc!r}")
-    pool = pool if pool is not None else DrafterPool(parse_targets(address), tls=tls)
-    transport = transport if transport is not None else GrpcSender()
-    targets = pool.targets
-    one_replica = len(targets) == 1 and not targets[0].startswith(DNS_PREFIX)
-    # Not nccl on the socket: its sends pair with the drafter's receives through a process group that a restarted
-    # drafter must re-join, which the pool's Proposes on the event loop handle.
-    if rpc == "local" and transport.name == "nccl":
-        raise TransportConfigError("a co-located drafter takes hidden states by cuda_ipc (grpc on CPU), not nccl")
-    if targets and (transport.name != "grpc" or rpc == "local") and not one_replica:
-        kind = "a co-located drafter" if rpc == "local" else f"hidden states by {transport.name}"
-        raise TransportConfigError(
-            f"{kind} needs exactly one --drafter HOST:PORT, got {address!r} (several drafter replicas: "
-            "--placement pooled with --hidden-transport grpc)"
-        )
-    if rpc == "local" and one_replica:
-        return SocketChannel(pool, transport, timeout_s)
-    return PoolChannel(pool, transport, timeout_s)

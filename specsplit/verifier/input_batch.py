@@ -1,4 +1,4 @@
-"""VerifyRequest → the verifier's input batch (validated), in the layout of the glossary.
+"""A VerifyBatch (`batch.py`) → the verifier's input batch (validated), in the layout of the glossary.
 
 For each request the target runs its `token_ids` at positions `num_computed_tokens ...`. A request
 that samples gets `num_draft + 1` logits rows — its last `num_draft + 1` query rows —

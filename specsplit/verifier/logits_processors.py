@@ -26,7 +26,7 @@ from specsplit.verifier.batch import Sampling
 
 @dataclass(frozen=True)
 class LogitsOptions:
-    """One request's options that touch its logits (from its SamplingParams)."""
+    """One request's options that touch its logits (from its `Sampling`)."""
 
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0

@@ -151,7 +151,8 @@ async def serve(config: VerifierConfig) -> None:
     from specsplit.runtime.device import device_executor, use_device
     from specsplit.runtime.tensor_parallel import end_followers, start_followers
     from specsplit.transport import make_sender
-    from specsplit.verifier.drafter_channel import TransportConfigError, make_channel
+    from specsplit.verifier.channels import make_channel
+    from specsplit.verifier.drafter_channel import TransportConfigError
     from specsplit.verifier.loading import load_and_size
     from specsplit.verifier.ranks import follower_main
     from specsplit.verifier.servicer import VerifierServicer

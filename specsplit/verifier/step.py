@@ -93,7 +93,7 @@ class VerifierStep:
             self.drafter.free(ids)
 
     def run(self, request, parent=None) -> StepResult:
-        """One step of `request` (a VerifyRequest): the last Propose's drafts waited for (not by an iteration
+        """One step of `request` (a VerifyBatch): the last Propose's drafts waited for (not by an iteration
         that only frees), the step, this step's Propose sent. `parent`: the trace context of the Propose's span."""
         earlier, self.proposing = self.proposing, None
         w0 = time.time_ns()

@@ -4,8 +4,8 @@ sampled tokens, knowing nothing of gRPC.
 The previous Propose's held drafts go into their placeholders (`held_drafts.py`), the input batch is planned
 (ahead of the drafts when it can: `plan_early`) and uploaded, the target forward and rejection sampling are
 queued (`launch`) and waited for (`finish`), and the drafts of this step's Propose are kept for the next
-iteration (`keep`). The verifier's servicer (`servicer.py`: order, locking, the drafter's proposer, spans) and
-the one-process engine (`specsplit/engine/core.py`) both drive it.
+iteration (`keep`). The verifier's step (`step.py`: `VerifierStep.run`, which orders launch, propose, finish and
+keep) drives it, on the servicer's step thread and in one process (`specsplit/engine/local.py`) alike.
 """
 
 from __future__ import annotations

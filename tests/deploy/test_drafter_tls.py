@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from specsplit.proto import drafter_pb2, drafter_pb2_grpc
 from specsplit.rpc.security import TlsFiles
 from specsplit.rpc.server import ServiceServer
-from specsplit.verifier.drafter_channel import make_channel
+from specsplit.verifier.channels import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool
 from specsplit.verifier.propose_request import ProposeBatch
 

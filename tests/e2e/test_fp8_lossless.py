@@ -1,6 +1,6 @@
 """Block-scaled FP8 checkpoints (target and MTP layer in FP8) decode losslessly: greedy output equals
 transformers' generate on the dequantized checkpoint, for a tiny Qwen3 through the three services and
-a tiny DeepSeek-V3 (MLA + MoE) through `specsplit.LLM` (the same EngineCore iteration in one process: a
+a tiny DeepSeek-V3 (MLA + MoE) through `specsplit.LLM` (the services' iteration in one process: a
 second cluster would cost CI another ~20 s of start-up). `serve verifier` refuses another quantization
 at start-up with one line (the other kinds: tests/models/test_fp8_checkpoint.py, on the load functions
 start-up uses).

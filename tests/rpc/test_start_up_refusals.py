@@ -15,7 +15,8 @@ from specsplit.proto import common_pb2, drafter_pb2_grpc
 from specsplit.rpc.local_stream import LocalStreamServer, serve_or_exit
 from specsplit.rpc.server import ServiceServer
 from specsplit.rpc.threaded_stream import ThreadedLocalStreamServer
-from specsplit.verifier.drafter_channel import TransportConfigError, make_channel
+from specsplit.verifier.channels import make_channel
+from specsplit.verifier.drafter_channel import TransportConfigError
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE
 
 

@@ -11,7 +11,7 @@ from specsplit.models.loader import load_target
 from specsplit.proto import common_pb2
 from specsplit.transport.base import HiddenStatesSender
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
-from specsplit.verifier.drafter_channel import make_channel
+from specsplit.verifier.channels import make_channel
 from specsplit.verifier.input_batch import build_input_batch
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.step import HeldStep, VerifierStep

@@ -17,7 +17,7 @@ import torch
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.rpc.server import ServiceServer
 from specsplit.transport.wire import fill_tensor_proto
-from specsplit.verifier.drafter_channel import make_channel
+from specsplit.verifier.channels import make_channel
 from specsplit.verifier.drafter_pool import DRAFTER_SERVICE, DrafterPool, HashRing, parse_targets, resolve_dns
 from specsplit.verifier.pool_channel import PoolChannel
 from specsplit.verifier.runner import StepOutput
