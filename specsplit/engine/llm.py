@@ -146,26 +146,29 @@ class LLM:
         return [self._result(r, t) for r, t in zip(requests, texts)]
 
     async def _run(self, requests: list[Request]) -> list[str]:
-        """The requests through the engine's loop until each has finished and what they held is freed; their texts."""
+        """The requests through the engine's loop (`Engine.step`, run here until they have finished and what they
+        held is freed); their texts. A request that failed raises its error, the others of the call aborted."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         index = {r.request_id: i for i, r in enumerate(requests)}
         texts: list[list[str]] = [[] for _ in requests]
         for request in requests:
             self.engine.add_request(request, queue)
         self.engine.iteration_timings.clear()
-        self.engine.start()
         try:
-            left = len(requests)
-            while left:
-                out = await queue.get()
-                if out.error is not None:
-                    raise out.error
-                texts[index[out.request_id]].append(out.text)
-                left -= out.finish_reason is not None
-            while self.scheduler.has_work():  # the frees of the last iteration's requests: one more iteration
-                await asyncio.sleep(0)
+            while self.scheduler.has_work():  # the last iteration only frees what the finished requests held
+                await self.engine.step()
+                if not self.scheduler.has_work():
+                    self.engine.flush_outputs()
+                while not queue.empty():
+                    out = queue.get_nowait()
+                    if out.error is not None:
+                        raise out.error
+                    texts[index[out.request_id]].append(out.text)
         finally:
-            await self.engine.stop()
+            for request in requests:
+                self.engine.abort(request.request_id)  # no-op for a finished one
+            while self.scheduler.has_work():
+                await self.engine.step()
         return ["".join(t) for t in texts]
 
     @property
