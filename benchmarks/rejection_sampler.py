@@ -24,6 +24,12 @@ top-p are off and passed as None and ``max_num_draft`` is given, so our Triton p
 sync (as inside a CUDA graph). Sparse q keeps the top 16 ids (the last one swapped for the draft
 when missing).
 
+``--coupled``: also the coupled verification of seeded requests (``specsplit/kernels/reference.py``) beside today's
+rejection sampling, on the same logits and drafts: ``one_hot coupled`` and ``sparse coupled`` (drafts the target's
+argmax, accepted where the target's sample is that argmax), and ``sparse coupled hit`` (drafts the target's own
+samples: every row accepted and raced, the most work coupled verification does). Their ratio to the ``sparse`` /
+``one_hot`` rows is the cost of the guarantee.
+
 ``--vllm-src DIR``: an unpacked vllm source tree (``pip download vllm==0.26.0 --no-deps
 --only-binary :all:``, then unzip the wheel). Adds vLLM's V1 and V2 Triton rejection samplers, see
 ``benchmarks/lib/vllm_rejection_samplers.py`` for what their timings include. vLLM takes dense q only,
@@ -47,6 +53,7 @@ from specsplit.kernels import SparseDraftProbs, rejection_sample  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12
 MODES = ("greedy", "one_hot", "dense", "sparse")
+COUPLED_MODES = ("one_hot coupled", "sparse coupled", "sparse coupled hit")
 SPARSE_K = 16
 
 
@@ -55,7 +62,21 @@ TEMPERATURE = 0.8  # random modes
 
 def make_inputs(vocab_size: int, batch: int, k: int, mode: str, device: str, alpha: float | None = None) -> dict:
     """``alpha`` (one-hot only): the draft's p raised to ``alpha`` on every draft row, so that each draft is
-    accepted with probability ``alpha`` (without it, p(draft) is small and most drafts are rejected)."""
+    accepted with probability ``alpha`` (without it, p(draft) is small and most drafts are rejected). A mode of
+    ``COUPLED_MODES``: its base mode's inputs, every request coupled."""
+    if mode in COUPLED_MODES:
+        inputs = make_inputs(vocab_size, batch, k, mode.split()[0], device)
+        inputs["coupled"] = torch.ones(batch, dtype=torch.int32, device=device)  # as the verifier uploads it
+        if mode.endswith("hit"):  # the target's own sample at each draft row: every draft accepted
+            samples = rejection_sample(
+                inputs["target_logits"], inputs["draft_token_ids"][:0], torch.zeros(batch * (k + 1) + 1,
+                dtype=torch.int32, device=device), inputs["temperature"].repeat_interleave(k + 1), None, None,
+                inputs["seeds"].repeat_interleave(k + 1), inputs["positions"].repeat_interleave(k + 1)
+                + torch.arange(k + 1, device=device).repeat(batch), coupled=torch.ones(batch * (k + 1),
+                dtype=torch.bool, device=device),
+            ).sampled[:, 0]  # fmt: skip
+            inputs["draft_token_ids"] = samples.view(batch, k + 1)[:, :k].reshape(-1).contiguous()
+        return inputs
     gen = torch.Generator(device=device).manual_seed(vocab_size + batch * 10 + k)
     num_logits = batch * (k + 1)
     logits = torch.randn(num_logits, vocab_size, device=device, generator=gen) * 3
@@ -167,6 +188,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--vllm-src", type=Path, help="unpacked vllm source tree to compare against")
     parser.add_argument("--quick", action="store_true", help="vocab 151936, batch {1, 64, 256}, k 3 only")
+    parser.add_argument("--coupled", action="store_true", help="also coupled verification (seeded requests)")
+    parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES), help="today's modes to time")
     parser.add_argument(
         "--alpha", type=float, nargs="*", default=[],
         help="also one-hot shapes with batch >= 64 whose drafts are accepted with these probabilities",
@@ -190,7 +213,8 @@ def main() -> None:
     for vocab_size in vocabs:
         for batch in batches:
             for k in ks:
-                for mode in MODES:
+                modes = [*args.modes, *(COUPLED_MODES if args.coupled else ())]
+                for mode in modes:
                     rows.append(measure(vocab_size, batch, k, mode, vllm_samplers))
                     print(markdown(rows[-1:], vllm_names)[-1], flush=True)
                     torch.cuda.empty_cache()

@@ -37,6 +37,13 @@ the token is distributed as ``w / sum(w)``, as for one race over every id. The k
 masses from the softmax statistics they already compute, so the per-id noise of a stop row is computed for
 one group of 2,048 ids instead of the whole vocabulary.
 
+**Coupled** requests (``coupled[r]``: the request's seed is the user's) are verified by coupled sampling instead:
+every row's token is the race from p above with the row's noise (the target's own sample there), a draft is
+accepted iff it equals that token, and the stop row emits it. Acceptance then uses no uniform and no q, so the
+output is exactly target-only sampling with that seed (the tokens of k = 0), whatever the drafts; a drafter that
+samples its draft with the same noise over its own distribution (``specsplit/drafter/sampling.py``) makes the
+two agree often.
+
 The clocks and uniforms come from ``specsplit/kernels/rng.py``: a function of (seed, position + row, index),
 so a request's output does not depend on the rest of the batch. Ties go to the lowest id.
 """
@@ -73,6 +80,7 @@ def rejection_sample_reference(
     draft_probs: torch.Tensor | None = None,  # [num_draft_total, V] float32 q; None = one-hot
     max_num_draft: int | None = None,
     all_greedy: bool = False,  # known on the host: every temperature is 0 (the random rows' work is skipped)
+    coupled: torch.Tensor | None = None,  # [num_reqs] bool: verified by coupled sampling; None: no request is
 ) -> RejectionOutput:
     device = target_logits.device
     num_logits = target_logits.shape[0]
@@ -101,14 +109,14 @@ def rejection_sample_reference(
     else:
         accepted, stop_token = _random_rows(
             logits, req, row, draft_index, draft, has_draft, greedy, target_argmax,
-            temperature, top_k, top_p, seeds, positions, draft_probs,
+            temperature, top_k, top_p, seeds, positions, draft_probs, coupled,
         )  # fmt: skip
     return _leading_run(accepted, stop_token, draft, num_draft, cu_num_logits, num_logits, max_num_draft)
 
 
 def _random_rows(
     logits, req, row, draft_index, draft, has_draft, greedy, target_argmax,
-    temperature, top_k, top_p, seeds, positions, draft_probs,
+    temperature, top_k, top_p, seeds, positions, draft_probs, coupled,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per logits row of a batch with sampling requests (its greedy rows by argmax): whether its draft is accepted,
     and the token it emits if the request stops there."""
@@ -136,11 +144,21 @@ def _random_rows(
         q = torch.cat([draft_probs.float(), draft_probs.new_zeros(1, vocab_size)])[draft_index]
         q_d = q.gather(1, d).squeeze(1)
     accepted_random = (q_d > 0) & (u * q_d < p_d)
+
+    # Coupled rows: the target's own sample, the race from p with nothing excluded, accepted iff it is the draft.
+    group_clock = group_clocks(key, _num_groups(vocab_size))
+    race_p = x * LOG2E - clocks.log2()
+    if coupled is not None:
+        p_group = _race_groups(p, p, group_clock)
+        in_p_group = (torch.arange(vocab_size, device=device) // GROUP_SIZE)[None, :] == p_group[:, None]
+        p_token = _group_argmax(race_p.masked_fill(~in_p_group, float("-inf")), p_group)
+        coupled_row = coupled[req].bool() & ~greedy
+        accepted_random = torch.where(coupled_row, draft == p_token, accepted_random)
     accepted = has_draft & torch.where(greedy, draft == target_argmax, accepted_random)
 
     # The token a request emits if it stops at this row: recovered (rejected row) or bonus. Its weights:
     # p without the rejected one-hot draft, max(p - q, 0) at a rejected dense / sparse draft, else p.
-    race = x * LOG2E - clocks.log2()
+    race = race_p
     if draft_probs is None:
         own_draft = torch.zeros_like(race, dtype=torch.bool).scatter_(1, d, has_draft[:, None])
         race = race.masked_fill(own_draft, float("-inf"))
@@ -149,7 +167,7 @@ def _random_rows(
         residual = (p - q).clamp(min=0)
         weights = torch.where(has_draft[:, None], residual, p)
     # First the group of GROUP_SIZE ids, by a race over the groups' masses (their p if no weight is left),
-    group = _race_groups(weights, p, group_clocks(key, _num_groups(vocab_size)))
+    group = _race_groups(weights, p, group_clock)
     in_group = (torch.arange(vocab_size, device=device) // GROUP_SIZE)[None, :] == group[:, None]
     # then the id within that group, by the race over its ids.
     random_token = _group_argmax(race.masked_fill(~in_group, float("-inf")), group)
@@ -158,6 +176,8 @@ def _random_rows(
         residual_token = residual_race.argmax(dim=-1)
         has_residual = residual_race.gather(1, residual_token[:, None]).squeeze(1) > 0
         random_token = torch.where(has_draft & has_residual, residual_token, random_token)
+    if coupled is not None:
+        random_token = torch.where(coupled_row, p_token, random_token)
     return accepted, torch.where(greedy, target_argmax, random_token)
 
 

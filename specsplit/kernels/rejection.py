@@ -29,12 +29,14 @@ def rejection_sample(
     backend: str = "auto",  # "reference" | "triton" | "auto" (triton on CUDA, else reference)
     max_num_draft: int | None = None,  # known on the host: saves a device sync
     all_greedy: bool = False,  # known on the host: every temperature is 0 (saves the race launch)
+    coupled: torch.Tensor | None = None,  # [num_reqs] bool / int: coupled sampling (seeded); None: no request is
 ) -> RejectionOutput:
     """Verify every request's drafts against the target's logits in one step.
 
     Request r owns logits rows ``cu_num_draft[r] + r`` .. ``cu_num_draft[r+1] + r`` (its drafts'
     rows, then its bonus row). Returns the tokens to append per request; randomness depends only on
-    each request's (seed, position), never on the rest of the batch.
+    each request's (seed, position), never on the rest of the batch. A coupled request's tokens are those of
+    target-only sampling with its (seed, position), whatever its drafts (``reference.py``).
     """
     validate_inputs(
         target_logits,
@@ -46,6 +48,7 @@ def rejection_sample(
         seeds,
         positions,
         draft_probs,
+        coupled,
     )
     backend = _resolve_backend(backend, target_logits)
     if backend == "reference":
@@ -57,10 +60,10 @@ def rejection_sample(
             top_p = torch.ones_like(temperature)
     args = (target_logits, draft_token_ids, cu_num_draft, temperature, top_k, top_p, seeds, positions, draft_probs)
     if backend == "reference":
-        return rejection_sample_reference(*args, max_num_draft, all_greedy)
+        return rejection_sample_reference(*args, max_num_draft, all_greedy, coupled)
     from specsplit.kernels.triton_rejection import rejection_sample_triton
 
-    return rejection_sample_triton(*args, max_num_draft, all_greedy)
+    return rejection_sample_triton(*args, max_num_draft, all_greedy, coupled=coupled)
 
 
 def _resolve_backend(backend: str, target_logits: torch.Tensor) -> str:

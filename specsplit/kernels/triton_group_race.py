@@ -170,3 +170,15 @@ def race_stop_row(row_ptr, masses, p_masses, key, race_mode, draft_ptr, q_ptr, q
                                row_sum, q_ptr, q_ids_ptr, num_q_ids, False, Q_MODE, HAS_THRESHOLD, RACE_TILE,
                                FAST_LOG2)  # fmt: skip
     return winner
+
+
+@triton.jit
+def race_p(row_ptr, p_masses, key, vocab_size, threshold, inv_temperature, num_groups, HAS_THRESHOLD: tl.constexpr,
+           NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr):  # fmt: skip
+    """The target's own sample at a row (a coupled row's token): the race from p, nothing excluded; ``p_masses``:
+    the groups' masses of p."""
+    group = race_groups(p_masses, p_masses, key, num_groups, NUM_GROUPS_PAD, FAST_LOG2)
+    nothing = tl.full([], -1, tl.int32)
+    # Without RESIDUAL the race reads neither the row's softmax statistics nor a q: placeholders.
+    return race_in_group(row_ptr, key, group, nothing, vocab_size, threshold, inv_temperature, 0.0, 1.0, row_ptr,
+                         row_ptr, 0, False, 0, HAS_THRESHOLD, RACE_TILE, FAST_LOG2)  # fmt: skip

@@ -113,6 +113,7 @@ def rejection_sample_triton(
     max_num_draft: int | None = None,
     all_greedy: bool = False,  # the caller knows every temperature is 0: no race launch
     launch: Launch | None = None,  # the kernels' launch shapes; None: default_launch (GPU) or large programs
+    coupled: torch.Tensor | None = None,  # [num_reqs] bool / int: coupled sampling; None: no request is
 ) -> RejectionOutput:
     """Launches the kernels. Host syncs: one for ``max_num_draft`` unless given, one to find the
     top-k/top-p rows unless ``top_k`` and ``top_p`` are both None (then none: graph-capturable).
@@ -131,6 +132,8 @@ def rejection_sample_triton(
         temperature = temperature.float()
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
         seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
+    if coupled is not None and coupled.dtype != torch.int32:
+        coupled = coupled.to(torch.int32)
     if max_num_draft is None:
         max_num_draft = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if num_reqs else 0
     if max_num_draft > MAX_DRAFTS_PER_REQUEST:
@@ -177,15 +180,16 @@ def rejection_sample_triton(
     # Requests on axis 0 in both kernels: CUDA caps axes 1 and 2 at 65,535 programs, axis 0 at 2**31 - 1.
     stats_accept_kernel[(num_stats_chunks * num_reqs, num_cols)](
         target_logits, target_logits.stride(0), draft_token_ids, cu_num_draft, temperature, seeds, positions,
-        threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max, block_sum, block_token, row_counter,
-        row_max, row_sum, row_token, state, sampled, num_sampled, num_rejected, race_mode, vocab_size,
+        seeds if coupled is None else coupled, threshold, q, q_stride, q_ids, q_ids_stride, num_q_ids, block_max,
+        block_sum, block_token, row_counter, row_max, row_sum, row_token, state, sampled, num_sampled, num_rejected,
+        race_mode, vocab_size,
         num_stats_pieces, num_cols, Q_MODE=q_mode, HAS_THRESHOLD=has_threshold, CHUNK=launch.stats_chunk,
         PIECE=stats_piece, BLOCK_V=stats_tile, NUM_BLOCKS_PAD=triton.next_power_of_2(num_stats_chunks),
         NUM_PIECES_PAD=triton.next_power_of_2(num_stats_pieces), BLOCK_K=triton.next_power_of_2(num_q_ids),
         BLOCK_COLS=block_cols(max_num_draft), num_warps=launch.stats_warps,
         enable_fp_fusion=False, num_groups=num_groups, RACE_IN_STATS=race_in_stats,
         NUM_GROUPS_PAD=triton.next_power_of_2(num_groups), RACE_TILE=min(RACE_TILE, launch.stats_block_v),
-        FAST_LOG2=on_gpu,
+        FAST_LOG2=on_gpu, COUPLED=coupled is not None,
     )  # fmt: skip
     if not (all_greedy or race_in_stats):
         race_programs = triton.cdiv(vocab_size, launch.race_chunk) if q_mode == DENSE else 1
@@ -241,10 +245,15 @@ def warm_up(vocab_size: int, device: torch.device, max_drafts: int = WARM_UP_MAX
     """Compiles (or loads from Triton's on-disk cache) the kernel variants that batches without top-k /
     top-p make the sampler launch, so that no request waits for a compile mid-run: every launch
     shape `default_launch` can pick, greedy, one-hot and sparse (`num_q_ids` ids per draft, the
-    drafter's `--draft-top-k`), for every BLOCK_COLS width of up to `max_drafts` drafts per request.
-    Returns the number of calls made."""
-    plan = [(n, mode, r) for n in warm_up_draft_counts(max_drafts) for mode, r in warm_up_plan(vocab_size, n)]
-    for num_drafts, mode, num_reqs in plan:
+    drafter's `--draft-top-k`), for every BLOCK_COLS width of up to `max_drafts` drafts per request;
+    one-hot and sparse also with coupled requests (their own variants). Returns the number of calls made."""
+    plan = [
+        (n, mode, r, coupled)
+        for n in warm_up_draft_counts(max_drafts)
+        for mode, r in warm_up_plan(vocab_size, n)
+        for coupled in ((False,) if mode == "greedy" else (False, True))
+    ]
+    for num_drafts, mode, num_reqs, coupled in plan:
         num_logits = num_reqs * (num_drafts + 1)
         draft_total = num_reqs * num_drafts
         probs = None
@@ -263,5 +272,6 @@ def warm_up(vocab_size: int, device: torch.device, max_drafts: int = WARM_UP_MAX
             draft_probs=probs,
             max_num_draft=num_drafts,
             all_greedy=mode == "greedy",
+            coupled=torch.ones(num_reqs, dtype=torch.int32, device=device) if coupled else None,
         )
     return len(plan)

@@ -10,7 +10,7 @@ are made of. Terms and the algorithm: ``specsplit/kernels/reference.py``. Tensor
 import triton
 import triton.language as tl
 
-from specsplit.kernels.triton_group_race import GROUP_SIZE, piece_masses, race_stop_row
+from specsplit.kernels.triton_group_race import GROUP_SIZE, piece_masses, race_p, race_stop_row
 from specsplit.kernels.triton_rejection_common import (
     BIG_TOKEN,
     NO_MAX,
@@ -48,7 +48,7 @@ def _draft_prob(q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, draft_index
 
 
 # One compiled variant whatever the batch's most drafts and wherever its per-request inputs start.
-@triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=UNALIGNED_INPUTS)
+@triton.jit(do_not_specialize=["num_cols"], do_not_specialize_on_alignment=[*UNALIGNED_INPUTS, "coupled_ptr"])
 def stats_accept_kernel(
     logits_ptr,  # [num_logits, V] float32 / bf16 / fp16, unit stride along V
     logits_stride,
@@ -57,6 +57,7 @@ def stats_accept_kernel(
     temperature_ptr,  # [num_reqs] float32
     seeds_ptr,  # [num_reqs] int64
     positions_ptr,  # [num_reqs] int64
+    coupled_ptr,  # [num_reqs] int32: nonzero for a coupled request (read only with COUPLED)
     threshold_ptr,  # [num_logits] float32 (read only with HAS_THRESHOLD)
     q_ptr,  # dense: [num_draft_total, V]; sparse: probs [num_draft_total, K]; one-hot: unused
     q_stride,
@@ -92,6 +93,7 @@ def stats_accept_kernel(
     NUM_GROUPS_PAD: tl.constexpr = 1,
     RACE_TILE: tl.constexpr = 1,
     FAST_LOG2: tl.constexpr = False,
+    COUPLED: tl.constexpr = False,  # some request is coupled: its rows race here (its draft is accepted iff it won)
 ):
     """Grid (cdiv(V, CHUNK) * num_reqs, max_num_draft + 1): the one full pass over the logits, one chunk of
     one row per program, rows in order (the GPU starts programs roughly in grid order). The chunk and the
@@ -110,6 +112,9 @@ def stats_accept_kernel(
     draft_start = tl.load(cu_num_draft_ptr + req).to(tl.int64)
     num_draft = tl.load(cu_num_draft_ptr + req + 1).to(tl.int64) - draft_start
     temperature = tl.load(temperature_ptr + req)
+    coupled = temperature < 0  # False: temperatures are >= 0
+    if COUPLED:
+        coupled = (tl.load(coupled_ptr + req) != 0) & (temperature > 0)
     if row <= num_draft:
         logits_row = draft_start + req + row
         row_ptr = logits_ptr + logits_row * logits_stride
@@ -150,7 +155,9 @@ def stats_accept_kernel(
                 accepted = _accept_row(
                     req, row, logits_row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr,
                     block_sum_ptr, block_token_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, num_blocks,
-                    num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD,
+                    num_pieces, CHUNK, PIECE, NUM_BLOCKS_PAD, NUM_PIECES_PAD, coupled, row_ptr, threshold,
+                    inv_temperature, vocab_size, num_groups, COUPLED, HAS_THRESHOLD, NUM_GROUPS_PAD, RACE_TILE,
+                    FAST_LOG2,
                 )  # fmt: skip
                 mark = tl.where(accepted, mark, mark | (mark << ROW_BITS))
             stop, finish, last = _mark_row(state_ptr, req, mark, num_draft)
@@ -158,7 +165,7 @@ def stats_accept_kernel(
                 tl.store(state_ptr + req, 0)
             if finish:
                 _finish_request(
-                    req, draft_start, num_draft, stop, logits_ptr, logits_stride, draft_ids_ptr, temperature,
+                    req, draft_start, num_draft, stop, logits_ptr, logits_stride, draft_ids_ptr, temperature, coupled,
                     seeds_ptr, positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids,
                     block_max_ptr, block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, sampled_ptr, num_sampled_ptr,
                     num_rejected_ptr, race_mode_ptr, vocab_size, num_pieces, num_cols, Q_MODE, HAS_THRESHOLD, PIECE,
@@ -242,11 +249,14 @@ def _piece_stats(
 def _accept_row(
     req, j, row, draft, x_d, q_d, temperature, seeds_ptr, positions_ptr, block_max_ptr, block_sum_ptr, block_token_ptr,
     row_max_ptr, row_sum_ptr, row_token_ptr, num_blocks, num_pieces, CHUNK: tl.constexpr, PIECE: tl.constexpr,
-    NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr,
+    NUM_BLOCKS_PAD: tl.constexpr, NUM_PIECES_PAD: tl.constexpr, coupled, row_ptr, threshold, inv_temperature,
+    vocab_size, num_groups, COUPLED: tl.constexpr, HAS_THRESHOLD: tl.constexpr, NUM_GROUPS_PAD: tl.constexpr,
+    RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
     """Row j of the request (logits row ``row``), once all its chunks are in: combine the statistics, accept or
     reject the draft (the bonus row has none: never accepted), publish what the request's output needs from
-    the row and return whether it is accepted."""
+    the row and return whether it is accepted. A coupled row races here: its token (published as a greedy row's
+    argmax is) is the target's own sample, and its draft is accepted iff it is that token."""
     has_draft = draft >= 0
     if temperature <= 0:
         chunks = row * num_pieces + tl.arange(0, NUM_BLOCKS_PAD) * (CHUNK // PIECE)  # one entry per chunk
@@ -265,8 +275,16 @@ def _accept_row(
         row_max = tl.max(piece_max, axis=0)
         row_sum = tl.sum(tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - row_max)), axis=0)
         p_d = tl.exp(x_d - row_max) / row_sum
-        u = accept_uniform(row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j))
-        accepted = has_draft & (q_d > 0) & (u * q_d < p_d)
+        key = row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + req) + j)
+        accepted = has_draft & (q_d > 0) & (accept_uniform(key) * q_d < p_d)
+        if COUPLED:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if coupled:
+                p_masses = piece_masses(block_max_ptr, block_sum_ptr, row * num_pieces, num_pieces, row_max, row_sum,
+                                        NUM_GROUPS_PAD, GROUP_SIZE // PIECE)  # fmt: skip
+                token = race_p(row_ptr, p_masses, key, vocab_size, threshold, inv_temperature, num_groups,
+                               HAS_THRESHOLD, NUM_GROUPS_PAD, RACE_TILE, FAST_LOG2)  # fmt: skip
+                accepted = has_draft & (draft == token)
+                publish(row_token_ptr + row, token)
         publish(row_max_ptr + row, row_max)
         publish(row_sum_ptr + row, row_sum)
     return accepted
@@ -274,15 +292,15 @@ def _accept_row(
 
 @triton.jit
 def _finish_request(
-    req, draft_start, num_draft, num_accepted, logits_ptr, logits_stride, draft_ids_ptr, temperature, seeds_ptr,
-    positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr, block_sum_ptr,
-    row_max_ptr, row_sum_ptr, row_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr, race_mode_ptr,
-    vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
+    req, draft_start, num_draft, num_accepted, logits_ptr, logits_stride, draft_ids_ptr, temperature, coupled,
+    seeds_ptr, positions_ptr, threshold_ptr, q_ptr, q_stride, q_ids_ptr, q_ids_stride, num_q_ids, block_max_ptr,
+    block_sum_ptr, row_max_ptr, row_sum_ptr, row_token_ptr, sampled_ptr, num_sampled_ptr, num_rejected_ptr,
+    race_mode_ptr, vocab_size, num_pieces, num_cols, Q_MODE: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_COLS: tl.constexpr, num_groups,
     RACE_IN_STATS: tl.constexpr, NUM_GROUPS_PAD: tl.constexpr, RACE_TILE: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):  # fmt: skip
     """The request's output once its rows up to the first rejection (row ``num_accepted``) are decided: the
-    accepted drafts, and the stop token of a greedy row; a random stop row's token is left to
+    accepted drafts, and the stop token of a greedy or coupled row; a random stop row's token is left to
     ``race_kernel`` (``race_mode`` says from what), or with ``RACE_IN_STATS`` raced by this program (one
     launch for the call; its registers cost the pass at large batches)."""
     first_row = draft_start + req
@@ -293,10 +311,10 @@ def _finish_request(
     stop_row = first_row + num_accepted
     draft_index = draft_start + num_accepted
     stop_draft = tl.max(tl.where(at_stop, drafts, -1), axis=0)
-    # A greedy row published its token; a random row's entry holds anything.
-    greedy = temperature <= 0
-    stop_token = tl.where(greedy, tl.load(row_token_ptr + stop_row, cache_modifier=".cg"), -1)
-    if greedy:
+    # A greedy or coupled row published its token; another random row's entry holds anything.
+    published = (temperature <= 0) | coupled
+    stop_token = tl.where(published, tl.load(row_token_ptr + stop_row, cache_modifier=".cg"), -1)
+    if published:
         race_mode = tl.full([], NO_RACE, tl.int32)
     elif Q_MODE == 0:  # a rejected one-hot draft drops out of the race from p
         race_mode = tl.where(stop_draft >= 0, RACE_P_EXCLUDE_DRAFT, RACE_P).to(tl.int32)

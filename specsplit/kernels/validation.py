@@ -18,6 +18,7 @@ def validate_inputs(
     seeds: torch.Tensor,  # [num_reqs]
     positions: torch.Tensor,  # [num_reqs]
     draft_probs: SparseDraftProbs | torch.Tensor | None,  # [num_draft_total, V] or [num_draft_total, K]
+    coupled: torch.Tensor | None = None,  # [num_reqs] bool or integer
 ) -> None:
     _check("target_logits", target_logits, (None, None), float)
     num_logits, vocab_size = target_logits.shape
@@ -33,7 +34,7 @@ def validate_inputs(
             f"{num_draft_total} + {num_reqs} (one row per draft plus one bonus row per request)"
         )
     per_request = {"temperature": (temperature, float), "top_k": (top_k, int), "top_p": (top_p, float)}
-    per_request |= {"seeds": (seeds, int), "positions": (positions, int)}
+    per_request |= {"seeds": (seeds, int), "positions": (positions, int), "coupled": (coupled, bool)}
     checked = [target_logits, draft_token_ids, cu_num_draft]
     for name, (t, kind) in per_request.items():
         if t is not None:
@@ -58,14 +59,13 @@ def validate_inputs(
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int | None, ...], kind: type) -> None:
-    """``shape``: expected sizes, None = any; ``kind``: int or float."""
+    """``shape``: expected sizes, None = any; ``kind``: int, float, or bool (a bool or an integer tensor)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     is_int = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
     dims_ok = t.dim() == len(shape) and all(e is None or e == s for e, s in zip(shape, t.shape))
-    if not dims_ok or (is_int if kind is float else not is_int):
+    kind_ok = {float: t.is_floating_point(), int: is_int, bool: is_int or t.dtype == torch.bool}[kind]
+    if not dims_ok or not kind_ok:
         expected = ", ".join("*" if e is None else str(e) for e in shape)
-        raise ValueError(
-            f"{name} must be {'a float' if kind is float else 'an integer'} tensor of shape [{expected}], "
-            f"got {t.dtype} {list(t.shape)}"
-        )
+        what = {float: "a float", int: "an integer", bool: "a bool or integer"}[kind]
+        raise ValueError(f"{name} must be {what} tensor of shape [{expected}], got {t.dtype} {list(t.shape)}")

@@ -223,15 +223,16 @@ def unaligned(t: torch.Tensor) -> torch.Tensor:
 # calls could otherwise hide one that the warm-up misses.
 def test_unaligned_per_request_inputs_compile_nothing_after_the_warm_up():
     """Calls whose per-request inputs start at odd offsets (as the verifier's views into its upload buffer do)
-    after the verifier's start-up warm-up compile no new kernel variant."""
+    after the verifier's start-up warm-up compile no new kernel variant, with coupled requests too."""
     vocab, dev = 151936, torch.device("cuda")
     warm_up(vocab, dev)
     before = compiled_variants()
-    for mode, k in itertools.product(("greedy", "one_hot", "sparse"), (3, 5)):
+    modes = ("greedy", "one_hot", "sparse", "one_hot coupled", "sparse coupled")
+    for mode, k in itertools.product(modes, (3, 5)):
         for batch in (1, 7, 64, 65):
             n_draft = batch * k
             probs = None
-            if mode == "sparse":
+            if mode.startswith("sparse"):
                 ids = torch.randint(0, vocab, (n_draft, 16), device=dev)
                 probs = SparseDraftProbs(unaligned(ids), torch.full((n_draft, 16), 1 / 16, device=dev))
             rejection_sample_triton(
@@ -246,6 +247,7 @@ def test_unaligned_per_request_inputs_compile_nothing_after_the_warm_up():
                 draft_probs=probs,
                 max_num_draft=k,
                 all_greedy=mode == "greedy",
+                coupled=unaligned(torch.ones(batch, dtype=torch.int32, device=dev)) if "coupled" in mode else None,
             )
     torch.cuda.synchronize()
     assert before > 0  # the warm-up compiled the kernels

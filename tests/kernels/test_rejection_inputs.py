@@ -48,6 +48,8 @@ def good_args(num_draft=(2, 0, 1), vocab_size=20):
             "draft_probs.ids must be an integer tensor of shape [3, *]",
         ),
         (dict(draft_probs=[0.5]), "draft_probs must be None, a tensor or SparseDraftProbs"),
+        (dict(coupled=torch.ones(2, dtype=torch.bool)), "coupled must be a bool or integer tensor of shape [3]"),
+        (dict(coupled=torch.ones(3)), "coupled must be a bool or integer tensor"),
         (dict(backend="cuda"), "backend must be one of"),
     ],
 )

@@ -42,8 +42,30 @@ def test_every_draft_count_up_to_the_maximum_has_its_column_width_warmed_up():
     assert warm_up_draft_counts(12) == [3, 7, 12]
 
 
+def calls(plan: list[tuple[str, int]]) -> int:
+    """The warm-up's calls for a plan: random modes twice, with and without coupled requests."""
+    return sum(1 if mode == "greedy" else 2 for mode, _ in plan)
+
+
 def test_the_warm_up_calls_run():
     # Small batches on the interpreter: the same calls as on the GPU, shapes aside.
-    assert warm_up(100, torch.device("cpu"), max_drafts=2, num_q_ids=4) == len(warm_up_plan(100, 2)) >= 3
-    both = len(warm_up_plan(100, 3)) + len(warm_up_plan(100, 5))
+    assert warm_up(100, torch.device("cpu"), max_drafts=2, num_q_ids=4) == calls(warm_up_plan(100, 2)) >= 5
+    both = calls(warm_up_plan(100, 3)) + calls(warm_up_plan(100, 5))
     assert warm_up(100, torch.device("cpu"), max_drafts=5, num_q_ids=4) == both
+
+
+def test_the_warm_up_compiles_the_coupled_variants(monkeypatch):
+    """A seeded request's batch launches the stats kernel's COUPLED variant: warmed up for one-hot and sparse q."""
+    import specsplit.kernels.triton_rejection as module
+
+    seen = []
+    real = module.rejection_sample_triton
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["all_greedy"], kwargs.get("draft_probs") is not None, kwargs.get("coupled") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "rejection_sample_triton", spy)
+    warm_up(100, torch.device("cpu"), max_drafts=1, num_q_ids=4)
+    assert {(False, False, True), (False, True, True)} <= set(seen)  # one-hot and sparse q, coupled
+    assert not any(greedy and coupled for greedy, _, coupled in seen)
