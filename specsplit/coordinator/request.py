@@ -25,6 +25,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # The seed is the user's: verified by coupled sampling, so the tokens are target-only sampling with this seed
+    # whatever the speculation (docs/architecture.md, "Seeded sampling"); False: a seed drawn per request.
+    seeded: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # end generation like EOS (also with ignore_eos)
     # Applied by the verifier to the target's logits (specsplit/verifier/logits_processors.py), vLLM's semantics.
@@ -35,6 +38,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the target's log-probability of each token and of the top N
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the server's k
+
+    @property
+    def coupled(self) -> bool:
+        """Verified by coupled sampling: a seeded request that samples."""
+        return self.seeded and self.temperature > 0
 
     def end_token_ids(self, eos_token_ids) -> tuple[int, ...]:
         """What min_tokens keeps from being sampled: the stop token ids and, unless ignore_eos, the model's EOS."""

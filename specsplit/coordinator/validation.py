@@ -149,6 +149,8 @@ def _sampling(
         raise InvalidArgument(f"min_tokens must be in [0, max_tokens={max_tokens}], got {s.min_tokens}")
     if s.end_token_ids:
         raise InvalidArgument("end_token_ids is set by the coordinator; use stop_token_ids")
+    if s.coupled:
+        raise InvalidArgument("coupled is set by the coordinator; pass a seed for reproducible sampling")
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
@@ -158,6 +160,7 @@ def _sampling(
         top_p=float(top_p),
         top_k=int(top_k),
         seed=int(seed),
+        seeded=s.HasField("seed"),
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=msg.ignore_eos,

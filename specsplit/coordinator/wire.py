@@ -44,7 +44,9 @@ def verify_request(
 
 
 def _sampling(s: SamplingParams, eos_token_ids: frozenset[int]) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    pb = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, coupled=s.coupled
+    )
     if s.repetition_penalty != 1.0:
         pb.repetition_penalty = s.repetition_penalty
     pb.presence_penalty, pb.frequency_penalty = s.presence_penalty, s.frequency_penalty

@@ -33,7 +33,7 @@ from specsplit.drafter.device_propose import (
     tokens_to_host,
     valid_rows_on_host,
 )
-from specsplit.drafter.sampling import pick_drafts
+from specsplit.drafter.sampling import noise_seed, pick_drafts
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
@@ -44,7 +44,7 @@ from specsplit.runtime.cuda_graphs import resolve_step_path
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
-# A sampled step's temperatures [n] float32, seeds [n] int64 and draft positions [n] int64.
+# A sampled step's temperatures [n] float32, noise seeds [n] int64 and noise counters [n] int64 (`sampling.py`).
 _Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # A step's drafts [n] int64, and for sampled steps q's support and probabilities [n, K].
 _Pick = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -67,6 +67,7 @@ class ProposeItem:
     # verified), next_token_ids empty until propose() fills them from the device; 0 on the host path.
     num_rows: int = 0
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
+    coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
 
 
 @dataclass
@@ -194,7 +195,7 @@ class DrafterRunner:
         # The MTP input for pair (h_p, x_{p+1}) sits at position p + 1, the position of x_{p+1}.
         positions = [item.start_position + 1 + j for item, n in zip(items, counts) for j in range(n)]
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
-        sampling64, sampling32 = self._sampling_arrays(items, active, [p + 1 for p in last_pos])
+        sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         if dev is not None:  # the device's tokens, gathered from its [num_reqs, width] rows
             width = dev.tokens.shape[1]
             ragged = any(c != width for c in counts)
@@ -267,8 +268,8 @@ class DrafterRunner:
         if sampling is None:
             pick = logits.argmax(dim=-1), None, None
         else:
-            temperature, seeds, positions = sampling
-            step = pick_drafts(logits, temperature, seeds, positions, self.draft_top_k, any_sampled=True)
+            temperature, seeds, counters = sampling
+            step = pick_drafts(logits, temperature, seeds, counters, self.draft_top_k, any_sampled=True)
             pick = step.tokens, step.q_ids, step.q_probs
         if tp_size() > 1:
             broadcast_tensor_from_first(pick[0])
@@ -276,12 +277,15 @@ class DrafterRunner:
 
     @staticmethod
     def _sampling_arrays(
-        items: list[ProposeItem], rows: list[int], draft_positions: list[int]
+        items: list[ProposeItem], rows: list[int], last_pos: list[int]
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """int64 [seeds, draft positions] and float32 [temperatures] of a step's rows; none when all are greedy."""
+        """int64 [noise seeds, noise counters] and float32 [temperatures] of a step's rows; none when all are greedy.
+        A draft's counter is that of the verifier's row scoring it: the position of the token before it, the row's
+        last token (`last_pos`)."""
         if all(items[i].temperature == 0 for i in rows):
             return [], []
-        return [[items[i].seed for i in rows], draft_positions], [[items[i].temperature for i in rows]]
+        seeds = [noise_seed(items[i].seed, items[i].coupled) for i in rows]
+        return [seeds, last_pos], [[items[i].temperature for i in rows]]
 
     def _plan_steps(self, ids: list[str], counts: list[int], more: list[int]):
         """Step 0's plan, with the KV blocks of every later step allocated (`more[r]` one-token steps of request
@@ -313,7 +317,7 @@ class DrafterRunner:
             full = len(kept) == len(rows)
             keep = [] if full else [a for a, i in enumerate(rows) if items[i].num_spec_tokens > step]
             last_pos = [position[i] + step for i in kept]
-            sampling64, sampling32 = self._sampling_arrays(items, kept, [p + 1 for p in last_pos])
+            sampling64, sampling32 = self._sampling_arrays(items, kept, last_pos)
             host64 += [*plan.int64_arrays, last_pos, *([] if full else [keep]), *sampling64]
             shared = plan.block_tables is first.block_tables
             int32_arrays = plan.int32_arrays
@@ -357,7 +361,7 @@ class DrafterRunner:
 
 
 def _sampling(int64: list[torch.Tensor], float32: list[torch.Tensor]) -> _Sampling | None:
-    """The device copies of `_sampling_arrays` (int64 [seeds, positions], float32 [temperatures])."""
+    """The device copies of `_sampling_arrays` (int64 [seeds, counters], float32 [temperatures])."""
     return (float32[0], int64[0], int64[1]) if float32 else None
 
 

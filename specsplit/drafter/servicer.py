@@ -77,7 +77,9 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
         ):
             raise _invalid_item(r, seen, vocab_size)
         seen.add(rid)
-        items.append(ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK))
+        items.append(
+            ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK, coupled=sampling.coupled)
+        )
     return items
 
 
@@ -102,7 +104,9 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
         ):
             raise _invalid_device_item(r, seen, width)
         seen.add(rid)
-        items.append(ProposeItem(rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows))
+        items.append(
+            ProposeItem(rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows, coupled=sampling.coupled)
+        )
     return items
 
 

@@ -77,6 +77,7 @@ class LocalDrafter:
                 batch.num_spec_tokens[i],
                 sampling[i].temperature,
                 (sampling[i].seed or 0) & SEED_MASK if sampling[i].temperature else 0,
+                coupled=sampling[i].coupled,
             )
             for i, rid in enumerate(batch.req_ids)
         ]
@@ -192,6 +193,7 @@ def verify_batch(output: SchedulerOutput, eos_token_ids) -> VerifyBatch:
             top_p=p.top_p,
             top_k=p.top_k,
             seed=p.seed,
+            coupled=p.coupled,
             repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,

@@ -18,6 +18,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None  # None: unseeded
+    coupled: bool = False  # verified by coupled sampling (the seed is the user's: specsplit/kernels/reference.py)
     repetition_penalty: float | None = None  # None: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

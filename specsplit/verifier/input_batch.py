@@ -45,6 +45,7 @@ class InputBatch:
     seeds: torch.Tensor  # [num_sampling] int64
     first_logits_positions: torch.Tensor  # [num_sampling] int64
     draft_probs: SparseDraftProbs | None = None  # q of every draft when any request sampled its drafts
+    coupled: torch.Tensor | None = None  # [num_sampling] int32: 1 for a coupled request; None when none is
     # Known on the host, so the sampler needs no device sync: every temperature is 0; some request
     # uses top-k / top-p; the most drafts of one request.
     all_greedy: bool = False
@@ -94,6 +95,7 @@ class PlannedBatch:
     top_ks: list[int]
     top_ps: list[float]
     seeds: list[int]
+    coupled: list[int]  # 1 for a request verified by coupled sampling
     first_pos: list[int]
     msgs: list  # per sampling request, its VerifyItem (its q is checked at upload)
     placeholders: dict[str, int]  # request id → placeholder drafts planned in its place
@@ -133,7 +135,7 @@ def plan_input_batch(
     req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec = [], [], [], [], [], [], [], []
     flat_ids, flat_pos, query_start = [], [], [0]
     sampling_indices, num_drafts, logits_idx, drafts, draft_start = [], [], [], [], []
-    temps, top_ks, top_ps, seeds, first_pos, msgs, placeholder_index = [], [], [], [], [], [], []
+    temps, top_ks, top_ps, seeds, coupled, first_pos, msgs, placeholder_index = [], [], [], [], [], [], [], []
     seen = set()
     for i, r in enumerate(msg.requests):
         rid = r.request_id
@@ -198,6 +200,7 @@ def plan_input_batch(
             top_ks.append(sp.top_k)
             top_ps.append(top_p)
             seeds.append((sp.seed or 0) & (2**63 - 1))
+            coupled.append(int(sp.coupled and sp.temperature > 0))
             first_pos.append(nc + n - d - 1)
             msgs.append(r)
         else:
@@ -207,8 +210,8 @@ def plan_input_batch(
     cu_logits = [c + j for j, c in enumerate(cu_draft)]  # each request's drafts + 1
     return PlannedBatch(
         req_ids, nc_list, n_list, tokens_list, d_list, sample, next_ids, n_spec, flat_ids, flat_pos, query_start,
-        sampling_indices, num_drafts, logits_idx, drafts, draft_start, temps, top_ks, top_ps, seeds, first_pos, msgs,
-        dict(placeholders), cu_logits, cu_draft, placeholder_index,
+        sampling_indices, num_drafts, logits_idx, drafts, draft_start, temps, top_ks, top_ps, seeds, coupled, first_pos,
+        msgs, dict(placeholders), cu_logits, cu_draft, placeholder_index,
     )  # fmt: skip
 
 
@@ -252,13 +255,14 @@ def upload_input_batch(
         ]
         draft_probs = batch_q(q_rows, vocab_size, device)
     upload = upload or StepUpload(device)
+    any_coupled = any(p.coupled)
     (
         (ids_t, pos_t, logits_idx_t, drafts_t, seeds_t, first_pos_t),
-        (cu_logits_t, cu_draft_t, top_k_t),
+        (cu_logits_t, cu_draft_t, top_k_t, *coupled_t),
         (temps_t, top_p_t),
     ) = upload(
         [p.flat_ids, p.flat_pos, p.logits_idx, p.drafts, p.seeds, p.first_pos],
-        [p.cu_num_logits, p.cu_num_draft, p.top_ks],
+        [p.cu_num_logits, p.cu_num_draft, p.top_ks, *([p.coupled] if any_coupled else [])],
         [p.temps, p.top_ps],
     )
     return InputBatch(
@@ -285,6 +289,7 @@ def upload_input_batch(
         seeds=seeds_t,
         first_logits_positions=first_pos_t,
         draft_probs=draft_probs,
+        coupled=coupled_t[0] if any_coupled else None,
         all_greedy=all(t == 0 for t in p.temps),
         any_filter=any(k > 0 for k in p.top_ks) or any(tp < 1 for tp in p.top_ps),
         max_num_draft=max(p.num_drafts, default=0),

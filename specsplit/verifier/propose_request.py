@@ -82,11 +82,13 @@ def build_propose(
             item.next_token_ids.extend(next_token_ids[i])
             item.num_rejected = num_rejected[i]
         sp = sampling[i]
-        # What the drafter reads of a request's sampling: a sampled request's temperature and seed (a greedy one's
-        # temperature is 0, unset); not the rest (penalties, end tokens), which only the verifier applies.
+        # What the drafter reads of a request's sampling: a sampled request's temperature, seed and coupling (a greedy
+        # one's temperature is 0, unset); not the rest (penalties, end tokens), which only the verifier applies.
         if sp.temperature:
             item.sampling.temperature = sp.temperature
             if sp.seed is not None:
                 item.sampling.seed = sp.seed
+            if sp.coupled:
+                item.sampling.coupled = True
     offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
     return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)

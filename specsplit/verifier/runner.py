@@ -193,6 +193,7 @@ class VerifierRunner:
             backend=self.sampler_backend,
             max_num_draft=batch.max_num_draft,
             all_greedy=batch.all_greedy,
+            coupled=batch.coupled,
         )
         chosen = None
         if logprobs is not None:

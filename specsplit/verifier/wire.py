@@ -21,6 +21,7 @@ def sampling_of(sp: common_pb2.SamplingParams) -> Sampling:
         top_p=sp.top_p if sp.HasField("top_p") else 1.0,
         top_k=sp.top_k,
         seed=sp.seed if sp.HasField("seed") else None,
+        coupled=sp.coupled,
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,

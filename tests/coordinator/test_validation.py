@@ -41,6 +41,7 @@ def build(**kw):
         (dict(prompt="a", sampling=common_pb2.SamplingParams(top_k=-1)), "top_k"),
         (dict(prompt="a", stop=[""]), "stop strings"),
         (dict(prompt="a", num_speculative_tokens=4), "num_speculative_tokens"),
+        (dict(prompt="a", sampling=common_pb2.SamplingParams(coupled=True)), "coupled is set by the coordinator"),
     ],
 )
 def test_bad_input_is_invalid_argument(kwargs, message):
@@ -56,6 +57,18 @@ def test_defaults_top_p_one_and_draws_a_seed():
     assert r.sampling.top_p == 1.0 and r.sampling.temperature == 0.0
     assert 0 <= r.sampling.seed < 2**63
     assert build(prompt="a", sampling=common_pb2.SamplingParams(seed=7)).sampling.seed == 7
+
+
+def test_a_users_seed_even_zero_makes_a_sampled_request_coupled():
+    """Coupled verification (the seed reproduces whatever the speculation) is for the user's seed only; a drawn
+    seed keeps rejection sampling, and greedy requests need neither."""
+    drawn = build(prompt="a", sampling=common_pb2.SamplingParams(temperature=0.8)).sampling
+    assert not drawn.seeded and not drawn.coupled
+    for seed in (0, 7):
+        given = build(prompt="a", sampling=common_pb2.SamplingParams(temperature=0.8, seed=seed)).sampling
+        assert given.seeded and given.coupled and given.seed == seed
+    greedy = build(prompt="a", sampling=common_pb2.SamplingParams(seed=7)).sampling
+    assert greedy.seeded and not greedy.coupled
 
 
 @pytest.mark.parametrize(
@@ -79,6 +92,10 @@ def test_n_completions_get_their_own_ids_and_consecutive_seeds():
     reqs = build_requests(msg, tokenizer=WordTokenizer(), vocab_size=100, max_model_len=16, num_speculative_tokens=3)
     assert [r.request_id for r in reqs] == ["r-0", "r-1", "r-2"]
     assert [r.sampling.seed for r in reqs] == [41, 42, 43]
+    assert all(r.sampling.seeded for r in reqs)
+    msg.sampling.ClearField("seed")
+    reqs = build_requests(msg, tokenizer=WordTokenizer(), vocab_size=100, max_model_len=16, num_speculative_tokens=3)
+    assert not any(r.sampling.seeded for r in reqs) and len({r.sampling.seed for r in reqs}) == 3
     assert all(r.prompt_token_ids == [2, 1] and r.sampling.stop_token_ids == (7,) for r in reqs)
     assert reqs[0].prompt_token_ids is not reqs[1].prompt_token_ids
 
@@ -95,3 +112,15 @@ def test_unset_sampling_options_take_the_checkpoint_generation_config(tmp_path):
     s = build_request(msg, defaults=defaults, **kw).sampling
     assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.9, 5)
     assert OPENAI_DEFAULTS.with_generation_config(tmp_path / "none") == SamplingDefaults(temperature=1.0)
+
+
+def test_the_verifier_hears_coupled_only_for_a_users_seed_that_samples():
+    from specsplit.coordinator import wire
+    from specsplit.coordinator.request import SamplingParams
+
+    def coupled(**kw) -> bool:
+        return wire._sampling(SamplingParams(max_tokens=4, **kw), frozenset()).coupled
+
+    assert coupled(temperature=0.8, seed=3, seeded=True)
+    assert not coupled(temperature=0.8, seed=3)  # a drawn seed
+    assert not coupled(temperature=0.0, seed=3, seeded=True)  # greedy

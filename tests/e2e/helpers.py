@@ -45,17 +45,26 @@ def generate_concurrently(
     return outs
 
 
-def start_streams(address: str, prompts: list[list[int]], max_tokens: int, on_progress=lambda n: None):
+def start_streams(
+    address: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    on_progress=lambda n: None,
+    per_prompt: list[dict] | None = None,
+):
     """One greedy stream per prompt (ignoring EOS), each on a client thread of its own; on_progress(n) after
-    each delta, n the stream's tokens so far. Returns (threads, results by prompt index, errors); join the
-    threads before reading the other two."""
+    each delta, n the stream's tokens so far; `per_prompt[i]`: prompt i's own options (e.g. its temperature and
+    seed). Returns (threads, results by prompt index, errors); join the threads before reading the other two."""
     results, errors = {}, []
 
     def run(i):
         try:
             with Client(address, timeout=240) as client:
                 ids = []
-                for delta in client.stream(prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True):
+                extra = per_prompt[i] if per_prompt else {}
+                for delta in client.stream(
+                    prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True, **extra
+                ):
                     ids.extend(delta.token_ids)
                     on_progress(len(ids))
                 results[i] = ids

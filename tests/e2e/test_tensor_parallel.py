@@ -1,9 +1,9 @@
-"""A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line):
-greedy output equals transformers' generate (so TP 1's, which equals it too) for Llama and GLM-4.5 at TP 2
-(the drafter running the model's MTP layer) and Qwen3 at TP 4 (its 2 KV heads replicated over 4 ranks), k 1
-and 3 at once (DeepSeek-V3's, with a TP 2 drafter too: test_tensor_parallel_drafter.py); sampled output
-follows the target distribution (chi-square); a verifier rank killed mid-generation stops the verifier, whose
-restart loses nothing. The ranks are spawned CPU processes joined over gloo."""
+"""A tensor-parallel verifier through the three services (`specsplit up --verifier-tp 2`'s command line): greedy output
+equals transformers' generate (so TP 1's, which equals it too) for Llama and GLM-4.5 at TP 2 (the drafter running
+the model's MTP layer) and Qwen3 at TP 4 (its 2 KV heads replicated over 4 ranks), k 1 and 3 at once (DeepSeek-V3's,
+with a TP 2 drafter too: test_tensor_parallel_drafter.py); sampled output follows the target distribution
+(chi-square); seeded sampled output does not depend on k; a verifier rank killed mid-generation stops the verifier,
+whose restart loses nothing. The ranks are spawned CPU processes joined over gloo."""
 
 from __future__ import annotations
 
@@ -171,6 +171,18 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_seeded_tokens_through_tp2_do_not_depend_on_speculation(llama_tp):
+    """Coupled verification at TP 2: seeded sampled requests give the same tokens with k 3 as with no drafts (both
+    concurrently, in the same batches). The tiny random model's drafts are verified and rejected: rejection sampling
+    would emit a token of the residual there, not the target's own sample."""
+    jobs = [(p, seed, k) for k in (0, 3) for seed, p in enumerate(prompts(6, seed=5))]
+    options = [dict(temperature=1.0, seed=100 + seed, num_speculative_tokens=k) for _, seed, k in jobs]
+    outs = generate_concurrently(llama_tp.address, [p for p, _, _ in jobs], MAX_TOKENS, per_prompt=options)
+    half = len(jobs) // 2
+    assert [outs[i].token_ids for i in range(half, len(jobs))] == [outs[i].token_ids for i in range(half)]
+    assert sum(outs[i].stats.num_draft_tokens for i in range(half, len(jobs))) > 0
 
 
 def test_a_rank_killed_stops_the_verifier_and_a_restart_loses_nothing(llama_tp, hf_greedy):

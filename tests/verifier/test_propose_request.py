@@ -11,7 +11,7 @@ from specsplit.verifier.propose_request import build_propose
 REQS = (["greedy", "seeded", "unseeded"], [4, 9, 2], [3, 2, 1])  # request ids, start positions, drafts wanted
 SAMPLING = [
     Sampling(top_p=0.5, seed=5, presence_penalty=0.5, end_token_ids=(0, 1)),
-    Sampling(temperature=0.7, top_k=4, seed=11, min_tokens=3, end_token_ids=(0, 1)),
+    Sampling(temperature=0.7, top_k=4, seed=11, coupled=True, min_tokens=3, end_token_ids=(0, 1)),
     Sampling(temperature=0.5),
 ]
 NEXT_TOKENS, REJECTED = [[7], [8, 9], [1, 2, 3]], [0, 1, 2]
@@ -48,5 +48,5 @@ def test_only_a_sampled_requests_temperature_and_seed_reach_the_drafter():
     plan = build_propose(1, *REQS, SAMPLING, torch.zeros(6, 2), next_token_ids=NEXT_TOKENS, num_rejected=REJECTED)
     greedy, seeded, unseeded = plan.items
     assert not greedy.HasField("sampling")  # temperature 0: its seed and penalties are the verifier's alone
-    assert seeded.sampling == common_pb2.SamplingParams(temperature=0.7, seed=11)
+    assert seeded.sampling == common_pb2.SamplingParams(temperature=0.7, seed=11, coupled=True)
     assert unseeded.sampling == common_pb2.SamplingParams(temperature=0.5) and not unseeded.sampling.HasField("seed")

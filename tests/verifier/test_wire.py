@@ -32,7 +32,7 @@ def q_message() -> common_pb2.DraftProbs:
 def test_a_verify_request_becomes_the_steps_batch_field_for_field():
     sampling = common_pb2.SamplingParams(
         temperature=0.7, top_p=0.9, top_k=5, seed=11, repetition_penalty=1.3, presence_penalty=0.5,
-        frequency_penalty=-0.25, min_tokens=4, end_token_ids=[1, 2], logprobs=3,
+        frequency_penalty=-0.25, min_tokens=4, end_token_ids=[1, 2], logprobs=3, coupled=True,
     )  # fmt: skip
     msg = verifier_pb2.VerifyRequest(iteration=7, coordinator_id="c1", finished_request_ids=["old"])
     msg.requests.add(
@@ -53,7 +53,7 @@ def test_a_verify_request_becomes_the_steps_batch_field_for_field():
             VerifyItem(
                 "a", 6, [1, 3, 4], num_draft_tokens=2, sample=True, num_spec_tokens=3, num_prompt_tokens=5,
                 sampling=Sampling(
-                    temperature=pytest.approx(0.7), top_p=pytest.approx(0.9), top_k=5, seed=11,
+                    temperature=pytest.approx(0.7), top_p=pytest.approx(0.9), top_k=5, seed=11, coupled=True,
                     repetition_penalty=pytest.approx(1.3), presence_penalty=0.5, frequency_penalty=-0.25,
                     min_tokens=4, end_token_ids=(1, 2), logprobs=3,
                 ),
