@@ -6,7 +6,14 @@ then --new-tokens greedy tokens. One cluster (k = 4) serves every k via the per-
 num_speculative_tokens; the table gives acceptance per draft position and tokens per verify
 iteration (accepted + 1).
 
+With --temperature T > 0 the tokens are sampled at T and every prompt runs twice on the same
+cluster, one table line per sampler: "coupled" sends a seed (the prompt's index), so the verifier
+checks the drafts by coupled sampling; "rejection" sends none, so it checks them by rejection
+sampling.
+
     .venv/bin/python benchmarks/acceptance.py [--num-files 16] [--prompt-len 192] [--new-tokens 128]
+    .venv/bin/python benchmarks/acceptance.py --temperature 0.8   # coupled vs rejection sampling
+    python benchmarks/acceptance.py --temperature 0.8 --device cuda   # the same drafts on a GPU
 """
 
 from __future__ import annotations
@@ -45,19 +52,32 @@ def heldout_prompts(model: Path, num_files: int, prompt_len: int, new_tokens: in
     return prompts
 
 
-def run_k(address: str, prompts: list[list[int]], k: int, new_tokens: int) -> SpecStats:
+def samplers(temperature: float) -> list[tuple[str, bool]]:
+    """(name, seeded) of the table's lines at each k: greedy at temperature 0; above it, seeded requests (verified
+    by coupled sampling) and unseeded ones (verified by rejection sampling)."""
+    return [("greedy", False)] if temperature == 0 else [("coupled", True), ("rejection", False)]
+
+
+def run_k(
+    address: str, prompts: list[list[int]], k: int, new_tokens: int, temperature: float, seeded: bool
+) -> SpecStats:
     total = SpecStats()
     lock = threading.Lock()
 
-    def one(p):
+    def one(i, p):
         with Client(address, timeout=600) as client:
             s = client.generate(
-                prompt_token_ids=p, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k, temperature=0.0
+                prompt_token_ids=p,
+                max_tokens=new_tokens,
+                ignore_eos=True,
+                num_speculative_tokens=k,
+                temperature=temperature,
+                seed=i if seeded else None,  # a fixed seed per prompt; None: the coordinator draws one
             ).stats
         with lock:
             total.merge(s)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -71,22 +91,32 @@ def main() -> None:
     p.add_argument("--num-files", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=192)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: coupled vs rejection sampling")
+    p.add_argument("--device", default="cpu", help="the verifier's and drafter's device (float32 weights)")
     args = p.parse_args()
     model = Path(args.model)
     prompts = heldout_prompts(model, args.num_files, args.prompt_len, args.new_tokens)
-    print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} greedy tokens each")
+    tokens = "greedy tokens" if args.temperature == 0 else f"tokens sampled at temperature {args.temperature:g}"
+    print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} {tokens} each")
+    if args.temperature:
+        print("coupled: seeded requests (seed = the prompt's index); rejection: unseeded requests")
     with LocalCluster(
         model,
         num_speculative_tokens=4,
+        device=args.device,
         log_dir=tempfile.mkdtemp(prefix="specsplit-acc-"),
         coordinator_args=["--max-num-seqs", "16", "--no-adaptive"],  # acceptance at each k as asked
     ) as cluster:
-        rows = [(k, run_k(cluster.address, prompts, k, args.new_tokens)) for k in (1, 2, 3, 4)]
-    print("| k | acceptance per draft position | acceptance rate | tokens per verify iteration |")
-    print("|---|---|---|---|")
-    for k, s in rows:
+        rows = [
+            (k, name, run_k(cluster.address, prompts, k, args.new_tokens, args.temperature, seeded))
+            for k in (1, 2, 3, 4)
+            for name, seeded in samplers(args.temperature)
+        ]
+    print("| k | sampler | acceptance per draft position | acceptance rate | tokens per verify iteration |")
+    print("|---|---|---|---|---|")
+    for k, name, s in rows:
         per_pos = ", ".join(f"{a:.3f}" for a in s.acceptance_per_position)
-        print(f"| {k} | {per_pos} | {s.acceptance_rate:.3f} | {s.mean_accepted_length:.2f} |")
+        print(f"| {k} | {name} | {per_pos} | {s.acceptance_rate:.3f} | {s.mean_accepted_length:.2f} |")
 
 
 if __name__ == "__main__":
