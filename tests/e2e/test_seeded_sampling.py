@@ -6,7 +6,6 @@ the drafter SIGKILLed while they stream, and once it is back. The drafts were re
 seed really chooses the tokens (another seed, other tokens)."""
 
 import itertools
-import pathlib
 import random
 import signal
 import threading
@@ -17,22 +16,15 @@ import pytest
 from specsplit import Client
 from specsplit.cli.launcher import LocalCluster
 from tests.e2e.helpers import generate_concurrently, start_streams
+from tests.e2e.test_demo_model import DEMO, PROMPTS
 
-DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 MAX_TOKENS = 32
 SEEDS = (4021, 4022, 4023)  # consecutive: specsplit.LLM gives prompt i of a call the seed `seed + i`
 TEMPERATURES = (0.7, 1.0)
 FILTERED = dict(top_p=0.9, top_k=50, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
 # One text per seeded request (in KINDS' order), then one per unseeded request.
 TEXTS = [
-    "import os\n\n\ndef read_lines(path):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    'def _parse_header(line):\n    """Parse one header line."""\n',
-    "try:\n    import zlib\nexcept ImportError:\n",
-    "    @property\n    def name(self):\n",
-    "if __name__ == '__main__':\n",
-    "x = {",
+    *PROMPTS,
     "def add(a, b):\n    return",
     "import sys\nimport json\n\n\ndef main(argv):\n",
     "class Config(object):\n    def get(self, key, default=None):\n",

@@ -10,7 +10,7 @@ from specsplit.kernels import rejection_sample
 from specsplit.kernels.rng import GROUP_SIZE
 from specsplit.kernels.triton_rejection import rejection_sample_triton
 from specsplit.kernels.triton_rejection_launch import Launch
-from tests.kernels.test_rejection_stats import P_VALUE, assert_follows, filtered_probs, problem
+from tests.kernels.test_rejection_stats import P_VALUE, assert_follows, filtered_probs, problem, verify_copies
 
 BACKENDS = ["reference", "triton"]
 MODES = ["one_hot", "dense", "sparse"]
@@ -113,23 +113,6 @@ def test_uncoupled_requests_keep_rejection_sampling(batch_factory, same_output):
         assert not torch.equal(mixed.sampled, plain.sampled)  # the coupled ones did change
 
 
-def verify_coupled(target_logits, drafts, temperature=1.0, top_k=0, top_p=1.0, backend="reference"):
-    """Many copies of one request, each its own seed, all coupled."""
-    n, k = drafts.shape
-    return rejection_sample(
-        target_logits.repeat(n, 1),
-        drafts.flatten(),
-        torch.arange(n + 1, dtype=torch.int32) * k,
-        torch.full((n,), temperature),
-        torch.full((n,), top_k, dtype=torch.int32),
-        torch.full((n,), top_p),
-        torch.arange(n, dtype=torch.int64) * 7919 + 3,
-        torch.zeros(n, dtype=torch.int64) + 1234,
-        backend=backend,
-        coupled=torch.ones(n, dtype=torch.bool),
-    )
-
-
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.7)])
 def test_coupled_tokens_follow_the_target(temperature, top_k, top_p):
     """Chi-square over many seeds: every emitted token follows the target's processed distribution at its row,
@@ -137,7 +120,7 @@ def test_coupled_tokens_follow_the_target(temperature, top_k, top_p):
     n, vocab_size, k = 30_000, 12, 2
     target_logits, q = problem(vocab_size, k, seed=8)
     drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(9)).T
-    out = verify_coupled(target_logits, drafts, temperature, top_k, top_p)
+    out = verify_copies(target_logits, drafts, None, temperature, top_k, top_p, coupled=True)
     for row in range(k + 1):
         reached = out.num_sampled > row
         assert_follows(out.sampled[reached, row], filtered_probs(target_logits[row], temperature, top_k, top_p))
@@ -151,7 +134,7 @@ def test_coupled_kernel_follows_the_target():
     n, vocab_size, k = 200, 4, 1
     target_logits, q = problem(vocab_size, k, seed=10)
     drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(11)).T
-    out = verify_coupled(target_logits, drafts, backend="triton")
+    out = verify_copies(target_logits, drafts, None, backend="triton", coupled=True)
     p = target_logits.double().softmax(-1)
     assert_follows(out.sampled[:, 0], p[0])
     assert_follows(out.sampled[out.num_sampled == 2, 1], p[1])

@@ -58,6 +58,7 @@ def verify_copies(
     top_k: int = 0,
     top_p: float = 1.0,
     backend: str = "reference",
+    coupled: bool = False,  # every copy verified by coupled sampling
 ):
     n, k = drafts.shape
     if isinstance(draft_probs, SparseDraftProbs):
@@ -75,6 +76,7 @@ def verify_copies(
         torch.randint(0, 2**20, (n,), generator=torch.Generator().manual_seed(n)),
         draft_probs=draft_probs,
         backend=backend,
+        coupled=torch.ones(n, dtype=torch.bool) if coupled else None,
     )
 
 
