@@ -10,6 +10,7 @@ Errors raise `SpecsplitError` whose `.code` is the gRPC status (INVALID_ARGUMENT
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def _request(
     request_id,
     stop_token_ids,
     n,
+    structured_output,
     options: dict,
 ) -> coordinator_pb2.GenerateRequest:
     """The request message; a value its field cannot hold (a negative seed, max_tokens past int32, a string for a
@@ -67,7 +69,53 @@ def _request(
                 setattr(target, field, value)
         except (TypeError, ValueError) as err:
             raise InvalidArgument(f"{name}={value!r} cannot be sent: {err}") from None
+    if structured_output is not None:
+        msg.sampling.structured_output.CopyFrom(structured_output_pb(structured_output))
     return msg
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_output_pb(value, option: str = "structured_output") -> common_pb2.StructuredOutput:
+    """vLLM's `structured_outputs` shape as a StructuredOutput: a dict giving exactly one of `json` (a JSON schema: a
+    dict, or its JSON text), `json_object` (True), `regex`, `choice` (a list of strings) and `grammar` (GBNF or
+    Lark); a key whose value is None is unset. Another shape raises InvalidArgument naming `option`; whether the
+    schema, regex or grammar compiles is the coordinator's to say."""
+    kinds = ", ".join(STRUCTURED_OUTPUT_KINDS)
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{option} must be a dict with exactly one of {kinds}, got {value!r}")
+    unknown = sorted(str(k) for k in set(value) - set(STRUCTURED_OUTPUT_KINDS))
+    if unknown:
+        raise InvalidArgument(f"{option} has unknown key(s) {', '.join(unknown)}; it takes exactly one of {kinds}")
+    given = {k: v for k, v in value.items() if v is not None}
+    if len(given) != 1:
+        names = ", ".join(given) or "none"
+        raise InvalidArgument(f"{option} must give exactly one of {kinds}; got {names}")
+    ((kind, v),) = given.items()
+    pb = common_pb2.StructuredOutput()
+    if kind == "json":
+        if isinstance(v, dict | bool):
+            try:
+                v = json.dumps(v)
+            except (TypeError, ValueError) as err:
+                raise InvalidArgument(f"{option}.json cannot be written as JSON: {err}") from None
+        if not isinstance(v, str):
+            raise InvalidArgument(f"{option}.json must be a JSON schema (a dict or its JSON text), got {v!r}")
+        pb.json = v
+    elif kind == "json_object":
+        if v is not True:
+            raise InvalidArgument(f"{option}.json_object must be true, got {v!r}")
+        pb.json_object = True
+    elif kind == "choice":
+        if not isinstance(v, list | tuple) or not all(isinstance(c, str) for c in v):
+            raise InvalidArgument(f"{option}.choice must be a list of strings, got {v!r}")
+        pb.choice.choices.extend(v)
+    else:
+        if not isinstance(v, str):
+            raise InvalidArgument(f"{option}.{kind} must be a string, got {v!r}")
+        setattr(pb, kind, v)
+    return pb
 
 
 LOGITS_OPTIONS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logprobs")
@@ -123,9 +171,12 @@ class Client:
         timeout: float | None = None,
         stop_token_ids: list[int] | None = None,
         n: int | None = None,
+        structured_output: dict | None = None,
         **options,
     ) -> Iterator[GenerationDelta]:
-        """Streams the request's deltas. `options`: repetition_penalty, presence_penalty, frequency_penalty,
+        """Streams the request's deltas. `structured_output`: what the output must match, in vLLM's
+        `structured_outputs` shape (`structured_output_pb`), e.g. `{"json": schema}`, `{"regex": "[0-9]+"}`,
+        `{"choice": ["yes", "no"]}`. `options`: repetition_penalty, presence_penalty, frequency_penalty,
         min_tokens, logprobs (the target's log-probability of each token and of the top N; on each delta)."""
         msg = _request(
             prompt,
@@ -141,6 +192,7 @@ class Client:
             request_id,
             stop_token_ids,
             n,
+            structured_output,
             _logits_options(options),
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())
@@ -218,6 +270,7 @@ class AsyncClient:
         timeout: float | None = None,
         stop_token_ids: list[int] | None = None,
         n: int | None = None,
+        structured_output: dict | None = None,
         **options,
     ) -> AsyncIterator[GenerationDelta]:
         """As `Client.stream`."""
@@ -235,6 +288,7 @@ class AsyncClient:
             request_id,
             stop_token_ids,
             n,
+            structured_output,
             _logits_options(options),
         )
         call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=outgoing_metadata())

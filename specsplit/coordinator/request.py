@@ -38,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the target's log-probability of each token and of the top N
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the server's k
+    # Structured output: the llguidance grammar the verifier masks the target's logits with (structured_output.py).
+    grammar: str | None = None
 
     @property
     def coupled(self) -> bool:

@@ -10,6 +10,7 @@ import uuid
 from specsplit.client.errors import InvalidArgument
 from specsplit.coordinator.generation_config import GRPC_DEFAULTS, SamplingDefaults
 from specsplit.coordinator.request import Request, SamplingParams
+from specsplit.coordinator.structured_output import compile_grammar
 from specsplit.proto import coordinator_pb2
 
 MAX_STOP_STRINGS = 16
@@ -151,6 +152,8 @@ def _sampling(
         raise InvalidArgument("end_token_ids is set by the coordinator; use stop_token_ids")
     if s.coupled:
         raise InvalidArgument("coupled is set by the coordinator; pass a seed for reproducible sampling")
+    if s.grammar:
+        raise InvalidArgument("grammar is set by the coordinator; pass structured_output")
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
@@ -170,4 +173,5 @@ def _sampling(
         frequency_penalty=float(s.frequency_penalty),
         min_tokens=int(s.min_tokens),
         logprobs=logprobs,
+        grammar=compile_grammar(s.structured_output) if s.HasField("structured_output") else None,
     )

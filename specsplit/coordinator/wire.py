@@ -55,6 +55,8 @@ def _sampling(s: SamplingParams, eos_token_ids: frozenset[int]) -> common_pb2.Sa
         pb.end_token_ids.extend(s.end_token_ids(eos_token_ids))
     if s.logprobs is not None:
         pb.logprobs = s.logprobs
+    if s.grammar is not None:
+        pb.grammar = s.grammar
     return pb
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specsplit.client.results import GenerationResult
+from specsplit.client.sdk import structured_output_pb
 from specsplit.coordinator.config import SchedulerConfig
 from specsplit.coordinator.engine import Engine, RequestOutput
 from specsplit.coordinator.iteration import IterationTiming
@@ -74,7 +75,13 @@ class LLM:
         runner = VerifierRunner(
             self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
         )
-        worker = VerifierWorker(runner, vocab_size=config.vocab_size, max_model_len=self.max_model_len, device=device)
+        worker = VerifierWorker(
+            runner,
+            vocab_size=config.vocab_size,
+            max_model_len=self.max_model_len,
+            device=device,
+            tokenizer_dir=self.model,
+        )
         self.drafter: LocalDrafter | None = None
         if num_speculative_tokens > 0:
             self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
@@ -110,14 +117,17 @@ class LLM:
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         detokenize: bool = True,
+        structured_output: dict | None = None,
     ) -> list[GenerationResult]:
         """One result per prompt (text or token ids), in order, all decoded together in one batch; the
         options are validated as the coordinator validates them (InvalidArgument naming the field).
         `seed`: request i samples with `seed + i` (None: random). `num_speculative_tokens`: drafts per
         iteration of these requests, at most the engine's (None: the engine's). `detokenize=False`: token
-        ids only (no text, no tokenizer needed for id prompts; no stop strings)."""
+        ids only (no text, no tokenizer needed for id prompts; no stop strings). `structured_output`: what every
+        output must match, in vLLM's `structured_outputs` shape, as `Client.generate` takes it."""
         if stop and not detokenize:
             raise ValueError("stop strings need detokenize=True")
+        spec = None if structured_output is None else structured_output_pb(structured_output)
         requests = []
         for i, prompt in enumerate(prompts):
             msg = coordinator_pb2.GenerateRequest(
@@ -128,6 +138,8 @@ class LLM:
                 msg.sampling.seed = seed + i
             if num_speculative_tokens is not None:
                 msg.num_speculative_tokens = num_speculative_tokens
+            if spec is not None:
+                msg.sampling.structured_output.CopyFrom(spec)
             if isinstance(prompt, str):
                 msg.prompt = prompt
             else:

@@ -194,6 +194,7 @@ def verify_batch(output: SchedulerOutput, eos_token_ids) -> VerifyBatch:
             top_k=p.top_k,
             seed=p.seed,
             coupled=p.coupled,
+            grammar=p.grammar,
             repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,

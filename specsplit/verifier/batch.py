@@ -25,6 +25,7 @@ class Sampling:
     min_tokens: int = 0
     end_token_ids: tuple[int, ...] = ()  # kept from being sampled before min_tokens
     logprobs: int | None = None  # top log-probabilities per emitted token; None: none asked
+    grammar: str | None = None  # structured output: the llguidance grammar its rows are masked with (`grammar.py`)
 
 
 @dataclass

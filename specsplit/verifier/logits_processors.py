@@ -1,5 +1,6 @@
 """The target's logits of a step, per request, before rejection sampling: repetition, presence and frequency
-penalties and min_tokens applied (vLLM's semantics), and the log-probabilities of the tokens it emits taken.
+penalties and min_tokens applied (vLLM's semantics), structured output's grammar masks (`specsplit/runtime/grammar.py`)
+too, and the log-probabilities of the tokens it emits taken.
 
 Verification against the processed target keeps speculation lossless with these options. A request's rows are its
 last token's, then one per draft; row r predicts the token after the request's tokens so far and drafts[:r], and is
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specsplit.client.results import TokenLogprobs
+from specsplit.runtime.grammar import apply_masks
 from specsplit.verifier.batch import Sampling
 
 
@@ -34,6 +37,7 @@ class LogitsOptions:
     min_tokens: int = 0
     end_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens output tokens are out
     logprobs: int | None = None  # None: none; N: the emitted token's and the top N
+    grammar: str | None = None  # structured output (`specsplit/runtime/grammar.py`)
 
     @classmethod
     def of(cls, sp: Sampling) -> LogitsOptions | None:
@@ -41,6 +45,7 @@ class LogitsOptions:
         if (
             not (sp.repetition_penalty is not None or sp.presence_penalty or sp.frequency_penalty or sp.min_tokens)
             and sp.logprobs is None
+            and sp.grammar is None
         ):
             return None
         options = cls(
@@ -50,12 +55,19 @@ class LogitsOptions:
             min_tokens=sp.min_tokens,
             end_token_ids=tuple(sp.end_token_ids),
             logprobs=sp.logprobs,
+            grammar=sp.grammar,
         )
-        return options if options.penalized or options.min_tokens or options.logprobs is not None else None
+        used = options.penalized or options.min_tokens or options.logprobs is not None or options.grammar is not None
+        return options if used else None
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Its processing reads the request's history: penalties count its tokens, a grammar follows its output."""
+        return self.penalized or self.grammar is not None
 
 
 @dataclass
@@ -65,10 +77,11 @@ class RequestRows:
     index: int  # the request's index in the batch
     first_row: int  # its last token's row; its drafts' rows follow
     drafts: list[int]  # the drafts it verifies (one row each after the first)
-    history: list[int]  # its tokens before its last token's row's prediction (penalties only; else empty)
+    history: list[int]  # its tokens before its last token's row's prediction (penalties, grammar; else empty)
     num_prompt_tokens: int
     num_before: int  # tokens before the position its first row predicts (prompt + output so far)
     options: LogitsOptions
+    allowed: np.ndarray | None = None  # grammar: [drafts + 1, words] int32 packed masks of its rows
 
 
 @dataclass
@@ -143,10 +156,13 @@ def take_logprobs(logits: torch.Tensor, plan: LogitsPlan) -> LaunchedLogprobs | 
 
 
 def apply(logits: torch.Tensor, plan: LogitsPlan) -> None:
-    """Penalties and min_tokens, in place on `logits` ([num_logits, V], the step's sampling rows)."""
+    """Penalties, min_tokens and grammar masks, in place on `logits` ([num_logits, V], the step's sampling rows)."""
     penalized = [r for r in plan.requests if r.options.penalized]
     if penalized:
         _apply_penalties(logits, penalized)
+    constrained = [r for r in plan.requests if r.allowed is not None]
+    if constrained:
+        _apply_grammar(logits, constrained)
     masked_rows, masked_ids = [], []
     for r in plan.requests:
         o = r.options
@@ -159,6 +175,11 @@ def apply(logits: torch.Tensor, plan: LogitsPlan) -> None:
     if masked_rows:
         device = logits.device
         logits[torch.tensor(masked_rows, device=device), torch.tensor(masked_ids, device=device)] = float("-inf")
+
+
+def _apply_grammar(logits: torch.Tensor, requests: list[RequestRows]) -> None:
+    rows = [r.first_row + k for r in requests for k in range(r.allowed.shape[0])]
+    apply_masks(logits, rows, np.concatenate([r.allowed for r in requests]))
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[RequestRows]) -> None:

@@ -243,7 +243,13 @@ async def serve(config: VerifierConfig) -> None:
 
         await loop.run_in_executor(None, wait_for_ranks)  # every rank loaded and warmed up
     device = model_options.device
-    worker = VerifierWorker(runner, vocab_size=info.vocab_size, max_model_len=max_model_len, device=device)
+    worker = VerifierWorker(
+        runner,
+        vocab_size=info.vocab_size,
+        max_model_len=max_model_len,
+        device=device,
+        tokenizer_dir=model_options.checkpoint,
+    )
     servicer.ready(worker, info)
     freeze_start_up_heap()
     await server.mark_serving()

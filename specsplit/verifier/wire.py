@@ -28,6 +28,7 @@ def sampling_of(sp: common_pb2.SamplingParams) -> Sampling:
         min_tokens=sp.min_tokens,
         end_token_ids=tuple(sp.end_token_ids),
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        grammar=sp.grammar or None,
     )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from specsplit.client.errors import FailedPrecondition
 from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.step_upload import StepUpload
+from specsplit.runtime.grammar import Grammars
 from specsplit.verifier.batch import DraftProbs, VerifyBatch
 from specsplit.verifier.held_drafts import HeldDrafts
 from specsplit.verifier.input_batch import (
@@ -45,15 +46,17 @@ class EarlyStep:
 
 class VerifierWorker:
     """`runner` on `device` for a model of `vocab_size` and `max_model_len`, with the drafts held between
-    iterations and one upload buffer reused step after step."""
+    iterations and one upload buffer reused step after step; `tokenizer_dir`: the checkpoint whose tokenizer
+    structured output's grammars run over (None: structured output is refused)."""
 
-    def __init__(self, runner: VerifierRunner, *, vocab_size: int, max_model_len: int, device: str):
+    def __init__(self, runner: VerifierRunner, *, vocab_size: int, max_model_len: int, device: str, tokenizer_dir=None):
         self.runner = runner
         self.vocab_size, self.max_model_len, self.device = vocab_size, max_model_len, device
         self.held = HeldDrafts()
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
-        # The tokens each request with penalties ran, drafts included (`logits_processors.py`).
+        # The tokens each request with penalties or a grammar ran, drafts included (`logits_processors.py`).
         self._histories: dict[str, list[int]] = {}
+        self.grammars = Grammars(tokenizer_dir)
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -64,6 +67,7 @@ class VerifierWorker:
         ids = list(request_ids)
         self.runner.free(ids)
         self.held.free(ids)
+        self.grammars.free(ids)
         for rid in ids:
             self._histories.pop(rid, None)
 
@@ -72,6 +76,7 @@ class VerifierWorker:
         self.runner.free_all()
         self.held.clear()
         self._histories.clear()
+        self.grammars.clear()
 
     def plan_early(self, request: VerifyBatch) -> EarlyStep:
         """While the drafts are still on their way: the step's batch planned with placeholder drafts and its KV
@@ -122,17 +127,17 @@ class VerifierWorker:
     def _logits_plan(
         self, request: VerifyBatch, planned: PlannedBatch, options: list | None = None
     ) -> LogitsPlan | None:
-        """The step's penalties, min_tokens and logprobs (None: no request uses any), with the history of each
-        request with penalties: its tokens up to its last one (the chunks of its prompt, then what each step ran
-        and the next one's num_computed_tokens kept). `options`: each request's `LogitsOptions`, when the early
-        plan made them."""
+        """The step's penalties, min_tokens, grammar masks and logprobs (None: no request uses any), with the history
+        of each request with penalties or a grammar: its tokens up to its last one (the chunks of its prompt, then
+        what each step ran and the next one's num_computed_tokens kept). `options`: each request's `LogitsOptions`,
+        when the early plan made them."""
         if options is None:
             options = [LogitsOptions.of(r.sampling) for r in request.requests]  # batch order is the message's
         if not any(options):
             return None
         histories = {}
         for i, (r, o) in enumerate(zip(request.requests, options)):
-            if o is None or not o.penalized:
+            if o is None or not o.needs_history:
                 continue
             nc, tokens = planned.num_computed_tokens[i], planned.token_ids[i]
             history = self._histories.get(r.request_id, [])
@@ -144,7 +149,7 @@ class VerifierWorker:
             # Kept with the drafts: the next step's num_computed_tokens says which of them were accepted.
             self._histories[r.request_id] = history = history[:nc] + tokens
             histories[i] = history[: len(history) - planned.num_draft_tokens[i]]
-        return plan_logits(
+        plan = plan_logits(
             planned.sampling_indices,
             planned.num_drafts,
             planned.token_ids,
@@ -153,6 +158,12 @@ class VerifierWorker:
             [r.num_prompt_tokens for r in request.requests],
             histories,
         )
+        for r in plan.requests if plan is not None else ():
+            if r.options.grammar is not None:
+                output = r.history[r.num_prompt_tokens :]
+                rid = request.requests[r.index].request_id
+                r.allowed = self.grammars.masks(rid, r.options.grammar, output, r.drafts)
+        return plan
 
     def finish(self, batch: InputBatch, launched: LaunchedStep | None, with_rows: bool = True) -> StepOutput:
         """Waits for a launched step's sampled tokens (`with_rows=False`: without the drafter's hidden-state rows,

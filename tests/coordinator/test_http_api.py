@@ -1,8 +1,9 @@
 """The HTTP API's app without a cluster (ASGI calls in-process): a full queue is 429, a checkpoint without a chat
 template answers chat requests 400 saying so, a request before the verifier answered is 503, and the
 OpenAI body maps to the coordinator's request in one function; prompt + max_tokens past the model's length, n 0,
-stream_options without stream and response_format are 400; bodies that are not JSON, unknown paths and methods
-answer OpenAI error objects; a body over the limit is 413 without being read."""
+stream_options without stream and an option not supported yet are 400; response_format and structured_outputs
+become the request's grammar, and a bad one is 400; bodies that are not JSON, unknown paths and methods answer OpenAI
+error objects; a body over the limit is 413 without being read."""
 
 import asyncio
 import json
@@ -15,6 +16,8 @@ from specsplit.coordinator.generation_config import OPENAI_DEFAULTS
 from specsplit.coordinator.http.app import MAX_BODY_BYTES, HttpApi
 from specsplit.coordinator.http.mapping import to_generate_request
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
+from specsplit.coordinator.structured_output import compile_grammar
+from specsplit.proto import common_pb2
 from tests.fixtures.tiny_tokenizer import make_llama_like, write_tiny_tokenizer
 
 INFO = types.SimpleNamespace(vocab_size=320, max_model_len=64, num_speculative_tokens=3, model="tiny")
@@ -221,13 +224,112 @@ def test_without_max_tokens_completions_get_16_and_chat_the_rest_of_the_model_le
             ({"max_tokens": 0}, "max_tokens", "max_tokens must be > 0, got 0"),
         ]
     ]
-    + [("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format", "is not supported yet")],
+    + [("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias", "is not supported yet")],
 )
 def test_options_the_request_cannot_mean_are_400_naming_them(tokenizers, path, body, param, says):
     prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     status, data = call(ready_api(tokenizers[1]), "POST", path, {"model": "tiny", **prompt, **body})
     assert status == 400
-    assert_openai_error(data, says, param)  # response_format: refused as chat refuses it
+    assert_openai_error(data, says, param)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "body, spec",
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, common_pb2.StructuredOutput(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+                }
+            },
+            common_pb2.StructuredOutput(json=json.dumps(SCHEMA)),
+        ),
+        ({"structured_outputs": {"json": SCHEMA}}, common_pb2.StructuredOutput(json=json.dumps(SCHEMA))),
+        (
+            {"structured_outputs": {"json": '{"type": "string"}'}},
+            common_pb2.StructuredOutput(json='{"type": "string"}'),
+        ),
+        ({"structured_outputs": {"json_object": True}}, common_pb2.StructuredOutput(json_object=True)),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, common_pb2.StructuredOutput(regex="[0-9]+")),
+        (
+            {"structured_outputs": {"choice": ["yes", "no"], "regex": None}},  # None: unset, as vLLM reads it
+            common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=["yes", "no"])),
+        ),
+        ({"structured_outputs": {"grammar": 'root ::= "x"'}}, common_pb2.StructuredOutput(grammar='root ::= "x"')),
+        (
+            {"response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}},
+            common_pb2.StructuredOutput(regex="a"),
+        ),
+    ],
+    ids=[
+        "response_format-text",
+        "response_format-json_object",
+        "response_format-json_schema",
+        "structured_outputs-json",
+        "structured_outputs-json-text",
+        "structured_outputs-json_object",
+        "structured_outputs-regex",
+        "structured_outputs-choice",
+        "structured_outputs-grammar",
+        "text-and-structured_outputs",
+    ],
+)
+def test_response_format_and_structured_outputs_become_the_requests_grammar(tokenizers, body, spec):
+    msg = to_generate_request(CompletionRequest(model="m", prompt="x", **body), prompt="x")
+    assert msg.sampling.HasField("structured_output") == (spec is not None)
+    if spec is not None:
+        assert msg.sampling.structured_output == spec
+    for path, prompt in [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        engine = Recorder()
+        assert call(ready_api(tokenizers[1], engine), "POST", path, {"model": "tiny", **prompt, **body})[0] == 429
+        assert engine.requests[0].sampling.grammar == (None if spec is None else compile_grammar(spec))
+
+
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "give response_format or structured_outputs, not both",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format", "type must be text, json_object or json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format", "needs json"),
+        ({"structured_outputs": {}}, "structured_outputs", "must give exactly one of json, json_object, regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs", "unknown key(s) pattern"),
+        ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "structured_outputs.choice must be a list"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs", "json_object must be true"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs", "structured_outputs.regex must be a string"),
+        # what does not compile: refused by the coordinator's validation, as over gRPC
+        ({"structured_outputs": {"regex": "a("}}, None, "structured_output.regex is not a valid regex"),
+        ({"structured_outputs": {"json": {"type": "objectx"}}}, None, "not a valid JSON schema"),
+        ({"structured_outputs": {"choice": []}}, None, "structured_output.choice needs at least one string"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 3}}}},
+            None,
+            "not a valid JSON schema",
+        ),
+    ],
+)
+def test_a_bad_response_format_or_structured_outputs_is_400_naming_it(tokenizers, body, param, says):
+    for path, prompt in [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        status, data = call(ready_api(tokenizers[1]), "POST", path, {"model": "tiny", **prompt, **body})
+        assert status == 400
+        assert_openai_error(data, says, param)
 
 
 @pytest.mark.parametrize("stream_options", [{"include_usage": True}, {}])

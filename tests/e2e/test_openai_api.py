@@ -151,7 +151,8 @@ def test_stop_token_ids_end_generation_on_both_apis(cluster, oai, tok, hf_greedy
         ({"n": 17}, 400, "n", "n must be in [1, 16], got 17"),
         ({"n": 0}, 400, "n", "n must be in [1, 16], got 0"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options needs stream: true"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format", "response_format is not supported"),
+        ({"response_format": {"type": "xml"}}, 400, "response_format", "type must be text, json_object or json_schema"),
+        ({"structured_outputs": {"regex": "a("}}, 400, None, "structured_output.regex is not a valid regex"),
         ({"model": "gpt-5"}, 404, None, "the model 'gpt-5' does not exist"),
     ],
 )

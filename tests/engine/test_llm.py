@@ -71,6 +71,8 @@ def test_text_prompts_stop_strings_and_bad_options(llm):
         (dict(max_tokens=0), "max_tokens must be > 0"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
+        (dict(structured_output={"choice": "yes"}), "structured_output.choice must be a list of strings"),
+        (dict(structured_output={"regex": "a("}), "structured_output.regex is not a valid regex"),  # the coordinator's
     ]:
         with pytest.raises(InvalidArgument, match=message):
             llm.generate([[1, 2]], **kwargs)

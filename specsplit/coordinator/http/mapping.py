@@ -4,10 +4,14 @@ words). An option the coordinator gains is added here."""
 
 from __future__ import annotations
 
+import json
+
+from specsplit.client.errors import InvalidArgument
+from specsplit.client.sdk import structured_output_pb
 from specsplit.coordinator.http.errors import BadOption
 from specsplit.coordinator.http.protocol import ChatCompletionRequest, CompletionRequest
 from specsplit.coordinator.validation import MAX_N
-from specsplit.proto import coordinator_pb2
+from specsplit.proto import common_pb2, coordinator_pb2
 
 # OpenAI options this server does not honour: (name, the value that means "off").
 NOT_SUPPORTED_YET = (
@@ -16,7 +20,6 @@ NOT_SUPPORTED_YET = (
     ("echo", False),
     ("suffix", None),
     ("tools", None),
-    ("response_format", None),
 )
 
 
@@ -73,7 +76,48 @@ def to_generate_request(
                 setattr(target, field, value)
         except (TypeError, ValueError) as err:
             raise BadOption(f"{name}={value!r} is out of range: {err}", param=name) from None
+    structured_output = _structured_output(body)
+    if structured_output is not None:
+        msg.sampling.structured_output.CopyFrom(structured_output)
     return msg
+
+
+def _structured_output(body: CompletionRequest | ChatCompletionRequest) -> common_pb2.StructuredOutput | None:
+    """What the output must match: OpenAI's `response_format` or vLLM's `structured_outputs` (not both); None for
+    neither (or `{"type": "text"}`). Whether the schema, regex or grammar compiles, validation says."""
+    response_format = _response_format(body.response_format)
+    if body.structured_outputs is None:
+        return response_format
+    if response_format is not None:
+        raise BadOption("give response_format or structured_outputs, not both", param="structured_outputs")
+    try:
+        return structured_output_pb(body.structured_outputs, "structured_outputs")
+    except InvalidArgument as err:
+        raise BadOption(err.message, param="structured_outputs") from None
+
+
+def _response_format(value: dict | None) -> common_pb2.StructuredOutput | None:
+    """OpenAI's response_format: text (nothing), json_object, or json_schema with its `json_schema.schema` (`name`,
+    `description` and `strict` are taken as given: the output always matches the schema)."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise BadOption(
+                f"response_format json_schema needs json_schema.schema, a JSON schema; got {spec!r}",
+                param="response_format",
+            )
+        return common_pb2.StructuredOutput(json=json.dumps(schema))
+    raise BadOption(
+        f"response_format type must be text, json_object or json_schema, got {value!r}", param="response_format"
+    )
 
 
 def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:

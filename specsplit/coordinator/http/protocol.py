@@ -37,12 +37,15 @@ class _Body(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
+    # Structured output: OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}},
+    # or vLLM's extension {"json" | "json_object" | "regex" | "choice" | "grammar": ...} (one of them).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     # Not supported: refused when set to anything but the default.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
-    response_format: dict | None = None  # structured output
 
 
 class CompletionRequest(_Body):

@@ -1,0 +1,131 @@
+"""Structured output's masks: each constrained request's grammar matcher, and the masks of its rows; the verifier's
+and the drafter's alike.
+
+The coordinator compiles a request's `structured_output` into one llguidance grammar (`Sampling.grammar`). The
+verifier masks the target's logits with it, row by row, before rejection sampling, as
+`specsplit/verifier/logits_processors.py` applies penalties: row r of a request is masked with the grammar's state
+after its output so far and drafts[:r], as if those drafts had been emitted. A draft the grammar does not allow at its
+row has no probability there and is rejected, and every token the sampler emits is one the grammar allows, so
+verification stays lossless against target-only decoding under the same constraint. Once the grammar is complete
+only EOS is allowed. The drafter masks its MTP logits the same way, one draft after another
+(`specsplit/drafter/runner.py`), so that its drafts are ones the grammar allows: unmasked, about half of them were not
+(docs/performance.md, "Structured output").
+
+A request's matcher follows its output (the history the worker keeps for it, prompt excluded): what the matcher has
+consumed is compared with the output at every step, the new tokens are consumed, and a history that went another way
+(a preemption, a re-prefill after a restart) starts a fresh matcher over the whole output. Drafts are consumed to
+mask the rows after them and rolled back. Masks are llguidance's packed bitmasks: int32 words, bit i of word w
+allowing token 32 w + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specsplit.client.errors import InvalidArgument
+
+BITS = 32
+
+
+@dataclass
+class _Matcher:
+    grammar: str
+    matcher: object  # llguidance.LLMatcher
+    consumed: list[int] = field(default_factory=list)  # the output tokens it has consumed
+
+
+class Grammars:
+    """The constrained requests' matchers, over the tokenizer of the checkpoint at `tokenizer_dir` (loaded at the
+    first constrained request: a verifier serving none needs no tokenizer)."""
+
+    def __init__(self, tokenizer_dir: str | Path | None):
+        self.tokenizer_dir = tokenizer_dir
+        self._tokenizer = None  # llguidance.LLTokenizer
+        self._matchers: dict[str, _Matcher] = {}
+        # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
+        # says): what masking the drafter's own logits could win back at most (benchmarks/structured_output.py).
+        self.checked = self.refused = 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            if self.tokenizer_dir is None:
+                raise InvalidArgument("structured output needs the checkpoint's tokenizer, which this verifier lacks")
+            try:
+                hf = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise InvalidArgument(
+                    f"structured output needs a tokenizer; none loads from {self.tokenizer_dir}: {err}"
+                ) from None
+            self._tokenizer = llguidance.hf.from_tokenizer(hf)
+        return self._tokenizer
+
+    def masks(self, request_id: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
+        """[len(drafts) + 1, words] int32: the tokens the grammar allows at each of the request's rows. Rows after
+        a draft the grammar does not allow allow everything (no token is emitted there: that draft is rejected)."""
+        import llguidance.numpy
+
+        m = self._matcher(request_id, grammar, output)
+        vocab = self.tokenizer.vocab_size
+        out = np.full((len(drafts) + 1, -(-vocab // BITS)), -1, dtype=np.int32)
+        taken = 0
+        for row in range(len(drafts) + 1):
+            llguidance.numpy.fill_next_token_bitmask(m.matcher, out, row)
+            if row == len(drafts):
+                break
+            self.checked += 1
+            if m.matcher.try_consume_tokens([drafts[row]]) != 1:
+                self.refused += 1
+                break
+            taken += 1
+        if taken:
+            m.matcher.rollback(taken)
+        return out
+
+    def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
+        import llguidance
+
+        m = self._matchers.get(request_id)
+        if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
+            m = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))
+            self._matchers[request_id] = m
+        new = output[len(m.consumed) :]
+        if new:
+            if m.matcher.try_consume_tokens(new) != len(new):
+                del self._matchers[request_id]
+                raise InvalidArgument(
+                    f"request {request_id!r}: its output does not follow its grammar "
+                    f"({m.matcher.get_error() or 'a token the grammar does not allow'})"
+                )
+            m.consumed += new
+        if m.matcher.is_error():
+            raise InvalidArgument(f"request {request_id!r}: grammar error: {m.matcher.get_error()}")
+        return m
+
+    def free(self, request_ids) -> None:
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
+
+    def clear(self) -> None:
+        self._matchers.clear()
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> None:
+    """-inf in `logits` ([N, V]) at rows `rows` wherever their packed masks `words` ([len(rows), W] int32) do not
+    allow the token (ids past the masks' words included). The masks travel to the device as they are (32 ids per
+    word) and are unpacked there."""
+    device, vocab = logits.device, logits.shape[1]
+    packed = torch.from_numpy(words).to(device)
+    bits = (packed[:, :, None] >> torch.arange(BITS, dtype=torch.int32, device=device)) & 1  # [R, W, 32]
+    allowed = bits.view(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    logits.index_copy_(0, rows_t, logits.index_select(0, rows_t).masked_fill(~allowed[:, :vocab], float("-inf")))

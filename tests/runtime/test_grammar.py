@@ -1,0 +1,71 @@
+"""The verifier's grammar masks (structured output): row r of a constrained request allows what the grammar allows
+after its output and drafts[:r]; rows after a draft the grammar refuses allow everything; the matcher follows the
+output step after step, starts afresh where the output went another way, and the drafts leave no trace; the masks
+reach the logits as -inf wherever a token is not allowed."""
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specsplit.client.errors import InvalidArgument
+from specsplit.runtime.grammar import Grammars
+from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply
+from tests.e2e.test_demo_model import DEMO
+
+GRAMMAR = llguidance.LLMatcher.grammar_from_regex("(hello|world) [0-9]+")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(DEMO)
+
+
+def allowed_ids(row: np.ndarray) -> set[int]:
+    return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
+
+
+def test_each_row_allows_what_follows_the_output_and_the_drafts_before_it(tok):
+    grammars = Grammars(DEMO)
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    masks = grammars.masks("r", GRAMMAR, [], [hello, num])
+    assert hello in allowed_ids(masks[0]) and num not in allowed_ids(masks[0])
+    assert num in allowed_ids(masks[1]) and hello not in allowed_ids(masks[1])
+    assert tok.eos_token_id in allowed_ids(masks[2])  # "hello 42" is complete: EOS (or more digits)
+    # The drafts were rolled back: the same output gives the same masks, and a step later the output takes them.
+    assert np.array_equal(grammars.masks("r", GRAMMAR, [], [hello, num]), masks)
+    assert np.array_equal(grammars.masks("r", GRAMMAR, [hello], [num]), masks[1:])
+
+
+def test_rows_after_a_refused_draft_allow_everything(tok):
+    hello = tok.encode("hello", add_special_tokens=False)[0]
+    masks = Grammars(DEMO).masks("r", GRAMMAR, [hello], [hello, hello])
+    assert hello not in allowed_ids(masks[0])
+    assert len(allowed_ids(masks[1])) == len(allowed_ids(masks[2])) == masks.shape[1] * 32
+
+
+def test_an_output_that_went_another_way_starts_a_fresh_matcher_and_one_off_the_grammar_is_refused(tok):
+    grammars = Grammars(DEMO)
+    hello, world = tok.encode("hello", add_special_tokens=False), tok.encode("world", add_special_tokens=False)
+    after_hello = grammars.masks("r", GRAMMAR, hello, [])
+    after_world = grammars.masks("r", GRAMMAR, world, [])  # a re-prefill that sampled otherwise
+    assert np.array_equal(after_world, Grammars(DEMO).masks("x", GRAMMAR, world, []))
+    assert np.array_equal(after_hello, after_world)  # both wait for " <digits>"
+    hello = hello[0]
+    with pytest.raises(InvalidArgument, match="does not follow its grammar"):
+        grammars.masks("r", GRAMMAR, [hello, hello], [])
+
+
+def test_masks_become_minus_infinity_on_the_logits(tok):
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    masks = Grammars(DEMO).masks("r", GRAMMAR, [], [hello])
+    vocab = 4100  # a model vocabulary padded past the tokenizer's 4,096 ids
+    logits = torch.zeros(3, vocab)
+    rows = RequestRows(0, 1, [hello], [], 0, 0, LogitsOptions(grammar=GRAMMAR), allowed=masks)
+    apply(logits, LogitsPlan([rows]))
+    assert torch.equal(logits[0], torch.zeros(vocab))  # another request's row
+    for r in (0, 1):
+        finite = set(torch.nonzero(logits[1 + r] == 0).flatten().tolist())
+        assert finite == allowed_ids(masks[r])
+        assert (logits[1 + r, 4096:] == float("-inf")).all()
