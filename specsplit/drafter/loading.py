@@ -25,7 +25,7 @@ def load_and_size(config, step_path: dict, rank: int = 0):
         mtp = load_mtp(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
         _, runner, _ = size_kv_cache(
             lambda n: mtp.make_kv_cache(n, config.block_size),
-            lambda cache: DrafterRunner(mtp, cache, config.draft_top_k, **step_path),
+            lambda cache: DrafterRunner(mtp, cache, config.draft_top_k, tokenizer_dir=options.checkpoint, **step_path),
             block_size=config.block_size,
             num_blocks=num_blocks,
             fraction=options.gpu_memory_utilization,

@@ -24,8 +24,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from specsplit.client.errors import SpecsplitError
 from specsplit.drafter.device_propose import (
     can_propose_on_device,
     fill_tokens,
@@ -41,6 +43,7 @@ from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.cuda_graphs import resolve_step_path
+from specsplit.runtime.grammar import Grammars, apply_masks
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
@@ -68,6 +71,8 @@ class ProposeItem:
     num_rows: int = 0
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
+    grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
+    output: list[int] = field(default_factory=list)  # with a grammar: the request's output so far
 
 
 @dataclass
@@ -97,10 +102,12 @@ class DrafterRunner:
         attention_kernel: bool | None = None,
         cuda_graphs: bool | None = None,
         max_graph_tokens: int = 512,
+        tokenizer_dir=None,
     ):
         """`attention_kernel`: MTP steps with few new tokens per request run the Triton paged
         attention (default: on CUDA, for modules that support it). `cuda_graphs`: those steps
-        replay CUDA graphs (default: on CUDA with the kernel)."""
+        replay CUDA graphs (default: on CUDA with the kernel). `tokenizer_dir`: the checkpoint whose tokenizer
+        structured output's grammars run over (None: constrained requests are drafted unmasked)."""
         self.mtp = mtp
         self.draft_top_k = draft_top_k
         self.kv_cache = kv_cache
@@ -121,6 +128,7 @@ class DrafterRunner:
             log.info("drafter: %d eager warm-up steps in %.1f s", steps, seconds)
         self._upload = StepUpload(self.device)  # each step's small arrays, one pinned buffer
         self._timer = StepTimer(self.device)
+        self.grammars = Grammars(tokenizer_dir)
 
     def free(self, request_ids: list[str]) -> None:
         if tp_size() > 1 and tp_rank() == 0:
@@ -128,6 +136,7 @@ class DrafterRunner:
         self._free(request_ids)
 
     def _free(self, request_ids: list[str]) -> None:
+        self.grammars.free(request_ids)
         for rid in request_ids:
             self.kv_cache.free(rid)
             self._first_position.pop(rid, None)
@@ -240,9 +249,12 @@ class DrafterRunner:
             logits = self.mtp.compute_logits(hidden)
         else:
             logits = None if out_logits is None else out_logits.index_select(0, select)
+        constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
+        if constrained:
+            self._mask_grammars(logits, items, active, [])
         picks = [self._pick(logits, sampling, hidden.shape[0])]
         steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
-        for keep, attn, positions_t, sampling in steps:
+        for step_rows, (keep, attn, positions_t, sampling) in zip(actives, steps):
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
                 tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
@@ -252,6 +264,8 @@ class DrafterRunner:
             hidden, logits, graphed = self._mtp_step(tokens, hidden, positions_t, attn)
             if not graphed:
                 logits = self.mtp.compute_logits(hidden)
+            if constrained:
+                self._mask_grammars(logits, items, step_rows, list(zip([active, *actives], picks)))
             picks.append(self._pick(logits, sampling, hidden.shape[0]))
         if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
             return ProposeOutput(drafts, (t0, t1, t1))
@@ -259,6 +273,38 @@ class DrafterRunner:
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+
+    def _mask_grammars(
+        self,
+        logits: torch.Tensor | None,  # [n, V] this step's, one row per item of `rows`
+        items: list[ProposeItem],
+        rows: list[int],  # this step's items, in row order
+        earlier: list[tuple[list[int], _Pick]],  # per earlier step of this Propose: its items and its drafts
+    ) -> None:
+        """Masks the rows of constrained requests with their grammar's state after their output and the drafts this
+        Propose made for them so far, so that the draft picked next is one the grammar allows. Reads the earlier
+        drafts on the host: a device→host copy per step, taken only by steps with a constrained request. A request
+        whose output its grammar refuses (which verification would not have let through) is drafted unmasked."""
+        if logits is None:  # a tensor-parallel follower: rank 0 picks
+            return
+        drafted: dict[int, list[int]] = {i: [] for i in rows}
+        for step_rows, pick in earlier:
+            for i, token in zip(step_rows, pick[0].tolist()):
+                if i in drafted:
+                    drafted[i].append(token)
+        masked, words = [], []
+        for row, i in enumerate(rows):
+            item = items[i]
+            if item.grammar is None:
+                continue
+            try:
+                words.append(self.grammars.masks(item.request_id, item.grammar, item.output, drafted[i])[-1])
+            except SpecsplitError as err:
+                log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
+                continue
+            masked.append(row)
+        if masked:
+            apply_masks(logits, masked, np.stack(words))
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
         """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy. Tensor-parallel: rank 0

@@ -78,8 +78,11 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
             raise _invalid_item(r, seen, vocab_size)
         seen.add(rid)
         items.append(
-            ProposeItem(rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK, coupled=sampling.coupled)
-        )
+            ProposeItem(
+                rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK, coupled=sampling.coupled,
+                grammar=sampling.grammar or None, output=list(r.output_token_ids),
+            )
+        )  # fmt: skip
     return items
 
 

@@ -85,7 +85,7 @@ class LLM:
         self.drafter: LocalDrafter | None = None
         if num_speculative_tokens > 0:
             self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
-            runner = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size))
+            runner = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size), tokenizer_dir=self.model)
             self.drafter = LocalDrafter(runner, device_hand_off=device_hand_off)
         # One scheduler for the LLM's life: what adaptive speculation learns goes on from one generate() to the next.
         self.scheduler = Scheduler(self.scheduler_config, self.eos_token_ids)

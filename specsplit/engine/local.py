@@ -23,7 +23,7 @@ from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK
 from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
-from specsplit.verifier.batch import DraftProbs, Sampling, VerifyBatch, VerifyItem
+from specsplit.verifier.batch import DraftProbs, Sampling, VerifyBatch, VerifyItem, constrained
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.step import StepResult, VerifierStep
 
@@ -56,7 +56,7 @@ class LocalDrafter:
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
-        rows = batch.hand_off_rows() if self.device_hand_off else None
+        rows = batch.hand_off_rows() if self.device_hand_off and not constrained(sampling) else None
         if rows is None:
             return None
         items = [
@@ -69,6 +69,7 @@ class LocalDrafter:
         return _Plan(items, launched.hidden[: batch.query_start[-1]], tokens)
 
     def build_request(self, iteration: int, batch, step, sampling) -> _Plan:
+        outputs = step.grammar_outputs or {}
         items = [
             ProposeItem(
                 rid,
@@ -78,6 +79,8 @@ class LocalDrafter:
                 sampling[i].temperature,
                 (sampling[i].seed or 0) & SEED_MASK if sampling[i].temperature else 0,
                 coupled=sampling[i].coupled,
+                grammar=sampling[i].grammar if i in outputs else None,
+                output=outputs.get(i, []),
             )
             for i, rid in enumerate(batch.req_ids)
         ]

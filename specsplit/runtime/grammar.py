@@ -40,12 +40,14 @@ class _Matcher:
 
 class Grammars:
     """The constrained requests' matchers, over the tokenizer of the checkpoint at `tokenizer_dir` (loaded at the
-    first constrained request: a verifier serving none needs no tokenizer)."""
+    first constrained request: a verifier serving none needs no tokenizer), or over `tokenizer`, an
+    llguidance.LLTokenizer given as it is."""
 
-    def __init__(self, tokenizer_dir: str | Path | None):
+    def __init__(self, tokenizer_dir: str | Path | None, tokenizer=None):
         self.tokenizer_dir = tokenizer_dir
-        self._tokenizer = None  # llguidance.LLTokenizer
+        self._tokenizer = tokenizer  # llguidance.LLTokenizer
         self._matchers: dict[str, _Matcher] = {}
+        self._executor = None  # llguidance.LLExecutor, made at the first masks
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
         # says): what masking the drafter's own logits could win back at most (benchmarks/structured_output.py).
         self.checked = self.refused = 0
@@ -68,30 +70,51 @@ class Grammars:
         return self._tokenizer
 
     def masks(self, request_id: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
-        """[len(drafts) + 1, words] int32: the tokens the grammar allows at each of the request's rows. Rows after
-        a draft the grammar does not allow allow everything (no token is emitted there: that draft is rejected)."""
+        """[len(drafts) + 1, words] int32: the tokens the grammar allows at each of the request's rows (`batch_masks`
+        for one request)."""
+        return self.batch_masks([(request_id, grammar, output, drafts)])[0]
+
+    def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
+        """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows
+        at each of the request's rows. Rows after a draft the grammar does not allow, or after an EOS, allow
+        everything (nothing is emitted there: that draft is rejected, or the request ended). The masks of every
+        row are computed in parallel (llguidance's executor threads, which drop the GIL)."""
+        import llguidance
         import llguidance.numpy
 
-        m = self._matcher(request_id, grammar, output)
         vocab = self.tokenizer.vocab_size
-        out = np.full((len(drafts) + 1, -(-vocab // BITS)), -1, dtype=np.int32)
-        taken = 0
-        for row in range(len(drafts) + 1):
-            llguidance.numpy.fill_next_token_bitmask(m.matcher, out, row)
-            if row == len(drafts):
-                break
-            self.checked += 1
-            if m.matcher.try_consume_tokens([drafts[row]]) != 1:
-                self.refused += 1
-                break
-            taken += 1
-        if taken:
-            m.matcher.rollback(taken)
-        return out
+        eos = set(self.tokenizer.eos_tokens)
+        jobs, firsts = [], []
+        total = 0
+        for request_id, grammar, output, drafts in requests:
+            m = self._matcher(request_id, grammar, output)
+            valid = m.matcher.validate_tokens(drafts)  # the leading drafts the grammar allows (an EOS not counted)
+            used = drafts[:valid]
+            if used and used[-1] in eos:
+                used = used[:-1]
+            ends = len(used) < len(drafts) and drafts[len(used)] in eos  # no row after an EOS matters
+            self.checked += min(len(used) + 1, len(drafts))
+            self.refused += len(used) < len(drafts) and not ends
+            jobs.append((m.matcher, total, used))  # masks its rows total .. total + len(used)
+            firsts.append(total)
+            total += len(drafts) + 1
+        out = np.full((total, -(-vocab // BITS)), -1, dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        plain = [(matcher, row) for matcher, row, used in jobs if not used]  # llguidance takes no empty draft list
+        drafted = [job for job in jobs if job[2]]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, out)
+        if drafted:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        return [out[first : first + len(r[3]) + 1] for first, r in zip(firsts, requests)]
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
         import llguidance
 
+        eos = set(self.tokenizer.eos_tokens)
+        end = next((j for j, t in enumerate(output) if t in eos), len(output))
+        output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
         if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
             m = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))

@@ -17,6 +17,7 @@ A step where no request uses any of this runs none of it (`plan_logits` returns 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,9 +87,12 @@ class RequestRows:
 
 @dataclass
 class LogitsPlan:
-    """The step's requests with options (`plan_logits`)."""
+    """The step's requests with options (`plan_logits`); `fill_masks`: fills the grammar masks of its constrained
+    requests' rows (`RequestRows.allowed`), called by `apply` once the step's forward is queued, so that on a GPU the
+    host computes them while the forward runs."""
 
     requests: list[RequestRows]
+    fill_masks: Callable[[], None] | None = None
 
     @property
     def logprob_requests(self) -> list[RequestRows]:
@@ -157,6 +161,8 @@ def take_logprobs(logits: torch.Tensor, plan: LogitsPlan) -> LaunchedLogprobs | 
 
 def apply(logits: torch.Tensor, plan: LogitsPlan) -> None:
     """Penalties, min_tokens and grammar masks, in place on `logits` ([num_logits, V], the step's sampling rows)."""
+    if plan.fill_masks is not None:
+        plan.fill_masks()
     penalized = [r for r in plan.requests if r.options.penalized]
     if penalized:
         _apply_penalties(logits, penalized)

@@ -64,10 +64,13 @@ def build_propose(
     num_rows: Sequence[int] | None = None,
     sampled: torch.Tensor | None = None,
     num_sampled: torch.Tensor | None = None,
+    grammar_outputs: dict[int, list[int]] | None = None,
 ) -> ProposeBatch:
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
     what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
-    `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device."""
+    `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
+    `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`), sent with its
+    grammar so that the drafter masks its drafts too."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add
     hand_off = num_rows is not None
@@ -90,5 +93,8 @@ def build_propose(
                 item.sampling.seed = sp.seed
             if sp.coupled:
                 item.sampling.coupled = True
+        if grammar_outputs and i in grammar_outputs:  # structured output: the drafter masks its drafts too
+            item.sampling.grammar = sp.grammar
+            item.output_token_ids.extend(grammar_outputs[i])
     offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
     return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)

@@ -57,6 +57,7 @@ class VerifierWorker:
         # The tokens each request with penalties or a grammar ran, drafts included (`logits_processors.py`).
         self._histories: dict[str, list[int]] = {}
         self.grammars = Grammars(tokenizer_dir)
+        self._grammar_outputs: dict[int, list[int]] = {}  # the step's constrained requests' outputs before it
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -106,6 +107,7 @@ class VerifierWorker:
         naming the first bad field of the message."""
         filled: list[list[int]] = []
         unfilled = self.held.fill(request, filled)
+        self._grammar_outputs = {}
         planned = early.planned if early is not None else None
         if planned is not None:
             planned = with_held_drafts(planned, filled, self.vocab_size)  # None: fewer drafts came than planned
@@ -158,11 +160,20 @@ class VerifierWorker:
             [r.num_prompt_tokens for r in request.requests],
             histories,
         )
-        for r in plan.requests if plan is not None else ():
-            if r.options.grammar is not None:
-                output = r.history[r.num_prompt_tokens :]
-                rid = request.requests[r.index].request_id
-                r.allowed = self.grammars.masks(rid, r.options.grammar, output, r.drafts)
+        constrained = [r for r in plan.requests if r.options.grammar is not None] if plan is not None else []
+        for r in constrained:
+            self._grammar_outputs[r.index] = r.history[r.num_prompt_tokens :]
+        if constrained:
+
+            def fill_masks():
+                jobs = [
+                    (request.requests[r.index].request_id, r.options.grammar, self._grammar_outputs[r.index], r.drafts)
+                    for r in constrained
+                ]
+                for r, masks in zip(constrained, self.grammars.batch_masks(jobs)):
+                    r.allowed = masks
+
+            plan.fill_masks = fill_masks
         return plan
 
     def finish(self, batch: InputBatch, launched: LaunchedStep | None, with_rows: bool = True) -> StepOutput:
@@ -170,7 +181,10 @@ class VerifierWorker:
         which a device hand-off took on the device already)."""
         if launched is None:
             return self.runner.step(batch)  # no request: an empty output, nothing on the device
-        return self.runner.finish(launched, with_rows=with_rows)
+        step = self.runner.finish(launched, with_rows=with_rows)
+        if self._grammar_outputs:  # what the drafter's grammar masks follow (`specsplit/drafter/runner.py`)
+            step.grammar_outputs = {i: out + step.sampled_token_ids[i] for i, out in self._grammar_outputs.items()}
+        return step
 
     def keep(
         self,

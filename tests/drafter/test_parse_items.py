@@ -25,6 +25,13 @@ def test_items_keep_request_order_and_fields():
     assert items == [ProposeItem("a", 3, [1, 2], 3), ProposeItem("b", 3, [99], 3, 0.5, 2**63 - 1)]
 
 
+def test_a_constrained_item_carries_its_grammar_and_output():
+    sampling = common_pb2.SamplingParams(temperature=0.5, seed=3, coupled=True, grammar="start: /[a-z]+/")
+    item = _item(sampling=sampling, output_token_ids=[5, 6, 7])
+    (parsed,) = parse_items(drafter_pb2.ProposeRequest(requests=[item]), VOCAB)
+    assert parsed == ProposeItem("a", 3, [1, 2], 3, 0.5, 3, coupled=True, grammar="start: /[a-z]+/", output=[5, 6, 7])
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

@@ -145,7 +145,11 @@ def test_a_propose_message_is_built_once_and_carries_only_what_the_drafter_reads
     client = make_channel("127.0.0.1:1")
     batch = types.SimpleNamespace(req_ids=["g", "s"], num_spec_tokens=[3, 2])
     step = types.SimpleNamespace(
-        start_positions=[4, 9], next_token_ids=[[7], [8, 9]], num_rejected=[0, 1], hidden_states=torch.zeros(3, 2)
+        start_positions=[4, 9],
+        next_token_ids=[[7], [8, 9]],
+        num_rejected=[0, 1],
+        hidden_states=torch.zeros(3, 2),
+        grammar_outputs=None,
     )
     sampling = [
         Sampling(temperature=0.0, top_p=0.5, seed=5, end_token_ids=(0, 1), presence_penalty=0.5),

@@ -50,3 +50,16 @@ def test_only_a_sampled_requests_temperature_and_seed_reach_the_drafter():
     assert not greedy.HasField("sampling")  # temperature 0: its seed and penalties are the verifier's alone
     assert seeded.sampling == common_pb2.SamplingParams(temperature=0.7, seed=11, coupled=True)
     assert unseeded.sampling == common_pb2.SamplingParams(temperature=0.5) and not unseeded.sampling.HasField("seed")
+
+
+def test_a_constrained_requests_grammar_and_output_reach_the_drafter():
+    """Structured output: the drafter masks its drafts with the request's grammar after its output, which the step
+    sends (`StepOutput.grammar_outputs`); a request without a grammar sends neither."""
+    sampling = [Sampling(), Sampling(temperature=0.7, seed=11, grammar="start: /[a-z]+/"), Sampling(temperature=0.5)]
+    plan = build_propose(
+        1, *REQS, sampling, torch.zeros(6, 2), next_token_ids=NEXT_TOKENS, num_rejected=REJECTED,
+        grammar_outputs={1: [4, 5, 8, 9]},
+    )  # fmt: skip
+    greedy, constrained, plain = plan.items
+    assert constrained.sampling.grammar == "start: /[a-z]+/" and list(constrained.output_token_ids) == [4, 5, 8, 9]
+    assert not greedy.output_token_ids and not plain.output_token_ids and not plain.sampling.grammar
