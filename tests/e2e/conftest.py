@@ -62,6 +62,16 @@ def session_cluster(tiny_checkpoint, tmp_path_factory):
         yield c
 
 
+@pytest.fixture(scope="module")
+def demo_fixed_k(tmp_path_factory):
+    """The trained demo checkpoint co-located with a fixed k of 3 (`--no-adaptive`: every request its k drafts each
+    iteration, 3 unless it asks for fewer); one per test module."""
+    demo = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+    logs = tmp_path_factory.mktemp("demo-fixed-k")
+    with LocalCluster(demo, num_speculative_tokens=3, log_dir=logs, coordinator_args=["--no-adaptive"]) as c:
+        yield c
+
+
 @pytest.fixture
 def cluster(session_cluster):
     """The session's cluster, whole for each test: the fault and shutdown tests kill or stop its services, and a

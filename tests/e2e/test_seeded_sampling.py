@@ -63,19 +63,10 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def fixed_cluster(tmp_path_factory):
-    """Co-located, every request its k drafts each iteration (3 unless it asks for fewer)."""
-    with LocalCluster(
-        DEMO, num_speculative_tokens=3, log_dir=tmp_path_factory.mktemp("fixed"), coordinator_args=["--no-adaptive"]
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(fixed_cluster, prompts) -> list[list[int]]:
+def reference(demo_fixed_k, prompts) -> list[list[int]]:
     """Each seeded request's tokens with no speculation, sent alone."""
     out = []
-    with Client(fixed_cluster.address, timeout=120) as client:
+    with Client(demo_fixed_k.address, timeout=120) as client:
         for prompt, kind in zip(prompts, KINDS):
             result = client.generate(
                 prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, num_speculative_tokens=0, **kind
@@ -91,9 +82,9 @@ def differing(got: list[list[int]], want: list[list[int]]) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
 
 
-def test_fixed_k_alone_equals_no_speculation_and_the_seed_chooses_the_tokens(fixed_cluster, prompts, reference):
+def test_fixed_k_alone_equals_no_speculation_and_the_seed_chooses_the_tokens(demo_fixed_k, prompts, reference):
     got, accepted, other_seed = [], 0, []
-    with Client(fixed_cluster.address, timeout=120) as client:
+    with Client(demo_fixed_k.address, timeout=120) as client:
         for prompt, kind in zip(prompts, KINDS):
             result = client.generate(
                 prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, num_speculative_tokens=3, **kind
@@ -111,13 +102,13 @@ def test_fixed_k_alone_equals_no_speculation_and_the_seed_chooses_the_tokens(fix
     assert differing(other_seed, reference) == list(range(len(KINDS)))
 
 
-def test_drafter_sigkilled_mid_stream_and_restarted_equals_no_speculation(fixed_cluster, prompts, reference):
+def test_drafter_sigkilled_mid_stream_and_restarted_equals_no_speculation(demo_fixed_k, prompts, reference):
     """The 12 seeded requests streamed together, the drafter SIGKILLed once tokens have arrived: the verifier goes on
     without drafts. Then the drafter started again: once its drafts are verified again, a seeded request still gives
     its reference tokens."""
     progressed = threading.Event()
     threads, results, errors = start_streams(
-        fixed_cluster.address,
+        demo_fixed_k.address,
         prompts[: len(KINDS)],
         MAX_TOKENS,
         lambda n: n >= 4 and progressed.set(),
@@ -125,18 +116,18 @@ def test_drafter_sigkilled_mid_stream_and_restarted_equals_no_speculation(fixed_
     )
     try:
         assert progressed.wait(120)
-        fixed_cluster.kill("drafter", signal.SIGKILL)
+        demo_fixed_k.kill("drafter", signal.SIGKILL)
         finished_before_the_kill = len(results)
     finally:
         for t in threads:
             t.join(240)
-    assert fixed_cluster.services["drafter"].proc.returncode == -signal.SIGKILL
+    assert demo_fixed_k.services["drafter"].proc.returncode == -signal.SIGKILL
     assert finished_before_the_kill < len(KINDS)  # the drafter died while requests were streaming
     assert not errors, errors
     assert differing([results[i] for i in range(len(KINDS))], reference) == []
 
-    fixed_cluster.restart("drafter")
-    with Client(fixed_cluster.address, timeout=120) as client:
+    demo_fixed_k.restart("drafter")
+    with Client(demo_fixed_k.address, timeout=120) as client:
         deadline = time.monotonic() + 30  # the verifier probes a lost drafter with backoff (<= 5 s)
         for i in itertools.count():
             kind = KINDS[i % len(KINDS)]

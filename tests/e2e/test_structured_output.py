@@ -57,14 +57,6 @@ def follows(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fixed_cluster(tmp_path_factory):
-    with LocalCluster(
-        DEMO, num_speculative_tokens=3, log_dir=tmp_path_factory.mktemp("so-fixed"), coordinator_args=["--no-adaptive"]
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def oracle():
     """Target-only greedy decoding under a constraint: transformers' model, llguidance's mask at every token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,10 +105,10 @@ def run_all(address: str, k: int | None, **sampling) -> dict[str, list]:
     return results
 
 
-def test_greedy_follows_every_constraint_and_equals_target_only_decoding(fixed_cluster, oracle):
+def test_greedy_follows_every_constraint_and_equals_target_only_decoding(demo_fixed_k, oracle):
     tok, greedy = oracle
-    drafted = run_all(fixed_cluster.address, 3)
-    plain = run_all(fixed_cluster.address, 0)
+    drafted = run_all(demo_fixed_k.address, 3)
+    plain = run_all(demo_fixed_k.address, 0)
     accepted = 0
     for kind, spec in KINDS.items():
         grammar = compile_grammar(structured_output_pb(spec))
@@ -131,10 +123,10 @@ def test_greedy_follows_every_constraint_and_equals_target_only_decoding(fixed_c
     assert accepted > 0
 
 
-def test_sampled_output_follows_the_constraint_and_reproduces_with_its_seed(fixed_cluster):
+def test_sampled_output_follows_the_constraint_and_reproduces_with_its_seed(demo_fixed_k):
     """Seeded sampling at temperature 1 (coupled verification): valid outputs, the same with k 3 as with none."""
-    drafted = run_all(fixed_cluster.address, 3, temperature=1.0, seed=17)
-    plain = run_all(fixed_cluster.address, 0, temperature=1.0, seed=17)
+    drafted = run_all(demo_fixed_k.address, 3, temperature=1.0, seed=17)
+    plain = run_all(demo_fixed_k.address, 0, temperature=1.0, seed=17)
     for kind in KINDS:
         for i, (a, b) in enumerate(zip(drafted[kind], plain[kind])):
             if a.finish_reason == "stop":
@@ -158,8 +150,8 @@ def test_adaptive_and_streamed_outputs_follow_the_constraint(tmp_path):
             assert r.finish_reason != "stop" or follows(kind, r.text), (kind, r.text)
 
 
-def test_a_cut_json_ends_with_length_and_a_bad_constraint_is_invalid_argument(fixed_cluster):
-    with Client(fixed_cluster.address, timeout=120) as client:
+def test_a_cut_json_ends_with_length_and_a_bad_constraint_is_invalid_argument(demo_fixed_k):
+    with Client(demo_fixed_k.address, timeout=120) as client:
         cut = client.generate(PROMPTS[0], max_tokens=4, structured_output={"json": SCHEMA})
         assert cut.finish_reason == "length" and cut.text.startswith("{")
         for bad, words in [
@@ -173,7 +165,7 @@ def test_a_cut_json_ends_with_length_and_a_bad_constraint_is_invalid_argument(fi
             assert words in str(err.value).lower(), str(err.value)
 
 
-def test_sampled_tokens_at_constrained_positions_follow_the_masked_target(fixed_cluster, oracle):
+def test_sampled_tokens_at_constrained_positions_follow_the_masked_target(demo_fixed_k, oracle):
     """Tokens 1 and 2 of 400 sampled generations under a regex (temperature 1, k 3: token 2 verifies a draft),
     unseeded (rejection sampling) and seeded (coupled), against the exact marginals of the target masked by the
     grammar at each position; chi-square, false-failure rate 1e-3 each."""
@@ -208,7 +200,7 @@ def test_sampled_tokens_at_constrained_positions_follow_the_masked_target(fixed_
         tokens: list[list[int]] = []
 
         def worker(w, seeded=seeded, tokens=tokens):
-            with Client(fixed_cluster.address, timeout=300) as client:
+            with Client(demo_fixed_k.address, timeout=300) as client:
                 for s in range(w, n, workers):
                     out = client.generate(
                         prompt_token_ids=prompt, max_tokens=2, temperature=1.0, seed=s if seeded else None,
