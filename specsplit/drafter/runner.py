@@ -298,7 +298,7 @@ class DrafterRunner:
             if item.grammar is None:
                 continue
             try:
-                words.append(self.grammars.masks(item.request_id, item.grammar, item.output, drafted[i])[-1])
+                words.append(self.grammars.next_mask(item.request_id, item.grammar, item.output, drafted[i]))
             except SpecsplitError as err:
                 log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
                 continue

@@ -74,6 +74,20 @@ class Grammars:
         for one request)."""
         return self.batch_masks([(request_id, grammar, output, drafts)])[0]
 
+    def next_mask(self, request_id: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
+        """[words] int32: what the grammar allows after the output and `drafts` (the drafter's next draft; drafts it
+        made earlier in the same Propose, all allowed: it masked them). Raises InvalidArgument as `batch_masks`."""
+        import llguidance.numpy
+
+        m = self._matcher(request_id, grammar, output)
+        out = np.full((1, -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
+        taken = m.matcher.try_consume_tokens(drafts) if drafts else 0
+        if taken == len(drafts):
+            llguidance.numpy.fill_next_token_bitmask(m.matcher, out, 0)
+        if taken:
+            m.matcher.rollback(taken)
+        return out[0]
+
     def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows
         at each of the request's rows. Rows after a draft the grammar does not allow, or after an EOS, allow

@@ -69,3 +69,12 @@ def test_masks_become_minus_infinity_on_the_logits(tok):
         finite = set(torch.nonzero(logits[1 + r] == 0).flatten().tolist())
         assert finite == allowed_ids(masks[r])
         assert (logits[1 + r, 4096:] == float("-inf")).all()
+
+
+def test_the_drafters_next_mask_is_the_row_after_its_drafts(tok):
+    grammars = Grammars(DEMO)
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    rows = grammars.masks("r", GRAMMAR, [], [hello, num])
+    for k in range(3):
+        assert np.array_equal(grammars.next_mask("r", GRAMMAR, [], [hello, num][:k]), rows[k])
+    assert np.array_equal(grammars.next_mask("r", GRAMMAR, [], []), rows[0])  # the drafts were rolled back
