@@ -49,7 +49,7 @@ class Grammars:
         self._matchers: dict[str, _Matcher] = {}
         self._executor = None  # llguidance.LLExecutor, made at the first masks
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
-        # says): what masking the drafter's own logits could win back at most (benchmarks/structured_output.py).
+        # says): none while the drafter masks its drafts too (benchmarks/structured_output.py compares unmasked ones).
         self.checked = self.refused = 0
 
     @property
