@@ -1,8 +1,8 @@
-"""What structured output costs a verify step: the grammar masks' host time (llguidance filling a packed mask per row,
-drafts consumed and rolled back, as `specsplit/runtime/grammar.py` does) and their device time (the masks unpacked
-and applied to the logits, `logits_processors.apply`), at a 151,936-id vocabulary, batch 1 / 32 / 128 x k 3; and the
-demo checkpoint's acceptance under constraints with unconstrained drafts, with the share of verified drafts the
-grammar refused (what masking the drafter could win back at most).
+"""What structured output costs a verify step: the grammar masks' host time (llguidance filling a packed mask per
+row, drafts included, the batch's rows at once, as the verifier's `Grammars.batch_masks` does) and their device time
+(the masks unpacked and applied to the logits, `logits_processors.apply`), at a 151,936-id vocabulary, batch 1 / 32 /
+128 x k 3; and the demo checkpoint's acceptance under constraints with the drafter's drafts masked (as served) and
+unmasked, with the share of verified drafts the grammar refused.
 
     python benchmarks/structured_output.py --device cuda [--batches 1 32 128] [--acceptance]
 
@@ -122,7 +122,7 @@ def mask_times(batches: list[int], device: str, repeats: int) -> list[dict]:
         for step in range(repeats):
             starts = [o + step for o in offsets]
             t0 = time.perf_counter()
-            masks = [grammars.masks(f"r{i}", grammar, text[:s], text[s : s + K]) for i, s in enumerate(starts)]
+            masks = grammars.batch_masks([(f"r{i}", grammar, text[:s], text[s : s + K]) for i, s in enumerate(starts)])
             host.append(time.perf_counter() - t0)
         plan = LogitsPlan(
             [

@@ -250,11 +250,14 @@ class DrafterRunner:
         else:
             logits = None if out_logits is None else out_logits.index_select(0, select)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
+        drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
         if constrained:
-            self._mask_grammars(logits, items, active, [])
+            self._mask_grammars(logits, items, active, drafted)
         picks = [self._pick(logits, sampling, hidden.shape[0])]
+        if constrained and logits is not None:
+            _note_drafts(drafted, active, picks[-1])
         steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
-        for step_rows, (keep, attn, positions_t, sampling) in zip(actives, steps):
+        for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
                 tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
@@ -265,8 +268,10 @@ class DrafterRunner:
             if not graphed:
                 logits = self.mtp.compute_logits(hidden)
             if constrained:
-                self._mask_grammars(logits, items, step_rows, list(zip([active, *actives], picks)))
+                self._mask_grammars(logits, items, step_rows, drafted)
             picks.append(self._pick(logits, sampling, hidden.shape[0]))
+            if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
+                _note_drafts(drafted, step_rows, picks[-1])
         if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
             return ProposeOutput(drafts, (t0, t1, t1))
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
@@ -279,19 +284,13 @@ class DrafterRunner:
         logits: torch.Tensor | None,  # [n, V] this step's, one row per item of `rows`
         items: list[ProposeItem],
         rows: list[int],  # this step's items, in row order
-        earlier: list[tuple[list[int], _Pick]],  # per earlier step of this Propose: its items and its drafts
+        drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host (`_note_drafts`)
     ) -> None:
         """Masks the rows of constrained requests with their grammar's state after their output and the drafts this
-        Propose made for them so far, so that the draft picked next is one the grammar allows. Reads the earlier
-        drafts on the host: a device→host copy per step, taken only by steps with a constrained request. A request
-        whose output its grammar refuses (which verification would not have let through) is drafted unmasked."""
+        Propose made for them so far, so that the draft picked next is one the grammar allows. A request whose output
+        its grammar refuses (which verification would not have let through) is drafted unmasked."""
         if logits is None:  # a tensor-parallel follower: rank 0 picks
             return
-        drafted: dict[int, list[int]] = {i: [] for i in rows}
-        for step_rows, pick in earlier:
-            for i, token in zip(step_rows, pick[0].tolist()):
-                if i in drafted:
-                    drafted[i].append(token)
         masked, words = [], []
         for row, i in enumerate(rows):
             item = items[i]
@@ -404,6 +403,13 @@ class DrafterRunner:
             fill_tokens(items, *host[-2:])
             host = host[:-2]
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
+
+
+def _note_drafts(drafted: dict[int, list[int]], rows: list[int], pick: _Pick) -> None:
+    """A step's drafts (its rows' items `rows`) onto each item's host list: one device→host copy per step, taken only
+    by Proposes with a constrained request, since the next step's grammar masks follow them."""
+    for i, token in zip(rows, pick[0].tolist()):
+        drafted[i].append(token)
 
 
 def _sampling(int64: list[torch.Tensor], float32: list[torch.Tensor]) -> _Sampling | None:
