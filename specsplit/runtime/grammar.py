@@ -80,6 +80,8 @@ class Grammars:
         import llguidance.numpy
 
         m = self._matcher(request_id, grammar, output)
+        eos = set(self.tokenizer.eos_tokens)
+        drafts = drafts[: next((j for j, t in enumerate(drafts) if t in eos), len(drafts))]  # as `batch_masks`
         out = np.full((1, -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
         taken = m.matcher.try_consume_tokens(drafts) if drafts else 0
         if taken == len(drafts):
@@ -90,15 +92,17 @@ class Grammars:
 
     def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows
-        at each of the request's rows. Rows after a draft the grammar does not allow, or after an EOS, allow
-        everything (nothing is emitted there: that draft is rejected, or the request ended). The masks of every
-        row are computed in parallel (llguidance's executor threads, which drop the GIL)."""
+        at each of the request's rows. Rows after a draft the grammar does not allow allow everything (nothing is
+        emitted there: that draft is rejected). Rows after an EOS draft get the EOS row's mask: the matcher follows the
+        output up to its first EOS (`_matcher`), so under ignore_eos what follows an EOS is masked as the EOS was,
+        as target-only decoding masks it. The masks of every row are computed in parallel (llguidance's executor
+        threads, which drop the GIL)."""
         import llguidance
         import llguidance.numpy
 
         vocab = self.tokenizer.vocab_size
         eos = set(self.tokenizer.eos_tokens)
-        jobs, firsts = [], []
+        jobs, firsts, after_eos = [], [], []
         total = 0
         for request_id, grammar, output, drafts in requests:
             m = self._matcher(request_id, grammar, output)
@@ -111,6 +115,8 @@ class Grammars:
             self.refused += len(used) < len(drafts) and not ends
             jobs.append((m.matcher, total, used))  # masks its rows total .. total + len(used)
             firsts.append(total)
+            if ends:  # the EOS row, and the rows after it
+                after_eos.append((total + len(used), total + len(drafts) + 1))
             total += len(drafts) + 1
         out = np.full((total, -(-vocab // BITS)), -1, dtype=np.int32)
         if self._executor is None:
@@ -121,6 +127,8 @@ class Grammars:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, out)
         if drafted:
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        for row, end in after_eos:
+            out[row + 1 : end] = out[row]
         return [out[first : first + len(r[3]) + 1] for first, r in zip(firsts, requests)]
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:

@@ -45,6 +45,20 @@ def test_rows_after_a_refused_draft_allow_everything(tok):
     assert len(allowed_ids(masks[1])) == len(allowed_ids(masks[2])) == masks.shape[1] * 32
 
 
+def test_rows_after_an_eos_draft_are_masked_as_the_eos_row(tok):
+    """Under ignore_eos a request goes on after an EOS; target-only decoding masks what follows it as the EOS was (the
+    matcher follows the output up to its first EOS), so the verifier's rows after an EOS draft do too, and so does the
+    drafter's next mask."""
+    grammars = Grammars(DEMO)
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    eos = tok.eos_token_id
+    masks = grammars.masks("r", GRAMMAR, [hello], [num, eos, num, num])
+    assert eos in allowed_ids(masks[1]) and hello not in allowed_ids(masks[1])
+    for row in masks[2:]:
+        assert np.array_equal(row, masks[1])
+    assert np.array_equal(grammars.next_mask("r", GRAMMAR, [hello], [num, eos, hello]), masks[1])
+
+
 def test_an_output_that_went_another_way_starts_a_fresh_matcher_and_one_off_the_grammar_is_refused(tok):
     grammars = Grammars(DEMO)
     hello, world = tok.encode("hello", add_special_tokens=False), tok.encode("world", add_special_tokens=False)
