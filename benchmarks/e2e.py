@@ -35,6 +35,17 @@ random-weight models whose own drafts mean nothing.
         --dtype bfloat16 --batches 1 32 --ks 1 3 --new-tokens 32
     # ... their CPU smoke runs: --shape glm-tiny-fp8 / deepseek-v3-tiny-fp8 --services-only (device and dtype left out)
 
+--structured json: every cell also runs with every request constrained to benchmarks/structured_output.py's JSON
+schema (the SDK's `structured_output=`), as mode MODE+json beside MODE, its repeats going round with the others';
+its outputs are checked against the constrained target-only run (lossless; with --alpha its outputs are the oracle of
+the constrained requests, `benchmarks/lib/forced_acceptance.py`) and must follow the schema (complete JSON where they
+reached the EOS). A table gives each constrained cell's tokens/s against its unconstrained twin. With --shape the
+checkpoint's tokenizer is the synthetic 151,936-id vocabulary of the mask benchmark (`benchmarks/lib/structured.py`),
+in the unconstrained modes too.
+
+    python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda --dtype bfloat16 \
+        --batches 1 32 --ks 3 --new-tokens 64 --structured json
+
 --services-only: the in-process engine holds a second copy of the weights, which the FP8 GLM-4.5-Air and DeepSeek-V3
 shapes do not leave room for. There (a) is the services with every request at 0 drafts (no Propose is sent), run at
 every batch before the speculative cells; its outputs are the lossless reference and the oracle of forced acceptance
@@ -71,6 +82,7 @@ from benchmarks.lib.e2e_modes import InProcessEngine, RunResult, run_services, s
 from benchmarks.lib.e2e_report import add_comparisons, add_roofline, cell_row, print_roofline, print_tables  # noqa: E402
 from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
+from benchmarks.lib.structured import SPECS, OutputCheck, write_tokenizer  # noqa: E402
 from benchmarks.lib.weight_bytes import ModelBytes, model_bytes, plan_shares  # noqa: E402
 from specsplit.cli.launcher import LocalCluster  # noqa: E402
 from specsplit.rpc.placement import PLACEMENTS, POOLED_TRANSPORTS  # noqa: E402
@@ -163,6 +175,14 @@ def parse_args() -> argparse.Namespace:
         "not fit. For shapes whose second copy does not fit the GPU (glm-4.5-air-fp8, deepseek-v3-fp8). Defaults "
         "then: --repeats 1, --warmup-tokens 8",
     )
+    p.add_argument(
+        "--structured",
+        choices=sorted(SPECS),
+        default=None,
+        help="also run every cell with every request constrained to this response format (mode MODE+KIND), checked "
+        "against the constrained target-only output and the format; with --shape the checkpoint gets the synthetic "
+        "151,936-id tokenizer the grammar masks run over (benchmarks/lib/structured.py)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=None, help="new tokens of each cell's untimed warm-up run")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default with $OUT: $OUT/e2e-NAME.json)")
     args = p.parse_args()
@@ -170,6 +190,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--shape has no weights: add --load-format dummy")
     if args.services_only and args.verifier_tp != 1:
         p.error("--services-only plans one GPU: leave out --verifier-tp")
+    if args.services_only and args.structured:
+        p.error("--structured runs beside the in-process engine: leave out --services-only")
     if args.repeats is None:
         args.repeats = 1 if args.services_only else 3
     if args.warmup_tokens is None:
@@ -269,8 +291,20 @@ def run_cells(cells, run, repeats: int, warmup_tokens: int, new_tokens: int) -> 
     return runs
 
 
+def check_structured(check: OutputCheck, name: str, runs: list[RunResult]) -> dict:
+    """A constrained cell's row entries: what in its runs' outputs does not follow the response format
+    (`OutputCheck`), and how many of its first run's outputs reached the EOS (complete JSON texts)."""
+    problems, ended = [], []
+    for r in runs:
+        wrong, finished = check.problems(name, r.outputs)
+        problems += wrong
+        ended.append(finished)
+    return {"format_problems": problems, "outputs_ended": ended[0]}
+
+
 def with_engine(args, model: Path, work: Path, t_begin: float):
-    """(a) and (c) on the in-process engine, (b) beside it: two copies of the weights on the device."""
+    """(a) and (c) on the in-process engine, (b) beside it: two copies of the weights on the device. With
+    --structured every mode also runs constrained (MODE+KIND) beside it."""
     max_k, max_batch = max(args.ks), max(args.batches)
     engine = InProcessEngine(
         str(model),
@@ -282,11 +316,15 @@ def with_engine(args, model: Path, work: Path, t_begin: float):
         max_k,
     )
     all_prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
-    reference = engine.run(all_prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
+    kinds = ["", *([args.structured] if args.structured else [])]  # "": unconstrained
+    # Target-only greedy, per kind: the lossless oracle (of the constrained runs: under the same response format).
+    reference = {kind: engine.run(all_prompts, args.new_tokens, 0, SPECS.get(kind)).outputs for kind in kinds}
+    check = OutputCheck(model, args.structured) if args.structured else None
     services_share = services_memory_share(args.device, args.num_blocks)
     role_commands = forced_drafter_command(args, work / "oracle.json")
     if args.alpha is not None:
-        oracle = Oracle([p + o for p, o in zip(all_prompts, reference)], engine.target.config.vocab_size)
+        sequences = {kind: [p + o for p, o in zip(all_prompts, reference[kind])] for kind in kinds}
+        oracle = Oracle(sequences[""], engine.target.config.vocab_size, sequences.get(args.structured))
         save_oracle(oracle, work / "oracle.json")
         engine.wrap_drafter = lambda runner: ForcedAcceptanceRunner(runner, oracle, args.alpha, args.seed)
     rows, failures = [], []
@@ -294,19 +332,24 @@ def with_engine(args, model: Path, work: Path, t_begin: float):
         print(f"[set-up {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
         mode_b = f"services_{args.placement}"
         for batch in args.batches:
-            ps, expected = all_prompts[:batch], reference[:batch]
-            cells = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", mode_b)]
+            ps = all_prompts[:batch]
+            modes = [(0, "target_only")] + [(k, mode) for k in args.ks for mode in ("in_process", mode_b)]
+            cells = [(k, f"{mode}+{kind}" if kind else mode) for k, mode in modes for kind in kinds]
 
             def run(k: int, mode: str, new_tokens: int, ps=ps):
-                if mode == mode_b:
-                    return run_services(cluster.address, ps, new_tokens, k)
-                return engine.run(ps, new_tokens, k)
+                base, _, kind = mode.partition("+")
+                if base == mode_b:
+                    return run_services(cluster.address, ps, new_tokens, k, SPECS.get(kind))
+                return engine.run(ps, new_tokens, k, SPECS.get(kind))
 
             t_batch = time.monotonic()
             runs = run_cells(cells, run, args.repeats, args.warmup_tokens, args.new_tokens)
             for k, mode in cells:
-                check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], expected, failures)
+                name, kind = f"batch {batch} k {k} {mode}", mode.partition("+")[2]
+                check_lossless(name, runs[k, mode], reference[kind][:batch], failures)
                 rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
+                if kind:
+                    rows[-1] |= check_structured(check, name, runs[k, mode])
             print(f"[batch {batch}: {len(cells)} cells in {time.monotonic() - t_batch:.1f}s]", file=sys.stderr)
     return rows, failures, {mode_b: cluster.hidden_transport}
 
@@ -385,6 +428,8 @@ def publish(args, model, rows: list[dict], failures: list[str], transports: dict
         add_roofline(rows, sizes)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     alpha = f"forced acceptance alpha={args.alpha}" if args.alpha is not None else "real drafts"
+    if args.structured:
+        alpha += f"; modes +{args.structured}: every request constrained to the {args.structured} response format"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         print(
@@ -398,6 +443,9 @@ def publish(args, model, rows: list[dict], failures: list[str], transports: dict
             print_roofline(rows, sizes)
         print_tables(rows)
         print(f"\nlossless: {'yes' if not failures else 'NO'} (every output equals the target-only greedy output)")
+        if args.structured:
+            wrong = any(r.get("format_problems") for r in rows)
+            print(f"{args.structured}: {'NO' if wrong else 'yes'} (every constrained output follows its format)")
     if final:
         print("\n" + out.getvalue(), end="")
     if args.out:
@@ -424,6 +472,8 @@ def main() -> None:
     t_begin = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model
+    if args.shape and args.structured:  # the grammar masks' vocabulary (the shape's copy of the demo's is 4096 ids)
+        write_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])
     sizes = (
         model_bytes(
             json.loads((model / "config.json").read_text()),
@@ -443,6 +493,7 @@ def main() -> None:
     else:
         rows, failures, transports = with_engine(args, model, work, t_begin)
     publish(args, model, rows, failures, transports, sizes, t_begin, final=True)
+    failures += [problem for r in rows for problem in r.get("format_problems", [])]
     if failures:
         print("\n".join(failures[:20]), file=sys.stderr)
         sys.exit(1)

@@ -127,14 +127,22 @@ class InProcessEngine:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run(self, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
+    def run(
+        self, prompts: list[list[int]], new_tokens: int, k: int, structured_output: dict | None = None
+    ) -> RunResult:
+        """`structured_output`: what every output must match (`LLM.generate`'s), None for unconstrained runs."""
         if k > 0:
             self.llm.drafter.runner = self.wrap_drafter(self.drafter)
         self.llm.step.use_drafter(self.llm.drafter if k > 0 else None)
         self._sync()
         t_start = time.perf_counter()
         results = self.llm.generate(
-            prompts, max_tokens=new_tokens, ignore_eos=True, num_speculative_tokens=k, detokenize=False
+            prompts,
+            max_tokens=new_tokens,
+            ignore_eos=True,
+            num_speculative_tokens=k,
+            detokenize=False,
+            structured_output=structured_output,
         )
         self._sync()
         seconds = time.perf_counter() - t_start
@@ -186,12 +194,15 @@ def recent_iterations(address: str) -> list[coordinator_pb2.IterationTiming]:
 _RUNS = itertools.count()
 
 
-def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int) -> RunResult:
+def run_services(
+    address: str, prompts: list[list[int]], new_tokens: int, k: int, structured_output: dict | None = None
+) -> RunResult:
     """B concurrent Generate calls (one thread and client each), then the coordinator's timings of their
     iterations. Each request's id names its prompt (a forced-acceptance drafter matches it by that). The clients
     are connected and their threads started before the run's clock starts, and released together: a server's
     clients hold their channels, and a client's own connection set-up is not the server's time (it spread the
-    arrivals of 32 requests over three iterations on the H200)."""
+    arrivals of 32 requests over three iterations on the H200). `structured_output`: every request's (the SDK's
+    `structured_output=`), None for unconstrained runs."""
     tag = f"run{os.getpid()}.{next(_RUNS)}"
     before = max((it.iteration for it in recent_iterations(address)), default=0)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -210,6 +221,7 @@ def run_services(address: str, prompts: list[list[int]], new_tokens: int, k: int
                 num_speculative_tokens=k,
                 temperature=0.0,
                 request_id=prompt_request_id(i, tag),
+                structured_output=structured_output,
             )
             outputs[i], per_request[i] = list(out.token_ids), out.stats
         except BaseException as err:  # noqa: BLE001 (re-raised below, in the caller's thread)

@@ -57,15 +57,24 @@ def cell_row(batch: int, k: int, mode: str, new_tokens: int, runs: list[RunResul
 
 def add_comparisons(rows: list[dict]) -> None:
     """speedup = target-only time / this time; overhead = services / in-process − 1 (wall time and
-    median iteration time)."""
+    median iteration time); a constrained mode (MODE+KIND, `e2e.py --structured`) is compared with the constrained
+    ones, and its structured cost = its tokens/s / its unconstrained twin's (MODE) − 1, also repeat by repeat."""
     by = {(r["batch"], r["k"], r["mode"]): r for r in rows}
     for r in rows:
-        base = by.get((r["batch"], 0, "target_only"))
+        mode, plus, kind = r["mode"].partition("+")
+        base = by.get((r["batch"], 0, f"target_only{plus}{kind}"))
         r["speedup"] = base["seconds"] / r["seconds"] if base else None
-        twin = by.get((r["batch"], r["k"], "in_process"))
+        twin = by.get((r["batch"], r["k"], f"in_process{plus}{kind}"))
+        plain = by.get((r["batch"], r["k"], mode)) if kind else None
+        r["structured_cost"] = r["tokens_per_s"] / plain["tokens_per_s"] - 1 if plain else None
+        r["structured_cost_runs"] = (
+            [mine / theirs - 1 for mine, theirs in zip(r["tokens_per_s_runs"], plain["tokens_per_s_runs"])]
+            if plain
+            else []
+        )
         r["overhead"] = r["iteration_overhead"] = None
         r["iteration_overhead_runs"] = []
-        if r["mode"].startswith("services") and twin:
+        if mode.startswith("services") and twin:
             r["overhead"] = r["seconds"] / twin["seconds"] - 1
             r["iteration_overhead"] = r["breakdown_ms"]["iteration"] / twin["breakdown_ms"]["iteration"] - 1
             r["iteration_overhead_runs"] = [
@@ -130,6 +139,22 @@ def print_tables(rows: list[dict]) -> None:
             f"{r['iterations']:.0f} | {acc} | {speedup} | {_pct(r['overhead'])} | {_pct(r['iteration_overhead'])} | "
             f"{r['first_iteration_ms']:.1f} | {r['slowest_iteration_ms']:.1f} | {r['outside_iterations_ms']:.1f} |"
         )
+    constrained = [r for r in rows if r["structured_cost"] is not None]
+    if constrained:
+        print(
+            "\nStructured output: each constrained cell's tokens/s against its unconstrained twin (same batch, k and "
+            "mode; their repeats ran side by side), the change repeat by repeat, and how many of the batch's outputs "
+            "reached the EOS (complete JSON; the others end at the new-token count, following the format):\n"
+        )
+        print("| batch | k | mode | tokens/s unconstrained | tokens/s constrained | change | per repeat | ended |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in constrained:
+            plain = r["tokens_per_s"] / (1 + r["structured_cost"])
+            each = ", ".join(_pct(x) for x in r["structured_cost_runs"])
+            print(
+                f"| {r['batch']} | {r['k']} | {r['mode']} | {plain:.0f} | {r['tokens_per_s']:.0f} | "
+                f"{_pct(r['structured_cost'])} | {each} | {r.get('outputs_ended', '-')}/{r['batch']} |"
+            )
     print("\nPer-iteration breakdown, median ms (hops are one-way; see benchmarks/lib/e2e_modes.py):\n")
     print("| batch | k | mode | " + " | ".join(BREAKDOWN) + " |")
     print("|---|---|---|" + "---|" * len(BREAKDOWN))

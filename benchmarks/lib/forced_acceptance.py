@@ -15,6 +15,10 @@ of a position that is reached comes out ≈ alpha, and the output is still the t
 The drafter never sees prompts, only positions and the tokens that follow them; a request is
 matched to its oracle sequence by its id where the benchmark named it so (`prompt_request_id`), else by its
 tokens at positions 1..KEY_LEN (prompts must differ there).
+
+Under structured output (`e2e.py --structured`) the target's output is its greedy continuation under the request's
+grammar: the oracle then also holds, for the same prompts, the target-only run's constrained continuations, and a
+request whose Propose carries a grammar is forced from those (with the same coins as its unconstrained twin).
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ _MASK = (1 << 64) - 1
 class Oracle:
     sequences: list[list[int]]  # per prompt: prompt + the target's greedy continuation
     vocab_size: int
+    # Per prompt: prompt + the target's greedy continuation under the benchmark's structured output (None: none).
+    constrained: list[list[int]] | None = None
     _index: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.constrained is not None and [s[: 1 + KEY_LEN] for s in self.constrained] != [
+            s[: 1 + KEY_LEN] for s in self.sequences
+        ]:
+            raise ValueError("the constrained continuations must follow the same prompts")
         for i, seq in enumerate(self.sequences):
             key = tuple(seq[1 : 1 + KEY_LEN])
             if len(key) < KEY_LEN or self._index.setdefault(key, i) != i:
@@ -42,13 +52,18 @@ class Oracle:
     def lookup(self, tokens_from_position_1: list[int]) -> int | None:
         return self._index.get(tuple(tokens_from_position_1[:KEY_LEN]))
 
+    def of(self, constrained: bool) -> list[list[int]] | None:
+        """The continuations a request with a grammar (`constrained`) or without one is forced from."""
+        return self.constrained if constrained else self.sequences
+
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"vocab_size": self.vocab_size, "sequences": self.sequences}))
+        raw = {"vocab_size": self.vocab_size, "sequences": self.sequences, "constrained": self.constrained}
+        path.write_text(json.dumps(raw))
 
     @classmethod
     def load(cls, path: str | Path) -> Oracle:
         raw = json.loads(Path(path).read_text())
-        return cls(raw["sequences"], raw["vocab_size"])
+        return cls(raw["sequences"], raw["vocab_size"], raw.get("constrained"))
 
 
 def prompt_request_id(index: int, tag: str) -> str:
@@ -79,6 +94,7 @@ class _Track:
     history: list[int] = field(default_factory=list)  # history[p - 1]: the token at position p >= 1
     oracle: int | None = None  # index into Oracle.sequences once matched
     lost: bool = False  # history has a gap or left the oracle: drafts stay the MTP's own
+    constrained: bool = False  # its Proposes carry a grammar: forced from Oracle.constrained
 
 
 class ForcedAcceptanceRunner:
@@ -114,13 +130,15 @@ class ForcedAcceptanceRunner:
         for item, drafts in zip(items, out.drafts):
             track = self._tracks.get(item.request_id)
             if track is None:
-                track = self._tracks[item.request_id] = _Track()
+                track = self._tracks[item.request_id] = _Track(constrained=item.grammar is not None)
+                # A constrained request without constrained continuations to follow keeps the MTP's drafts.
+                track.lost = self.oracle.of(track.constrained) is None
                 index = index_of_request(item.request_id)
                 track.oracle = index if index is not None and index < len(self.oracle.sequences) else None
             self._observe(track, item.start_position, item.next_token_ids)
             if drafts and track.oracle is not None and not track.lost:
                 last = item.start_position + len(item.next_token_ids)  # position of the newest token
-                self._force(track.oracle, last, drafts)
+                self._force(track, last, drafts)
         return out
 
     def _observe(self, track: _Track, start_position: int, next_token_ids: list[int]) -> None:
@@ -131,20 +149,21 @@ class ForcedAcceptanceRunner:
                 track.lost = True
                 return
             # The output so far is the target's continuation (lossless; checked on every later token): fill it in.
-            track.history.extend(self.oracle.sequences[track.oracle][len(track.history) + 1 : first])
+            track.history.extend(self.oracle.of(track.constrained)[track.oracle][len(track.history) + 1 : first])
         del track.history[first - 1 :]
         track.history.extend(next_token_ids)
         if track.oracle is None and len(track.history) >= KEY_LEN:
             track.oracle = self.oracle.lookup(track.history)
             track.lost = track.lost or track.oracle is None
         if track.oracle is not None and not track.lost:
-            seq = self.oracle.sequences[track.oracle]
+            seq = self.oracle.of(track.constrained)[track.oracle]
             if seq[first : first + len(next_token_ids)] != list(next_token_ids)[: max(0, len(seq) - first)]:
                 track.lost = True  # the output left the target-only continuation
                 self.num_lost += 1
 
-    def _force(self, index: int, last: int, drafts: list[int]) -> None:
-        seq = self.oracle.sequences[index]
+    def _force(self, track: _Track, last: int, drafts: list[int]) -> None:
+        index = track.oracle
+        seq = self.oracle.of(track.constrained)[index]
         for i in range(len(drafts)):
             position = last + 1 + i
             if position >= len(seq):
