@@ -14,7 +14,8 @@ of a position that is reached comes out ≈ alpha, and the output is still the t
 
 The drafter never sees prompts, only positions and the tokens that follow them; a request is
 matched to its oracle sequence by its id where the benchmark named it so (`prompt_request_id`), else by its
-tokens at positions 1..KEY_LEN (prompts must differ there).
+tokens at positions 1..KEY_LEN (prompts must differ there), or, for a request started on cached blocks (prefix
+caching: the drafter sees only what follows them), by the tokens it shows, where one sequence has them there.
 
 Under structured output (`e2e.py --structured`) the target's output is its greedy continuation under the request's
 grammar: the oracle then also holds, for the same prompts, the target-only run's constrained continuations, and a
@@ -51,6 +52,13 @@ class Oracle:
 
     def lookup(self, tokens_from_position_1: list[int]) -> int | None:
         return self._index.get(tuple(tokens_from_position_1[:KEY_LEN]))
+
+    def find(self, first_position: int, tokens: list[int], constrained: bool) -> int | None:
+        """The one sequence whose tokens at positions first_position … are `tokens` (a request started on cached blocks
+        shows the drafter only what follows them), or None where none or several are."""
+        end = first_position + len(tokens)
+        found = [i for i, seq in enumerate(self.of(constrained)) if seq[first_position:end] == tokens]
+        return found[0] if len(found) == 1 and tokens else None
 
     def of(self, constrained: bool) -> list[list[int]] | None:
         """The continuations a request with a grammar (`constrained`) or without one is forced from."""
@@ -135,6 +143,10 @@ class ForcedAcceptanceRunner:
                 track.lost = self.oracle.of(track.constrained) is None
                 index = index_of_request(item.request_id)
                 track.oracle = index if index is not None and index < len(self.oracle.sequences) else None
+                if track.oracle is None and item.cached_block_hashes and not track.lost:
+                    # started on cached blocks (prefix caching): what follows them is all it shows
+                    found = self.oracle.find(item.start_position + 1, list(item.next_token_ids), track.constrained)
+                    track.oracle, track.lost = found, found is None
             self._observe(track, item.start_position, item.next_token_ids)
             if drafts and track.oracle is not None and not track.lost:
                 last = item.start_position + len(item.next_token_ids)  # position of the newest token

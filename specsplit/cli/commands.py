@@ -72,7 +72,9 @@ def up_cluster(args: argparse.Namespace):
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        coordinator_args=scheduling_flags(args.max_num_seqs, args.max_num_batched_tokens, args.adaptive),
+        coordinator_args=scheduling_flags(
+            args.max_num_seqs, args.max_num_batched_tokens, args.adaptive, args.enable_prefix_caching
+        ),
         tls_dir=args.tls_dir,
         auth_token_file=args.auth_token_file,
         max_model_len=args.max_model_len,

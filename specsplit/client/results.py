@@ -132,6 +132,7 @@ class GenerationDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     index: int = 0  # which of the request's n completions
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids, when the request asked for logprobs
 
 
@@ -145,6 +146,7 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids, when the request asked
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
 
     def to_dict(self) -> dict:
         return {
@@ -152,7 +154,11 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+            },
             "stats": self.stats.to_dict(),
         }
 
@@ -169,6 +175,7 @@ def delta_from_pb(pb: coordinator_pb2.GenerateResponse) -> GenerationDelta:
         completion_tokens=pb.usage.completion_tokens,
         index=pb.index,
         logprobs=TokenLogprobs.of_tokens(pb.token_ids, pb.logprobs),
+        cached_tokens=pb.usage.cached_tokens,
     )
 
 
@@ -200,4 +207,5 @@ class Collector:
             last.prompt_tokens,
             last.completion_tokens,
             self.logprobs or None,
+            last.cached_tokens,
         )

@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024
+    enable_prefix_caching: bool = True  # full blocks of verified tokens reused across requests (prefix_cache.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

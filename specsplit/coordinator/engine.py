@@ -118,6 +118,7 @@ class Engine:
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(_log_crash)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -146,7 +147,7 @@ class Engine:
         t_schedule = time.time_ns()
         output = self.scheduler.schedule()
         t_scheduled = time.time_ns()
-        if not output.scheduled and not output.finished_request_ids:
+        if not output.scheduled and not output.finished_request_ids and not output.cache_commands:
             self.flush_outputs()
             return False
         span = obs.start_iteration_span(output, self._previous_iteration, t_schedule)
@@ -303,3 +304,9 @@ class Engine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.queue.put_nowait(RequestOutput(request_id, [], "", finish_reason="error", error=error))
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    """The engine loop ends only when stopped; anything else is a bug, logged with its traceback."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the engine loop crashed; no request will make progress", exc_info=task.exception())

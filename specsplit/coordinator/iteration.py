@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specsplit.client.results import TokenLogprobs
+from specsplit.coordinator.prefix_cache import CacheCommands
 from specsplit.coordinator.request import Request
 
 DRAFT_PLACEHOLDER = -1  # a draft the verifier holds (async scheduling): its id is known only there
@@ -24,6 +25,19 @@ class ScheduledRequest:
     next_token_id: int  # token after a non-final chunk (for the drafter's pairs); 0 otherwise
     num_spec_tokens: int  # drafts to propose after this step
     queue_time_ms: float | None = None  # set on a request's first admission
+    # Prefix caching: on the step that admits it, the request starts on this many cached blocks (num_computed_tokens
+    # is where they end); their hashes and drafter keys are `request.prefix`'s first ones.
+    num_cached_blocks: int = 0
+
+    @property
+    def cached_prefix(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """On the step that admits the request on cached blocks: their hashes, the drafter's keys of them and their
+        tokens (empty otherwise)."""
+        n = self.num_cached_blocks
+        if not n:
+            return [], [], []
+        prefix = self.request.prefix
+        return prefix.block_hashes[:n], prefix.drafter_keys[:n], self.request.all_token_ids[: self.num_computed_tokens]
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -36,6 +50,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str]  # free these on verifier and drafter before running
     num_preempted: int = 0
+    cache_commands: CacheCommands = field(default_factory=CacheCommands)  # prefix caching, applied before the step
 
     @property
     def num_scheduled_tokens(self) -> int:

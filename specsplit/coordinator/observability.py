@@ -102,6 +102,7 @@ def end_request_span(span: trace.Span | None, request, reason: str, error: Excep
             "specsplit.num_accepted_tokens": stats.num_accepted_tokens,
             "specsplit.draft_count_histogram": stats.draft_count_histogram,
             "specsplit.num_preemptions": request.num_preemptions,
+            "gen_ai.usage.cached_input_tokens": request.num_cached_tokens or 0,
         }
     )
     if error is not None:
@@ -144,6 +145,10 @@ def start_iteration_span(output, previous: trace.SpanContext | None, schedule_st
             "specsplit.queue_time_ms": max(
                 (s.queue_time_ms for s in output.scheduled if s.queue_time_ms is not None), default=0.0
             ),
+            # Prefix caching, per scheduled request: tokens it started on from the cache (on the step admitting it).
+            "specsplit.cached_tokens_per_request": [
+                s.num_computed_tokens if s.num_cached_blocks else 0 for s in output.scheduled
+            ],
         },
     )
 

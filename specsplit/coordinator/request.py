@@ -54,6 +54,16 @@ class SamplingParams:
 
 
 @dataclass
+class PrefixState:
+    """A request's side of the prefix cache (`specsplit/coordinator/prefix_cache.py`)."""
+
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks known so far, in order
+    drafter_keys: list[bytes] = field(default_factory=list)  # the drafter's keys of those whose next token is known
+    num_scanned_blocks: int = 0  # its leading blocks attached or offered for registration since its KV was last freed
+    held: list[bytes] = field(default_factory=list)  # hashes of its blocks in the directory (attached or registered)
+
+
+@dataclass
 class Request:
     """One generation request.
 
@@ -81,6 +91,8 @@ class Request:
     span: object | None = None  # the request's OpenTelemetry span (observability.py)
     admitted_time: float | None = None
     deadline: float | None = None  # time.monotonic() by which the client wants the answer
+    prefix: PrefixState = field(default_factory=PrefixState)
+    num_cached_tokens: int | None = None  # prompt tokens that came from the prefix cache at its first admission
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,10 @@ the next schedule trims them like drafts (budget, KV, lengths) and the verifier 
 placeholder the verifier cannot fill counts as rejected, so the accounting is the same.
 
 KV blocks live in the verifier; the coordinator does their accounting here, so it can preempt
-(recompute) the newest running request when the cache is full.
+(recompute) the newest running request when the cache is full. With prefix caching (`prefix_cache.py`, on by
+default) it also keeps the directory of the blocks the verifier caches: a new request starts on the cached blocks
+its prompt begins with, a request's verified full blocks enter the cache, and evictable cached blocks are evicted
+before any request is preempted.
 
 A batch the verifier refuses deterministically (`isolate()`) is not failed whole: its requests are scheduled apart,
 half of them at a time, until the one it refuses is alone; only that request fails.
@@ -40,6 +43,7 @@ from specsplit.coordinator.iteration import (
     StepUpdate,
     VerifyResult,
 )
+from specsplit.coordinator.prefix_cache import CacheCommands, PrefixCache
 from specsplit.coordinator.request import Request, RequestStatus
 
 
@@ -57,6 +61,7 @@ class Scheduler:
         # Groups of requests of a refused batch, each scheduled alone in its turn (`isolate`).
         self._suspects: deque[set[str]] = deque()
         self.policy = policy if policy is not None else draft_policy(config)
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -77,6 +82,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._to_free.append(request_id)
+            self._release(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             if request.num_kv_tokens:
@@ -90,6 +96,8 @@ class Scheduler:
         for request in reversed(self.running):
             self._preempt(request)
         self.running.clear()
+        if self.prefix_cache is not None:  # what the verifier holds is unknown: both forget every cached block
+            self.prefix_cache.reset()
 
     def isolate(self, request_ids: list[str]) -> list[str]:
         """The verifier refused the batch of these requests and would again (INVALID_ARGUMENT). Returns the one to
@@ -129,8 +137,15 @@ class Scheduler:
         return -(-num_tokens // self.config.block_size)
 
     def _kv_blocks(self, request: Request) -> int:
-        """Blocks a running request holds, or will hold once its in-flight step is done."""
-        return self._blocks(max(request.num_kv_tokens, request.num_kv_reserved))
+        """Blocks a running request holds, or will hold once its in-flight step is done, but those of the prefix
+        cache's directory (counted there once, however many requests share them)."""
+        return self._blocks(max(request.num_kv_tokens, request.num_kv_reserved)) - len(request.prefix.held)
+
+    def _evict(self, need: int, free_blocks: int) -> int:
+        """Free blocks once evictable cached blocks made room for `need` (as many as there are)."""
+        if need > free_blocks and self.prefix_cache is not None:
+            free_blocks += self.prefix_cache.evict(need - free_blocks)
+        return free_blocks
 
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
@@ -138,25 +153,29 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         group = self._suspect_group()
+        cache = self.prefix_cache
         free_blocks = cfg.num_blocks - sum(self._kv_blocks(r) for r in self.running)
+        if cache is not None:
+            free_blocks -= cache.num_blocks
         num_preempted = 0
         queue = list(self.running)  # FCFS, preempt from the back
         kept: list[Request] = []
         while queue:
             request = queue.pop(0)
+            if cache is not None:  # its blocks verified since are cached (blocks it holds either way: no change)
+                cache.register(request, request.num_computed_tokens)
             if budget <= 0 or (group is not None and request.request_id not in group):
                 kept.append(request)
                 continue
             item = self._plan(request, budget)
             need = self._blocks(request.num_computed_tokens + len(item.token_ids)) - self._kv_blocks(request)
+            need -= len(request.prefix.held)
+            free_blocks = self._evict(need, free_blocks)
             while need > free_blocks and queue:
-                victim = queue.pop()
-                free_blocks += self._kv_blocks(victim)
-                self._preempt(victim)
+                free_blocks = self._evict(need, free_blocks + self._preempt(queue.pop()))
                 num_preempted += 1
             if need > free_blocks:
-                free_blocks += self._kv_blocks(request)
-                self._preempt(request)
+                free_blocks += self._preempt(request)
                 num_preempted += 1
                 continue
             free_blocks -= need
@@ -171,10 +190,20 @@ class Scheduler:
             request = next((r for r in self.waiting if group is None or r.request_id in group), None)
             if request is None:
                 break
+            num_cached = self._start_on_cached_blocks(request)
             item = self._plan(request, budget)
-            need = self._blocks(request.num_computed_tokens + len(item.token_ids))
+            need = self._blocks(request.num_computed_tokens + len(item.token_ids)) - num_cached
+            free_blocks = self._evict(need, free_blocks)
             if need > free_blocks:
+                if num_cached:
+                    self._release(request)
+                    request.num_computed_tokens = 0
                 break
+            item.num_cached_blocks = num_cached
+            if cache is not None:
+                cache.count_admission(request, num_cached)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached * cfg.block_size
             self.waiting.remove(request)  # the first one but while a batch is isolated
             request.status = RequestStatus.RUNNING
             if request.admitted_time is None:
@@ -189,7 +218,26 @@ class Scheduler:
         self.running = kept
         self._choose_drafts(scheduled)
         finished, self._to_free = self._to_free, []
-        return SchedulerOutput(self.iteration, scheduled, finished, num_preempted)
+        commands = cache.take_commands() if cache is not None else CacheCommands()
+        return SchedulerOutput(self.iteration, scheduled, finished, num_preempted, commands)
+
+    def _start_on_cached_blocks(self, request: Request) -> int:
+        """A request about to be admitted with nothing computed starts on the cached blocks its tokens begin with;
+        returns how many."""
+        if self.prefix_cache is None or request.num_computed_tokens:
+            return 0
+        n = self.prefix_cache.lookup(request)
+        if n:
+            self.prefix_cache.attach(request, n)
+            request.num_computed_tokens = n * self.config.block_size
+        return n
+
+    def _release(self, request: Request) -> None:
+        """The request's KV is about to be freed: its verified full blocks enter the cache, and the cached blocks it
+        held stay there."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request, request.num_computed_tokens)
+            self.prefix_cache.release(request)
 
     def _plan(self, request: Request, budget: int) -> ScheduledRequest:
         nc = request.num_computed_tokens
@@ -286,8 +334,13 @@ class Scheduler:
             ),
         )
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: forget its KV, re-prefill prompt + output later."""
+    def _preempt(self, request: Request) -> int:
+        """Recompute preemption: forget its KV, re-prefill prompt + output later (from its cached blocks, while
+        they stay cached). Returns the blocks this frees."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request, request.num_computed_tokens)
+        freed = self._kv_blocks(request)
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -299,6 +352,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.waiting.appendleft(request)
+        return freed
 
     # ---- post_step -----------------------------------------------------------------------------
     def update_from_output(

@@ -49,12 +49,23 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
         help="every request gets --num-speculative-tokens drafts each iteration (default: each request's count is "
         "chosen per iteration, up to that many, from its acceptance and the measured step times)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full blocks a prompt shares with earlier requests, in the verifier's target KV and the "
+        "drafter's MTP KV (default: on; --no-enable-prefix-caching computes every prompt from scratch)",
+    )
 
 
-def scheduling_flags(max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True) -> list[str]:
+def scheduling_flags(
+    max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True, enable_prefix_caching: bool = True
+) -> list[str]:
     """`add_scheduling_arguments`' values as command-line flags again."""
     flags = ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
-    return flags if adaptive else [*flags, "--no-adaptive"]
+    if not adaptive:
+        flags.append("--no-adaptive")
+    return flags if enable_prefix_caching else [*flags, "--no-enable-prefix-caching"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +119,7 @@ class CoordinatorConfig:
     http_port: int | None = None
     served_model_name: str | None = None
     adaptive: bool = True
+    enable_prefix_caching: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CoordinatorConfig:
@@ -126,6 +138,7 @@ class CoordinatorConfig:
             http_port=args.http_port,
             served_model_name=args.served_model_name,
             adaptive=args.adaptive,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         check_flag_ranges(
             config,
@@ -229,6 +242,7 @@ async def serve(config: CoordinatorConfig) -> None:
         max_num_batched_tokens=max(config.max_num_batched_tokens, k + 1),
         max_waiting=config.max_waiting,
         adaptive=config.adaptive,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     scheduler = Scheduler(scheduler_config, eos)
     engine = Engine(scheduler, RpcVerifier(stub, scheduler.eos_token_ids, rpc=config.verifier_rpc), tokenizer)

@@ -61,7 +61,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                             request_id=req.request_id,
                             finish_reason=out.finish_reason,
                             usage=coordinator_pb2.Usage(
-                                prompt_tokens=req.num_prompt_tokens, completion_tokens=num_completion[index]
+                                prompt_tokens=req.num_prompt_tokens,
+                                completion_tokens=num_completion[index],
+                                cached_tokens=req.num_cached_tokens or 0,
                             ),
                             spec_stats=req.stats.to_pb(),
                             index=index,

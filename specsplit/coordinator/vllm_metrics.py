@@ -9,7 +9,7 @@ exported by OTLP, which has the `specsplit.*` instruments of `observability.py`)
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets for these histograms (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
@@ -49,7 +49,9 @@ def model() -> str:
 
 
 class _SchedulerGauges:
-    """vllm:num_requests_running and vllm:num_requests_waiting, read from the scheduler at each scrape."""
+    """vllm:num_requests_running and vllm:num_requests_waiting, read from the scheduler at each scrape; with prefix
+    caching, vllm:prefix_cache_queries and vllm:prefix_cache_hits (prompt tokens of admitted requests, and those the
+    verifier's cache held), labelled worker="verifier" (the drafter counts its own MTP-KV hits)."""
 
     def __init__(self):
         self.scheduler = None
@@ -64,6 +66,16 @@ class _SchedulerGauges:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([model()], value)
             yield gauge
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "worker"])
+            counter.add_metric([model(), "verifier"], value)
+            yield counter
 
 
 scheduler_gauges = _SchedulerGauges()

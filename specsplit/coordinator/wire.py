@@ -21,15 +21,22 @@ def verify_request(
 ) -> verifier_pb2.VerifyRequest:
     """The iteration's message; draft placeholders go as `num_held_drafts` (the verifier holds the drafts).
     `eos_token_ids`: the model's, which min_tokens keeps from being sampled (with each request's stop_token_ids)."""
+    commands = output.cache_commands
     msg = verifier_pb2.VerifyRequest(
         iteration=output.iteration,
         finished_request_ids=output.finished_request_ids,
         coordinator_id=coordinator_id,
+        reset_prefix_cache=commands.reset,
+        evicted_block_hashes=commands.evicted,
     )
+    for rid, index, block_hash, drafter_key in commands.registered:
+        msg.registered_blocks.add(
+            request_id=rid, block_index=index, block_hash=block_hash, drafter_block_hash=drafter_key
+        )
     for item in output.scheduled:
         s = item.request.sampling
         held = item.num_draft_tokens
-        msg.requests.add(
+        r = msg.requests.add(
             request_id=item.request.request_id,
             num_computed_tokens=item.num_computed_tokens,
             token_ids=item.token_ids[: len(item.token_ids) - held],
@@ -40,6 +47,11 @@ def verify_request(
             num_spec_tokens=item.num_spec_tokens,
             num_prompt_tokens=len(item.request.prompt_token_ids),
         )
+        if item.num_cached_blocks:
+            hashes, keys, tokens = item.cached_prefix
+            r.cached_block_hashes.extend(hashes)
+            r.drafter_block_hashes.extend(keys)
+            r.cached_token_ids.extend(tokens)
     return msg
 
 

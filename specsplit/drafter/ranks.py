@@ -2,10 +2,11 @@
 
 Rank 0 (the `serve drafter` process) receives each Propose's hidden states over the hidden-state transport
 as a one-device drafter does, then broadcasts the call to its followers (`runner.share_propose`: the items over the
-control group, the rows over the device group) before running it; so too each Free (`share_free`). A
-follower runs the same `DrafterRunner` calls in the same order (`follow`), so its MTP cache, which holds its
-KV heads, has the blocks rank 0's has; its forwards take part in the all-reduces and the logits gather, and
-it takes each step's drafts, which rank 0 picks, from a broadcast (`DrafterRunner._pick`).
+control group, the rows over the device group) before running it; so too each Free (`share_free`) and each
+registration of cached blocks (`share_cache_blocks`). A follower runs the same `DrafterRunner` calls in the same
+order (`follow`), so its MTP cache, which holds its KV heads, has the blocks (and the cached blocks) rank 0's has;
+its forwards take part in the all-reduces and the logits gather, and it takes each step's drafts, which rank 0
+picks, from a broadcast (`DrafterRunner._pick`).
 
 A device hand-off (the verifier's tokens still on the device) is waited for on rank 0 before the broadcast:
 a tensor-parallel drafter proposes from host tokens.
@@ -25,6 +26,9 @@ def follow(runner) -> int:
     hidden_size = runner.mtp.config.hidden_size
     steps = 0
     while (call := broadcast_from_first()) is not None:
+        if call.cache_blocks is not None:
+            runner.cache_blocks(call.cache_blocks)
+            continue
         if call.items is None:
             runner.free(call.free)
             continue

@@ -11,9 +11,14 @@ positions p and the token x_{p+1} that follows each. The drafter
 A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
 starts afresh at the first new position: drafts may be worse for a while, output never changes.
 
+Prefix caching: full blocks of a request's MTP KV held from pair position 0 are registered under the drafter keys
+the verifier sends (`cache_blocks`), in the cache's own pool (`PagedBlocks`: shared by reference count, evicted least
+recently used first); a request the verifier started on cached blocks, whose history the drafter lacks, starts on the
+MTP KV of its item's keys where the cache holds them all (`_rollback`), and afresh otherwise.
+
 Tensor-parallel (`serve drafter --tensor-parallel-size N`, `specsplit.drafter.ranks`): rank 0's runner
-broadcasts each `propose` (its items and hidden states) and `free` to the followers, whose runners then run
-the same calls, keeping the same MTP cache; rank 0 alone gets the logits and picks each step's drafts, which
+broadcasts each `propose` (its items and hidden states), `free` and `cache_blocks` to the followers, whose runners
+then run the same calls, keeping the same MTP cache; rank 0 alone gets the logits and picks each step's drafts, which
 it broadcasts as the next step's input tokens.
 """
 
@@ -73,6 +78,9 @@ class ProposeItem:
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
     grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
     output: list[int] = field(default_factory=list)  # with a grammar: the request's output so far
+    # Prefix caching: the drafter keys of the cached blocks the verifier started the request on (their tokens are
+    # start_position), on its first Propose after that; empty otherwise.
+    cached_block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +121,13 @@ class DrafterRunner:
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
         self._first_position: dict[str, int] = {}  # pair position held at cache index 0
+        # Per request: where its exact MTP entries (step 0's, of verified tokens, never the later steps' speculative
+        # ones) end before its last Propose, and that Propose's item, whose rows extend them if they start there.
+        self._exact: dict[str, tuple[int, ProposeItem]] = {}
+        # Prefix cache, in tokens: of the requests that came with cached block keys and no history here, the
+        # positions they start at (queries) and those the cache held (hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
@@ -140,16 +155,49 @@ class DrafterRunner:
         for rid in request_ids:
             self.kv_cache.free(rid)
             self._first_position.pop(rid, None)
+            self._exact.pop(rid, None)
+
+    def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
+        """Registers (request id, block index, drafter key) blocks in the MTP cache's prefix cache: each one whose
+        entries the runner holds exact, of a request held from pair position 0 (a request started afresh later holds
+        other entries; speculative entries, or those after a lost Propose, are not the block's); the others are
+        skipped."""
+        if not blocks:
+            return
+        if tp_size() > 1 and tp_rank() == 0:
+            share_cache_blocks(blocks)
+        first, size = self._first_position, self.kv_cache.block_size
+        for rid, index, key in blocks:
+            if first.get(rid) == 0 and (index + 1) * size <= self._exact_end(rid):
+                self.kv_cache.cache_block(rid, index, key)
+
+    def _exact_end(self, rid: str) -> int:
+        """The pair position where the request's exact MTP entries end (held since its first position)."""
+        end, last = self._exact[rid]
+        return last.start_position + len(last.next_token_ids) if end == last.start_position else end
 
     def _rollback(self, item: ProposeItem) -> None:
         rid, p = item.request_id, item.start_position
         first = self._first_position.get(rid)
         cached = self.kv_cache.num_tokens(rid)
-        if first is None or not first <= p <= first + cached:
-            self._free([rid])
-            self._first_position[rid] = p
-        else:
-            self.kv_cache.truncate(rid, p - first)
+        if first is not None and first <= p <= first + cached:
+            try:
+                self.kv_cache.truncate(rid, p - first)
+            except ValueError:  # into a block it shares with other requests, which it must not write: afresh
+                pass
+            else:
+                self._exact[rid] = (min(self._exact_end(rid), p), item)
+                return
+        self._free([rid])
+        self._exact[rid] = (p, item)
+        keys = item.cached_block_hashes
+        if keys and len(keys) * self.kv_cache.block_size == p:
+            self.prefix_cache_queries += p
+            if self.kv_cache.attach(rid, keys):  # the MTP KV of pair positions 0 .. p - 1
+                self.prefix_cache_hits += p
+                self._first_position[rid] = 0
+                return
+        self._first_position[rid] = p
 
     def _mtp_step(
         self,
@@ -455,11 +503,12 @@ def _collect(
 @dataclass(frozen=True)
 class RunnerCall:
     """One call of rank 0's runner, for its followers: a propose of `items` over `num_rows` hidden-state rows
-    (broadcast next), or a free of `free`."""
+    (broadcast next), a free of `free`, or a `cache_blocks` of `cache_blocks`."""
 
     items: list | None = None  # ProposeItem, with their next_token_ids
     num_rows: int = 0
     free: list[str] | None = None
+    cache_blocks: list[tuple[str, int, bytes]] | None = None
 
 
 def share_propose(items, hidden_states: torch.Tensor, device_tokens):
@@ -474,3 +523,7 @@ def share_propose(items, hidden_states: torch.Tensor, device_tokens):
 
 def share_free(request_ids: list[str]) -> None:
     broadcast_from_first(RunnerCall(free=list(request_ids)))
+
+
+def share_cache_blocks(blocks: list[tuple[str, int, bytes]]) -> None:
+    broadcast_from_first(RunnerCall(cache_blocks=list(blocks)))

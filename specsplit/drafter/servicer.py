@@ -4,7 +4,12 @@ drafts, one message of a persistent ProposeStream per iteration.
 A Propose is handled whole (parse, receive the rows, the MTP steps, the answer) on one thread: the
 step thread for gRPC calls, or the own thread of a connection to the co-located drafter's socket
 (`ThreadedLocalStreamServer`), which then writes the answer itself, with no event loop between the
-request's bytes and the model. One lock keeps the model to one thread at a time."""
+request's bytes and the model. One lock keeps the model to one thread at a time.
+
+Prefix caching: a Propose's `cached_blocks` are registered in the MTP cache first (`DrafterRunner.cache_blocks`), then
+its finished requests are freed; an item's `cached_block_hashes` start a request the drafter has no history for on
+its cached MTP KV. The drafter's queries and hits (in tokens) are served as vLLM's `vllm:prefix_cache_queries` and
+`vllm:prefix_cache_hits` with `worker="drafter"` on `--metrics-port` (prometheus_client's default registry)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import grpc
 import torch
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily
 
 from specsplit.client.errors import InvalidArgument, SpecsplitError
 from specsplit.drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
@@ -44,6 +51,33 @@ propose_latency = meter.create_histogram(
 
 MAX_DRAFTS = 64  # bound on num_spec_tokens and num_rejected
 SEED_MASK = 2**63 - 1
+MAX_KEY_BYTES = 64  # bound on a cached block's key
+
+
+class _PrefixCacheCounters:
+    """vllm:prefix_cache_queries and vllm:prefix_cache_hits of this process's drafter (`worker="drafter"`), read
+    from its runner at each scrape. Collected, not `Counter`s: a process that also holds the coordinator's series of
+    these names (the in-process engine) registers no second family unless it serves a drafter."""
+
+    def __init__(self):
+        self.servicer: DrafterServicer | None = None
+
+    def collect(self):
+        servicer = self.servicer
+        if servicer is None or servicer.runner is None:
+            return
+        runner, model = servicer.runner, servicer.model_info.model
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", runner.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", runner.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "worker"])
+            counter.add_metric([model, "drafter"], value)
+            yield counter
+
+
+prefix_cache_counters = _PrefixCacheCounters()
+REGISTRY.register(prefix_cache_counters)
 
 
 def on_device(msg: drafter_pb2.ProposeRequest) -> bool:
@@ -51,17 +85,18 @@ def on_device(msg: drafter_pb2.ProposeRequest) -> bool:
     return msg.WhichOneof("hidden") == "hidden_states_handle" and msg.hidden_states_handle.tokens_on_device
 
 
-def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[ProposeItem]:
-    """The request's items, validated; raises InvalidArgument naming the first bad field.
+def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int, block_size: int) -> list[ProposeItem]:
+    """The request's items, validated; raises InvalidArgument naming the first bad field. `block_size`: the MTP
+    cache's, which an item's cached_block_hashes cover (their tokens are its start_position).
 
     Every field is read once and checked in one expression (token ids by their min and max); the
     message saying what is wrong is worked out only for a bad item."""
     if on_device(msg):
-        return _parse_device_items(msg)
+        return _parse_device_items(msg, block_size)
     items, seen = [], set()
     for r in msg.requests:
         rid, start, tokens, spec = r.request_id, r.start_position, list(r.next_token_ids), r.num_spec_tokens
-        sampling = r.sampling
+        sampling, keys = r.sampling, r.cached_block_hashes
         temperature = sampling.temperature
         if not (
             rid
@@ -73,20 +108,21 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int) -> list[Propos
             and 0 <= r.num_rejected <= MAX_DRAFTS
             and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
+            and (not keys or _keys_fit(keys, start, block_size))
             and r.num_rows == 0
         ):
-            raise _invalid_item(r, seen, vocab_size)
+            raise _invalid_item(r, seen, vocab_size, block_size)
         seen.add(rid)
         items.append(
             ProposeItem(
                 rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK, coupled=sampling.coupled,
-                grammar=sampling.grammar or None, output=list(r.output_token_ids),
+                grammar=sampling.grammar or None, output=list(r.output_token_ids), cached_block_hashes=list(keys),
             )
         )  # fmt: skip
     return items
 
 
-def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
+def _parse_device_items(msg: drafter_pb2.ProposeRequest, block_size: int) -> list[ProposeItem]:
     """A device hand-off's items: num_rows rows each (1..MAX_DRAFTS + 1, at most the handle's
     token_width), no next_token_ids and no num_rejected (the device has them). Checked in one expression per
     item, as `parse_items` does; the message saying what is wrong is worked out only for a bad item."""
@@ -94,6 +130,7 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
     max_rows = min(width, MAX_DRAFTS + 1)
     for r in msg.requests:
         rid, start, rows, spec, sampling = r.request_id, r.start_position, r.num_rows, r.num_spec_tokens, r.sampling
+        keys = r.cached_block_hashes
         temperature = sampling.temperature
         if not (
             rid
@@ -104,16 +141,33 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest) -> list[ProposeItem]:
             and 1 <= rows <= max_rows
             and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
+            and (not keys or _keys_fit(keys, start, block_size))
         ):
-            raise _invalid_device_item(r, seen, width)
+            raise _invalid_device_item(r, seen, width, block_size)
         seen.add(rid)
         items.append(
-            ProposeItem(rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows, coupled=sampling.coupled)
-        )
+            ProposeItem(
+                rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows, coupled=sampling.coupled,
+                cached_block_hashes=list(keys),
+            )
+        )  # fmt: skip
     return items
 
 
-def _invalid_device_item(r: drafter_pb2.ProposeItem, seen: set[str], width: int) -> InvalidArgument:
+def _keys_fit(keys, start: int, block_size: int) -> bool:
+    """Whether an item's cached_block_hashes cover its start_position, each key 1..MAX_KEY_BYTES bytes."""
+    return len(keys) * block_size == start and all(0 < len(k) <= MAX_KEY_BYTES for k in keys)
+
+
+def _invalid_keys(r: drafter_pb2.ProposeItem, block_size: int) -> InvalidArgument:
+    keys = r.cached_block_hashes
+    return InvalidArgument(
+        f"request {r.request_id!r}: cached_block_hashes: {len(keys)} keys of {block_size}-token blocks for "
+        f"start_position {r.start_position}, or a key not of 1..{MAX_KEY_BYTES} bytes (they cover start_position)"
+    )
+
+
+def _invalid_device_item(r: drafter_pb2.ProposeItem, seen: set[str], width: int, block_size: int) -> InvalidArgument:
     """What is wrong with an item `_parse_device_items` refused, the first failing check in its order."""
     rid = r.request_id
     if not rid or rid in seen:
@@ -128,10 +182,12 @@ def _invalid_device_item(r: drafter_pb2.ProposeItem, seen: set[str], width: int)
             f"request {rid!r}: num_rows {r.num_rows} not in [1, token_width {width}] or num_spec_tokens "
             f"{r.num_spec_tokens} not in [0, {MAX_DRAFTS}]"
         )
-    return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    if not 0 <= r.sampling.temperature <= 1e4:
+        return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    return _invalid_keys(r, block_size)
 
 
-def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -> InvalidArgument:
+def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int, block_size: int) -> InvalidArgument:
     """What is wrong with an item `parse_items` refused, the first failing check in its order."""
     rid = r.request_id
     if not rid or rid in seen:
@@ -148,6 +204,8 @@ def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int) -
         return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_DRAFTS}]")
     if not 0 <= r.sampling.temperature <= 1e4:
         return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    if r.cached_block_hashes and not _keys_fit(r.cached_block_hashes, r.start_position, block_size):
+        return _invalid_keys(r, block_size)
     return InvalidArgument(f"request {rid!r}: num_rows {r.num_rows} without a device hand-off (tokens_on_device)")
 
 
@@ -184,6 +242,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.runner = runner
         self.model_info = model_info
         self._vocab_size = model_info.vocab_size
+        self._block_size = model_info.block_size  # the MTP cache's
+        if isinstance(runner, DrafterRunner):  # a runner that counts (stand-ins in tests need not)
+            prefix_cache_counters.servicer = self
         param = next(runner.mtp.parameters())
         self._hidden_layout = param.device, param.dtype  # where and how propose() takes the hidden states
 
@@ -218,12 +279,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _propose(
         self, request: drafter_pb2.ProposeRequest, connection: object
     ) -> tuple[list[ProposeItem], ProposeOutput]:
+        if request.cached_blocks:  # before the frees: a request that finished registers its last blocks
+            self.runner.cache_blocks([(b.request_id, b.block_index, b.block_hash) for b in request.cached_blocks])
         if request.finished_request_ids:
             self._free(list(request.finished_request_ids))
         # Rows first: an nccl receive pairs with a send already made, whatever the items hold.
         hidden = self.receiver.receive(request)  # [num_rows, hidden_size] on the drafter's device
         try:
-            items = parse_items(request, self._vocab_size)
+            items = parse_items(request, self._vocab_size, self._block_size)
             for item in items:
                 self._placed[item.request_id] = connection
             device_tokens = None

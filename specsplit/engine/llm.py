@@ -38,7 +38,8 @@ class LLM:
     """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding; else the most
     drafts a request gets per iteration, chosen per request and iteration (`adaptive`, learning across generate()
     calls) or always that many (`adaptive=False`). `load_format="dummy"`: seeded random weights from config.json
-    (benchmarks)."""
+    (benchmarks). `enable_prefix_caching`: prompts start on the cached KV of the blocks they share with earlier
+    requests (as `serve`'s default)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         device_hand_off: bool = True,
         adaptive: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = str(model)
@@ -71,6 +73,7 @@ class LLM:
             max_num_batched_tokens=max(max_num_batched_tokens, num_speculative_tokens + 1),
             max_waiting=1 << 30,  # offline: every prompt of a generate() call waits its turn
             adaptive=adaptive,
+            enable_prefix_caching=enable_prefix_caching,
         )
         runner = VerifierRunner(
             self.target, self.target.make_kv_cache(num_blocks, block_size), max_model_len=self.max_model_len
@@ -197,4 +200,5 @@ class LLM:
             request.stats,
             len(request.prompt_token_ids),
             len(request.output_token_ids),
+            cached_tokens=request.num_cached_tokens or 0,
         )

@@ -53,6 +53,7 @@ class LocalDrafter:
         self.runner = runner
         self.device_hand_off = device_hand_off
         self._pending: list[_Pending] = []  # sent, in order, not run yet
+        self._cached_prefixes: dict[str, tuple[list[bytes], int]] = {}  # `start_cached`'s, not proposed yet
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
@@ -63,6 +64,7 @@ class LocalDrafter:
             ProposeItem(rid, batch.num_computed_tokens[i], [], batch.num_spec_tokens[i], num_rows=rows[i])
             for i, rid in enumerate(batch.req_ids)
         ]
+        self._take_cached_prefixes(items)
         if not can_propose_on_device(self.runner, items):
             return None
         tokens = DeviceTokens(launched.sampled, launched.num_sampled)
@@ -84,7 +86,25 @@ class LocalDrafter:
             )
             for i, rid in enumerate(batch.req_ids)
         ]
+        self._take_cached_prefixes(items)
         return _Plan(items, step.hidden_states)
+
+    def _take_cached_prefixes(self, items: list[ProposeItem]) -> None:
+        """The drafter's keys of the cached blocks requests started on, on each one's first Propose from there."""
+        if self._cached_prefixes:
+            for item in items:
+                keys, end = self._cached_prefixes.pop(item.request_id, ((), -1))
+                if end == item.start_position:
+                    item.cached_block_hashes = list(keys)
+
+    def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
+        """Registrations go after the Proposes sent before them, as on a drafter's stream."""
+        while self._pending:
+            self._run(self._pending.pop(0))
+        self.runner.cache_blocks(blocks)
+
+    def start_cached(self, prefixes: dict[str, tuple[list[bytes], int]]) -> None:
+        self._cached_prefixes.update(prefixes)
 
     def send(self, plan: _Plan, context, on_answer, parent=None) -> _Pending:
         pending = _Pending(plan, context, on_answer)
@@ -121,6 +141,8 @@ class LocalDrafter:
         """Frees go after the Proposes sent before them, as on a drafter's stream; a Propose of freed requests only
         is answered without running."""
         freed = set(request_ids)
+        for rid in freed:
+            self._cached_prefixes.pop(rid, None)
         while self._pending:
             pending = self._pending.pop(0)
             self._run(pending, needed=not all(item.request_id in freed for item in pending.plan.items))
@@ -191,6 +213,7 @@ def verify_batch(output: SchedulerOutput, eos_token_ids) -> VerifyBatch:
     items = []
     for s in output.scheduled:
         p, held = s.request.sampling, s.num_draft_tokens
+        hashes, keys, tokens = s.cached_prefix
         sampling = Sampling(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -216,6 +239,18 @@ def verify_batch(output: SchedulerOutput, eos_token_ids) -> VerifyBatch:
                 sampling=sampling,
                 num_spec_tokens=s.num_spec_tokens,
                 num_prompt_tokens=len(s.request.prompt_token_ids),
+                cached_block_hashes=hashes,
+                drafter_block_hashes=keys,
+                cached_token_ids=tokens,
             )
         )
-    return VerifyBatch(output.iteration, items, list(output.finished_request_ids), IN_PROCESS)
+    commands = output.cache_commands
+    return VerifyBatch(
+        output.iteration,
+        items,
+        list(output.finished_request_ids),
+        IN_PROCESS,
+        commands.reset,
+        commands.registered,
+        commands.evicted,
+    )

@@ -6,6 +6,12 @@ Rollback (`truncate`) only moves the request's length back and returns whole blo
 K/V left in a kept block is overwritten by the next `prepare_step`, never read, because attention
 reads only cache indices below `seq_len`.
 
+Prefix caching: a full block can be registered under a key (`cache_block`; the caller's hash of everything its
+entries depend on), and a new request can start on the cached blocks of its keys (`attach`) instead of computing them.
+A cached block is shared by reference count; once no request holds it, it stays cached and evictable, and allocation
+takes free blocks first, then evicts the least recently released cached block. A request never writes into a block
+it shares: it only appends after its full cached blocks (rollback into one it alone holds uncaches it first).
+
 The cache owns the block accounting of its own requests; RoPE positions are the caller's business.
 `PagedBlocks` is that accounting; `PagedKVCache` adds per-head K and V, and DeepSeek-V3's
 `specsplit.models.deepseek_v3.latent_cache.LatentKVCache` one MLA latent per token instead.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -181,9 +188,10 @@ class _RequestBlocks:
 
 class PagedBlocks:
     """The block accounting every paged cache shares: per-request block tables over a pool of
-    `num_blocks` blocks of `block_size` tokens, rollback, and the metadata of a step.
+    `num_blocks` blocks of `block_size` tokens, rollback, the metadata of a step, and the prefix cache.
 
-    Subclasses own the cache tensors (indexed by slot) and say on which `device` they live.
+    Every block is free, held by requests, or cached and held by none (evictable). Subclasses own the cache
+    tensors (indexed by slot) and say on which `device` they live.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -194,6 +202,13 @@ class PagedBlocks:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._requests: dict[str, _RequestBlocks] = {}
         self._upload: StepUpload | None = None  # made on first use, once the subclass knows its device
+        # Prefix cache. `_refs`: the requests holding each held block that is cached or shared (every other held
+        # block has one holder, so a cache that never caches skips the counting); `_evictable`: cached blocks no
+        # request holds, least recently released first. An uncached block is in `_refs` only while shared.
+        self._block_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._refs: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def device(self) -> torch.device:
@@ -201,7 +216,13 @@ class PagedBlocks:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a step can take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks under a key, held by requests or evictable."""
+        return len(self._block_of)
 
     def has(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -223,18 +244,112 @@ class PagedBlocks:
         if request is None or num_tokens == cached:  # nothing to roll back (every draft was accepted)
             return
         keep = self._blocks_for(num_tokens)
-        self._free.extend(reversed(request.blocks[keep:]))
+        if num_tokens % self.block_size and self._refs:
+            # The request writes into its kept last block next: a block it shares stays as the others hold it, and
+            # a cached one it alone holds stops being cached.
+            block = request.blocks[keep - 1]
+            holders = self._refs.get(block)
+            if holders is not None:
+                if holders > 1:
+                    raise ValueError(
+                        f"cannot truncate request {req_id!r} to {num_tokens} tokens: its block {block} is shared"
+                    )
+                self.evict([self._key_of[block]])
+        self._release(request.blocks[keep:])
         del request.blocks[keep:]
         request.num_tokens = num_tokens
 
     def free(self, req_id: str) -> None:
         request = self._requests.pop(req_id, None)
         if request is not None:
-            self._free.extend(reversed(request.blocks))
+            self._release(request.blocks)
+
+    def _release(self, blocks: list[int]) -> None:
+        """Blocks leaving a request, its last first: an unshared uncached one is free; a cached one no request holds
+        any more becomes evictable (a request's later blocks are evicted before its earlier ones)."""
+        refs = self._refs
+        if not refs:  # nothing cached or shared
+            self._free.extend(reversed(blocks))
+            return
+        for block in reversed(blocks):
+            n = refs.get(block)
+            if n is None:
+                self._free.append(block)
+            elif n == 1:  # cached (an uncached block is counted only while shared)
+                del refs[block]
+                self._evictable[block] = None
+            elif n == 2 and block not in self._key_of:  # an uncached block with one holder left: a plain block of it
+                del refs[block]
+            else:
+                refs[block] = n - 1
+
+    def cache_block(self, req_id: str, index: int, key: bytes) -> bool:
+        """Registers block `index` of the request under `key`; False, changing nothing, unless the request holds that
+        block full, `key` is not cached and the block is not cached under another key."""
+        request = self._requests.get(req_id)
+        if request is None or index < 0 or request.num_tokens < (index + 1) * self.block_size:
+            return False
+        block = request.blocks[index]
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._block_of[key] = block
+        self._key_of[block] = key
+        self._refs.setdefault(block, 1)  # a block shared already keeps its count
+        return True
+
+    def attach(self, req_id: str, keys: list[bytes]) -> bool:
+        """Starts a request the cache does not hold (or holds with no tokens) on the cached blocks of `keys`, in
+        order: `len(keys) * block_size` tokens. False, changing nothing, if a key is not cached."""
+        request = self._requests.get(req_id)
+        block_of = self._block_of
+        if (request is not None and (request.num_tokens or request.blocks)) or not all(k in block_of for k in keys):
+            return False
+        blocks = [block_of[k] for k in keys]
+        refs, evictable = self._refs, self._evictable
+        for block in blocks:
+            if block in evictable:
+                del evictable[block]
+                refs[block] = 1
+            else:
+                refs[block] += 1
+        self._requests[req_id] = _RequestBlocks(blocks, len(blocks) * self.block_size)
+        return True
+
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys of `keys` are cached."""
+        for n, key in enumerate(keys):
+            if key not in self._block_of:
+                return n
+        return len(keys)
+
+    def evict(self, keys: list[bytes]) -> None:
+        """Forgets these keys (those not cached are ignored): an evictable block is free; a held one is freed when
+        the last request holding it lets it go."""
+        for key in keys:
+            block = self._block_of.pop(key, None)
+            if block is None:
+                continue
+            del self._key_of[block]
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+            elif self._refs[block] == 1:  # one holder: a plain block of it now
+                del self._refs[block]
+
+    def forget_cached(self) -> None:
+        """Forgets every key."""
+        self.evict(list(self._block_of))
+
+    def _evict_lru(self, n: int) -> None:
+        """The `n` least recently released cached blocks no request holds become free."""
+        for _ in range(n):
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self._free.append(block)
 
     def can_append(self, req_ids: list[str], num_new_tokens: list[int]) -> bool:
         self._check_step(req_ids, num_new_tokens)
-        return self._blocks_needed(req_ids, num_new_tokens) <= len(self._free)
+        return self._blocks_needed(req_ids, num_new_tokens) <= self.num_free_blocks
 
     def prepare_step(
         self, req_ids: list[str], num_new_tokens: list[int], *, use_kernel: bool = False
@@ -258,12 +373,15 @@ class PagedBlocks:
         can plan several steps and upload their arrays together with its own in one copy.
 
         more_steps: per request, one-token steps that follow this one (the drafter's steps 1..k-1): their
-        blocks are allocated and their tokens counted as cached now, and `StepPlan.later_steps` plans them."""
+        blocks are allocated and their tokens counted as cached now, and `StepPlan.later_steps` plans them.
+        Takes free blocks first, then evicts cached ones no request holds (least recently released first)."""
         self._check_step(req_ids, num_new_tokens)
         more_steps = more_steps or [0] * len(req_ids)
         needed = self._blocks_needed(req_ids, [n + m for n, m in zip(num_new_tokens, more_steps)])
         if needed > len(self._free):
-            raise KVCacheFull(f"step needs {needed} new KV blocks, only {len(self._free)} free")
+            if needed > self.num_free_blocks:
+                raise KVCacheFull(f"step needs {needed} new KV blocks, only {self.num_free_blocks} free")
+            self._evict_lru(needed - len(self._free))
 
         query_start_loc = [0]
         seq_lens: list[int] = []

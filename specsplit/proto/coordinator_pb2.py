@@ -26,7 +26,7 @@ from specsplit.proto import common_pb2 as common__pb2
 from specsplit.proto import verifier_pb2 as verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\x1a\x0everifier.proto\"\xa8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\t\n\x01n\x18\n \x01(\x05\x42\t\n\x07_promptB\x19\n\x17_num_speculative_tokens\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12+\n\nspec_stats\x18\x06 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\r\n\x05index\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.specsplit.v1.TokenLogprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"-\n\x0fGetStatsRequest\x12\x1a\n\x12include_iterations\x18\x01 \x01(\x08\"\xef\x01\n\x0fIterationTiming\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x19\n\x11schedule_start_ns\x18\x04 \x01(\x03\x12\x16\n\x0everify_sent_ns\x18\x05 \x01(\x03\x12\x1a\n\x12verify_received_ns\x18\x06 \x01(\x03\x12\x18\n\x10post_step_end_ns\x18\x07 \x01(\x03\x12,\n\x08verifier\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.VerifyTimingJ\x04\x08\t\x10\n\"\xb6\x01\n\x0bServerStats\x12+\n\nspec_stats\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\x1d\n\x15num_finished_requests\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x31\n\niterations\x18\x05 \x03(\x0b\x32\x1d.specsplit.v1.IterationTiming2\xae\x02\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.specsplit.v1.AbortRequest\x1a\x1b.specsplit.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12\x44\n\x08GetStats\x12\x1d.specsplit.v1.GetStatsRequest\x1a\x19.specsplit.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\x1a\x0everifier.proto\"\xa8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\t\n\x01n\x18\n \x01(\x05\x42\t\n\x07_promptB\x19\n\x17_num_speculative_tokens\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12+\n\nspec_stats\x18\x06 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\r\n\x05index\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.specsplit.v1.TokenLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"-\n\x0fGetStatsRequest\x12\x1a\n\x12include_iterations\x18\x01 \x01(\x08\"\xef\x01\n\x0fIterationTiming\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x19\n\x11schedule_start_ns\x18\x04 \x01(\x03\x12\x16\n\x0everify_sent_ns\x18\x05 \x01(\x03\x12\x1a\n\x12verify_received_ns\x18\x06 \x01(\x03\x12\x18\n\x10post_step_end_ns\x18\x07 \x01(\x03\x12,\n\x08verifier\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.VerifyTimingJ\x04\x08\t\x10\n\"\xb6\x01\n\x0bServerStats\x12+\n\nspec_stats\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\x1d\n\x15num_finished_requests\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x31\n\niterations\x18\x05 \x03(\x0b\x32\x1d.specsplit.v1.IterationTiming2\xae\x02\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.specsplit.v1.AbortRequest\x1a\x1b.specsplit.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12\x44\n\x08GetStats\x12\x1d.specsplit.v1.GetStatsRequest\x1a\x19.specsplit.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=365
   _globals['_GENERATERESPONSE']._serialized_end=602
   _globals['_USAGE']._serialized_start=604
-  _globals['_USAGE']._serialized_end=661
-  _globals['_ABORTREQUEST']._serialized_start=663
-  _globals['_ABORTREQUEST']._serialized_end=697
-  _globals['_ABORTRESPONSE']._serialized_start=699
-  _globals['_ABORTRESPONSE']._serialized_end=729
-  _globals['_GETSTATSREQUEST']._serialized_start=731
-  _globals['_GETSTATSREQUEST']._serialized_end=776
-  _globals['_ITERATIONTIMING']._serialized_start=779
-  _globals['_ITERATIONTIMING']._serialized_end=1018
-  _globals['_SERVERSTATS']._serialized_start=1021
-  _globals['_SERVERSTATS']._serialized_end=1203
-  _globals['_COORDINATOR']._serialized_start=1206
-  _globals['_COORDINATOR']._serialized_end=1508
+  _globals['_USAGE']._serialized_end=684
+  _globals['_ABORTREQUEST']._serialized_start=686
+  _globals['_ABORTREQUEST']._serialized_end=720
+  _globals['_ABORTRESPONSE']._serialized_start=722
+  _globals['_ABORTRESPONSE']._serialized_end=752
+  _globals['_GETSTATSREQUEST']._serialized_start=754
+  _globals['_GETSTATSREQUEST']._serialized_end=799
+  _globals['_ITERATIONTIMING']._serialized_start=802
+  _globals['_ITERATIONTIMING']._serialized_end=1041
+  _globals['_SERVERSTATS']._serialized_start=1044
+  _globals['_SERVERSTATS']._serialized_end=1226
+  _globals['_COORDINATOR']._serialized_start=1229
+  _globals['_COORDINATOR']._serialized_end=1531
 # @@protoc_insertion_point(module_scope)

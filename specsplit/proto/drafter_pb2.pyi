@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling", "num_rows", "output_token_ids")
+    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling", "num_rows", "output_token_ids", "cached_block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ProposeItem(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,10 +26,21 @@ class ProposeItem(_message.Message):
     sampling: _common_pb2.SamplingParams
     num_rows: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_rows: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_rows: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CachedBlock(_message.Message):
+    __slots__ = ("request_id", "block_index", "block_hash")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_index: int
+    block_hash: bytes
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("iteration", "requests", "hidden_states", "hidden_states_handle", "finished_request_ids", "trace_context")
+    __slots__ = ("iteration", "requests", "hidden_states", "hidden_states_handle", "finished_request_ids", "trace_context", "cached_blocks")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,13 +54,15 @@ class ProposeRequest(_message.Message):
     HIDDEN_STATES_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     requests: _containers.RepeatedCompositeFieldContainer[ProposeItem]
     hidden_states: _common_pb2.Tensor
     hidden_states_handle: HiddenStatesHandle
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., hidden_states_handle: _Optional[_Union[HiddenStatesHandle, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., hidden_states_handle: _Optional[_Union[HiddenStatesHandle, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
 
 class Drafts(_message.Message):
     __slots__ = ("request_id", "token_ids", "draft_probs")

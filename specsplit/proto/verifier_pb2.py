@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.proto import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\"\xc3\x02\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x15\n\rnext_token_id\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0fnum_spec_tokens\x18\x08 \x01(\x05\x12-\n\x0b\x64raft_probs\x18\t \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\x12\x17\n\x0fnum_held_drafts\x18\n \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\x05\"\x91\x02\n\rVerifyRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x30\n\x08requests\x18\x02 \x03(\x0b\x32\x1e.specsplit.v1.ScheduledRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x03 \x03(\t\x12\x16\n\x0e\x63oordinator_id\x18\x04 \x01(\t\x12\x44\n\rtrace_context\x18\x05 \x03(\x0b\x32-.specsplit.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"\xab\x01\n\x0fVerifiedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specsplit.v1.TokenLogprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xb7\x02\n\x0cVerifyTiming\x12\x12\n\nprepare_ns\x18\x01 \x01(\x03\x12\x12\n\nforward_ns\x18\x02 \x01(\x03\x12\x11\n\tsample_ns\x18\x03 \x01(\x03\x12\x12\n\npropose_ns\x18\x04 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x05 \x01(\x03\x12\x12\n\nreplied_ns\x18\x06 \x01(\x03\x12\x17\n\x0fpropose_sent_ns\x18\x07 \x01(\x03\x12\x1b\n\x13propose_received_ns\x18\x08 \x01(\x03\x12\x1b\n\x13\x64rafter_received_ns\x18\t \x01(\x03\x12\x1a\n\x12\x64rafter_replied_ns\x18\n \x01(\x03\x12\x10\n\x08step0_ns\x18\x0b \x01(\x03\x12\x16\n\x0elater_steps_ns\x18\x0c \x01(\x03\x12\x16\n\x0e\x64rafts_wait_ns\x18\r \x01(\x03\"\xb3\x01\n\x0eVerifyResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specsplit.v1.VerifiedRequest\x12\x12\n\ndrafter_ok\x18\x02 \x01(\x08\x12\x15\n\rdrafter_error\x18\x03 \x01(\t\x12*\n\x06timing\x18\x04 \x01(\x0b\x32\x1a.specsplit.v1.VerifyTiming\x12\x1a\n\x12hidden_state_bytes\x18\x05 \x01(\x03\"\"\n\x0b\x46reeRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0c\x46reeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\x32\xe4\x01\n\x08Verifier\x12M\n\x0cVerifyStream\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse(\x01\x30\x01\x12=\n\x04\x46ree\x12\x19.specsplit.v1.FreeRequest\x1a\x1a.specsplit.v1.FreeResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\"\x98\x03\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x15\n\rnext_token_id\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0fnum_spec_tokens\x18\x08 \x01(\x05\x12-\n\x0b\x64raft_probs\x18\t \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\x12\x17\n\x0fnum_held_drafts\x18\n \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x0c \x03(\x0c\x12\x1c\n\x14\x64rafter_block_hashes\x18\r \x03(\x0c\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x0e \x03(\x05\"f\n\x0bPrefixBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\x05\x12\x12\n\nblock_hash\x18\x03 \x01(\x0c\x12\x1a\n\x12\x64rafter_block_hash\x18\x04 \x01(\x0c\"\x81\x03\n\rVerifyRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x30\n\x08requests\x18\x02 \x03(\x0b\x32\x1e.specsplit.v1.ScheduledRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x03 \x03(\t\x12\x16\n\x0e\x63oordinator_id\x18\x04 \x01(\t\x12\x44\n\rtrace_context\x18\x05 \x03(\x0b\x32-.specsplit.v1.VerifyRequest.TraceContextEntry\x12\x1a\n\x12reset_prefix_cache\x18\x08 \x01(\x08\x12\x34\n\x11registered_blocks\x18\t \x03(\x0b\x32\x19.specsplit.v1.PrefixBlock\x12\x1c\n\x14\x65victed_block_hashes\x18\n \x03(\x0c\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"\xab\x01\n\x0fVerifiedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specsplit.v1.TokenLogprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xb7\x02\n\x0cVerifyTiming\x12\x12\n\nprepare_ns\x18\x01 \x01(\x03\x12\x12\n\nforward_ns\x18\x02 \x01(\x03\x12\x11\n\tsample_ns\x18\x03 \x01(\x03\x12\x12\n\npropose_ns\x18\x04 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x05 \x01(\x03\x12\x12\n\nreplied_ns\x18\x06 \x01(\x03\x12\x17\n\x0fpropose_sent_ns\x18\x07 \x01(\x03\x12\x1b\n\x13propose_received_ns\x18\x08 \x01(\x03\x12\x1b\n\x13\x64rafter_received_ns\x18\t \x01(\x03\x12\x1a\n\x12\x64rafter_replied_ns\x18\n \x01(\x03\x12\x10\n\x08step0_ns\x18\x0b \x01(\x03\x12\x16\n\x0elater_steps_ns\x18\x0c \x01(\x03\x12\x16\n\x0e\x64rafts_wait_ns\x18\r \x01(\x03\"\xb3\x01\n\x0eVerifyResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specsplit.v1.VerifiedRequest\x12\x12\n\ndrafter_ok\x18\x02 \x01(\x08\x12\x15\n\rdrafter_error\x18\x03 \x01(\t\x12*\n\x06timing\x18\x04 \x01(\x0b\x32\x1a.specsplit.v1.VerifyTiming\x12\x1a\n\x12hidden_state_bytes\x18\x05 \x01(\x03\"\"\n\x0b\x46reeRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0c\x46reeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\x32\xe4\x01\n\x08Verifier\x12M\n\x0cVerifyStream\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse(\x01\x30\x01\x12=\n\x04\x46ree\x12\x19.specsplit.v1.FreeRequest\x1a\x1a.specsplit.v1.FreeResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SCHEDULEDREQUEST']._serialized_start=47
-  _globals['_SCHEDULEDREQUEST']._serialized_end=370
-  _globals['_VERIFYREQUEST']._serialized_start=373
-  _globals['_VERIFYREQUEST']._serialized_end=646
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=583
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=634
-  _globals['_VERIFIEDREQUEST']._serialized_start=649
-  _globals['_VERIFIEDREQUEST']._serialized_end=820
-  _globals['_VERIFYTIMING']._serialized_start=823
-  _globals['_VERIFYTIMING']._serialized_end=1134
-  _globals['_VERIFYRESPONSE']._serialized_start=1137
-  _globals['_VERIFYRESPONSE']._serialized_end=1316
-  _globals['_FREEREQUEST']._serialized_start=1318
-  _globals['_FREEREQUEST']._serialized_end=1352
-  _globals['_FREERESPONSE']._serialized_start=1354
-  _globals['_FREERESPONSE']._serialized_end=1393
-  _globals['_VERIFIER']._serialized_start=1396
-  _globals['_VERIFIER']._serialized_end=1624
+  _globals['_SCHEDULEDREQUEST']._serialized_end=455
+  _globals['_PREFIXBLOCK']._serialized_start=457
+  _globals['_PREFIXBLOCK']._serialized_end=559
+  _globals['_VERIFYREQUEST']._serialized_start=562
+  _globals['_VERIFYREQUEST']._serialized_end=947
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=884
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=935
+  _globals['_VERIFIEDREQUEST']._serialized_start=950
+  _globals['_VERIFIEDREQUEST']._serialized_end=1121
+  _globals['_VERIFYTIMING']._serialized_start=1124
+  _globals['_VERIFYTIMING']._serialized_end=1435
+  _globals['_VERIFYRESPONSE']._serialized_start=1438
+  _globals['_VERIFYRESPONSE']._serialized_end=1617
+  _globals['_FREEREQUEST']._serialized_start=1619
+  _globals['_FREEREQUEST']._serialized_end=1653
+  _globals['_FREERESPONSE']._serialized_start=1655
+  _globals['_FREERESPONSE']._serialized_end=1694
+  _globals['_VERIFIER']._serialized_start=1697
+  _globals['_VERIFIER']._serialized_end=1925
 # @@protoc_insertion_point(module_scope)

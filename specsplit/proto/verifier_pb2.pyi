@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScheduledRequest(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "token_ids", "num_draft_tokens", "sample", "next_token_id", "sampling", "num_spec_tokens", "draft_probs", "num_held_drafts", "num_prompt_tokens")
+    __slots__ = ("request_id", "num_computed_tokens", "token_ids", "num_draft_tokens", "sample", "next_token_id", "sampling", "num_spec_tokens", "draft_probs", "num_held_drafts", "num_prompt_tokens", "cached_block_hashes", "drafter_block_hashes", "cached_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class ScheduledRequest(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,10 +34,25 @@ class ScheduledRequest(_message.Message):
     draft_probs: _common_pb2.DraftProbs
     num_held_drafts: int
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., num_held_drafts: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    drafter_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_spec_tokens: _Optional[int] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., num_held_drafts: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., drafter_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixBlock(_message.Message):
+    __slots__ = ("request_id", "block_index", "block_hash", "drafter_block_hash")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_index: int
+    block_hash: bytes
+    drafter_block_hash: bytes
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., drafter_block_hash: _Optional[bytes] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context")
+    __slots__ = ("iteration", "requests", "finished_request_ids", "coordinator_id", "trace_context", "reset_prefix_cache", "registered_blocks", "evicted_block_hashes")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,12 +65,18 @@ class VerifyRequest(_message.Message):
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     coordinator_id: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    reset_prefix_cache: bool
+    registered_blocks: _containers.RepeatedCompositeFieldContainer[PrefixBlock]
+    evicted_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., reset_prefix_cache: _Optional[bool] = ..., registered_blocks: _Optional[_Iterable[_Union[PrefixBlock, _Mapping]]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifiedRequest(_message.Message):
     __slots__ = ("request_id", "sampled_token_ids", "num_rejected", "num_draft_tokens", "logprobs")

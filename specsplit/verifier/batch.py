@@ -57,6 +57,11 @@ class VerifyItem:
     sampling: Sampling = field(default_factory=Sampling)
     num_spec_tokens: int = 0  # drafts to propose after this step
     num_prompt_tokens: int = 0
+    # Prefix caching, on the step that admits the request on cached blocks: their hashes (the request's first blocks),
+    # the drafter's keys of them, and their tokens (num_computed_tokens of them).
+    cached_block_hashes: list[bytes] = field(default_factory=list)
+    drafter_block_hashes: list[bytes] = field(default_factory=list)
+    cached_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -65,3 +70,8 @@ class VerifyBatch:
     requests: list[VerifyItem]
     finished_request_ids: list[str] = field(default_factory=list)  # freed before the step
     coordinator_id: str = ""
+    # Prefix caching, applied before the step in this order: forget every cached block, register blocks (request id,
+    # block index, block hash, drafter key), free the finished requests, evict blocks by hash.
+    reset_prefix_cache: bool = False
+    registered_blocks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
+    evicted_block_hashes: list[bytes] = field(default_factory=list)

@@ -135,6 +135,7 @@ class DrafterChannel:
         self.timeout_s = timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop `prepare` last ran on
         self._done: list[PendingPropose] = []  # answered or failed since the loop last collected
+        self._cached_prefixes: dict[str, tuple[list[bytes], int]] = {}  # `start_cached`'s, not sent yet
 
     # Event loop.
 
@@ -147,12 +148,25 @@ class DrafterChannel:
         return done
 
     def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._cached_prefixes.pop(rid, None)
         self.pool.free(request_ids)
 
     def free_all(self) -> None:
         """Every request placed on a drafter and not freed yet (a new coordinator took the verifier over: the old
         one's last finished ids may never come)."""
+        self._cached_prefixes.clear()
         self.pool.free(list(self.pool.owner))
+
+    def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
+        """Prefix caching: blocks of requests placed on a drafter for it to register (request id, block index, its
+        key), sent with its next Propose, before its frees."""
+        self.pool.cache_blocks(blocks)
+
+    def start_cached(self, prefixes: dict[str, tuple[list[bytes], int]]) -> None:
+        """Prefix caching: requests the verifier started on cached blocks, for their drafter to start on its own
+        (the drafter's keys and where they end), sent with each one's next Propose."""
+        self._cached_prefixes.update(prefixes)
 
     def stats(self) -> dict[str, ReplicaStats]:
         return self.pool.stats()
@@ -176,6 +190,7 @@ class DrafterChannel:
             next_token_ids=step.next_token_ids,
             num_rejected=step.num_rejected,
             grammar_outputs=step.grammar_outputs,
+            cached_prefixes=self._cached_prefixes,
         )
 
     def device_plan(self, iteration: int, launched, sampling: list[Sampling]) -> ProposeBatch | None:
@@ -200,6 +215,7 @@ class DrafterChannel:
             num_rows=rows,
             sampled=launched.sampled,
             num_sampled=launched.num_sampled,
+            cached_prefixes=self._cached_prefixes,
         )
 
     def send(self, plan: ProposeBatch, context, on_answer: Callable[[PendingPropose], None], parent) -> PendingPropose:

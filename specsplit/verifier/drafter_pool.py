@@ -93,8 +93,15 @@ class Replica:
     stub: drafter_pb2_grpc.DrafterStub
     healthy: bool = True
     pending_free: list[str] = field(default_factory=list)  # frees for requests it owned
+    # Prefix caching: blocks of requests it owns to register (request id, block index, key), sent once.
+    pending_cached: list[tuple[str, int, bytes]] = field(default_factory=list)
     stats: ReplicaStats = field(default_factory=ReplicaStats)
     probe: asyncio.Task | None = None
+
+    def take_cached(self) -> list[tuple[str, int, bytes]]:
+        """The registrations for its next Propose (a registration lost with a failed call costs only a cache miss)."""
+        cached, self.pending_cached = self.pending_cached, []
+        return cached
 
     def freed(self, request_ids: list[str]) -> None:
         """Event loop: these frees reached the replica (a call that carried them was answered): out of the queue.
@@ -214,6 +221,13 @@ class DrafterPool:
         log.info("request %s moved from drafter %s to %s", rid, old, new)
         if old in self.replicas:  # its stale MTP state there goes when that replica answers again
             self.replicas[old].pending_free.append(rid)
+
+    def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
+        """Registrations queued on the replica owning each request (none where it has no owner)."""
+        for block in blocks:
+            replica = self.replicas.get(self.owner.get(block[0], ""))
+            if replica is not None:
+                replica.pending_cached.append(block)
 
     def free(self, request_ids: list[str]) -> None:
         """Queues frees for the replica that owns each request (sent with its next call)."""

@@ -169,7 +169,7 @@ class PoolChannel(DrafterChannel):
                 finished = list(replica.pending_free)
                 try:
                     rows = plan.rows(indices)  # [num_rows, hidden_size]
-                    msg = plan.message(indices, finished)
+                    msg = plan.message(indices, finished, replica.take_cached())
                     if self.transport.needs_open(rows):
                         await self.transport.open(rows, self.open_call(replica))
                     transfer = self.transport.send(rows, msg)

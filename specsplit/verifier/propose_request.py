@@ -40,15 +40,21 @@ class ProposeBatch:
         off = self.row_offsets
         return torch.cat([self.hidden_states[off[i] : off[i + 1]] for i in indices])
 
-    def message(self, indices: list[int], finished: list[str]) -> drafter_pb2.ProposeRequest:
-        """The Propose call for the requests at `indices`, without its hidden states (the transport adds them)."""
+    def message(
+        self, indices: list[int], finished: list[str], cached: list[tuple[str, int, bytes]] = ()
+    ) -> drafter_pb2.ProposeRequest:
+        """The Propose call for the requests at `indices`, without its hidden states (the transport adds them), with
+        the frees and the prefix cache's registrations queued for its drafter."""
         if self.request is not None and len(indices) == len(self.items):
             msg, self.request = self.request, None  # the caller fills it in: given once
             msg.finished_request_ids.extend(finished)
-            return msg
-        return drafter_pb2.ProposeRequest(
-            iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
-        )
+        else:
+            msg = drafter_pb2.ProposeRequest(
+                iteration=self.iteration, requests=[self.items[i] for i in indices], finished_request_ids=finished
+            )
+        for rid, index, key in cached:
+            msg.cached_blocks.add(request_id=rid, block_index=index, block_hash=key)
+        return msg
 
 
 def build_propose(
@@ -65,12 +71,15 @@ def build_propose(
     sampled: torch.Tensor | None = None,
     num_sampled: torch.Tensor | None = None,
     grammar_outputs: dict[int, list[int]] | None = None,
+    cached_prefixes: dict[str, tuple[list[bytes], int]] | None = None,
 ) -> ProposeBatch:
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
     what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
     `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
     `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`), sent with its
-    grammar so that the drafter masks its drafts too."""
+    grammar so that the drafter masks its drafts too. `cached_prefixes`: requests started on cached blocks whose
+    drafter has not heard of them yet (the drafter's keys, and the position they end at); taken from it for the
+    requests of this Propose, sent where the request's rows start there."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add
     hand_off = num_rows is not None
@@ -96,5 +105,9 @@ def build_propose(
         if grammar_outputs and i in grammar_outputs:  # structured output: the drafter masks its drafts too
             item.sampling.grammar = sp.grammar
             item.output_token_ids.extend(grammar_outputs[i])
+        if cached_prefixes:
+            keys, end = cached_prefixes.pop(rid, ((), -1))
+            if end == start_positions[i]:
+                item.cached_block_hashes.extend(keys)
     offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
     return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)

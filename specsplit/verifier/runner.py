@@ -132,6 +132,10 @@ class VerifierRunner:
     def free_all(self) -> None:
         self.free(list(self._request_ids))
 
+    def held_by(self, request_id: str) -> None:
+        """The request holds KV blocks now (started on cached ones), before any step of it."""
+        self._request_ids.add(request_id)
+
     def prepare(self, req_ids: list[str], num_computed: list[int], num_new: list[int]) -> Prepared:
         """A step's KV cache side, on the host only: each request rolled back to `num_computed` tokens,
         then slots for its `num_new` tokens and the attention metadata's arrays. A step may be prepared

@@ -100,7 +100,7 @@ class SocketChannel(DrafterChannel):
         and tokens go as the step queued them: nothing waits for the step here)."""
         replica = self.replica
         pending.finished = list(replica.pending_free)
-        msg = plan.message(list(range(len(plan.items))), pending.finished)
+        msg = plan.message(list(range(len(plan.items))), pending.finished, replica.take_cached())
         transport = self.transport
         try:
             rows = plan.hidden_states

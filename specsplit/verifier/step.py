@@ -129,10 +129,17 @@ class VerifierStep:
         return StepResult(batch, step, unfilled, previous, w0, w1, early)
 
     def _begin(self, request) -> None:
-        """Once per step, first: the hook (order check), finished requests freed."""
+        """Once per step, first: the hook (order check), the prefix cache's registrations, finished requests freed,
+        then its evictions and the requests starting on cached blocks (the drafter told of both)."""
         if self._begin_hook is not None:
             self._begin_hook(request)
+        blocks = self.worker.cache_blocks(request)
+        if blocks and self.drafter is not None:
+            self.drafter.cache_blocks(blocks)
         self.free(request.finished_request_ids)
+        prefixes = self.worker.start_cached(request)
+        if prefixes and self.drafter is not None:
+            self.drafter.start_cached(prefixes)
 
     def _plan_early(self, request) -> EarlyStep:
         """While the drafts are still on their way: the step begun and planned ahead (`VerifierWorker.plan_early`).

@@ -61,9 +61,20 @@ def verify_batch(msg: verifier_pb2.VerifyRequest) -> VerifyBatch:
                 sampling=sampling_of(r.sampling),
                 num_spec_tokens=r.num_spec_tokens,
                 num_prompt_tokens=r.num_prompt_tokens,
+                cached_block_hashes=list(r.cached_block_hashes),
+                drafter_block_hashes=list(r.drafter_block_hashes),
+                cached_token_ids=list(r.cached_token_ids),
             )
         )
-    return VerifyBatch(msg.iteration, items, list(msg.finished_request_ids), msg.coordinator_id)
+    return VerifyBatch(
+        msg.iteration,
+        items,
+        list(msg.finished_request_ids),
+        msg.coordinator_id,
+        msg.reset_prefix_cache,
+        [(b.request_id, b.block_index, b.block_hash, b.drafter_block_hash) for b in msg.registered_blocks],
+        list(msg.evicted_block_hashes),
+    )
 
 
 def verify_response(

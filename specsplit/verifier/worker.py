@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specsplit.client.errors import FailedPrecondition
+from specsplit.client.errors import FailedPrecondition, InvalidArgument
 from specsplit.models.kv_cache import PagedKVCache
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.grammar import Grammars
@@ -73,11 +73,58 @@ class VerifierWorker:
             self._histories.pop(rid, None)
 
     def free_all(self) -> None:
-        """A new coordinator: every request's KV blocks and held drafts."""
+        """A new coordinator: every request's KV blocks and held drafts, and the prefix cache's blocks."""
         self.runner.free_all()
+        self.kv_cache.forget_cached()
         self.held.clear()
         self._histories.clear()
         self.grammars.clear()
+
+    def cache_blocks(self, request: VerifyBatch) -> list[tuple[str, int, bytes]]:
+        """Prefix caching, before the step's frees: a reset forgets every cached block, then the registered blocks
+        enter the cache. Returns the drafter's registrations (request id, block index, drafter key)."""
+        cache = self.kv_cache
+        if request.reset_prefix_cache:
+            cache.forget_cached()
+        for rid, index, block_hash, _ in request.registered_blocks:
+            if not cache.cache_block(rid, index, block_hash):
+                raise FailedPrecondition(
+                    f"request {rid!r}: cannot cache its block {index}: this verifier holds {cache.num_tokens(rid)} of "
+                    "its tokens (restarted?); re-prefill"
+                )
+        return [(rid, index, key) for rid, index, _, key in request.registered_blocks if key]
+
+    def start_cached(self, request: VerifyBatch) -> dict[str, tuple[list[bytes], int]]:
+        """Prefix caching, after the step's frees: evicted blocks leave the cache, and each request admitted on cached
+        blocks starts on them, their tokens its history. Returns, per such request, the drafter's keys of its blocks
+        and where they end."""
+        cache = self.kv_cache
+        if request.evicted_block_hashes:
+            cache.evict(request.evicted_block_hashes)
+        prefixes = {}
+        for r in request.requests:
+            hashes = r.cached_block_hashes
+            if not hashes:
+                continue
+            rid, n, nc = r.request_id, len(hashes), r.num_computed_tokens
+            if n * cache.block_size != nc or len(r.cached_token_ids) != nc or len(r.drafter_block_hashes) not in (0, n):
+                raise InvalidArgument(
+                    f"request {rid!r}: {n} cached_block_hashes of {cache.block_size}-token blocks, "
+                    f"{len(r.drafter_block_hashes)} drafter_block_hashes and {len(r.cached_token_ids)} "
+                    f"cached_token_ids do not make num_computed_tokens {nc}"
+                )
+            if cache.has(rid):  # the coordinator starts it afresh on its cached blocks
+                self.runner.free([rid])
+            if not cache.attach(rid, hashes):
+                raise FailedPrecondition(
+                    f"request {rid!r}: {n - cache.cached_prefix(hashes)} of its {n} cached blocks are not in this "
+                    "verifier's prefix cache (restarted?); re-prefill"
+                )
+            self.runner.held_by(rid)
+            self._histories[rid] = list(r.cached_token_ids)
+            if r.drafter_block_hashes:
+                prefixes[rid] = (r.drafter_block_hashes, nc)
+        return prefixes
 
     def plan_early(self, request: VerifyBatch) -> EarlyStep:
         """While the drafts are still on their way: the step's batch planned with placeholder drafts and its KV

@@ -25,7 +25,8 @@ def prefill_steps(batch: int, prompt_len: int, budget: int, k: int) -> tuple[int
     )
     scheduler = Scheduler(config, [0])
     requests = [
-        Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=10_000, ignore_eos=True))
+        # prompts of their own, as the benchmark's: none starts on another's cached blocks
+        Request(f"r{i}", [1000 + i, *range(2, prompt_len + 1)], SamplingParams(max_tokens=10_000, ignore_eos=True))
         for i in range(batch)
     ]
     for r in requests:

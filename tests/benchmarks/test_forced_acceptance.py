@@ -167,3 +167,14 @@ def test_device_hand_offs_force_the_same_drafts_as_the_host_path():
         want = _decode(host, seq, 64, k, f"r{i}")
         assert _decode_on_device(device, seq, 64, k, f"r{i}") == want and sum(want) > 0
     assert device.num_lost == 0 and device.num_kept == host.num_kept > 0
+
+
+def test_a_request_started_on_cached_blocks_is_matched_by_the_tokens_it_shows():
+    """Prefix caching: a request started on cached blocks shows the drafter only what follows them; where one sequence
+    has those tokens there, its drafts meet their coins (an unnamed id, as `LLM.generate`'s)."""
+    oracle = _oracle(3)
+    seq, start = oracle.sequences[1], 32
+    item = ProposeItem("llm-7", start, seq[start + 1 : start + 4], 3, cached_block_hashes=[b"k1", b"k2"])
+    runner = ForcedAcceptanceRunner(FakeRunner(), oracle, 1.0)
+    assert runner.propose([item], None).drafts == [seq[start + 4 : start + 7]]
+    assert runner.num_lost == 0

@@ -11,6 +11,7 @@ from specsplit.drafter.servicer import parse_items
 from specsplit.proto import common_pb2, drafter_pb2
 
 VOCAB = 100
+BS = 4  # the MTP cache's block size
 
 
 def _item(**kw) -> drafter_pb2.ProposeItem:
@@ -21,14 +22,14 @@ def _item(**kw) -> drafter_pb2.ProposeItem:
 def test_items_keep_request_order_and_fields():
     sampling = common_pb2.SamplingParams(temperature=0.5, seed=2**64 - 1)
     sampled = _item(request_id="b", next_token_ids=[99], sampling=sampling)
-    items = parse_items(drafter_pb2.ProposeRequest(requests=[_item(), sampled]), VOCAB)
+    items = parse_items(drafter_pb2.ProposeRequest(requests=[_item(), sampled]), VOCAB, BS)
     assert items == [ProposeItem("a", 3, [1, 2], 3), ProposeItem("b", 3, [99], 3, 0.5, 2**63 - 1)]
 
 
 def test_a_constrained_item_carries_its_grammar_and_output():
     sampling = common_pb2.SamplingParams(temperature=0.5, seed=3, coupled=True, grammar="start: /[a-z]+/")
     item = _item(sampling=sampling, output_token_ids=[5, 6, 7])
-    (parsed,) = parse_items(drafter_pb2.ProposeRequest(requests=[item]), VOCAB)
+    (parsed,) = parse_items(drafter_pb2.ProposeRequest(requests=[item]), VOCAB, BS)
     assert parsed == ProposeItem("a", 3, [1, 2], 3, 0.5, 3, coupled=True, grammar="start: /[a-z]+/", output=[5, 6, 7])
 
 
@@ -51,7 +52,7 @@ def test_a_constrained_item_carries_its_grammar_and_output():
 def test_a_bad_item_is_refused_naming_its_first_bad_field(bad, message):
     msg = drafter_pb2.ProposeRequest(requests=[_item(), _item(**{"request_id": "x", **bad})])
     with pytest.raises(InvalidArgument, match=message):
-        parse_items(msg, VOCAB)
+        parse_items(msg, VOCAB, BS)
 
 
 def _device_request(*items, width: int = 4) -> drafter_pb2.ProposeRequest:
@@ -67,13 +68,13 @@ def _device_item(**kw) -> drafter_pb2.ProposeItem:
 
 
 def test_device_hand_off_items_carry_rows_and_no_tokens():
-    items = parse_items(_device_request(_device_item(), _device_item(request_id="b", num_rows=2)), VOCAB)
+    items = parse_items(_device_request(_device_item(), _device_item(request_id="b", num_rows=2)), VOCAB, BS)
     assert items == [ProposeItem("a", 3, [], 3, num_rows=4), ProposeItem("b", 3, [], 3, num_rows=2)]
 
 
 def test_num_rows_without_a_device_hand_off_is_refused():
     with pytest.raises(InvalidArgument, match="request 'a': num_rows 2 without a device hand-off"):
-        parse_items(drafter_pb2.ProposeRequest(requests=[_item(num_rows=2)]), VOCAB)
+        parse_items(drafter_pb2.ProposeRequest(requests=[_item(num_rows=2)]), VOCAB, BS)
 
 
 @pytest.mark.parametrize(
@@ -92,4 +93,4 @@ def test_num_rows_without_a_device_hand_off_is_refused():
 def test_a_bad_device_hand_off_item_is_refused(bad, message):
     msg = _device_request(_device_item(), _device_item(**{"request_id": "x", **bad}))
     with pytest.raises(InvalidArgument, match=message):
-        parse_items(msg, VOCAB)
+        parse_items(msg, VOCAB, BS)

@@ -1,13 +1,19 @@
 """Helpers shared by the end-to-end tests."""
 
 import os
+import random
 import threading
 import time
+import urllib.request
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit import Client
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+BLOCK_SIZE = 16  # the services' default KV block size: prefix caching caches full blocks
+PREFIX_CACHE_SERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 def greedy_ignoring_eos(hf_greedy, prompt: list[int], n: int) -> list[int]:
@@ -51,10 +57,12 @@ def start_streams(
     max_tokens: int,
     on_progress=lambda n: None,
     per_prompt: list[dict] | None = None,
+    finals: dict | None = None,
 ):
     """One greedy stream per prompt (ignoring EOS), each on a client thread of its own; on_progress(n) after
     each delta, n the stream's tokens so far; `per_prompt[i]`: prompt i's own options (e.g. its temperature and
-    seed). Returns (threads, results by prompt index, errors); join the threads before reading the other two."""
+    seed); `finals`, if given, gets each stream's last delta (its usage: prompt_tokens, cached_tokens) by prompt
+    index. Returns (threads, results by prompt index, errors); join the threads before reading the other two."""
     results, errors = {}, []
 
     def run(i):
@@ -68,6 +76,8 @@ def start_streams(
                     ids.extend(delta.token_ids)
                     on_progress(len(ids))
                 results[i] = ids
+                if finals is not None:
+                    finals[i] = delta
         except Exception as err:  # noqa: BLE001 - surfaced by the caller
             errors.append(err)
 
@@ -150,3 +160,43 @@ def hide_drafter_socket(drafter_address: str) -> str:
         info = drafter_pb2_grpc.DrafterStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
     os.unlink(info.propose_socket)
     return info.propose_socket
+
+
+def prefix_cache_counters(metrics_url: str) -> dict[tuple[str, str], float]:
+    """The prefix cache's counters a service serves on its Prometheus page `metrics_url` (.../metrics), by series
+    (PREFIX_CACHE_SERIES) and `worker` label; none where caching is off."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (s.name, s.labels["worker"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in PREFIX_CACHE_SERIES
+    }
+
+
+def check_shared_prefix_greedy(address: str, hf_greedy, seed: int, max_tokens: int = 12) -> int:
+    """Prefix caching through the services: a prompt of 50 random tokens (3 full blocks and 2 tokens), then three
+    prompts sent together that share its first 50, 48 and 40 tokens. Each greedy output equals transformers', the
+    first prompt's cached_tokens is 0 and each shared one's is what the cache holds of it (docs/architecture.md,
+    "Prefix caching"): the first's 3 full blocks where the prompt goes on after them as the first did, one block fewer
+    where it goes on differently right after them (the verifier computes that block again for the drafter), and the 2
+    full blocks it shares where it diverges mid-block. Every prompt goes on with tokens of a range the prefix has
+    none of, so each diverges exactly where it is cut. Returns the cached tokens of the three."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 200) for _ in range(50)]
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(200, 300) for _ in range(n)]
+
+    first = prefix + tail(6)
+    with Client(address, timeout=120) as client:
+        out = client.generate(prompt_token_ids=first, max_tokens=max_tokens, ignore_eos=True)
+    assert (out.cached_tokens, out.token_ids) == (0, greedy_ignoring_eos(hf_greedy, first, max_tokens))
+    shared = [(prefix + tail(6), 3 * BLOCK_SIZE), (prefix[:48] + tail(8), 2 * BLOCK_SIZE)]
+    shared.append((prefix[:40] + tail(10), 2 * BLOCK_SIZE))
+    outs = generate_concurrently(address, [p for p, _ in shared], max_tokens)
+    for i, (prompt, cached) in enumerate(shared):
+        want = greedy_ignoring_eos(hf_greedy, prompt, max_tokens)
+        assert (outs[i].cached_tokens, outs[i].token_ids) == (cached, want), f"prompt {i} sharing the prefix"
+    return sum(cached for _, cached in shared)

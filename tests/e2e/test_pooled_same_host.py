@@ -9,7 +9,13 @@ import time
 
 from specsplit import Client
 from specsplit.cli.launcher import LocalCluster
-from tests.e2e.helpers import greedy_ignoring_eos, hide_drafter_socket
+from specsplit.rpc.process import free_port
+from tests.e2e.helpers import (
+    check_shared_prefix_greedy,
+    greedy_ignoring_eos,
+    hide_drafter_socket,
+    prefix_cache_counters,
+)
 
 PROMPT, MAX_TOKENS = [5, 6, 7, 8], 24
 
@@ -62,3 +68,25 @@ def test_a_pooled_drafter_on_this_host_takes_its_socket_and_one_elsewhere_grpc(t
     assert elsewhere and set(elsewhere) == {"stream"}
     assert "ProposeStream on its Unix socket" in verifier_log
     assert f"ProposeStream on gRPC (its socket {hidden!r} is not on this host)" in verifier_log
+
+
+def test_a_pooled_drafter_starts_shared_prefixes_on_the_mtp_blocks_it_cached(tiny_checkpoint, hf_greedy, tmp_path):
+    """Prefix caching with a pooled drafter, whose block registrations and keys go with its replica's Proposes:
+    prompts sharing a prefix equal transformers' greedy output, start on the verifier's cached blocks, and the
+    drafter starts each on its own cached MTP blocks of them (its `worker="drafter"` counters: every token it was
+    asked for found)."""
+    metrics_port = free_port()  # the drafter's is metrics_port + 2
+    with LocalCluster(
+        tiny_checkpoint,
+        num_speculative_tokens=3,
+        log_dir=tmp_path,
+        placement="pooled",
+        coordinator_args=["--no-adaptive"],
+        metrics_port=metrics_port,
+    ) as cluster:
+        cached = check_shared_prefix_greedy(cluster.address, hf_greedy, seed=40)
+        counters = prefix_cache_counters(f"http://127.0.0.1:{metrics_port + 2}/metrics")
+    assert counters == {
+        ("vllm:prefix_cache_queries_total", "drafter"): cached,
+        ("vllm:prefix_cache_hits_total", "drafter"): cached,
+    }

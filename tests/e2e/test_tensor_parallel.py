@@ -20,7 +20,7 @@ from scipy import stats
 
 from specsplit import Client
 from specsplit.cli.launcher import LocalCluster
-from tests.e2e.helpers import generate_concurrently, greedy_ignoring_eos, start_streams
+from tests.e2e.helpers import check_shared_prefix_greedy, generate_concurrently, greedy_ignoring_eos, start_streams
 from tests.e2e.test_lossless_greedy import prompts
 from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_glm4_moe import write_served_tiny_glm4_moe
@@ -83,6 +83,11 @@ def check_greedy(address: str, hf_greedy) -> None:
 
 def test_llama_tp2_greedy_equals_transformers_generate(llama_tp, hf_greedy):
     check_greedy(llama_tp.address, hf_greedy)
+
+
+def test_llama_tp2_greedy_over_shared_prefixes_equals_transformers_generate(llama_tp, hf_greedy):
+    """Prefix caching at TP 2: every rank starts a request on the same cached blocks of its own KV cache."""
+    check_shared_prefix_greedy(llama_tp.address, hf_greedy, seed=41)
 
 
 def test_qwen3_tp4_greedy_equals_transformers_generate(tmp_path_factory):

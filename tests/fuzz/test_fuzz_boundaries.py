@@ -208,7 +208,7 @@ items = st.builds(
 @given(st.lists(items, max_size=4))
 def test_propose_request_validation(its):
     try:
-        parsed = parse_items(drafter_pb2.ProposeRequest(requests=its), VOCAB)
+        parsed = parse_items(drafter_pb2.ProposeRequest(requests=its), VOCAB, 4)
     except InvalidArgument as err:
         assert str(err)
         return

@@ -118,15 +118,15 @@ class HttpApi:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._serving(body.model)
-        requests, prompt_tokens = [], 0
+        requests, prompts = [], []
         for prompt in _prompts(body.prompt):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             msg = to_generate_request(body, prompt=text, prompt_token_ids=ids)
             built = self._build(msg, COMPLETIONS_DEFAULT_MAX_TOKENS)
             requests += built
-            prompt_tokens += built[0].num_prompt_tokens
+            prompts.append(built[0])
         return await self._run(
-            request, body, ResponseShape("completions", self.model_name, self.tokenizer), requests, prompt_tokens
+            request, body, ResponseShape("completions", self.model_name, self.tokenizer), requests, prompts
         )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -141,17 +141,18 @@ class HttpApi:
         msg = to_generate_request(body, prompt_token_ids=ids)
         requests = self._build(msg, info.max_model_len)  # unset: up to the model's length, as vLLM's chat
         return await self._run(
-            request, body, ResponseShape("chat", self.model_name, self.tokenizer), requests, len(ids)
+            request, body, ResponseShape("chat", self.model_name, self.tokenizer), requests, requests[:1]
         )
 
-    async def _run(self, request: Request, body, shape: ResponseShape, requests: list, prompt_tokens: int) -> Response:
+    async def _run(self, request: Request, body, shape: ResponseShape, requests: list, prompts: list) -> Response:
+        """`prompts`: the first request of each prompt (its n completions share its usage's prompt tokens)."""
         choices = Choices(self.engine, requests, self.model_name, incoming_context(request.headers.items()))
         choices.start()  # a full queue: 429 here, before any byte is sent
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ChoicesStream(_events(choices, shape, prompt_tokens, include_usage), choices)
+            return _ChoicesStream(_events(choices, shape, prompts, include_usage), choices)
         try:
-            return await _unless_disconnected(request, _collect(choices, shape, prompt_tokens))
+            return await _unless_disconnected(request, _collect(choices, shape, prompts))
         finally:
             choices.close()
 
@@ -163,7 +164,7 @@ async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _collect(choices: Choices, shape: ResponseShape, prompt_tokens: int) -> Response:
+async def _collect(choices: Choices, shape: ResponseShape, prompts: list) -> Response:
     n = len(choices.requests)
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list | None] = [None] * n
@@ -179,10 +180,10 @@ async def _collect(choices: Choices, shape: ResponseShape, prompt_tokens: int) -
         if req.sampling.logprobs is not None and logprobs[i] is None:
             logprobs[i] = []  # asked for, no token came
     body = [shape.choice(i, "".join(texts[i]), reasons[i], choices.requests[i].stats, logprobs[i]) for i in range(n)]
-    return JSONResponse(shape.response(body, usage(prompt_tokens, completion_tokens)))
+    return JSONResponse(shape.response(body, usage(prompts, completion_tokens)))
 
 
-async def _events(choices: Choices, shape: ResponseShape, prompt_tokens: int, include_usage: bool):
+async def _events(choices: Choices, shape: ResponseShape, prompts: list, include_usage: bool):
     """The SSE stream: one chunk per choice's delta, its finish_reason (with its spec_decode_stats) last, the
     usage chunk if asked for, then [DONE]. An error after the stream began is an `error` event before [DONE]."""
     started: set[int] = set()
@@ -197,7 +198,7 @@ async def _events(choices: Choices, shape: ResponseShape, prompt_tokens: int, in
             if out.finish_reason is not None:
                 yield shape.chunk(i, "", out.finish_reason, stats=req.stats, with_usage=include_usage)
         if include_usage:
-            yield shape.usage_chunk(usage(prompt_tokens, completion_tokens))
+            yield shape.usage_chunk(usage(prompts, completion_tokens))
     except SpecsplitError as err:
         yield event(error_body(err.message, status_of(err)[1], None, err.code.name.lower()))
     yield DONE

@@ -105,11 +105,15 @@ class ResponseShape:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompts: list, completion_tokens: int) -> dict:
+    """`prompts`: the first request of each prompt; their prompt tokens, of which `cached_tokens` came from the prefix
+    cache when they were admitted."""
+    prompt_tokens = sum(r.num_prompt_tokens for r in prompts)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens or 0 for r in prompts)},
     }
 
 
