@@ -275,6 +275,13 @@ def copy_logs(source: Path, target: Path) -> None:
             shutil.copytree(source, target, dirs_exist_ok=True)
 
 
+def write_results(out: Path, args, result: dict, markdown: str) -> None:
+    """The run's JSON (with its arguments) at `out` and its tables as Markdown beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}} | result, indent=1))
+    out.with_suffix(".md").write_text(markdown)
+
+
 def run_cells(cells, run, repeats: int, warmup_tokens: int, new_tokens: int) -> dict:
     """Every cell once, untimed (`warmup_tokens` new tokens), then `repeats` rounds of every cell."""
     # Warm-up: its shapes make Triton compile the kernel variants they need (the first process to see them pays,
@@ -449,16 +456,8 @@ def publish(args, model, rows: list[dict], failures: list[str], transports: dict
     if final:
         print("\n" + out.getvalue(), end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "hidden_transports": transports,
-            "rows": rows,
-            "lossless_failures": failures,
-            "complete": final,
-        }
-        args.out.write_text(json.dumps(result, indent=1))
-        args.out.with_suffix(".md").write_text(out.getvalue())
+        result = {"hidden_transports": transports, "rows": rows, "lossless_failures": failures, "complete": final}
+        write_results(args.out, args, result, out.getvalue())
 
 
 def _stop_on_sigterm(signum, frame) -> None:

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.e2e import copy_logs  # noqa: E402
+from benchmarks.e2e import copy_logs, write_results  # noqa: E402
 from benchmarks.lib.e2e_modes import step_token_budget  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.cli.launcher import LocalCluster  # noqa: E402
@@ -267,9 +267,7 @@ def publish(args, rows: list[dict], failures: list[str], block_size: int, device
     if final:
         print("\n" + out.getvalue(), end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {
-            "args": {k: str(v) for k, v in vars(args).items()},
             "device": device,
             "block_size": block_size,
             "rows": rows,
@@ -277,8 +275,7 @@ def publish(args, rows: list[dict], failures: list[str], block_size: int, device
             "failures": failures,
             "complete": final,
         }
-        args.out.write_text(json.dumps(result, indent=1))
-        args.out.with_suffix(".md").write_text(out.getvalue())
+        write_results(args.out, args, result, out.getvalue())
 
 
 def parse_args() -> argparse.Namespace:

@@ -2,6 +2,7 @@
 
 import os
 import random
+import signal
 import threading
 import time
 import urllib.request
@@ -85,6 +86,23 @@ def start_streams(
     for t in threads:
         t.start()
     return threads, results, errors
+
+
+def kill_under_streams(cluster, role: str, prompts: list[list[int]], max_tokens: int, finals: dict | None = None):
+    """Greedy streams of `prompts` (`start_streams`); once one has 8 tokens, `role` SIGKILLed and restarted; returns
+    every stream's tokens by prompt index once all ended, and raises the first stream's failure."""
+    progressed = threading.Event()
+    threads, results, errors = start_streams(
+        cluster.address, prompts, max_tokens, lambda n: n >= 8 and progressed.set(), finals=finals
+    )
+    assert progressed.wait(60)
+    cluster.kill(role, signal.SIGKILL)
+    time.sleep(0.5)
+    cluster.restart(role)
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    return results
 
 
 def wait_idle(client: Client, timeout_s: float = 10.0) -> None:

@@ -3,7 +3,6 @@ and a verifier that never comes back within a request's deadline. (The session's
 leaves stopped is restarted for the next test that takes it; tests/e2e/conftest.py.)"""
 
 import signal
-import threading
 import time
 
 import grpc
@@ -11,7 +10,7 @@ import pytest
 
 from specsplit import Client, SpecsplitError
 
-from .helpers import assert_kv_all_free, greedy_ignoring_eos, start_streams
+from .helpers import assert_kv_all_free, greedy_ignoring_eos, kill_under_streams
 
 N_TOKENS = 60
 
@@ -23,15 +22,7 @@ def test_sigkill_under_concurrent_streams_loses_and_repeats_nothing(cluster, hf_
 
 def _sigkill_under_concurrent_streams(cluster, hf_greedy, role):
     prompts = [[3 + i, 40 + i, 7] for i in range(6)]
-    progressed = threading.Event()
-    threads, results, errors = start_streams(cluster.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
-    assert progressed.wait(60)
-    cluster.kill(role, signal.SIGKILL)
-    time.sleep(0.5)
-    cluster.restart(role)
-    for t in threads:
-        t.join(240)
-    assert not errors, errors
+    results = kill_under_streams(cluster, role, prompts, N_TOKENS)
     for i, p in enumerate(prompts):
         assert results[i] == greedy_ignoring_eos(hf_greedy, p, N_TOKENS), f"stream {i}"
     with Client(cluster.address, timeout=60) as client:  # the restarted service is used again

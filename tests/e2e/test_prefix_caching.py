@@ -11,7 +11,6 @@ from ids 3..199 and what follows it from 200..299, so that each prompt diverges 
 
 import random
 import signal
-import threading
 import time
 
 import openai
@@ -26,8 +25,8 @@ from .helpers import (
     BLOCK_SIZE,
     generate_concurrently,
     greedy_ignoring_eos,
+    kill_under_streams,
     prefix_cache_counters,
-    start_streams,
 )
 
 N = 16  # tokens generated per request
@@ -185,17 +184,8 @@ def test_a_service_killed_under_streams_on_cached_blocks_loses_nothing_and_cache
         out = client.generate(prompt_token_ids=first, max_tokens=N, ignore_eos=True)
     assert (out.cached_tokens, out.token_ids) == (0, greedy_ignoring_eos(hf_greedy, first, N))
     prompts = [prefix + tail(6, seed) for seed in range(1, 5)]
-    progressed, finals = threading.Event(), {}
-    threads, results, errors = start_streams(
-        cluster.address, prompts, 40, lambda n: n >= 8 and progressed.set(), finals=finals
-    )
-    assert progressed.wait(60)
-    cluster.kill(role, signal.SIGKILL)
-    time.sleep(0.5)
-    cluster.restart(role)
-    for t in threads:
-        t.join(240)
-    assert not errors, errors
+    finals = {}
+    results = kill_under_streams(cluster, role, prompts, 40, finals)
     for i, prompt in enumerate(prompts):
         assert results[i] == greedy_ignoring_eos(hf_greedy, prompt, 40), f"stream {i}"
         assert finals[i].cached_tokens == 3 * BLOCK_SIZE, f"stream {i}"  # admitted on the prefix's blocks
