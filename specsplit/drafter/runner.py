@@ -29,10 +29,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from specsplit.client.errors import SpecsplitError
 from specsplit.drafter.device_propose import (
     can_propose_on_device,
     fill_tokens,
@@ -339,19 +337,16 @@ class DrafterRunner:
         its grammar refuses (which verification would not have let through) is drafted unmasked."""
         if logits is None:  # a tensor-parallel follower: rank 0 picks
             return
-        masked, words = [], []
-        for row, i in enumerate(rows):
-            item = items[i]
-            if item.grammar is None:
-                continue
-            try:
-                words.append(self.grammars.next_mask(item.request_id, item.grammar, item.output, drafted[i]))
-            except SpecsplitError as err:
+        rows_items = [(row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None]
+        if not rows_items:
+            return
+        words, errors = self.grammars.next_masks(
+            [(item.request_id, item.grammar, item.output, drafted[i]) for _, item, i in rows_items]
+        )
+        for (_, item, _), err in zip(rows_items, errors):
+            if err is not None:  # its row allows everything
                 log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
-                continue
-            masked.append(row)
-        if masked:
-            apply_masks(logits, masked, np.stack(words))
+        apply_masks(logits, [row for row, _, _ in rows_items], words)
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
         """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy. Tensor-parallel: rank 0

@@ -74,21 +74,39 @@ class Grammars:
         for one request)."""
         return self.batch_masks([(request_id, grammar, output, drafts)])[0]
 
-    def next_mask(self, request_id: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
-        """[words] int32: what the grammar allows after the output and `drafts` (the drafter's next draft; drafts it
-        made earlier in the same Propose, all allowed: it masked them). Raises InvalidArgument as `batch_masks`."""
+    def next_masks(
+        self, requests: list[tuple[str, str, list[int], list[int]]]
+    ) -> tuple[np.ndarray, list[InvalidArgument | None]]:
+        """Per (request id, grammar, output, drafts): what the grammar allows after the output and `drafts` (the
+        drafter's next draft; drafts it made earlier in the same Propose, all allowed: it masked them; drafts past an
+        EOS left out, as `batch_masks` masks them): [len(requests), words] int32, the rows filled in parallel
+        (llguidance's executor), and per request the error `batch_masks` would raise for it (its row then allows
+        everything), else None."""
         import llguidance.numpy
 
-        m = self._matcher(request_id, grammar, output)
         eos = set(self.tokenizer.eos_tokens)
-        drafts = drafts[: next((j for j, t in enumerate(drafts) if t in eos), len(drafts))]  # as `batch_masks`
-        out = np.full((1, -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
-        taken = m.matcher.try_consume_tokens(drafts) if drafts else 0
-        if taken == len(drafts):
-            llguidance.numpy.fill_next_token_bitmask(m.matcher, out, 0)
-        if taken:
-            m.matcher.rollback(taken)
-        return out[0]
+        out = np.full((len(requests), -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
+        errors: list[InvalidArgument | None] = [None] * len(requests)
+        fill, taken = [], []
+        for row, (request_id, grammar, output, drafts) in enumerate(requests):
+            try:
+                m = self._matcher(request_id, grammar, output)
+            except InvalidArgument as err:
+                errors[row] = err
+                continue
+            drafts = drafts[: next((j for j, t in enumerate(drafts) if t in eos), len(drafts))]
+            n = m.matcher.try_consume_tokens(drafts) if drafts else 0
+            if n == len(drafts):
+                fill.append((m.matcher, row))
+            taken.append((m.matcher, n))
+        if fill:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, fill, out)
+        for matcher, n in taken:
+            if n:
+                matcher.rollback(n)
+        return out, errors
 
     def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows

@@ -56,7 +56,7 @@ def test_rows_after_an_eos_draft_are_masked_as_the_eos_row(tok):
     assert eos in allowed_ids(masks[1]) and hello not in allowed_ids(masks[1])
     for row in masks[2:]:
         assert np.array_equal(row, masks[1])
-    assert np.array_equal(grammars.next_mask("r", GRAMMAR, [hello], [num, eos, hello]), masks[1])
+    assert np.array_equal(grammars.next_masks([("r", GRAMMAR, [hello], [num, eos, hello])])[0][0], masks[1])
 
 
 def test_an_output_that_went_another_way_starts_a_fresh_matcher_and_one_off_the_grammar_is_refused(tok):
@@ -85,10 +85,17 @@ def test_masks_become_minus_infinity_on_the_logits(tok):
         assert (logits[1 + r, 4096:] == float("-inf")).all()
 
 
-def test_the_drafters_next_mask_is_the_row_after_its_drafts(tok):
+def test_the_drafters_next_masks_are_the_rows_after_its_drafts(tok):
+    """One row per request, filled together: request r's is the verifier's row after its drafts; a request whose
+    output its grammar refuses gets an error and a row allowing everything, and the others are unaffected."""
     grammars = Grammars(DEMO)
     hello, num = tok.encode("hello 42", add_special_tokens=False)
-    rows = grammars.masks("r", GRAMMAR, [], [hello, num])
+    rows = grammars.masks("r0", GRAMMAR, [], [hello, num])
+    jobs = [(f"r{k}", GRAMMAR, [], [hello, num][:k]) for k in range(3)] + [("bad", GRAMMAR, [num, num], [])]
+    words, errors = grammars.next_masks(jobs)
     for k in range(3):
-        assert np.array_equal(grammars.next_mask("r", GRAMMAR, [], [hello, num][:k]), rows[k])
-    assert np.array_equal(grammars.next_mask("r", GRAMMAR, [], []), rows[0])  # the drafts were rolled back
+        assert np.array_equal(words[k], rows[k])
+    assert errors[:3] == [None] * 3 and isinstance(errors[3], InvalidArgument)
+    assert len(allowed_ids(words[3])) == words.shape[1] * 32
+    again, _ = grammars.next_masks([("r0", GRAMMAR, [], [])])
+    assert np.array_equal(again[0], rows[0])  # the drafts were rolled back
