@@ -189,6 +189,8 @@ class Engine:
             results = response.results
             try:
                 updates = self.scheduler.update_from_output(output, results, response.drafter_ok)
+                if response.drafter_error:
+                    self.scheduler.drafter_failed()
             except SpecsplitError as err:
                 log.error("bad verifier response: %s; re-prefilling", err)
                 self.scheduler.reset_all()

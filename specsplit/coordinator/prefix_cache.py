@@ -12,7 +12,9 @@ computes, how many blocks are free) never wait for a worker: a block enters it w
 verified (never drafts or placeholders), is shared by reference count, becomes evictable when no running request holds
 it, and is evicted least recently used first when the scheduler needs its room. Each schedule's commands go to the
 verifier in the iteration's message (`SchedulerOutput.cache_commands`), which applies them before running the step.
-The drafter keeps its own MTP-KV cache under the second keys (docs/architecture.md, "Prefix caching").
+The drafter keeps its own MTP-KV cache under the second keys (docs/architecture.md, "Prefix caching"). A drafter
+that failed may have lost it: blocks registered before then count as missing on the drafter (`drafter_lost`), so a
+request sharing them computes them again on the verifier, whose hidden states let the drafter cache them anew.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class PrefixCache:
         self.block_size = block_size
         self._refs: dict[bytes, int] = {}
         self._drafter_keys: dict[bytes, bytes] = {}  # block hash -> the drafter key it was registered with
+        self._drafter_epoch = 0  # `drafter_lost` calls so far
+        self._epoch: dict[bytes, int] = {}  # block hash -> the drafter epoch its drafter key was last sent in
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._commands = CacheCommands()
         self.queries = 0  # prompt tokens of admitted requests (vllm:prefix_cache_queries)
@@ -104,7 +108,15 @@ class PrefixCache:
             n += 1
         if n and self._drafter_keys.get(hashes[n - 1]) != state.drafter_keys[n - 1]:
             n -= 1
-        return n
+        held = 0  # the leading blocks the drafter was sent since it last failed: it starts on those alone
+        while held < n and self._epoch[hashes[held]] == self._drafter_epoch:
+            held += 1
+        return held
+
+    def drafter_lost(self) -> None:
+        """The drafter failed: the blocks cached so far count as missing from its MTP cache, until a request that
+        computes them again sends them to it (`register`)."""
+        self._drafter_epoch += 1
 
     def attach(self, request: Request, num_blocks: int) -> None:
         """The request starts on its first `num_blocks` cached blocks (`lookup`): they are held, not evictable."""
@@ -131,13 +143,17 @@ class PrefixCache:
             return
         self._keys(request, num_full)
         for j in range(state.num_scanned_blocks, num_full):
-            h = state.block_hashes[j]
+            h, key = state.block_hashes[j], state.drafter_keys[j]
             if h in self._refs:
+                if self._epoch[h] != self._drafter_epoch:  # the drafter lost it: this request's copy goes to it alone
+                    self._epoch[h], self._drafter_keys[h] = self._drafter_epoch, key
+                    self._commands.registered.append((request.request_id, j, b"", key))
                 continue
             self._refs[h] = 1
-            self._drafter_keys[h] = state.drafter_keys[j]
+            self._epoch[h] = self._drafter_epoch
+            self._drafter_keys[h] = key
             state.held.append(h)
-            self._commands.registered.append((request.request_id, j, h, state.drafter_keys[j]))
+            self._commands.registered.append((request.request_id, j, h, key))
         state.num_scanned_blocks = num_full
 
     def release(self, request: Request) -> None:
@@ -161,6 +177,7 @@ class PrefixCache:
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
             del self._drafter_keys[h]
+            del self._epoch[h]
             self._commands.evicted.append(h)
         return n
 
@@ -169,5 +186,6 @@ class PrefixCache:
         the verifier to do the same. Requests' held lists are left to `release` (which skips forgotten hashes)."""
         self._refs.clear()
         self._drafter_keys.clear()
+        self._epoch.clear()
         self._evictable.clear()
         self._commands = CacheCommands(reset=True)

@@ -99,6 +99,11 @@ class Scheduler:
         if self.prefix_cache is not None:  # what the verifier holds is unknown: both forget every cached block
             self.prefix_cache.reset()
 
+    def drafter_failed(self) -> None:
+        """The verifier reported a failed drafter, which may have lost its MTP cache (`PrefixCache.drafter_lost`)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drafter_lost()
+
     def isolate(self, request_ids: list[str]) -> list[str]:
         """The verifier refused the batch of these requests and would again (INVALID_ARGUMENT). Returns the one to
         fail when it was alone; otherwise the next iterations schedule one half of them, then the other, apart

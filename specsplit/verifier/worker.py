@@ -82,12 +82,13 @@ class VerifierWorker:
 
     def cache_blocks(self, request: VerifyBatch) -> list[tuple[str, int, bytes]]:
         """Prefix caching, before the step's frees: a reset forgets every cached block, then the registered blocks
-        enter the cache. Returns the drafter's registrations (request id, block index, drafter key)."""
+        enter the cache (one without a block hash is for the drafter alone: it lost the block, which the verifier keeps
+        cached). Returns the drafter's registrations (request id, block index, drafter key)."""
         cache = self.kv_cache
         if request.reset_prefix_cache:
             cache.forget_cached()
         for rid, index, block_hash, _ in request.registered_blocks:
-            if not cache.cache_block(rid, index, block_hash):
+            if block_hash and not cache.cache_block(rid, index, block_hash):
                 raise FailedPrecondition(
                     f"request {rid!r}: cannot cache its block {index}: this verifier holds {cache.num_tokens(rid)} of "
                     "its tokens (restarted?); re-prefill"

@@ -224,3 +224,22 @@ def test_a_request_stopping_mid_step_registers_only_the_tokens_it_kept():
     assert s.requests.get("a") is None
     registered += out.cache_commands.registered + s.schedule().cache_commands.registered
     assert [j for _, j, _, _ in registered] == [0, 1, 2]  # block 3 would need token 16, which it dropped
+
+
+def test_after_the_drafter_failed_the_next_request_computes_the_prefix_again_for_it():
+    """A failed drafter may have lost its MTP cache: the next request sharing a cached prefix computes it again on the
+    verifier (whose hidden states reach the drafter), which sends the drafter its keys of the blocks the verifier keeps
+    (a registration without a block hash); the request after that starts on the whole prefix again."""
+    s = make()
+    s.add_request(req("a", PREFIX + [1]))
+    run_to_end(s)
+    s.drafter_failed()
+    s.add_request(req("b", PREFIX + [1, 2]))
+    out = s.schedule()
+    assert out.scheduled[0].num_cached_blocks == 0 and out.scheduled[0].num_computed_tokens == 0
+    registered = [c for o in [out, *run_to_end(s)] for c in o.cache_commands.registered]
+    drafter_only = [(rid, j) for rid, j, h, key in registered if not h and key]
+    assert drafter_only[:3] == [("b", 0), ("b", 1), ("b", 2)]
+    assert s.prefix_cache.num_blocks == s.prefix_cache.num_evictable  # no block cached twice on the verifier
+    s.add_request(req("c", PREFIX + [1, 3]))
+    assert s.schedule().scheduled[0].num_cached_blocks == 3

@@ -175,9 +175,9 @@ def test_a_service_killed_under_streams_on_cached_blocks_loses_nothing_and_cache
     """Streams that started on a cached 50-token prefix (its 3 full blocks); the drafter (which loses its MTP cache)
     or the verifier (which loses its KV and its cache: the coordinator forgets its directory and every stream computes
     its prompt again) SIGKILLed mid-stream and restarted. Every stream equals transformers' greedy output. Then, with
-    drafts back, requests sharing the prefix sent together start on its 3 blocks again (kept by the verifier where
-    the drafter restarted, whose new process holds none of their MTP entries and starts them afresh; computed anew by
-    the streams where the verifier restarted) and equal transformers' output too."""
+    drafts back, the next request sharing the prefix computes it again where the drafter failed (the coordinator
+    counts its blocks missing from the drafter's cache, so the drafter gets their hidden states and caches them anew),
+    and requests sent together after it start on its 3 blocks again and equal transformers' output too."""
     prefix = prefix_tokens(50, seed=3 if role == "drafter" else 4)
     first = prefix + tail(6, 0)
     with Client(cluster.address, timeout=60) as client:
@@ -190,7 +190,15 @@ def test_a_service_killed_under_streams_on_cached_blocks_loses_nothing_and_cache
         assert results[i] == greedy_ignoring_eos(hf_greedy, prompt, 40), f"stream {i}"
         assert finals[i].cached_tokens == 3 * BLOCK_SIZE, f"stream {i}"  # admitted on the prefix's blocks
     wait_for_drafts(cluster.address)
-    later = [prefix + tail(6, seed) for seed in range(5, 8)]
+    # The next request sharing the prefix: where the drafter failed (it lost its MTP cache) it computes the prefix
+    # again, so the drafter gets its hidden states and caches it anew.
+    again = prefix + tail(6, 5)
+    with Client(cluster.address, timeout=60) as client:
+        out = client.generate(prompt_token_ids=again, max_tokens=40, ignore_eos=True)
+    assert out.token_ids == greedy_ignoring_eos(hf_greedy, again, 40)
+    if role == "drafter":
+        assert out.cached_tokens == 0
+    later = [prefix + tail(6, seed) for seed in range(6, 9)]
     outs = generate_concurrently(cluster.address, later, 40)
     for i, prompt in enumerate(later):
         want = greedy_ignoring_eos(hf_greedy, prompt, 40)
