@@ -23,7 +23,7 @@ from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK
 from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
-from specsplit.verifier.batch import DraftProbs, Sampling, VerifyBatch, VerifyItem, constrained
+from specsplit.verifier.batch import CachedPrefixes, DraftProbs, Sampling, VerifyBatch, VerifyItem, constrained
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.step import StepResult, VerifierStep
 
@@ -53,7 +53,7 @@ class LocalDrafter:
         self.runner = runner
         self.device_hand_off = device_hand_off
         self._pending: list[_Pending] = []  # sent, in order, not run yet
-        self._cached_prefixes: dict[str, tuple[list[bytes], int]] = {}  # `start_cached`'s, not proposed yet
+        self._cached_prefixes = CachedPrefixes()
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
@@ -91,11 +91,8 @@ class LocalDrafter:
 
     def _take_cached_prefixes(self, items: list[ProposeItem]) -> None:
         """The drafter's keys of the cached blocks requests started on, on each one's first Propose from there."""
-        if self._cached_prefixes:
-            for item in items:
-                keys, end = self._cached_prefixes.pop(item.request_id, ((), -1))
-                if end == item.start_position:
-                    item.cached_block_hashes = list(keys)
+        for item in items:
+            item.cached_block_hashes = self._cached_prefixes.take(item.request_id, item.start_position)
 
     def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
         """Registrations go after the Proposes sent before them, as on a drafter's stream."""
@@ -104,7 +101,7 @@ class LocalDrafter:
         self.runner.cache_blocks(blocks)
 
     def start_cached(self, prefixes: dict[str, tuple[list[bytes], int]]) -> None:
-        self._cached_prefixes.update(prefixes)
+        self._cached_prefixes.add(prefixes)
 
     def send(self, plan: _Plan, context, on_answer, parent=None) -> _Pending:
         pending = _Pending(plan, context, on_answer)
@@ -141,8 +138,7 @@ class LocalDrafter:
         """Frees go after the Proposes sent before them, as on a drafter's stream; a Propose of freed requests only
         is answered without running."""
         freed = set(request_ids)
-        for rid in freed:
-            self._cached_prefixes.pop(rid, None)
+        self._cached_prefixes.drop(freed)
         while self._pending:
             pending = self._pending.pop(0)
             self._run(pending, needed=not all(item.request_id in freed for item in pending.plan.items))

@@ -75,3 +75,29 @@ class VerifyBatch:
     reset_prefix_cache: bool = False
     registered_blocks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
     evicted_block_hashes: list[bytes] = field(default_factory=list)
+
+
+class CachedPrefixes:
+    """Prefix caching, a drafter handle's side: the requests the verifier started on cached blocks whose drafter has
+    not heard of them yet, each with the drafter's keys of those blocks and the position they end at
+    (`VerifierWorker.start_cached`). A request's keys go with its next Propose, where its rows start at that position
+    (elsewhere the drafter could not start on them: they are dropped)."""
+
+    def __init__(self):
+        self._pending: dict[str, tuple[list[bytes], int]] = {}
+
+    def add(self, prefixes: dict[str, tuple[list[bytes], int]]) -> None:
+        self._pending.update(prefixes)
+
+    def take(self, request_id: str, start_position: int) -> list[bytes]:
+        if not self._pending:
+            return []
+        keys, end = self._pending.pop(request_id, ((), -1))
+        return list(keys) if end == start_position else []
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self._pending.pop(rid, None)
+
+    def clear(self) -> None:
+        self._pending.clear()

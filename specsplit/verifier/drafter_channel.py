@@ -53,7 +53,7 @@ from specsplit.client.errors import InvalidArgument, UsageError
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.rpc.telemetry import outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
-from specsplit.verifier.batch import Sampling, constrained
+from specsplit.verifier.batch import CachedPrefixes, Sampling, constrained
 from specsplit.verifier.drafter_pool import DrafterPool, Replica, ReplicaStats
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal
@@ -135,7 +135,7 @@ class DrafterChannel:
         self.timeout_s = timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop `prepare` last ran on
         self._done: list[PendingPropose] = []  # answered or failed since the loop last collected
-        self._cached_prefixes: dict[str, tuple[list[bytes], int]] = {}  # `start_cached`'s, not sent yet
+        self._cached_prefixes = CachedPrefixes()
 
     # Event loop.
 
@@ -148,8 +148,7 @@ class DrafterChannel:
         return done
 
     def free(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._cached_prefixes.pop(rid, None)
+        self._cached_prefixes.drop(request_ids)
         self.pool.free(request_ids)
 
     def free_all(self) -> None:
@@ -166,7 +165,7 @@ class DrafterChannel:
     def start_cached(self, prefixes: dict[str, tuple[list[bytes], int]]) -> None:
         """Prefix caching: requests the verifier started on cached blocks, for their drafter to start on its own
         (the drafter's keys and where they end), sent with each one's next Propose."""
-        self._cached_prefixes.update(prefixes)
+        self._cached_prefixes.add(prefixes)
 
     def stats(self) -> dict[str, ReplicaStats]:
         return self.pool.stats()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.proto import drafter_pb2
-from specsplit.verifier.batch import Sampling
+from specsplit.verifier.batch import CachedPrefixes, Sampling
 
 
 @dataclass
@@ -71,15 +71,14 @@ def build_propose(
     sampled: torch.Tensor | None = None,
     num_sampled: torch.Tensor | None = None,
     grammar_outputs: dict[int, list[int]] | None = None,
-    cached_prefixes: dict[str, tuple[list[bytes], int]] | None = None,
+    cached_prefixes: CachedPrefixes | None = None,
 ) -> ProposeBatch:
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
     what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
     `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
     `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`), sent with its
-    grammar so that the drafter masks its drafts too. `cached_prefixes`: requests started on cached blocks whose
-    drafter has not heard of them yet (the drafter's keys, and the position they end at); taken from it for the
-    requests of this Propose, sent where the request's rows start there."""
+    grammar so that the drafter masks its drafts too. `cached_prefixes`: the drafter's keys of the cached blocks
+    requests started on, taken for the requests of this Propose."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add
     hand_off = num_rows is not None
@@ -105,9 +104,7 @@ def build_propose(
         if grammar_outputs and i in grammar_outputs:  # structured output: the drafter masks its drafts too
             item.sampling.grammar = sp.grammar
             item.output_token_ids.extend(grammar_outputs[i])
-        if cached_prefixes:
-            keys, end = cached_prefixes.pop(rid, ((), -1))
-            if end == start_positions[i]:
-                item.cached_block_hashes.extend(keys)
+        if cached_prefixes is not None:
+            item.cached_block_hashes.extend(cached_prefixes.take(rid, start_positions[i]))
     offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
     return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)
