@@ -249,17 +249,29 @@ class LocalCluster:
             svc.lines.put(line.rstrip("\n"))
         svc.lines.put(None)
 
+    def _worker_port(self) -> int:
+        """A free port for a verifier or drafter, none of the ports this cluster gives its services otherwise (the
+        metrics ports after `metrics_port` are bound only as each service starts, so free_port may hand one out)."""
+        taken = {self.port, self.http_port}
+        if self.metrics_port:
+            taken.update(self.metrics_port + offset for offset in METRICS_PORT_OFFSETS.values())
+        for _ in range(100):  # the OS hands out ports at random: a taken one comes back seldom
+            port = free_port()
+            if port not in taken:
+                return port
+        raise RuntimeError(f"no free port outside {sorted(p for p in taken if p)}")
+
     def start_drafter(self, port: int | None = None) -> Service:
-        return self.spawn("drafter", port or free_port())
+        return self.spawn("drafter", port or self._worker_port())
 
     def start_verifier(self, port: int | None = None) -> Service:
         drafter = self.services.get("drafter")
-        return self.spawn("verifier", port or free_port(), drafter.address if drafter else None)
+        return self.spawn("verifier", port or self._worker_port(), drafter.address if drafter else None)
 
     def launch(self) -> None:
         """Spawns coordinator, drafter and verifier without waiting for them to load: the coordinator first, so the
         model servers know its pid (they outlive it, `outlive_the_coordinator`); it waits for its verifier."""
-        verifier_port = free_port()
+        verifier_port = self._worker_port()
         self.spawn("coordinator", self.port, f"{WORKER_HOST}:{verifier_port}")
         if self.with_drafter:
             self.start_drafter()
