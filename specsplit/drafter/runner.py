@@ -300,8 +300,9 @@ class DrafterRunner:
         if constrained:
             self._mask_grammars(logits, items, active, drafted)
         picks = [self._pick(logits, sampling, hidden.shape[0])]
-        if constrained and logits is not None:
-            _note_drafts(drafted, active, picks[-1])
+        # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
+        # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
+        copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
         steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
         for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
@@ -314,10 +315,12 @@ class DrafterRunner:
             if not graphed:
                 logits = self.mtp.compute_logits(hidden)
             if constrained:
+                if copying is not None:
+                    copying.note(drafted)
                 self._mask_grammars(logits, items, step_rows, drafted)
             picks.append(self._pick(logits, sampling, hidden.shape[0]))
             if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
-                _note_drafts(drafted, step_rows, picks[-1])
+                copying = _DraftsCopy(step_rows, picks[-1][0])
         if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
             return ProposeOutput(drafts, (t0, t1, t1))
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
@@ -330,7 +333,7 @@ class DrafterRunner:
         logits: torch.Tensor | None,  # [n, V] this step's, one row per item of `rows`
         items: list[ProposeItem],
         rows: list[int],  # this step's items, in row order
-        drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host (`_note_drafts`)
+        drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host (`_DraftsCopy.note`)
     ) -> None:
         """Masks the rows of constrained requests with their grammar's state after their output and the drafts this
         Propose made for them so far, so that the draft picked next is one the grammar allows. A request whose output
@@ -448,11 +451,27 @@ class DrafterRunner:
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
 
 
-def _note_drafts(drafted: dict[int, list[int]], rows: list[int], pick: _Pick) -> None:
-    """A step's drafts (its rows' items `rows`) onto each item's host list: one device→host copy per step, taken only
-    by Proposes with a constrained request, since the next step's grammar masks follow them."""
-    for i, token in zip(rows, pick[0].tolist()):
-        drafted[i].append(token)
+class _DraftsCopy:
+    """A step's drafts (`tokens`, the drafts of its rows' items `rows`) on their way to the host: taken only by
+    Proposes with a constrained request, since the next step's grammar masks follow them. On a GPU the copy goes to
+    pinned memory without a wait, and `note` waits for it alone, not for the work queued after it."""
+
+    def __init__(self, rows: list[int], tokens: torch.Tensor):
+        self.rows = rows
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = tokens, None
+
+    def note(self, drafted: dict[int, list[int]]) -> None:
+        """The drafts onto each item's host list of drafts so far."""
+        if self.done is not None:
+            self.done.synchronize()
+        for i, token in zip(self.rows, self.host.tolist()):
+            drafted[i].append(token)
 
 
 def _sampling(int64: list[torch.Tensor], float32: list[torch.Tensor]) -> _Sampling | None:

@@ -20,6 +20,7 @@ allowing token 32 w + i.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,9 @@ import numpy as np
 import torch
 
 from specsplit.client.errors import InvalidArgument
+from specsplit.kernels.grammar_mask import BITS, apply_masks_reference, apply_masks_triton, upload_masks
 
-BITS = 32
+STARTS_KEPT = 256  # grammars whose matcher at the start is kept to copy (as many as the coordinator caches compiled)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Grammars:
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = tokenizer  # llguidance.LLTokenizer
         self._matchers: dict[str, _Matcher] = {}
+        self._starts: OrderedDict[str, object] = OrderedDict()  # grammar -> its matcher at the start (`_fresh`)
         self._executor = None  # llguidance.LLExecutor, made at the first masks
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
         # says): none while the drafter masks its drafts too (benchmarks/structured_output.py compares unmasked ones).
@@ -150,14 +153,13 @@ class Grammars:
         return [out[first : first + len(r[3]) + 1] for first, r in zip(firsts, requests)]
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
-        import llguidance
 
         eos = set(self.tokenizer.eos_tokens)
         end = next((j for j, t in enumerate(output) if t in eos), len(output))
         output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
         if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
-            m = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))
+            m = _Matcher(grammar, self._fresh(grammar))
             self._matchers[request_id] = m
         new = output[len(m.consumed) :]
         if new:
@@ -172,6 +174,19 @@ class Grammars:
             raise InvalidArgument(f"request {request_id!r}: grammar error: {m.matcher.get_error()}")
         return m
 
+    def _fresh(self, grammar: str):
+        """A matcher of `grammar` at its start: a copy of one kept per grammar (copying one is about a hundredth of
+        making one, which parses the grammar; clients send the same few schemas again and again)."""
+        import llguidance
+
+        start = self._starts.pop(grammar, None)
+        if start is None:
+            start = llguidance.LLMatcher(self.tokenizer, grammar)
+        self._starts[grammar] = start  # most recently used last
+        while len(self._starts) > STARTS_KEPT:
+            self._starts.popitem(last=False)
+        return start.deep_copy()
+
     def free(self, request_ids) -> None:
         for rid in request_ids:
             self._matchers.pop(rid, None)
@@ -183,12 +198,9 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> None:
     """-inf in `logits` ([N, V]) at rows `rows` wherever their packed masks `words` ([len(rows), W] int32) do not
     allow the token (ids past the masks' words included). The masks travel to the device as they are (32 ids per
-    word) and are unpacked there."""
-    device, vocab = logits.device, logits.shape[1]
-    packed = torch.from_numpy(words).to(device)
-    bits = (packed[:, :, None] >> torch.arange(BITS, dtype=torch.int32, device=device)) & 1  # [R, W, 32]
-    allowed = bits.view(len(rows), -1).bool()
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    logits.index_copy_(0, rows_t, logits.index_select(0, rows_t).masked_fill(~allowed[:, :vocab], float("-inf")))
+    word): on a GPU in one pinned copy the host does not wait for, unpacked and applied by one kernel
+    (`specsplit/kernels/grammar_mask.py`); elsewhere with torch ops."""
+    if logits.is_cuda:
+        apply_masks_triton(logits, upload_masks(rows, words, logits.device))
+    else:
+        apply_masks_reference(logits, rows, words)

@@ -1,0 +1,63 @@
+"""The grammar-mask kernel (`specsplit/kernels/grammar_mask.py`, run by the Triton interpreter here) sets exactly what
+the torch reference sets: -inf where a row's packed mask has a clear bit or no word, the logit elsewhere; rows not
+named are left alone; float32 and bfloat16; a vocabulary that is no multiple of 32 or of the kernel's block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specsplit.kernels.grammar_mask import BLOCK, apply_masks_reference, apply_masks_triton, upload_masks
+
+V = BLOCK + 1000 + 7  # two programs per row, the second partly past the vocabulary; not a multiple of 32
+
+
+def _words(num_masks: int, num_words: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    words = rng.integers(-(2**31), 2**31, size=(num_masks, num_words), dtype=np.int64).astype(np.int32)
+    words[0] = -1  # allows everything its words cover
+    words[1, 3:] = 0  # allows only ids 0..95
+    return words
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_words", [-(-V // 32), -(-V // 32) - 40])  # all ids covered, or the last 1,280+ not
+def test_the_kernel_sets_what_the_reference_sets(dtype, num_words):
+    logits = torch.randn(9, V, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows = [7, 0, 3, 4]  # out of order; rows 1, 2, 5, 6 and 8 are not masked
+    words = _words(len(rows), num_words, seed=1)
+    got, want = logits.clone(), logits.clone()
+    apply_masks_triton(got, upload_masks(rows, words, got.device))
+    apply_masks_reference(want, rows, words)
+    assert torch.equal(got, want)
+    for row in (1, 2, 5, 6, 8):
+        assert torch.equal(got[row], logits[row])
+    allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little").astype(bool)
+    assert torch.isfinite(got[7, : len(allowed)]).all() == allowed.all()
+    assert torch.isinf(got[7, len(allowed) :]).all()  # ids past the words are refused
+    assert torch.isfinite(got[0, :96]).sum() == int(np.unpackbits(words[1, :3].view(np.uint8)).sum())
+    assert torch.isinf(got[0, 96:]).all()
+
+
+def test_a_logits_view_with_a_row_stride_and_no_masks():
+    base = torch.randn(4, V + 64, generator=torch.Generator().manual_seed(2))
+    logits = base[:, :V]  # rows V + 64 apart
+    words = _words(2, -(-V // 32), seed=3)
+    want, tail = logits.clone(), base[:, V:].clone()
+    apply_masks_triton(logits, upload_masks([2, 1], words, logits.device))
+    apply_masks_reference(want, [2, 1], words)
+    assert torch.equal(logits, want)
+    assert torch.equal(base[:, V:], tail)  # the columns between the view's rows are not written
+    before = logits.clone()
+    apply_masks_triton(logits, upload_masks([], words[:0], logits.device))
+    assert torch.equal(logits, before)
+
+
+def test_bad_inputs_are_refused():
+    logits = torch.randn(4, 64)
+    packed = upload_masks([0], np.full((1, 2), -1, dtype=np.int32), logits.device)
+    with pytest.raises(ValueError, match="unit stride"):
+        apply_masks_triton(logits.t(), packed)
+    with pytest.raises(ValueError, match="int32"):
+        apply_masks_triton(logits, packed.long())
