@@ -20,7 +20,6 @@ allowing token 32 w + i.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +28,6 @@ import torch
 
 from specsplit.client.errors import InvalidArgument
 from specsplit.kernels.grammar_mask import BITS, apply_masks_reference, apply_masks_triton, upload_masks
-
-STARTS_KEPT = 256  # grammars whose matcher at the start is kept to copy (as many as the coordinator caches compiled)
 
 
 @dataclass
@@ -49,7 +46,6 @@ class Grammars:
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = tokenizer  # llguidance.LLTokenizer
         self._matchers: dict[str, _Matcher] = {}
-        self._starts: OrderedDict[str, object] = OrderedDict()  # grammar -> its matcher at the start (`_fresh`)
         self._executor = None  # llguidance.LLExecutor, made at the first masks
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
         # says): none while the drafter masks its drafts too (benchmarks/structured_output.py compares unmasked ones).
@@ -153,13 +149,18 @@ class Grammars:
         return [out[first : first + len(r[3]) + 1] for first, r in zip(firsts, requests)]
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
+        import llguidance
 
         eos = set(self.tokenizer.eos_tokens)
         end = next((j for j, t in enumerate(output) if t in eos), len(output))
         output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
         if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
-            m = _Matcher(grammar, self._fresh(grammar))
+            # A matcher of its own, parsed from the grammar. llguidance's `deep_copy` of one kept per grammar is about
+            # a hundred times cheaper to make, but the copies share one lexer behind one lock: with them the
+            # executor's threads took 3.3x as long for a batch's masks at batch 32 and 128 on a 16-core GPU host
+            # (`benchmarks/structured_output.py`, docs/performance.md "Structured output").
+            m = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))
             self._matchers[request_id] = m
         new = output[len(m.consumed) :]
         if new:
@@ -173,19 +174,6 @@ class Grammars:
         if m.matcher.is_error():
             raise InvalidArgument(f"request {request_id!r}: grammar error: {m.matcher.get_error()}")
         return m
-
-    def _fresh(self, grammar: str):
-        """A matcher of `grammar` at its start: a copy of one kept per grammar (copying one is about a hundredth of
-        making one, which parses the grammar; clients send the same few schemas again and again)."""
-        import llguidance
-
-        start = self._starts.pop(grammar, None)
-        if start is None:
-            start = llguidance.LLMatcher(self.tokenizer, grammar)
-        self._starts[grammar] = start  # most recently used last
-        while len(self._starts) > STARTS_KEPT:
-            self._starts.popitem(last=False)
-        return start.deep_copy()
 
     def free(self, request_ids) -> None:
         for rid in request_ids:

@@ -99,19 +99,3 @@ def test_the_drafters_next_masks_are_the_rows_after_its_drafts(tok):
     assert len(allowed_ids(words[3])) == words.shape[1] * 32
     again, _ = grammars.next_masks([("r0", GRAMMAR, [], [])])
     assert np.array_equal(again[0], rows[0])  # the drafts were rolled back
-
-
-def test_requests_of_one_grammar_get_matchers_of_their_own(tok):
-    """A request's matcher is a copy of one kept per grammar: what one request consumes changes neither the kept one
-    nor another request's, and one kept matcher serves every request of the grammar."""
-    grammars = Grammars(DEMO)
-    hello, num = tok.encode("hello 42", add_special_tokens=False)
-    first = grammars.masks("a", GRAMMAR, [hello], [num])
-    at_start = grammars.masks("b", GRAMMAR, [], [])
-    assert np.array_equal(at_start, Grammars(DEMO).masks("x", GRAMMAR, [], []))
-    assert hello in allowed_ids(at_start[0]) and num not in allowed_ids(at_start[0])
-    assert np.array_equal(grammars.masks("a", GRAMMAR, [hello, num], []), first[1:])
-    assert len(grammars._starts) == 1
-    other = llguidance.LLMatcher.grammar_from_regex(" [0-9]+")
-    assert num in allowed_ids(grammars.masks("c", other, [], [])[0])
-    assert len(grammars._starts) == 2
