@@ -75,7 +75,8 @@ class ProposeItem:
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
     grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
-    output: list[int] = field(default_factory=list)  # with a grammar: the request's output so far
+    # With a grammar: the request's output so far (on a device hand-off, until the step's tokens: `_add_step_tokens`).
+    output: list[int] = field(default_factory=list)
     # Prefix caching: the drafter keys of the cached blocks the verifier started the request on (their tokens are
     # start_position), on its first Propose after that; empty otherwise.
     cached_block_hashes: list[bytes] = field(default_factory=list)
@@ -229,6 +230,7 @@ class DrafterRunner:
         dev = device_tokens
         if dev is not None and not can_propose_on_device(self, items):
             hidden_states, dev = valid_rows_on_host(items, hidden_states, dev), None  # the host's inputs
+            _add_step_tokens(items, [item.next_token_ids for item in items])
         drafts: list[list[int]] = [[] for _ in items]
         if not items:  # an iteration that only frees finished requests
             return ProposeOutput(drafts, (t0, t0, t0))
@@ -251,6 +253,8 @@ class DrafterRunner:
         positions = [item.start_position + 1 + j for item, n in zip(items, counts) for j in range(n)]
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
+        constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
+        step_tokens = None  # constrained, on a hand-off: the step's tokens on their way to the host
         if dev is not None:  # the device's tokens, gathered from its [num_reqs, width] rows
             width = dev.tokens.shape[1]
             ragged = any(c != width for c in counts)
@@ -259,6 +263,10 @@ class DrafterRunner:
             # Nothing of this Propose reaches the device before the wait: work queued ahead of it would
             # take the GPU from the verifier's step (two contexts take turns on it).
             dev.wait()
+            if (
+                constrained
+            ):  # step 0's masks follow them: copied ahead of the MTP steps, waited for after step 0 is queued
+                step_tokens = _HostCopy([dev.tokens, dev.num_sampled])
         else:
             tokens64 = [[t for item in items for t in item.next_token_ids]]
         int64, int32, float32 = self._upload(
@@ -295,9 +303,11 @@ class DrafterRunner:
             logits = self.mtp.compute_logits(hidden)
         else:
             logits = None if out_logits is None else out_logits.index_select(0, select)
-        constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
         drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
         if constrained:
+            if step_tokens is not None:
+                tokens, num_sampled = step_tokens.lists()
+                _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
             self._mask_grammars(logits, items, active, drafted)
         picks = [self._pick(logits, sampling, hidden.shape[0])]
         # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
@@ -451,26 +461,46 @@ class DrafterRunner:
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
 
 
-class _DraftsCopy:
-    """A step's drafts (`tokens`, the drafts of its rows' items `rows`) on their way to the host: taken only by
-    Proposes with a constrained request, since the next step's grammar masks follow them. On a GPU the copy goes to
-    pinned memory without a wait, and `note` waits for it alone, not for the work queued after it."""
+def _add_step_tokens(items: list[ProposeItem], tokens: list[list[int]]) -> None:
+    """A device hand-off's constrained items carry their output before the step (the verifier sent them before its
+    step finished): the step's tokens, read from the device, complete it."""
+    for item, step in zip(items, tokens):
+        if item.grammar is not None:
+            item.output = item.output + step
 
-    def __init__(self, rows: list[int], tokens: torch.Tensor):
-        self.rows = rows
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+
+class _HostCopy:
+    """Device tensors on their way to the host: on a GPU into pinned memory without a wait, and `lists` waits for this
+    copy alone, not for the work queued after it."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        if tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.host, tensors):
+                host.copy_(t, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
         else:
-            self.host, self.done = tokens, None
+            self.host, self.done = tensors, None
+
+    def lists(self) -> list[list]:
+        if self.done is not None:
+            self.done.synchronize()
+        return [host.tolist() for host in self.host]
+
+
+class _DraftsCopy(_HostCopy):
+    """A step's drafts (`tokens`, the drafts of its rows' items `rows`) on their way to the host: taken only by
+    Proposes with a constrained request, since the next step's grammar masks follow them; waited for once the next
+    step's forward is queued (`note`)."""
+
+    def __init__(self, rows: list[int], tokens: torch.Tensor):
+        super().__init__([tokens])
+        self.rows = rows
 
     def note(self, drafted: dict[int, list[int]]) -> None:
         """The drafts onto each item's host list of drafts so far."""
-        if self.done is not None:
-            self.done.synchronize()
-        for i, token in zip(self.rows, self.host.tolist()):
+        for i, token in zip(self.rows, self.lists()[0]):
             drafted[i].append(token)
 
 

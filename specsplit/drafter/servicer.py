@@ -148,7 +148,7 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest, block_size: int) -> lis
         items.append(
             ProposeItem(
                 rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows, coupled=sampling.coupled,
-                cached_block_hashes=list(keys),
+                grammar=sampling.grammar or None, output=list(r.output_token_ids), cached_block_hashes=list(keys),
             )
         )  # fmt: skip
     return items

@@ -23,7 +23,7 @@ from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import SEED_MASK
 from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
-from specsplit.verifier.batch import CachedPrefixes, DraftProbs, Sampling, VerifyBatch, VerifyItem, constrained
+from specsplit.verifier.batch import CachedPrefixes, DraftProbs, Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.step import StepResult, VerifierStep
 
@@ -57,11 +57,20 @@ class LocalDrafter:
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
-        rows = batch.hand_off_rows() if self.device_hand_off and not constrained(sampling) else None
+        rows = batch.hand_off_rows() if self.device_hand_off else None
         if rows is None:
             return None
+        outputs = launched.grammar_outputs or {}  # constrained: the output before the step (`_add_step_tokens`)
         items = [
-            ProposeItem(rid, batch.num_computed_tokens[i], [], batch.num_spec_tokens[i], num_rows=rows[i])
+            ProposeItem(
+                rid,
+                batch.num_computed_tokens[i],
+                [],
+                batch.num_spec_tokens[i],
+                num_rows=rows[i],
+                grammar=sampling[i].grammar if i in outputs else None,
+                output=outputs.get(i, []),
+            )
             for i, rid in enumerate(batch.req_ids)
         ]
         self._take_cached_prefixes(items)

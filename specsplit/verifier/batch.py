@@ -28,12 +28,6 @@ class Sampling:
     grammar: str | None = None  # structured output: the llguidance grammar its rows are masked with (`grammar.py`)
 
 
-def constrained(sampling) -> bool:
-    """Some request of a step (its `Sampling`s) has structured output: its drafts are masked on the host, one step
-    after another, so the step takes no device hand-off."""
-    return any(sp.grammar is not None for sp in sampling)
-
-
 @dataclass
 class DraftProbs:
     """q of a request's sampled drafts, sparse: the top tokens of each draft position and their probabilities."""

@@ -53,7 +53,7 @@ from specsplit.client.errors import InvalidArgument, UsageError
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.rpc.telemetry import outgoing_metadata
 from specsplit.transport.base import HiddenStatesSender, Transfer, TransportError
-from specsplit.verifier.batch import CachedPrefixes, Sampling, constrained
+from specsplit.verifier.batch import CachedPrefixes, Sampling
 from specsplit.verifier.drafter_pool import DrafterPool, Replica, ReplicaStats
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal
@@ -198,7 +198,7 @@ class DrafterChannel:
         (cuda_ipc, open, to a drafter on the same GPU) and every request is a greedy decode step that
         wants drafts: its rows are then its last token and all the drafts it verifies."""
         batch, transport = launched.batch, self.transport
-        rows = batch.hand_off_rows() if transport.device_hand_off and not constrained(sampling) else None
+        rows = batch.hand_off_rows() if transport.device_hand_off else None
         if rows is None:
             return None
         hidden = launched.hidden[: batch.query_start[-1]]
@@ -214,6 +214,7 @@ class DrafterChannel:
             num_rows=rows,
             sampled=launched.sampled,
             num_sampled=launched.num_sampled,
+            grammar_outputs=launched.grammar_outputs,
             cached_prefixes=self._cached_prefixes,
         )
 

@@ -76,8 +76,9 @@ def build_propose(
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
     what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
     `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
-    `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`), sent with its
-    grammar so that the drafter masks its drafts too. `cached_prefixes`: the drafter's keys of the cached blocks
+    `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`; on a device
+    hand-off, before it: the drafter adds the step's tokens from the device), sent with its grammar so that the drafter
+    masks its drafts too. `cached_prefixes`: the drafter's keys of the cached blocks
     requests started on, taken for the requests of this Propose."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add

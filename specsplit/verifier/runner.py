@@ -249,6 +249,9 @@ class LaunchedStep:
     stamps_ns: tuple[int, int, int]  # start, prepared, forward queued
     logprobs: LaunchedLogprobs | None = None  # of the requests that asked for log-probabilities
     chosen: torch.Tensor | None = None  # [rows of those requests] log-probability of the token each row emitted
+    # Structured output: batch index -> a constrained request's output before this step (a device hand-off sends it
+    # with the grammar; the drafter adds the step's tokens from the device).
+    grammar_outputs: dict[int, list[int]] | None = None
 
 
 def _sampling_slots(batch: InputBatch) -> dict[int, int]:

@@ -172,7 +172,9 @@ class VerifierWorker:
         if not batch.num_reqs:
             return batch, None, unfilled
         prepared = early.prepared if early is not None else None
-        return batch, self.runner.launch(batch, prepared, logits_plan), unfilled
+        launched = self.runner.launch(batch, prepared, logits_plan)
+        launched.grammar_outputs = self._grammar_outputs or None
+        return batch, launched, unfilled
 
     def _logits_plan(
         self, request: VerifyBatch, planned: PlannedBatch, options: list | None = None

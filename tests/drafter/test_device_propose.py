@@ -2,8 +2,10 @@
 (the rejected ones too), the later steps moved back on the device by num_sampled. The drafts equal the
 host path's, fed only the valid rows, iteration after iteration; the items get the host's tokens."""
 
+import llguidance
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from specsplit.drafter.device_propose import can_propose_on_device, shifted
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
@@ -20,13 +22,18 @@ PADDING = -1  # what the rejection sampler leaves past num_sampled
 
 
 @pytest.fixture(scope="module")
-def mtp(tmp_path_factory):
-    return load_mtp(write_tiny_checkpoint(tmp_path_factory.mktemp("d") / "m", architecture="llama", seed=5))
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("d") / "m", architecture="llama", seed=5)
 
 
-def kernel_runner(mtp, graphs: bool) -> DrafterRunner:
+@pytest.fixture(scope="module")
+def mtp(tiny_dir):
+    return load_mtp(tiny_dir)
+
+
+def kernel_runner(mtp, graphs: bool, tokenizer_dir=None) -> DrafterRunner:
     cache = mtp.make_kv_cache(64, 4)
-    runner = DrafterRunner(mtp, cache, attention_kernel=True, cuda_graphs=False)
+    runner = DrafterRunner(mtp, cache, attention_kernel=True, cuda_graphs=False, tokenizer_dir=tokenizer_dir)
     if graphs:  # the static-buffer path of the CUDA graphs, run eagerly on the CPU
         runner.graphs = CudaGraphRunner(mtp, cache, max_model_len=128, max_num_tokens=8, capture=False)
     return runner
@@ -68,6 +75,37 @@ def test_device_hand_off_drafts_equal_the_host_path(mtp, graphs, ks):
             assert item.next_token_ids == want.next_token_ids and item.num_rejected == k + 1 - n
         for r, n in zip(ks, num_sampled):
             start[r] += n
+
+
+def test_a_constrained_hand_off_masks_its_drafts_as_the_host_path_does(mtp, tiny_dir):
+    """Structured output on a device hand-off: the item's output ends before the step (the verifier sent it before its
+    step finished) and the drafter adds the step's tokens from the device; its drafts equal the host path's, whose
+    output includes them, and every draft is one the grammar allows after the output and the drafts before it."""
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    letters = [tok.convert_tokens_to_ids(c) for c in "abcdefghijklm"]
+    g = torch.Generator().manual_seed(1)
+    hidden_size, k = mtp.config.hidden_size, 3
+    device, host = kernel_runner(mtp, False, tiny_dir), kernel_runner(mtp, False, tiny_dir)
+    prompt, output = [5, 6, 7, 8, 9], [letters[0]]
+    first = [ProposeItem("a", 0, prompt[1:] + output, k, grammar=grammar, output=list(output))]
+    rows = torch.randn(len(prompt), hidden_size, generator=g)
+    assert device.propose(first, rows).drafts == host.propose(first, rows).drafts
+    start = len(prompt)
+    for step, n in enumerate([1, 4, 2, 3, 1, 2]):  # num_sampled: the step's tokens, letters the grammar allows
+        sampled = [letters[int(i)] for i in torch.randint(0, len(letters), (n,), generator=g)]
+        tokens = torch.full((1, k + 1), PADDING, dtype=torch.int64)
+        tokens[0, :n] = torch.tensor(sampled)
+        hidden = torch.randn(k + 1, hidden_size, generator=g)
+        dev_item = ProposeItem("a", start, [], k, num_rows=k + 1, grammar=grammar, output=list(output))
+        got = device.propose([dev_item], hidden, DeviceTokens(tokens, torch.tensor([n])))
+        host_item = ProposeItem("a", start, sampled, k, grammar=grammar, output=output + sampled)
+        expected = host.propose([host_item], hidden[:n])
+        assert got.drafts == expected.drafts, f"iteration {step}"
+        assert dev_item.output == output + sampled and dev_item.next_token_ids == sampled
+        for draft in got.drafts[0]:
+            assert draft == tok.eos_token_id or set(tok.convert_ids_to_tokens(draft)) <= set("abcdefghijklm")
+        output, start = output + sampled, start + n
 
 
 def test_shifted_moves_positions_context_and_slots_by_request(mtp):

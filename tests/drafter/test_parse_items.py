@@ -72,6 +72,12 @@ def test_device_hand_off_items_carry_rows_and_no_tokens():
     assert items == [ProposeItem("a", 3, [], 3, num_rows=4), ProposeItem("b", 3, [], 3, num_rows=2)]
 
 
+def test_a_constrained_device_hand_off_item_carries_its_grammar_and_output_before_the_step():
+    sampling = common_pb2.SamplingParams(grammar="start: /[a-z]+/")
+    (item,) = parse_items(_device_request(_device_item(sampling=sampling, output_token_ids=[5, 6])), VOCAB, BS)
+    assert item == ProposeItem("a", 3, [], 3, num_rows=4, grammar="start: /[a-z]+/", output=[5, 6])
+
+
 def test_num_rows_without_a_device_hand_off_is_refused():
     with pytest.raises(InvalidArgument, match="request 'a': num_rows 2 without a device hand-off"):
         parse_items(drafter_pb2.ProposeRequest(requests=[_item(num_rows=2)]), VOCAB, BS)

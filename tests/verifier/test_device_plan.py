@@ -168,3 +168,24 @@ def test_a_propose_message_is_built_once_and_carries_only_what_the_drafter_reads
     again = plan.message([0, 1], [])
     assert again is not first and list(again.requests) == list(first.requests) and not again.finished_request_ids
     assert [r.request_id for r in plan.message([1], []).requests] == ["s"]
+
+
+def test_a_constrained_step_goes_as_a_hand_off_with_its_grammar_and_output_before_the_step(runner):
+    """Structured output: the drafter masks its drafts after the request's output, which ends before the step here
+    (the step has not finished when its hand-off is sent); the drafter adds the step's tokens from the device."""
+    n, grammar = len(PROMPT), "start: /[a-z]+/"
+    client = make_channel("127.0.0.1:1", transport=HandOffSender())
+    launched = runner.launch(batch(runner, [("a", n, [1, 2, 3], 2, True, 2), ("b", n, [4, 5], 1, True, 3)]))
+    launched.grammar_outputs = {1: [9, 10]}  # the worker's: b is constrained, its output before this step
+    sampling = [Sampling(), Sampling(grammar=grammar)]
+    try:
+        plan = client.device_plan(7, launched, sampling)
+    finally:
+        runner.finish(launched)
+        runner.free(["a", "b"])
+        for rid in "ab":
+            runner.step(batch(runner, [(rid, 0, PROMPT, 0, True, 2)]))
+    assert plan is not None
+    a, b = plan.items
+    assert b.sampling.grammar == grammar and list(b.output_token_ids) == [9, 10] and b.num_rows == 2
+    assert not a.sampling.grammar and not a.output_token_ids

@@ -18,6 +18,7 @@ from specsplit.verifier.servicer import VerifierServicer
 from specsplit.verifier.worker import VerifierWorker
 
 VOCAB = 50
+LAUNCHED = SimpleNamespace(name="launched")  # what the stub runner launches (the worker adds its grammar outputs)
 
 
 def _request(held: dict[str, int]) -> VerifyBatch:
@@ -118,7 +119,7 @@ class _Runner:
 
     def launch(self, batch, prepared, logits_plan=None):
         self.calls.append(("launch", batch.num_new_tokens, prepared is not None and prepared.matches(batch)))
-        return "launched"
+        return LAUNCHED
 
 
 def _servicer():
@@ -137,7 +138,7 @@ def test_the_servicer_steps_on_its_early_plan_with_the_real_drafts():
     assert early.error is None and servicer.worker.runner.calls == [("free", []), ("prepare", [3, 3])]
     _hold(servicer, {"a": [11, 12]})
     batch, out, unfilled = servicer.step._launch(msg, early)
-    assert out == "launched" and batch.token_ids[1] == [7, 11, 12] and unfilled == [0, 0]
+    assert out is LAUNCHED and batch.token_ids[1] == [7, 11, 12] and unfilled == [0, 0]
     assert servicer.worker.runner.calls[-1] == ("launch", [3, 3], True)  # on the early prepare: no second one
 
 
@@ -158,4 +159,4 @@ def test_a_plan_refused_early_is_planned_again_by_the_step():
     assert early.planned is None and early.error is None
     _hold(servicer, {"a": [11, 12]})  # ... but only 2 drafts came: the step plans them and runs
     batch, out, _ = servicer.step._launch(msg, early)
-    assert out == "launched" and batch.num_new_tokens == [3, 3]
+    assert out is LAUNCHED and batch.num_new_tokens == [3, 3]
