@@ -98,3 +98,22 @@ def test_nothing_but_main_imports_the_cli():
         if "cli" not in path.relative_to(ROOT / "specsplit").parts[:1] and pattern.search(path.read_text())
     )
     assert importers == ["specsplit/__main__.py"], importers
+
+
+def test_kernels_import_only_torch_and_triton():
+    """docs/design.md §8 rule 3: specsplit/kernels/ imports torch, triton, the standard library and itself only."""
+    import ast
+
+    for path in sorted((ROOT / "specsplit" / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                root = name.split(".")[0]
+                ok = root in ("torch", "triton") or root in sys.stdlib_module_names
+                ok = ok or name == "specsplit.kernels" or name.startswith("specsplit.kernels.")
+                assert ok, f"{path.relative_to(ROOT)} imports {name}"

@@ -7,13 +7,12 @@ that row of the logits; allowed tokens keep their logit. The torch ops that did 
 the kernel reads each packed word once and writes -inf where a bit is clear, nothing else (docs/performance.md,
 "Structured output", has the times).
 
-The host sends the masks as they are, 32 ids per word, with each mask's logits row ahead of its words, in one
-pinned buffer copied without a wait (`upload_masks`): the host goes on queueing the step while the copy runs.
+The masks come as they are, 32 ids per word, each behind its logits row: `packed`, [R, 1 + W] int32 (the host puts
+them in one pinned buffer copied without a wait, `specsplit/runtime/grammar.py`'s `upload_masks`).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -43,20 +42,9 @@ def _apply_masks_kernel(
     tl.store(logits_ptr + row * stride_logits + ids, minus_inf, mask=in_vocab & (allowed == 0))
 
 
-def upload_masks(rows: list[int], words: np.ndarray, device: torch.device) -> torch.Tensor:
-    """[len(rows), 1 + W] int32 on `device`: each mask's logits row, then its words. From pinned memory without a
-    wait where `device` is a GPU (torch's pinned allocator keeps the buffer until the copy is done)."""
-    pinned = torch.device(device).type == "cuda"
-    host = torch.empty((len(rows), 1 + words.shape[1]), dtype=torch.int32, pin_memory=pinned)
-    view = host.numpy()
-    view[:, 0] = rows
-    view[:, 1:] = words
-    return host.to(device, non_blocking=pinned)
-
-
 def apply_masks_triton(logits: torch.Tensor, packed: torch.Tensor) -> None:
-    """-inf in `logits` ([N, V], unit stride along V) wherever the masks of `packed` (`upload_masks`, on the same
-    device) do not allow a token of their rows."""
+    """-inf in `logits` ([N, V], unit stride along V) wherever the masks of `packed` ([R, 1 + W] int32 on the same
+    device: each mask's logits row, then its words) do not allow a token of their rows."""
     if logits.stride(1) != 1:
         raise ValueError(f"logits need unit stride along the vocabulary, got strides {tuple(logits.stride())}")
     if packed.dtype != torch.int32 or packed.dim() != 2 or packed.device != logits.device:
@@ -70,13 +58,12 @@ def apply_masks_triton(logits: torch.Tensor, packed: torch.Tensor) -> None:
     )
 
 
-def apply_masks_reference(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> None:
+def apply_masks_reference(logits: torch.Tensor, packed: torch.Tensor) -> None:
     """The same with torch ops (CPU runs): the masks unpacked on the logits' device and applied row by row."""
-    device, vocab = logits.device, logits.shape[1]
-    packed = torch.from_numpy(np.ascontiguousarray(words)).to(device)
-    bits = (packed[:, :, None] >> torch.arange(BITS, dtype=torch.int32, device=device)) & 1  # [R, W, 32]
-    allowed = bits.view(len(rows), -1).bool()
+    vocab = logits.shape[1]
+    rows, words = packed[:, 0].long(), packed[:, 1:]
+    bits = (words[:, :, None] >> torch.arange(BITS, dtype=torch.int32, device=packed.device)) & 1  # [R, W, 32]
+    allowed = bits.reshape(len(rows), -1).bool()
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    logits.index_copy_(0, rows_t, logits.index_select(0, rows_t).masked_fill(~allowed[:, :vocab], float("-inf")))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed[:, :vocab], float("-inf")))

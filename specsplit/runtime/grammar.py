@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from specsplit.client.errors import InvalidArgument
-from specsplit.kernels.grammar_mask import BITS, apply_masks_reference, apply_masks_triton, upload_masks
+from specsplit.kernels.grammar_mask import BITS, apply_masks_reference, apply_masks_triton
 
 
 @dataclass
@@ -186,9 +186,18 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> None:
     """-inf in `logits` ([N, V]) at rows `rows` wherever their packed masks `words` ([len(rows), W] int32) do not
     allow the token (ids past the masks' words included). The masks travel to the device as they are (32 ids per
-    word): on a GPU in one pinned copy the host does not wait for, unpacked and applied by one kernel
-    (`specsplit/kernels/grammar_mask.py`); elsewhere with torch ops."""
-    if logits.is_cuda:
-        apply_masks_triton(logits, upload_masks(rows, words, logits.device))
-    else:
-        apply_masks_reference(logits, rows, words)
+    word), in one copy (`upload_masks`), and are applied there: by one Triton kernel on a GPU
+    (`specsplit/kernels/grammar_mask.py`), by torch ops elsewhere."""
+    packed = upload_masks(rows, words, logits.device)
+    (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed)
+
+
+def upload_masks(rows: list[int], words: np.ndarray, device: torch.device) -> torch.Tensor:
+    """[len(rows), 1 + W] int32 on `device`: each mask's logits row, then its words. From pinned memory without a
+    wait where `device` is a GPU (torch's pinned allocator keeps the buffer until the copy is done)."""
+    pinned = torch.device(device).type == "cuda"
+    host = torch.empty((len(rows), 1 + words.shape[1]), dtype=torch.int32, pin_memory=pinned)
+    view = host.numpy()
+    view[:, 0] = rows
+    view[:, 1:] = words
+    return host.to(device, non_blocking=pinned)

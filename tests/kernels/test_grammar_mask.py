@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from specsplit.kernels.grammar_mask import BLOCK, apply_masks_reference, apply_masks_triton, upload_masks
+from specsplit.kernels.grammar_mask import BLOCK, apply_masks_reference, apply_masks_triton
 
 V = BLOCK + 1000 + 7  # two programs per row, the second partly past the vocabulary; not a multiple of 32
+
+
+def _packed(rows: list[int], words: np.ndarray) -> torch.Tensor:
+    """[R, 1 + W] int32: each mask's logits row, then its words."""
+    return torch.cat([torch.tensor(rows, dtype=torch.int32)[:, None], torch.from_numpy(words)], dim=1)
 
 
 def _words(num_masks: int, num_words: int, seed: int) -> np.ndarray:
@@ -28,8 +33,8 @@ def test_the_kernel_sets_what_the_reference_sets(dtype, num_words):
     rows = [7, 0, 3, 4]  # out of order; rows 1, 2, 5, 6 and 8 are not masked
     words = _words(len(rows), num_words, seed=1)
     got, want = logits.clone(), logits.clone()
-    apply_masks_triton(got, upload_masks(rows, words, got.device))
-    apply_masks_reference(want, rows, words)
+    apply_masks_triton(got, _packed(rows, words))
+    apply_masks_reference(want, _packed(rows, words))
     assert torch.equal(got, want)
     for row in (1, 2, 5, 6, 8):
         assert torch.equal(got[row], logits[row])
@@ -45,18 +50,18 @@ def test_a_logits_view_with_a_row_stride_and_no_masks():
     logits = base[:, :V]  # rows V + 64 apart
     words = _words(2, -(-V // 32), seed=3)
     want, tail = logits.clone(), base[:, V:].clone()
-    apply_masks_triton(logits, upload_masks([2, 1], words, logits.device))
-    apply_masks_reference(want, [2, 1], words)
+    apply_masks_triton(logits, _packed([2, 1], words))
+    apply_masks_reference(want, _packed([2, 1], words))
     assert torch.equal(logits, want)
     assert torch.equal(base[:, V:], tail)  # the columns between the view's rows are not written
     before = logits.clone()
-    apply_masks_triton(logits, upload_masks([], words[:0], logits.device))
+    apply_masks_triton(logits, _packed([], words[:0]))
     assert torch.equal(logits, before)
 
 
 def test_bad_inputs_are_refused():
     logits = torch.randn(4, 64)
-    packed = upload_masks([0], np.full((1, 2), -1, dtype=np.int32), logits.device)
+    packed = _packed([0], np.full((1, 2), -1, dtype=np.int32))
     with pytest.raises(ValueError, match="unit stride"):
         apply_masks_triton(logits.t(), packed)
     with pytest.raises(ValueError, match="int32"):
