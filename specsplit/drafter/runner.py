@@ -263,9 +263,7 @@ class DrafterRunner:
             # Nothing of this Propose reaches the device before the wait: work queued ahead of it would
             # take the GPU from the verifier's step (two contexts take turns on it).
             dev.wait()
-            if (
-                constrained
-            ):  # step 0's masks follow them: copied ahead of the MTP steps, waited for after step 0 is queued
+            if constrained:  # step 0's masks follow them: copied before the MTP steps, waited for once step 0 is queued
                 step_tokens = _HostCopy([dev.tokens, dev.num_sampled])
         else:
             tokens64 = [[t for item in items for t in item.next_token_ids]]

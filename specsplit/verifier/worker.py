@@ -57,7 +57,6 @@ class VerifierWorker:
         # The tokens each request with penalties or a grammar ran, drafts included (`logits_processors.py`).
         self._histories: dict[str, list[int]] = {}
         self.grammars = Grammars(tokenizer_dir)
-        self._grammar_outputs: dict[int, list[int]] = {}  # the step's constrained requests' outputs before it
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -155,7 +154,6 @@ class VerifierWorker:
         naming the first bad field of the message."""
         filled: list[list[int]] = []
         unfilled = self.held.fill(request, filled)
-        self._grammar_outputs = {}
         planned = early.planned if early is not None else None
         if planned is not None:
             planned = with_held_drafts(planned, filled, self.vocab_size)  # None: fewer drafts came than planned
@@ -167,26 +165,26 @@ class VerifierWorker:
                 max_model_len=self.max_model_len,
                 num_cached_tokens=self.kv_cache.num_tokens,
             )
-        logits_plan = self._logits_plan(request, planned, early.options if early is not None else None)
+        logits_plan, grammar_outputs = self._logits_plan(request, planned, early.options if early is not None else None)
         batch = upload_input_batch(planned, vocab_size=self.vocab_size, device=self.device, upload=self._upload)
         if not batch.num_reqs:
             return batch, None, unfilled
         prepared = early.prepared if early is not None else None
         launched = self.runner.launch(batch, prepared, logits_plan)
-        launched.grammar_outputs = self._grammar_outputs or None
+        launched.grammar_outputs = grammar_outputs or None
         return batch, launched, unfilled
 
     def _logits_plan(
         self, request: VerifyBatch, planned: PlannedBatch, options: list | None = None
-    ) -> LogitsPlan | None:
+    ) -> tuple[LogitsPlan | None, dict[int, list[int]]]:
         """The step's penalties, min_tokens, grammar masks and logprobs (None: no request uses any), with the history
         of each request with penalties or a grammar: its tokens up to its last one (the chunks of its prompt, then
-        what each step ran and the next one's num_computed_tokens kept). `options`: each request's `LogitsOptions`,
-        when the early plan made them."""
+        what each step ran and the next one's num_computed_tokens kept); and batch index -> each constrained request's
+        output before the step. `options`: each request's `LogitsOptions`, when the early plan made them."""
         if options is None:
             options = [LogitsOptions.of(r.sampling) for r in request.requests]  # batch order is the message's
         if not any(options):
-            return None
+            return None, {}
         histories = {}
         for i, (r, o) in enumerate(zip(request.requests, options)):
             if o is None or not o.needs_history:
@@ -211,20 +209,19 @@ class VerifierWorker:
             histories,
         )
         constrained = [r for r in plan.requests if r.options.grammar is not None] if plan is not None else []
-        for r in constrained:
-            self._grammar_outputs[r.index] = r.history[r.num_prompt_tokens :]
+        outputs = {r.index: r.history[r.num_prompt_tokens :] for r in constrained}
         if constrained:
 
             def fill_masks():
                 jobs = [
-                    (request.requests[r.index].request_id, r.options.grammar, self._grammar_outputs[r.index], r.drafts)
+                    (request.requests[r.index].request_id, r.options.grammar, outputs[r.index], r.drafts)
                     for r in constrained
                 ]
                 for r, masks in zip(constrained, self.grammars.batch_masks(jobs)):
                     r.allowed = masks
 
             plan.fill_masks = fill_masks
-        return plan
+        return plan, outputs
 
     def finish(self, batch: InputBatch, launched: LaunchedStep | None, with_rows: bool = True) -> StepOutput:
         """Waits for a launched step's sampled tokens (`with_rows=False`: without the drafter's hidden-state rows,
@@ -232,8 +229,9 @@ class VerifierWorker:
         if launched is None:
             return self.runner.step(batch)  # no request: an empty output, nothing on the device
         step = self.runner.finish(launched, with_rows=with_rows)
-        if self._grammar_outputs:  # what the drafter's grammar masks follow (`specsplit/drafter/runner.py`)
-            step.grammar_outputs = {i: out + step.sampled_token_ids[i] for i, out in self._grammar_outputs.items()}
+        if launched.grammar_outputs:  # what the drafter's grammar masks follow (`specsplit/drafter/runner.py`)
+            outputs = launched.grammar_outputs
+            step.grammar_outputs = {i: out + step.sampled_token_ids[i] for i, out in outputs.items()}
         return step
 
     def keep(
