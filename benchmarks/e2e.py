@@ -460,14 +460,19 @@ def publish(args, model, rows: list[dict], failures: list[str], transports: dict
         write_results(args.out, args, result, out.getvalue())
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    # A time limit's SIGTERM (`timeout`): unwind, so that the services are stopped before this process exits.
-    raise SystemExit("e2e.py: SIGTERM: the services are stopped; what was measured is in --out ($OUT)")
+def stop_on_sigterm(script: str) -> None:
+    """A time limit's SIGTERM (`timeout`) unwinds `script`, so that its services are stopped before the process exits
+    (what it measured so far is in --out)."""
+
+    def stop(signum, frame) -> None:
+        raise SystemExit(f"{script}: SIGTERM: the services are stopped; what was measured is in --out ($OUT)")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    stop_on_sigterm("e2e.py")
     t_begin = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specsplit-e2e-"))
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model

@@ -41,7 +41,6 @@ import io
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.e2e import copy_logs, write_results  # noqa: E402
+from benchmarks.e2e import copy_logs, stop_on_sigterm, write_results  # noqa: E402
 from benchmarks.lib.e2e_modes import step_token_budget  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.cli.launcher import LocalCluster  # noqa: E402
@@ -312,14 +311,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    # A time limit's SIGTERM (`timeout`): unwind, so that the services are stopped before this process exits.
-    raise SystemExit("prefix_cache.py: SIGTERM: the services are stopped; what was measured is in --out ($OUT)")
-
-
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    stop_on_sigterm("prefix_cache.py")
     t_begin = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specsplit-prefix-cache-"))
     model = write_shape(args.shape, work / args.shape) if args.shape else args.model
