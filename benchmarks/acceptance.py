@@ -11,8 +11,14 @@ cluster, one table line per sampler: "coupled" sends a seed (the prompt's index)
 checks the drafts by coupled sampling; "rejection" sends none, so it checks them by rejection
 sampling.
 
+--draft-vocab-sizes N ...: one cluster per drafter --draft-vocab-size (0: the full vocabulary), its prompts in two
+halves one after the other: the first half's requests meet a drafter whose counts start empty (the checkpoint's seed
+order, then what it counted so far), the second half's one that counted the first half (other files), as a server
+that ran for a while; a table line per half.
+
     .venv/bin/python benchmarks/acceptance.py [--num-files 16] [--prompt-len 192] [--new-tokens 128]
     .venv/bin/python benchmarks/acceptance.py --temperature 0.8   # coupled vs rejection sampling
+    .venv/bin/python benchmarks/acceptance.py --ks 3 --draft-vocab-sizes 0 512 1024 2048   # draft vocabularies
     python benchmarks/acceptance.py --temperature 0.8 --device cuda   # the same drafts on a GPU
 """
 
@@ -85,6 +91,32 @@ def run_k(
     return total
 
 
+def run_sizes(args, model: Path, prompts: list[list[int]]) -> list[tuple]:
+    """(k, line name, stats) of each cluster (a draft vocabulary size each, or the drafter's default), k and
+    sampler; with draft vocabulary sizes, per half of the prompts."""
+    rows = []
+    for size in args.draft_vocab_sizes or [None]:
+        halves = [("", prompts)] if size is None else [(" first half", prompts[: len(prompts) // 2])]
+        if size is not None:
+            halves.append((" second half", prompts[len(prompts) // 2 :]))
+        with LocalCluster(
+            model,
+            num_speculative_tokens=max(args.ks),
+            device=args.device,
+            log_dir=tempfile.mkdtemp(prefix="specsplit-acc-"),
+            coordinator_args=["--max-num-seqs", "16", "--no-adaptive"],  # acceptance at each k as asked
+            drafter_args=[] if size is None else ["--draft-vocab-size", str(size)],
+        ) as cluster:
+            label = "" if size is None else f"vocab {size or 'full'}, "
+            rows += [
+                (k, f"{label}{name}{half}", run_k(cluster.address, ps, k, args.new_tokens, args.temperature, seeded))
+                for half, ps in halves
+                for k in args.ks
+                for name, seeded in samplers(args.temperature)
+            ]
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "checkpoints" / "demo"))
@@ -93,6 +125,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: coupled vs rejection sampling")
     p.add_argument("--device", default="cpu", help="the verifier's and drafter's device (float32 weights)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="drafts per iteration, a table line each")
+    p.add_argument(
+        "--draft-vocab-sizes", type=int, nargs="+", default=None, help="a cluster per drafter --draft-vocab-size"
+    )
     args = p.parse_args()
     model = Path(args.model)
     prompts = heldout_prompts(model, args.num_files, args.prompt_len, args.new_tokens)
@@ -100,18 +136,7 @@ def main() -> None:
     print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} {tokens} each")
     if args.temperature:
         print("coupled: seeded requests (seed = the prompt's index); rejection: unseeded requests")
-    with LocalCluster(
-        model,
-        num_speculative_tokens=4,
-        device=args.device,
-        log_dir=tempfile.mkdtemp(prefix="specsplit-acc-"),
-        coordinator_args=["--max-num-seqs", "16", "--no-adaptive"],  # acceptance at each k as asked
-    ) as cluster:
-        rows = [
-            (k, name, run_k(cluster.address, prompts, k, args.new_tokens, args.temperature, seeded))
-            for k in (1, 2, 3, 4)
-            for name, seeded in samplers(args.temperature)
-        ]
+    rows = run_sizes(args, model, prompts)
     print("| k | sampler | acceptance per draft position | acceptance rate | tokens per verify iteration |")
     print("|---|---|---|---|---|")
     for k, name, s in rows:

@@ -183,6 +183,14 @@ def parse_args() -> argparse.Namespace:
         "against the constrained target-only output and the format; with --shape the checkpoint gets the synthetic "
         "151,936-id tokenizer the grammar masks run over (benchmarks/lib/structured.py)",
     )
+    p.add_argument(
+        "--draft-vocab-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--services-only: one set of services per drafter --draft-vocab-size (0: the full vocabulary), one "
+        "after the other, as modes services_PLACEMENT:dvN / :full (default: one set, the drafter's default)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=None, help="new tokens of each cell's untimed warm-up run")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default with $OUT: $OUT/e2e-NAME.json)")
     args = p.parse_args()
@@ -192,6 +200,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--services-only plans one GPU: leave out --verifier-tp")
     if args.services_only and args.structured:
         p.error("--structured runs beside the in-process engine: leave out --services-only")
+    if args.draft_vocab_sizes and not args.services_only:
+        p.error("--draft-vocab-sizes starts a set of services per size: add --services-only")
     if args.repeats is None:
         args.repeats = 1 if args.services_only else 3
     if args.warmup_tokens is None:
@@ -386,44 +396,57 @@ def services_only(args, model: Path, work: Path, t_begin: float, sizes: ModelByt
         drafter_args += ["--gpu-memory-utilization", f"{plan.drafter:g}"]
     all_prompts = make_prompts(model, max_batch, sizes.vocab_size)
     oracle_path = work / "oracle.json"
-    rows, failures, reference = [], [], {}
-    cluster = make_cluster(
-        args, model, work, forced_drafter_command(args, oracle_path), None, verifier_args, drafter_args
-    )
-    with contextlib.ExitStack() as stack:
-        if args.out:  # the services' logs beside the results, once they are stopped (also after a failed start)
-            logs = args.out.with_name(f"{args.out.stem}-logs")
-            stack.callback(copy_logs, cluster.log_dir, logs)
-        cluster.start(timeout_s=LOAD_TIMEOUT_S)  # (its __enter__ would start it with the default 300 s)
-        stack.callback(cluster.stop)
-        print(f"[services loaded in {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
-        mode_b = f"services_{args.placement}"
+    rows, failures, reference, transports = [], [], {}, {}
+    # One set of services per draft vocabulary size, one after the other (a second set idle on the GPU slows the
+    # first); target-only runs on the first.
+    for index, vocab in enumerate(args.draft_vocab_sizes or [None]):
+        mode_b = f"services_{args.placement}" + ("" if vocab is None else f":dv{vocab}" if vocab else ":full")
+        extra = [] if vocab is None else ["--draft-vocab-size", str(vocab)]
+        cluster = make_cluster(
+            args,
+            model,
+            work / mode_b,
+            forced_drafter_command(args, oracle_path),
+            None,
+            verifier_args,
+            [*drafter_args, *extra],
+        )
+        with contextlib.ExitStack() as stack:
+            if args.out:  # the services' logs beside the results, once they are stopped (also after a failed start)
+                logs = args.out.with_name(f"{args.out.stem}-logs{'' if vocab is None else '-' + mode_b}")
+                stack.callback(copy_logs, cluster.log_dir, logs)
+            cluster.start(timeout_s=LOAD_TIMEOUT_S)  # (its __enter__ would start it with the default 300 s)
+            stack.callback(cluster.stop)
+            print(f"[{mode_b} loaded in {time.monotonic() - t_begin:.0f}s; logs in {work}]", file=sys.stderr)
+            transports[mode_b] = cluster.hidden_transport
 
-        def run(k: int, mode: str, new_tokens: int, ps):
-            return run_services(cluster.address, ps, new_tokens, k)
+            def run(k: int, mode: str, new_tokens: int, ps, cluster=cluster):
+                return run_services(cluster.address, ps, new_tokens, k)
 
-        for ks, modes in (([0], ["target_only"]), (args.ks, [mode_b])):
-            for batch in args.batches:
-                ps, cells = all_prompts[:batch], [(k, mode) for k in ks for mode in modes]
-                t_batch = time.monotonic()
-                runs = run_cells(
-                    cells,
-                    lambda k, mode, n, ps=ps: run(k, mode, n, ps),
-                    args.repeats,
-                    args.warmup_tokens,
-                    args.new_tokens,
-                )
-                for k, mode in cells:
-                    if mode == "target_only":  # the reference: its first run, which its repeats must equal
-                        reference[batch] = runs[k, mode][0].outputs
-                    check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], reference[batch], failures)
-                    rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
-                print(f"[batch {batch}: {len(cells)} cells in {time.monotonic() - t_batch:.1f}s]", file=sys.stderr)
-                partial(rows, failures, {mode_b: cluster.hidden_transport})
-            if args.alpha is not None and not oracle_path.exists():
-                sequences = [p + o for p, o in zip(all_prompts, reference[max_batch])]
-                save_oracle(Oracle(sequences, sizes.vocab_size), oracle_path)
-    return rows, failures, {mode_b: cluster.hidden_transport}
+            phases = ([([0], ["target_only"])] if index == 0 else []) + [(args.ks, [mode_b])]
+            for ks, modes in phases:
+                for batch in args.batches:
+                    ps, cells = all_prompts[:batch], [(k, mode) for k in ks for mode in modes]
+                    t_batch = time.monotonic()
+                    runs = run_cells(
+                        cells,
+                        lambda k, mode, n, ps=ps: run(k, mode, n, ps),
+                        args.repeats,
+                        args.warmup_tokens,
+                        args.new_tokens,
+                    )
+                    for k, mode in cells:
+                        if mode == "target_only":  # the reference: its first run, which its repeats must equal
+                            reference[batch] = runs[k, mode][0].outputs
+                        check_lossless(f"batch {batch} k {k} {mode}", runs[k, mode], reference[batch], failures)
+                        rows.append(cell_row(batch, k, mode, args.new_tokens, runs[k, mode]))
+                    t = time.monotonic() - t_batch
+                    print(f"[batch {batch}: {len(cells)} cells in {t:.1f}s]", file=sys.stderr)
+                    partial(rows, failures, transports)
+                if args.alpha is not None and not oracle_path.exists():
+                    sequences = [p + o for p, o in zip(all_prompts, reference[max_batch])]
+                    save_oracle(Oracle(sequences, sizes.vocab_size), oracle_path)
+    return rows, failures, transports
 
 
 def publish(args, model, rows: list[dict], failures: list[str], transports: dict, sizes, t_begin: float, final: bool):

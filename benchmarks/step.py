@@ -57,6 +57,7 @@ import json
 import multiprocessing
 import os
 import queue
+import statistics
 import sys
 import tempfile
 import time
@@ -97,6 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", help="target phases: comma-separated, from eager, eager_loop, kernel, graphs (see above)")
     p.add_argument("--max-graph-tokens", type=int, default=512, help="the CUDA graphs' largest token bucket")
     p.add_argument("--tp", default="1", help="target phases: comma-separated tensor-parallel sizes")
+    p.add_argument(
+        "--draft-vocab-sizes",
+        default="0",
+        help="propose: comma-separated draft vocabulary sizes (0: the full vocabulary), a runner each",
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one step per row")
@@ -119,6 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.phase].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.draft_vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
     if args.phase == "propose":
         if args.paths is not None or args.tp != "1":
             p.error("--paths and --tp are the target phases': propose runs on the runner's own path, one device")
@@ -279,13 +286,15 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
     return rows
 
 
-def propose_step(runner, draws, hidden, drafts: list):
-    """One propose of the next item list `draws` yields; its drafts replace `drafts`' contents."""
+def propose_step(runner, draws, hidden, drafts: list, split_ns: list):
+    """One propose of the next item list `draws` yields; its drafts replace `drafts`' contents and its (step 0,
+    steps 1..k-1) times go onto `split_ns`."""
 
     def step(span) -> None:
         with span():
             out = runner.propose(next(draws), hidden)
         drafts[:] = out.drafts
+        split_ns.append((out.step0_ns, out.later_steps_ns))
 
     return step
 
@@ -293,18 +302,36 @@ def propose_step(runner, draws, hidden, drafts: list):
 def propose_rows(args, name: str, model_dir: Path, load_format: str) -> list[dict]:
     import torch
 
-    from specsplit.drafter.runner import DrafterRunner, ProposeItem
+    from specsplit.drafter.draft_vocab import draft_vocabulary
+    from specsplit.drafter.runner import DrafterRunner
     from specsplit.models.loader import load_mtp
 
     dtype = getattr(torch, args.dtype)
     mtp = load_mtp(model_dir, dtype=dtype, device=args.device, load_format=load_format)
     k, context = args.k, args.context
     blocks = max(args.batch_sizes) * cdiv(context + 2 * k + 2, BLOCK_SIZE) + 8
-    runner = DrafterRunner(mtp, mtp.make_kv_cache(blocks, BLOCK_SIZE))
-    path = "graphs" if runner.graphs is not None else "kernel" if runner.attention_kernel else "eager"
     sizes = model_bytes(json.loads((model_dir / "config.json").read_text()), dtype.itemsize)
     hidden_size, vocab = mtp.config.hidden_size, mtp.config.vocab_size
     generator = torch.Generator().manual_seed(0)
+    rows = []
+    for vocab_size in args.draft_vocab_sizes:
+        mtp.draft_head = None  # the previous size's
+        draft_vocab = draft_vocabulary(mtp, vocab_size, model_dir)
+        runner = DrafterRunner(mtp, mtp.make_kv_cache(blocks, BLOCK_SIZE), draft_vocab=draft_vocab)
+        path = "graphs" if runner.graphs is not None else "kernel" if runner.attention_kernel else "eager"
+        rows += propose_batches(args, name, runner, sizes, draft_vocab, path, hidden_size, vocab, generator)
+        del runner
+    return rows
+
+
+def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidden_size, vocab, generator):
+    """`propose_rows`' rows of one runner (one draft vocabulary), a row per batch size."""
+    import torch
+
+    from specsplit.drafter.runner import ProposeItem
+
+    dtype, k, context = getattr(torch, args.dtype), args.k, args.context
+    head_rows = vocab if draft_vocab is None else draft_vocab.size
     rows = []
     with torch.inference_mode():
         for batch in args.batch_sizes:
@@ -320,9 +347,13 @@ def propose_rows(args, name: str, model_dir: Path, load_format: str) -> list[dic
                 )
             hidden = torch.randn(batch * (k + 1), hidden_size, dtype=dtype).to(runner.device)
             drafts: list[list[int]] = []
-            step = propose_step(runner, itertools.cycle([items(context, k + 1, k) for _ in range(4)]), hidden, drafts)
-            # Active weights: step 0 over every row, then k - 1 steps over one token per request.
-            weight_bytes = sizes.draft_step(batch * (k + 1)) + (k - 1) * sizes.draft_step(batch)
+            split_ns: list[tuple[int, int]] = []
+            draws = itertools.cycle([items(context, k + 1, k) for _ in range(4)])
+            step = propose_step(runner, draws, hidden, drafts, split_ns)
+            # Active weights: step 0 over every row, then k - 1 steps over one token per request; a draft
+            # vocabulary's head reads its rows instead of the vocabulary's.
+            head_saved = (vocab - head_rows) * hidden_size * dtype.itemsize
+            weight_bytes = sizes.draft_step(batch * (k + 1)) + (k - 1) * sizes.draft_step(batch) - k * head_saved
             row = measured_row(
                 args,
                 row_of(args, name, runner.device, path, 1, 0, batch, k + 1),
@@ -332,6 +363,14 @@ def propose_rows(args, name: str, model_dir: Path, load_format: str) -> list[dic
                 weight_bytes,
             )
             row["drafts"] = sum(len(d) for d in drafts)  # of the last propose: k per request
+            row["draft_vocab"] = head_rows
+            timed = split_ns[-args.steps :]  # the measured steps' (warm-up and cold ones before them)
+            row["step0_ms"] = statistics.median(s[0] for s in timed) / 1e6
+            row["later_steps_ms"] = statistics.median(s[1] for s in timed) / 1e6
+            print(
+                f"  draft vocabulary {head_rows}: MTP step 0 {row['step0_ms']:.3f} ms, steps 1..{k - 1} "
+                f"{row['later_steps_ms']:.3f} ms (medians)"
+            )
             rows.append(row)
             runner.free(req_ids)
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specsplit.drafter.draft_vocab import draft_vocabulary
 from specsplit.drafter.runner import DrafterRunner
 from specsplit.models.loader import load_mtp
 from specsplit.models.parallel import min_over_ranks
@@ -23,9 +24,12 @@ def load_and_size(config, step_path: dict, rank: int = 0):
     with rank_load(options.device, config.num_blocks, config.socket_dir, rank) as (device, num_blocks, baseline):
         dtype = getattr(torch, options.dtype)
         mtp = load_mtp(options.checkpoint, dtype=dtype, device=device, load_format=options.load_format)
+        vocab = draft_vocabulary(mtp, config.draft_vocab_size, options.checkpoint, config.draft_vocab_file)
         _, runner, _ = size_kv_cache(
             lambda n: mtp.make_kv_cache(n, config.block_size),
-            lambda cache: DrafterRunner(mtp, cache, config.draft_top_k, tokenizer_dir=options.checkpoint, **step_path),
+            lambda cache: DrafterRunner(
+                mtp, cache, config.draft_top_k, tokenizer_dir=options.checkpoint, draft_vocab=vocab, **step_path
+            ),
             block_size=config.block_size,
             num_blocks=num_blocks,
             fraction=options.gpu_memory_utilization,

@@ -38,7 +38,8 @@ from specsplit.drafter.device_propose import (
     tokens_to_host,
     valid_rows_on_host,
 )
-from specsplit.drafter.sampling import noise_seed, pick_drafts
+from specsplit.drafter.draft_vocab import DraftVocabulary
+from specsplit.drafter.sampling import noise_seed, pick_drafts, to_ids
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
@@ -110,12 +111,16 @@ class DrafterRunner:
         cuda_graphs: bool | None = None,
         max_graph_tokens: int = 512,
         tokenizer_dir=None,
+        draft_vocab: DraftVocabulary | None = None,
     ):
         """`attention_kernel`: MTP steps with few new tokens per request run the Triton paged
         attention (default: on CUDA, for modules that support it). `cuda_graphs`: those steps
         replay CUDA graphs (default: on CUDA with the kernel). `tokenizer_dir`: the checkpoint whose tokenizer
-        structured output's grammars run over (None: constrained requests are drafted unmasked)."""
+        structured output's grammars run over (None: constrained requests are drafted unmasked). `draft_vocab`: the
+        ids the module's draft head projects onto (`draft_vocab.py`, attached to `mtp` already; None: every id)."""
         self.mtp = mtp
+        self.draft_vocab = draft_vocab
+        self._column_ids = None if draft_vocab is None else draft_vocab.ids
         self.draft_top_k = draft_top_k
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
@@ -211,8 +216,21 @@ class DrafterRunner:
             return *self.graphs.run(input_ids, positions, attn, previous_hidden), True
         return self.mtp(input_ids, previous_hidden, positions, self.kv_cache, attn), None, False
 
-    @torch.inference_mode()
     def propose(
+        self, items: list[ProposeItem], hidden_states: torch.Tensor, device_tokens: DeviceTokens | None = None
+    ) -> ProposeOutput:
+        """`_propose`; with a draft vocabulary, a new set installed first where its ranking is done, and the items'
+        tokens counted after."""
+        vocab = self.draft_vocab
+        if vocab is None:
+            return self._propose(items, hidden_states, device_tokens)
+        vocab.swap()
+        out = self._propose(items, hidden_states, device_tokens)
+        vocab.observe([t for item in items for t in item.next_token_ids])
+        return out
+
+    @torch.inference_mode()
+    def _propose(
         self, items: list[ProposeItem], hidden_states: torch.Tensor, device_tokens: DeviceTokens | None = None
     ) -> ProposeOutput:
         """hidden_states: [sum(len(item.next_token_ids)), hidden_size], rows in item order; on a device
@@ -357,18 +375,27 @@ class DrafterRunner:
         for (_, item, _), err in zip(rows_items, errors):
             if err is not None:  # its row allows everything
                 log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
-        apply_masks(logits, [row for row, _, _ in rows_items], words)
+        apply_masks(logits, [row for row, _, _ in rows_items], words, self._column_ids)
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
-        """logits: [n, V] float32 → drafts [n]; argmax alone when every row is greedy. Tensor-parallel: rank 0
-        picks and every rank gets its drafts (a follower's `logits` are None)."""
+        """logits: [n, V] float32 (a draft vocabulary's: [n, N]) → drafts [n] (token ids); argmax alone when every row
+        is greedy. Tensor-parallel: rank 0 picks and every rank gets its drafts (a follower's `logits` are None)."""
         if logits is None:
             return broadcast_tensor_from_first(torch.empty(n, dtype=torch.int64, device=self.device)), None, None
         if sampling is None:
-            pick = logits.argmax(dim=-1), None, None
+            pick = to_ids(logits.argmax(dim=-1), self._column_ids), None, None
         else:
             temperature, seeds, counters = sampling
-            step = pick_drafts(logits, temperature, seeds, counters, self.draft_top_k, any_sampled=True)
+            step = pick_drafts(
+                logits,
+                temperature,
+                seeds,
+                counters,
+                self.draft_top_k,
+                any_sampled=True,
+                column_ids=self._column_ids,
+                vocab_size=self.mtp.config.vocab_size,
+            )
             pick = step.tokens, step.q_ids, step.q_probs
         if tp_size() > 1:
             broadcast_tensor_from_first(pick[0])

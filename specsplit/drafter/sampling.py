@@ -45,21 +45,32 @@ def pick_drafts(
     top_k: int,
     *,
     any_sampled: bool | None = None,  # known on the host: skips a device sync; None: read from `temperature`
+    column_ids: torch.Tensor | None = None,  # [C] int64: a draft vocabulary's id per logits column (draft_vocab.py)
+    vocab_size: int | None = None,  # with column_ids: the full vocabulary's
 ) -> DraftStep:
-    greedy = logits.argmax(dim=-1)
+    """With `column_ids` the logits score C ids of a draft vocabulary: the drafts and q's support come back as their
+    ids, and the race runs over those ids as it would over the full vocabulary's logits."""
+    n, columns = logits.shape
+    greedy = to_ids(logits.argmax(dim=-1), column_ids)
     sampled = temperature > 0
-    n, vocab = logits.shape
-    k = min(top_k, vocab)
+    k = min(top_k, columns)
     if not (bool(sampled.any()) if any_sampled is None else any_sampled):
         empty = torch.zeros(n, k, dtype=torch.int64, device=logits.device)
         return DraftStep(greedy, empty, empty.to(torch.float32))
     t = torch.where(sampled, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits / t[:, None], dim=-1)  # [n, V]
-    top_p, top_ids = probs.topk(k, dim=-1)  # [n, K]
+    top_p, top_columns = probs.topk(k, dim=-1)  # [n, K]
+    top_ids = to_ids(top_columns, column_ids)
     q = top_p / top_p.sum(dim=-1, keepdim=True)
+    vocab = columns if column_ids is None else vocab_size  # the race's groups are the full vocabulary's
     choice = race_sparse(q, top_ids, row_key(seeds, counters), vocab)  # P(choice = j) = q_j
     tokens = torch.where(sampled, top_ids.gather(1, choice[:, None]).squeeze(1), greedy)
     return DraftStep(tokens, top_ids, q)
+
+
+def to_ids(columns: torch.Tensor, column_ids: torch.Tensor | None) -> torch.Tensor:
+    """Logits columns as token ids: themselves, or a draft vocabulary's ids (`column_ids`, [C] int64)."""
+    return columns if column_ids is None else column_ids[columns]
 
 
 def race_sparse(

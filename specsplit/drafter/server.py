@@ -32,6 +32,9 @@ from specsplit.runtime.tensor_parallel import add_tensor_parallel_arguments
 
 log = logging.getLogger(__name__)
 
+# The draft vocabulary's ids (`--draft-vocab-size`; 0: every id), chosen from docs/performance.md, "Draft vocabulary".
+DEFAULT_DRAFT_VOCAB_SIZE = 0
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (with MTP weights)")
@@ -51,6 +54,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="support of q for sampled drafts (temperature > 0): the K most likely tokens",
     )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="ids the MTP head projects onto, chosen by how often the drafter sees them (0 or at least the "
+        f"vocabulary: every id; default {DEFAULT_DRAFT_VOCAB_SIZE or 'every id'}, every id with tensor-parallel "
+        "ranks; specsplit/drafter/draft_vocab.py)",
+    )
+    p.add_argument(
+        "--draft-vocab-file",
+        default=None,
+        help="token ids that seed the draft vocabulary, most frequent first (whitespace-separated or a JSON list); "
+        "before the checkpoint tokenizer's merge order",
+    )
     add_tensor_parallel_arguments(p, "specsplit/drafter/ranks.py")
 
 
@@ -66,6 +83,8 @@ class DrafterConfig:
     num_blocks: int | None  # None: from --gpu-memory-utilization on CUDA, 1024 on the CPU
     block_size: int
     draft_top_k: int
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE
+    draft_vocab_file: str | None = None
     tensor_parallel_size: int = 1
     tensor_parallel_address: str = "127.0.0.1:0"
     tensor_parallel_timeout: float = 300.0
@@ -81,6 +100,8 @@ class DrafterConfig:
             num_blocks=args.num_blocks,
             block_size=args.block_size,
             draft_top_k=args.draft_top_k,
+            draft_vocab_size=draft_vocab_size(args.draft_vocab_size, args.tensor_parallel_size),
+            draft_vocab_file=args.draft_vocab_file,
             tensor_parallel_size=args.tensor_parallel_size,
             tensor_parallel_address=args.tensor_parallel_address,
             tensor_parallel_timeout=args.tensor_parallel_timeout,
@@ -90,10 +111,21 @@ class DrafterConfig:
             num_blocks=(1, None),
             block_size=(1, None),
             draft_top_k=(1, None),
+            draft_vocab_size=(0, None),
             tensor_parallel_size=(1, None),
             tensor_parallel_timeout=(0, None),
         )
         return config
+
+
+def draft_vocab_size(asked: int | None, tensor_parallel_size: int) -> int:
+    """`--draft-vocab-size`, or its default: every id for a tensor-parallel drafter, whose head is split by
+    vocabulary rows (asking for one there is refused)."""
+    if tensor_parallel_size == 1:
+        return DEFAULT_DRAFT_VOCAB_SIZE if asked is None else asked
+    if asked:
+        raise UsageError("--draft-vocab-size needs --tensor-parallel-size 1 (the head is split by vocabulary rows)")
+    return 0
 
 
 async def serve(config: DrafterConfig) -> None:

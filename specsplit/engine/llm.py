@@ -25,7 +25,9 @@ from specsplit.coordinator.iteration import IterationTiming
 from specsplit.coordinator.request import Request
 from specsplit.coordinator.scheduler import Scheduler
 from specsplit.coordinator.validation import build_request
+from specsplit.drafter.draft_vocab import draft_vocabulary
 from specsplit.drafter.runner import DrafterRunner
+from specsplit.drafter.server import DEFAULT_DRAFT_VOCAB_SIZE
 from specsplit.engine.local import LocalDrafter, LocalVerifier
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.proto import coordinator_pb2
@@ -39,7 +41,8 @@ class LLM:
     drafts a request gets per iteration, chosen per request and iteration (`adaptive`, learning across generate()
     calls) or always that many (`adaptive=False`). `load_format="dummy"`: seeded random weights from config.json
     (benchmarks). `enable_prefix_caching`: prompts start on the cached KV of the blocks they share with earlier
-    requests (as `serve`'s default)."""
+    requests (as `serve`'s default). `draft_vocab_size`: the ids the drafts are picked from (`serve drafter
+    --draft-vocab-size`; 0: every id)."""
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class LLM:
         device_hand_off: bool = True,
         adaptive: bool = True,
         enable_prefix_caching: bool = True,
+        draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
     ):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = str(model)
@@ -88,7 +92,10 @@ class LLM:
         self.drafter: LocalDrafter | None = None
         if num_speculative_tokens > 0:
             self.mtp = load_mtp(self.model, dtype=dtype, device=device, load_format=load_format)
-            runner = DrafterRunner(self.mtp, self.mtp.make_kv_cache(num_blocks, block_size), tokenizer_dir=self.model)
+            vocab = draft_vocabulary(self.mtp, draft_vocab_size, self.model)
+            runner = DrafterRunner(
+                self.mtp, self.mtp.make_kv_cache(num_blocks, block_size), tokenizer_dir=self.model, draft_vocab=vocab
+            )
             self.drafter = LocalDrafter(runner, device_hand_off=device_hand_off)
         # One scheduler for the LLM's life: what adaptive speculation learns goes on from one generate() to the next.
         self.scheduler = Scheduler(self.scheduler_config, self.eos_token_ids)

@@ -57,6 +57,9 @@ class MTPModule(nn.Module):
         self.block = self._make_block()
         self.shared_head = SharedHead(config)
         self.rotary = self._make_rotary()
+        # A draft vocabulary's head (`specsplit/drafter/draft_vocab.py`): N rows of shared_head.head, which the
+        # logits then score instead of every id (column c: the draft vocabulary's id c). None: the full vocabulary.
+        self.draft_head: nn.Linear | None = None
 
     # Other families (models/deepseek_v3) override these three and `make_kv_cache`.
     def _make_layout(self):
@@ -106,7 +109,9 @@ class MTPModule(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] (output of forward) → [N, vocab] float32 (tensor-parallel: on the first rank; None
-        # on the others)
+        # on the others); with a draft head [N, its rows]
         if not self.layout.normed_output:
             hidden = self.shared_head.norm(hidden)
+        if self.draft_head is not None:
+            return linear(hidden, self.draft_head).float()
         return gather_logits(linear(hidden, self.shared_head.head).float(), self.config.vocab_size)

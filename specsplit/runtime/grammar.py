@@ -183,13 +183,16 @@ class Grammars:
         self._matchers.clear()
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> None:
+def apply_masks(
+    logits: torch.Tensor, rows: list[int], words: np.ndarray, column_ids: torch.Tensor | None = None
+) -> None:
     """-inf in `logits` ([N, V]) at rows `rows` wherever their packed masks `words` ([len(rows), W] int32) do not
-    allow the token (ids past the masks' words included). The masks travel to the device as they are (32 ids per
-    word), in one copy (`upload_masks`), and are applied there: by one Triton kernel on a GPU
-    (`specsplit/kernels/grammar_mask.py`), by torch ops elsewhere."""
+    allow the token (ids past the masks' words included); a column is its token, or `column_ids`' ([V] int64: a
+    draft vocabulary's). The masks travel to the device as they are (32 ids per word), in one copy (`upload_masks`),
+    and are applied there: by one Triton kernel on a GPU (`specsplit/kernels/grammar_mask.py`), by torch ops
+    elsewhere."""
     packed = upload_masks(rows, words, logits.device)
-    (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed)
+    (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed, column_ids)
 
 
 def upload_masks(rows: list[int], words: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -66,3 +66,35 @@ def test_bad_inputs_are_refused():
         apply_masks_triton(logits.t(), packed)
     with pytest.raises(ValueError, match="int32"):
         apply_masks_triton(logits, packed.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_vocabulary_columns_are_masked_by_their_ids(dtype):
+    """A draft vocabulary's logits (column c scores id `column_ids[c]`, `specsplit/drafter/draft_vocab.py`): the
+    kernel and the reference mask column c by bit column_ids[c] of the mask, and an id past the mask's words is
+    refused; the same as the full vocabulary's logits masked, then gathered at those ids."""
+    num_words = -(-V // 32) - 40  # the last 1,280+ ids have no word
+    words = _words(3, num_words, seed=4)
+    column_ids = torch.cat(
+        [torch.randperm(V - 1, generator=torch.Generator().manual_seed(5))[: BLOCK + 99], torch.tensor([V - 1])]
+    )
+    full = torch.randn(5, V, generator=torch.Generator().manual_seed(6)).to(dtype)
+    logits = full[:, column_ids].contiguous()
+    rows = [4, 0, 2]
+    got, want, masked_full = logits.clone(), logits.clone(), full.clone()
+    apply_masks_triton(got, _packed(rows, words), column_ids)
+    apply_masks_reference(want, _packed(rows, words), column_ids)
+    apply_masks_reference(masked_full, _packed(rows, words))
+    assert torch.equal(got, want)
+    assert torch.equal(got, masked_full[:, column_ids])
+    assert torch.isinf(got[4, -1])  # id V - 1: past the words
+    assert torch.isfinite(got[1]).all() and torch.isfinite(got[3]).all()  # rows not named
+
+
+def test_column_ids_of_the_wrong_shape_or_type_are_refused():
+    logits = torch.zeros(2, 64)
+    packed = _packed([0], _words(2, 2, seed=7)[:1])
+    for bad in (torch.arange(63), torch.arange(64, dtype=torch.int32)):
+        for apply in (apply_masks_triton, apply_masks_reference):
+            with pytest.raises(ValueError, match="column ids"):
+                apply(logits, packed, bad)
