@@ -15,6 +15,17 @@ from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 
 BLOCK_SIZE = 16  # the services' default KV block size: prefix caching caches full blocks
 PREFIX_CACHE_SERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+# Code openings the demo checkpoint (trained on Python) continues with real acceptance.
+DEMO_PROMPTS = [
+    "import os\n\n\ndef read_lines(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    'def _parse_header(line):\n    """Parse one header line."""\n',
+    "try:\n    import zlib\nexcept ImportError:\n",
+    "    @property\n    def name(self):\n",
+    "if __name__ == '__main__':\n",
+    "x = {",
+]
 
 
 def greedy_ignoring_eos(hf_greedy, prompt: list[int], n: int) -> list[int]:

@@ -9,19 +9,10 @@ import torch
 
 from specsplit import Client
 from specsplit.cli.launcher import LocalCluster
+from tests.e2e.helpers import DEMO_PROMPTS as PROMPTS
 from tests.e2e.helpers import assert_first_two_tokens_follow
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
-PROMPTS = [
-    "import os\n\n\ndef read_lines(path):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    'def _parse_header(line):\n    """Parse one header line."""\n',
-    "try:\n    import zlib\nexcept ImportError:\n",
-    "    @property\n    def name(self):\n",
-    "if __name__ == '__main__':\n",
-    "x = {",
-]
 
 
 @pytest.fixture(scope="module")

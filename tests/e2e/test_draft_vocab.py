@@ -8,17 +8,10 @@ import pytest
 import torch
 
 from specsplit.cli.launcher import LocalCluster
-from tests.e2e.helpers import generate_concurrently, kill_under_streams
+from tests.e2e.helpers import DEMO_PROMPTS, generate_concurrently, kill_under_streams
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
-PROMPTS = [
-    "import os\n\n\ndef read_lines(path):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    'def _parse_header(line):\n    """Parse one header line."""\n',
-    "try:\n    import zlib\nexcept ImportError:\n",
-    "if __name__ == '__main__':\n",
-]
+PROMPTS = DEMO_PROMPTS[:6]
 NEW = 40
 
 
