@@ -7,10 +7,19 @@ average. A request's own counts are few, so its estimate is shrunk toward the se
 (`ServerAcceptance`, a Beta-like prior of `PRIOR_WEIGHT` pseudo-observations, scaled by the request's position 0:
 `ServerAcceptance.gains`); the server's own estimate of a position is shrunk toward the position before it, and
 positions the server never reached take the deepest one it did.
+
+The server's counts also keep a recent window (`FAST_HALF_LIFE`): where it makes the server's estimate of a position
+unlikely (a log-likelihood ratio above `CHANGE_LLR`: a drafter that got better or worse), the server forgets its older
+counts of that position and the deeper ones, and goes on from the recent ones. The window also forgets in iterations
+that verify no draft (`idle`), so that after a run without drafts an exploration's few verified drafts make it.
+Without this, a server that learned a low acceptance and stopped drafting needed hundreds of verified drafts to
+believe a better one; at batch 1, with one exploration every few hundred iterations, that took thousands of
+iterations (docs/design.md §9, "A drafter whose acceptance changed").
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -20,6 +29,10 @@ PRIOR_WEIGHT = 8.0  # pseudo-observations of the server's acceptance in each req
 DEFAULT_ACCEPTANCE = 0.5  # before the server has verified any draft
 SERVER_PRIOR_WEIGHT = 2.0  # pseudo-observations of DEFAULT_ACCEPTANCE in the server's acceptance
 SERVER_HALF_LIFE = 1024  # reached observations per position after which an old one weighs half
+FAST_HALF_LIFE = 16  # the same, of the recent window that tells a change
+# The recent window's log-likelihood ratio (its own mean against the server's estimate) above which the acceptance is
+# taken to have changed: e^7, about 1,100 to 1.
+CHANGE_LLR = 7.0
 
 
 @dataclass
@@ -60,20 +73,47 @@ class ServerAcceptance:
 
     def __init__(self, half_life: float = SERVER_HALF_LIFE):
         self._keep = 0.5 ** (1.0 / half_life)
+        self._keep_fast = 0.5 ** (1.0 / FAST_HALF_LIFE)
         self.version = 0  # bumped by every record
+        self.changes = 0  # times a change was detected
         self._reached: list[float] = []
         self._accepted: list[float] = []
+        self._recent_reached: list[float] = []
+        self._recent_accepted: list[float] = []
         self._prior: tuple[int, int, np.ndarray] = (-1, 0, np.zeros(0))  # `means` kept: (version, positions, means)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.version += 1
         num_reached = min(num_drafts, num_accepted + 1)
         while len(self._reached) < num_reached:
-            self._reached.append(0.0)
-            self._accepted.append(0.0)
+            for counts in (self._reached, self._accepted, self._recent_reached, self._recent_accepted):
+                counts.append(0.0)
         for j in range(num_reached):
+            kept = 1.0 if j < num_accepted else 0.0
             self._reached[j] = self._reached[j] * self._keep + 1.0
-            self._accepted[j] = self._accepted[j] * self._keep + (1.0 if j < num_accepted else 0.0)
+            self._accepted[j] = self._accepted[j] * self._keep + kept
+            self._recent_reached[j] = self._recent_reached[j] * self._keep_fast + 1.0
+            self._recent_accepted[j] = self._recent_accepted[j] * self._keep_fast + kept
+        self._forget_before_a_change(num_reached)
+
+    def idle(self) -> None:
+        """An iteration that verified no draft: the recent window forgets as if one observation had come, so that after
+        a run without drafts the few an exploration verifies make the window (and can tell a change)."""
+        keep = self._keep_fast
+        self._recent_reached = [n * keep for n in self._recent_reached]
+        self._recent_accepted = [n * keep for n in self._recent_accepted]
+
+    def _forget_before_a_change(self, num_reached: int) -> None:
+        """Where the recent window makes the estimate of a position it just reached unlikely (`CHANGE_LLR`), that
+        position and the deeper ones go on from their recent counts alone."""
+        means = self.means(num_reached)
+        for j in range(num_reached):
+            n, hits = self._recent_reached[j], self._recent_accepted[j]
+            if n * _divergence(hits / n, means[j]) > CHANGE_LLR:
+                self._reached[j:] = self._recent_reached[j:]
+                self._accepted[j:] = self._recent_accepted[j:]
+                self.changes += 1
+                return
 
     def means(self, num_positions: int) -> list[float]:
         """Acceptance per position 0..num_positions-1, each shrunk by `SERVER_PRIOR_WEIGHT` pseudo-observations toward
@@ -110,3 +150,13 @@ class ServerAcceptance:
         if min(caps) < max_cap:
             gains[np.arange(max_cap) >= np.array(caps)[:, None]] = 0.0
         return gains
+
+
+def _divergence(observed: float, expected: float) -> float:
+    """Kullback-Leibler divergence of Bernoulli(observed) from Bernoulli(expected), per observation."""
+    expected = min(max(expected, 1e-6), 1 - 1e-6)
+    total = 0.0
+    for p, q in ((observed, expected), (1 - observed, 1 - expected)):
+        if p > 0:
+            total += p * math.log(p / q)
+    return total

@@ -26,13 +26,15 @@ a line between two far measurements (a GPU step is flat within a CUDA graph size
 line makes the depths between look dearer or cheaper than they are, and the ones that look dearer are never tried).
 A choice made n times in a row for the same batch is then kept for min(n, KEEP) choices (`_kept_choice`): its inputs
 move little between iterations, and choosing each time would put its host time on every step; a choice of no drafts
-is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th choice (every 4 * `EXPLORE_EVERY`-th
-while nobody drafts) explores for two iterations in a row, alternately one draft more for each request and a
+is kept longer (ZERO_KEEP), until a draft is verified. Every `EXPLORE_EVERY`-th choice (nobody drafting included)
+explores for two iterations in a row, alternately one draft more for each request and a
 shallower uniform depth (each request at most d drafts, d cycling below the deepest chosen): iteration times of more
 and of fewer tokens and acceptance at deeper positions (or at all, after a run without drafts) stay measured, so the
 choice follows a drafter whose acceptance changed and a step time measured once in a slow moment, either way. Between
 those, every `RETIME_EVERY`-th choice runs again a close alternative timed before half the iterations recorded so far
-(`_stale_close_alternative`), so that a slow start's prices are re-checked soon.
+(`_stale_close_alternative`), so that a slow start's prices are re-checked soon. After the server's first-position
+acceptance rose (a drafter that got better: `draft_acceptance.py` tells the change), every `RETIME_EVERY`-th choice
+explores one draft more each for a while (`_climb`), since the deeper depths were priced and counted before it.
 
 Where a choice is made afresh, its costly part (the best rate's allocation, `best_allocation`) is computed while the
 device runs the step before (`choose_ahead`, which the engines call once a step is on its way), from what was known
@@ -59,6 +61,7 @@ EXPLORE_EVERY = 128
 # again.
 RETIME_EVERY = 32
 CLOSE = 1.15
+MOVED = 0.2  # a rise of the server's first-position acceptance that starts a climb (`_climb`)
 ZERO_KEEP = 16  # choices a choice of no drafts is kept while nothing it depends on changed
 # Most choices a choice made again and again is kept for the same batch: choosing puts host time on the step's
 # critical path, and a kept choice that is poor stays poor while it is kept. The value was chosen by measurement: the
@@ -148,11 +151,13 @@ class KeptChoice:
 
 @dataclass
 class ChoiceCounters:
-    """Choices made (a sweep's are not counted: the exploration and re-timing run every so many) and explorations
-    (deeper and shallower in turn)."""
+    """Choices made (a sweep's are not counted: the exploration and re-timing run every so many), explorations
+    (deeper and shallower in turn) and the climb after a change of the server's acceptance."""
 
     choices: int = 0
     explorations: int = 0
+    low: float | None = None  # the server's first-position acceptance: its least since the last climb started
+    climb_until: int = 0  # choices up to which every RETIME_EVERY-th explores deeper (after a rise)
 
 
 @dataclass
@@ -212,7 +217,10 @@ class AdaptiveDraftCount(DraftPolicy):
         propose_s: float | None,
         verified_depth: int,
     ) -> None:
-        """A decode iteration's time, into the step cost."""
+        """A decode iteration's time, into the step cost; one that verified no draft ages the acceptance's recent window
+        (`ServerAcceptance.idle`)."""
+        if verified_depth == 0:
+            self.acceptance.idle()
         self.costs.record(num_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s, verified_depth)
 
     def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:
@@ -269,7 +277,7 @@ class AdaptiveDraftCount(DraftPolicy):
             self._kept = KeptChoice(BatchChoice(list(caps), list(counts), chosen), self.acceptance.version, repeats)
         counters = self._counters
         counters.choices += 1
-        # Every EXPLORE_EVERY choices (more rarely when nobody drafts: that exploration costs a Propose), twice in a
+        # Every EXPLORE_EVERY choices (nobody drafting included: a drafter that got better is noticed so), twice in a
         # row, alternately: one draft more each, which measures more tokens and deeper positions, and a shallower
         # uniform depth (each request at most d drafts, d cycling through 0 .. the deepest chosen - 1). Both measure
         # that allocation's steady run again: a run measured in a slow moment is not kept for good, deeper or
@@ -277,12 +285,22 @@ class AdaptiveDraftCount(DraftPolicy):
         # first runs were slow (the sweep runs depth 1 early, as the GPU's clocks come up) would never run again once
         # a deeper one was chosen, and a slower depth would stay chosen for good (docs/design.md §9, "Start, sweep
         # and exploration").
+        # For EXPLORE_EVERY choices after the server's first-position acceptance rose by MOVED above its low since the
+        # last climb, every RETIME_EVERY-th choice explores one draft more each: the deeper positions' counts and the
+        # deeper depths' prices are from before the rise, maybe from another speed of the machine, and a depth at a
+        # time every other exploration took hundreds of iterations to climb to where drafts pay (docs/design.md §9,
+        # "A drafter whose acceptance changed").
+        if counters.choices % RETIME_EVERY == 0:
+            deeper = self._climb(chosen, caps)
+            if deeper is not None:
+                self._trial = BatchChoice(list(caps), list(counts), deeper)
+                return deeper
         if counters.choices % RETIME_EVERY == 0 and counters.choices % EXPLORE_EVERY:
             explored = self._stale_close_alternative(chosen, caps, counts)
             if explored is not None:
                 self._trial = BatchChoice(list(caps), list(counts), explored)
                 return explored
-        if counters.choices % (EXPLORE_EVERY if any(chosen) else EXPLORE_EVERY * 4) == 0:
+        if counters.choices % EXPLORE_EVERY == 0:
             counters.explorations += 1
             deepest = max(chosen)
             deeper, *shallower = _alternatives(chosen, caps)
@@ -293,6 +311,18 @@ class AdaptiveDraftCount(DraftPolicy):
             self._trial = BatchChoice(list(caps), list(counts), explored)
             return explored
         return chosen
+
+    def _climb(self, chosen: list[int], caps: list[int]) -> list[int] | None:
+        """One draft more each, while climbing after a rise of the server's acceptance; else None. The first reading
+        only sets the low: the climb is for a drafter that got better, not for the first estimate."""
+        counters = self._counters
+        first, low = self.acceptance.means(1)[0], counters.low
+        if low is not None and first > low + MOVED:
+            counters.climb_until = counters.choices + EXPLORE_EVERY
+            low = first
+        counters.low = first if low is None else min(low, first)
+        deeper = _alternatives(chosen, caps)[0]
+        return deeper if counters.choices < counters.climb_until and deeper != chosen else None
 
     def _stale_close_alternative(
         self, chosen: list[int], caps: list[int], counts: list[PositionCounts]

@@ -285,7 +285,7 @@ def test_every_request_gets_one_draft_more_every_so_many_choices():
     chooser = AdaptiveDraftCount()
     linear_costs(chooser.costs, 0.010, 0.001, [4, 7, 10, 13, 16, 19])  # batch 4 (one with no drafts) at every depth
     low = counts(0.05)
-    n = 4 * draft_choice.EXPLORE_EVERY  # nobody drafts: the rarer exploration
+    n = draft_choice.EXPLORE_EVERY  # nobody drafts, and they are explored as often (a drafter that got better)
     chosen = [chooser.choose([5, 5, 5, 0], [low] * 4) for _ in range(n)]
     assert chosen[:-1] == [[0] * 4] * (n - 1)
     assert chosen[-1] == [1, 1, 1, 0]
@@ -493,6 +493,38 @@ def test_a_rarely_reached_position_is_shrunk_toward_the_one_before_it():
     assert means[1] == pytest.approx((1 + 2 * means[0]) / (21 + 2))
     assert means[2] == pytest.approx((0 + 2 * means[1]) / (1 + 2))
     assert means[2] < means[1] < means[0] < 0.5
+
+
+def test_a_drafter_that_got_better_is_believed_after_a_few_verified_drafts():
+    """A server that verified a thousand drafts at acceptance 0.02, then nothing for 64 iterations (nobody drafting):
+    three accepted drafts make its recent window unlikely under 0.02 (`CHANGE_LLR`), and it goes on from that window;
+    before, the thousand outweighed them (0.025 after the three). Without the idle iterations the recent window still
+    holds the old rejections and the three are not enough."""
+    for idle in (64, 0):
+        server = ServerAcceptance()
+        for i in range(1000):
+            server.record(2, 1 if i % 50 == 0 else 0)
+        for _ in range(idle):
+            server.idle()
+        for _ in range(3):
+            server.record(1, 1)
+        if idle:
+            assert server.changes == 1 and server.means(2)[0] > 0.6
+        else:
+            assert server.changes == 0 and server.means(2)[0] < 0.03
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 0.6, 0.9])
+def test_a_steady_acceptance_is_never_taken_for_a_change(alpha):
+    """20,000 verifications of 3 drafts at a steady acceptance: the recent window's noise never passes CHANGE_LLR."""
+    server, rng = ServerAcceptance(), np.random.default_rng(0)
+    for _ in range(20_000):
+        accepted = 0
+        while accepted < 3 and rng.random() < alpha:
+            accepted += 1
+        server.record(3, accepted)
+    assert server.changes == 0
+    assert server.means(1)[0] == pytest.approx(alpha, abs=0.05)
 
 
 def test_a_request_rejected_at_once_is_expected_to_be_further_on():

@@ -184,3 +184,23 @@ def test_a_machine_uniformly_faster_or_slower_changes_no_choice(pace):
             tokens_per_s(alphas, None, chooser, LEARN, seed=1, ragged_cost=True, pace=scale)
             runs.append([tokens_per_s(alphas, None, chooser, TIMED, seed, True, pace=scale) for seed in ROUND_SEEDS])
         assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("pace", [0.7, 1.0, 1.3])
+def test_a_chooser_that_stopped_drafting_drafts_again_when_drafts_pay(batch, pace):
+    """A long-running server whose drafter got better while the machine's speed changed (on a CPU `specsplit up`, every
+    batch-1 request got zero drafts for good). The chooser learns with a drafter whose drafts are nearly all rejected
+    (alpha 0.02: no draft pays, nobody drafts), then the drafter is good (alpha 0.9) and every time the chooser sees is
+    scaled by `pace`. Before, the chooser explored drafts every 512 choices while nobody drafted and believed the few
+    they verified against the many rejected before: at pace 0.7 (batch 1 and 32) and at pace 1 (batch 32) windows ran
+    at 0.33-0.43x the best fixed k for about 450 iterations, then climbed a depth at a time (at pace 0.7 still
+    0.56-0.65x after 14 windows). Now, from the third window (about 100 iterations after the change) every window runs
+    at 0.95x the best fixed k or better."""
+    good = [0.9] * batch
+    best = max(median_over_rounds(good, k, None, TIMED, ragged_cost=False) for k in range(K_MAX + 1))
+    chooser = AdaptiveDraftCount()
+    tokens_per_s([0.02] * batch, None, chooser, LEARN, seed=1)
+    ratios = [tokens_per_s(good, None, chooser, TIMED, seed, pace=lambda: pace) / best for seed in range(8)]
+    print(f"\nbatch {batch}, pace {pace}: windows / best fixed k {[round(r, 2) for r in ratios]}")
+    assert min(ratios[2:]) >= 0.95
