@@ -46,6 +46,13 @@ in the unconstrained modes too.
     python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --alpha 0.8 --device cuda --dtype bfloat16 \
         --batches 1 32 --ks 3 --new-tokens 64 --structured json
 
+--draft-vocab-sizes N ... (with --services-only): a set of services per drafter --draft-vocab-size, one after the other
+(target-only on the first), as modes services_PLACEMENT:full and :dvN (benchmarks/results/draft_vocab.md).
+
+    python benchmarks/e2e.py --shape qwen2-7b --load-format dummy --services-only --alpha 0.8 --device cuda \
+        --dtype bfloat16 --batches 1 32 --ks 3 --new-tokens 64 --repeats 3 --warmup-tokens 64 \
+        --draft-vocab-sizes 0 32768
+
 --services-only: the in-process engine holds a second copy of the weights, which the FP8 GLM-4.5-Air and DeepSeek-V3
 shapes do not leave room for. There (a) is the services with every request at 0 drafts (no Propose is sent), run at
 every batch before the speculative cells; its outputs are the lossless reference and the oracle of forced acceptance

@@ -5,6 +5,8 @@ drafter's propose.
     PYTHONPATH=. python benchmarks/step.py --phase decode --model checkpoints/demo --batch-sizes 1,32
     PYTHONPATH=. python benchmarks/step.py --phase prefill --prompts 64,256 --context 1024 --steps 5
     PYTHONPATH=. python benchmarks/step.py --phase propose --batch-sizes 1,32 --k 3
+    # the same with draft vocabularies of 16,384 and 32,768 ids beside the full one (a runner each)
+    PYTHONPATH=. python benchmarks/step.py --phase propose --batch-sizes 1,32 --k 3 --draft-vocab-sizes 0,16384,32768
     # a 72B-shaped target's verify step at TP 2, 4 and 8 (8 GPUs; TP 1 does not fit one GPU in bf16)
     PYTHONPATH=. python benchmarks/step.py --phase decode --shape qwen2-72b --tp 2,4,8 --batch-sizes 1,8,32 --k 3
     PYTHONPATH=. python benchmarks/step.py --phase decode --device cpu --tiny --dtype float32   # smoke check
@@ -20,7 +22,8 @@ Phases (`--phase`):
 - `propose`: the drafter's `DrafterRunner.propose` for `--batch-sizes` requests holding `--context` tokens of MTP
   KV, each bringing k + 1 hidden-state rows (a fully accepted iteration) and getting k drafts: host planning,
   uploads, MTP step 0 and steps 1..k-1, the drafts to the host, on the runner's own path (on CUDA the Triton
-  attention and CUDA graphs).
+  attention and CUDA graphs); per row also the medians of step 0 and steps 1..k-1
+  (`step0_ms`, `later_steps_ms`), and with `--draft-vocab-sizes` a runner per draft vocabulary size.
 A target step is what the verifier does per iteration: metadata (`prepare_step`, one upload), input ids and
 positions to the device, forward, logits, synchronize. Every step is rolled back after it, so the context stays
 put. Paths of the target phases (`--paths`): `eager` (SDPA attention in one call over the step padded to its
