@@ -10,8 +10,9 @@ positions the server never reached take the deepest one it did.
 
 The server's counts also keep a recent window (`FAST_HALF_LIFE`): where it makes the server's estimate of a position
 unlikely (a log-likelihood ratio above `CHANGE_LLR`: a drafter that got better or worse), the server forgets its older
-counts of that position and the deeper ones, and goes on from the recent ones. The window also forgets in iterations
-that verify no draft (`idle`), so that after a run without drafts an exploration's few verified drafts make it.
+counts of that position and the deeper ones, and goes on from the recent ones (`end_iteration`, once per iteration).
+The window also forgets in iterations that verify no draft, so that after a run without drafts an exploration's few
+verified drafts make it.
 Without this, a server that learned a low acceptance and stopped drafting needed hundreds of verified drafts to
 believe a better one; at batch 1, with one exploration every few hundred iterations, that took thousands of
 iterations (docs/design.md §9, "A drafter whose acceptance changed").
@@ -94,22 +95,20 @@ class ServerAcceptance:
             self._accepted[j] = self._accepted[j] * self._keep + kept
             self._recent_reached[j] = self._recent_reached[j] * self._keep_fast + 1.0
             self._recent_accepted[j] = self._recent_accepted[j] * self._keep_fast + kept
-        self._forget_before_a_change(num_reached)
 
-    def idle(self) -> None:
-        """An iteration that verified no draft: the recent window forgets as if one observation had come, so that after
-        a run without drafts the few an exploration verifies make the window (and can tell a change)."""
-        keep = self._keep_fast
-        self._recent_reached = [n * keep for n in self._recent_reached]
-        self._recent_accepted = [n * keep for n in self._recent_accepted]
-
-    def _forget_before_a_change(self, num_reached: int) -> None:
-        """Where the recent window makes the estimate of a position it just reached unlikely (`CHANGE_LLR`), that
-        position and the deeper ones go on from their recent counts alone."""
-        means = self.means(num_reached)
-        for j in range(num_reached):
-            n, hits = self._recent_reached[j], self._recent_accepted[j]
-            if n * _divergence(hits / n, means[j]) > CHANGE_LLR:
+    def end_iteration(self, verified: bool) -> None:
+        """After an iteration's records (once per iteration: the test is not on every request's record). One that
+        verified no draft ages the recent window by one observation, so that after a run without drafts the few an
+        exploration verifies make it; one that verified drafts is tested for a change (`CHANGE_LLR`): where the window
+        makes the estimate of a position unlikely, that position and the deeper ones go on from the window alone."""
+        if not verified:
+            keep = self._keep_fast
+            self._recent_reached = [n * keep for n in self._recent_reached]
+            self._recent_accepted = [n * keep for n in self._recent_accepted]
+            return
+        means = self.means(len(self._reached))
+        for j, (n, hits) in enumerate(zip(self._recent_reached, self._recent_accepted)):
+            if n > 0 and n * _divergence(hits / n, means[j]) > CHANGE_LLR:
                 self._reached[j:] = self._recent_reached[j:]
                 self._accepted[j:] = self._recent_accepted[j:]
                 self.changes += 1

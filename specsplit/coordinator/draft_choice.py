@@ -217,10 +217,9 @@ class AdaptiveDraftCount(DraftPolicy):
         propose_s: float | None,
         verified_depth: int,
     ) -> None:
-        """A decode iteration's time, into the step cost; one that verified no draft ages the acceptance's recent window
-        (`ServerAcceptance.idle`)."""
-        if verified_depth == 0:
-            self.acceptance.idle()
+        """A decode iteration's time, into the step cost; the server's acceptance told the iteration ended
+        (`ServerAcceptance.end_iteration`: a change is looked for once per iteration)."""
+        self.acceptance.end_iteration(verified_depth > 0)
         self.costs.record(num_tokens, num_later_steps, seconds, later_steps_s, proposed, propose_s, verified_depth)
 
     def choose_ahead(self, caps: list[int], counts: list[PositionCounts], remaining: list[int] | None = None) -> None:

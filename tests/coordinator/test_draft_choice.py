@@ -504,10 +504,12 @@ def test_a_drafter_that_got_better_is_believed_after_a_few_verified_drafts():
         server = ServerAcceptance()
         for i in range(1000):
             server.record(2, 1 if i % 50 == 0 else 0)
+            server.end_iteration(verified=True)
         for _ in range(idle):
-            server.idle()
+            server.end_iteration(verified=False)
         for _ in range(3):
             server.record(1, 1)
+            server.end_iteration(verified=True)
         if idle:
             assert server.changes == 1 and server.means(2)[0] > 0.6
         else:
@@ -516,13 +518,16 @@ def test_a_drafter_that_got_better_is_believed_after_a_few_verified_drafts():
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.6, 0.9])
 def test_a_steady_acceptance_is_never_taken_for_a_change(alpha):
-    """20,000 verifications of 3 drafts at a steady acceptance: the recent window's noise never passes CHANGE_LLR."""
+    """20,000 verifications of 3 drafts at a steady acceptance, 4 per iteration: the recent window's noise never passes
+    CHANGE_LLR."""
     server, rng = ServerAcceptance(), np.random.default_rng(0)
-    for _ in range(20_000):
+    for i in range(20_000):
         accepted = 0
         while accepted < 3 and rng.random() < alpha:
             accepted += 1
         server.record(3, accepted)
+        if i % 4 == 3:
+            server.end_iteration(verified=True)
     assert server.changes == 0
     assert server.means(1)[0] == pytest.approx(alpha, abs=0.05)
 
