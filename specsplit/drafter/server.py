@@ -100,7 +100,7 @@ class DrafterConfig:
             num_blocks=args.num_blocks,
             block_size=args.block_size,
             draft_top_k=args.draft_top_k,
-            draft_vocab_size=draft_vocab_size(args.draft_vocab_size, args.tensor_parallel_size),
+            draft_vocab_size=resolve_draft_vocab_size(args.draft_vocab_size, args.tensor_parallel_size),
             draft_vocab_file=args.draft_vocab_file,
             tensor_parallel_size=args.tensor_parallel_size,
             tensor_parallel_address=args.tensor_parallel_address,
@@ -118,7 +118,7 @@ class DrafterConfig:
         return config
 
 
-def draft_vocab_size(asked: int | None, tensor_parallel_size: int) -> int:
+def resolve_draft_vocab_size(asked: int | None, tensor_parallel_size: int) -> int:
     """`--draft-vocab-size`, or its default: every id for a tensor-parallel drafter, whose head is split by
     vocabulary rows (asking for one there is refused)."""
     if tensor_parallel_size == 1:

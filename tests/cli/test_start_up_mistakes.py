@@ -73,6 +73,14 @@ def checkpoint(directory: Path, **changes) -> Path:
 BAD_FLAGS = {
     "dtype": (["serve", "drafter", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     "num-blocks": (["serve", "drafter", "--num-blocks", "0"], "--num-blocks 0 is out of range; give a value >= 1"),
+    "draft-vocab-size": (
+        ["serve", "drafter", "--draft-vocab-size", "-1"],
+        "--draft-vocab-size -1 is out of range; give a value >= 0",
+    ),
+    "draft-vocab-file": (
+        ["serve", "drafter", "--draft-vocab-size", "100", "--draft-vocab-file", "/nonexistent"],
+        "--draft-vocab-file /nonexistent: No such file or directory",
+    ),
     "gpu-memory-utilization": (
         ["serve", "drafter", "--gpu-memory-utilization", "1.5"],
         "argument --gpu-memory-utilization: must be a fraction in (0, 1], got 1.5",

@@ -17,7 +17,7 @@ from specsplit.client.errors import UsageError
 from specsplit.drafter.draft_vocab import DraftVocabulary, checkpoint_order, draft_vocabulary, file_ids, seed_order
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.sampling import pick_drafts
-from specsplit.drafter.server import draft_vocab_size
+from specsplit.drafter.server import resolve_draft_vocab_size
 from specsplit.models.loader import load_mtp, load_target
 from tests.fixtures.tiny import write_tiny_checkpoint
 
@@ -97,9 +97,9 @@ def test_sizes_that_mean_the_full_vocabulary_and_sizes_refused(checkpoint, tmp_p
     with pytest.raises(UsageError, match="--draft-vocab-file needs"):
         draft_vocabulary(mtp, 0, checkpoint, tmp_path / "ids.txt")
     # A tensor-parallel drafter keeps the full vocabulary by default and refuses one asked for.
-    assert draft_vocab_size(None, 2) == 0 and draft_vocab_size(64, 1) == 64
+    assert resolve_draft_vocab_size(None, 2) == 0 and resolve_draft_vocab_size(64, 1) == 64
     with pytest.raises(UsageError, match="--tensor-parallel-size 1"):
-        draft_vocab_size(64, 2)
+        resolve_draft_vocab_size(64, 2)
 
 
 def test_the_heads_logits_are_the_full_heads_at_its_ids(checkpoint):
