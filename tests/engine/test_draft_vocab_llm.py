@@ -62,3 +62,16 @@ def test_sampled_tokens_follow_the_target_with_q_on_the_set(drafted):
     firsts = [r.token_ids[0] for r in results]
     seconds = [r.token_ids[1] for r in results]
     assert_first_two_tokens_follow(model, prompt, firsts, seconds, min_bins=3)
+
+
+def test_structured_output_with_the_set_equals_target_only(target_only, drafted):
+    """The drafter masks the set's columns by their ids (the mask kernel's `column_ids`, tested against the full
+    vocabulary's masks in tests/kernels/test_grammar_mask.py): drafts are verified under the grammar, and output equals
+    the target's alone under the same constraint."""
+    regex = {"regex": r"[a-z]+(_[a-z]+)*\([a-z]*\)"}
+    verifier = drafted.step.worker.grammars
+    checked = verifier.checked
+    got = drafted.generate(PROMPTS, max_tokens=32, structured_output=regex)
+    want = target_only.generate(PROMPTS, max_tokens=32, structured_output=regex)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert verifier.checked - checked > 0
