@@ -120,7 +120,6 @@ class DrafterRunner:
         ids the module's draft head projects onto (`draft_vocab.py`, attached to `mtp` already; None: every id)."""
         self.mtp = mtp
         self.draft_vocab = draft_vocab
-        self._column_ids = None if draft_vocab is None else draft_vocab.ids
         self.draft_top_k = draft_top_k
         self.kv_cache = kv_cache
         self.device = next(mtp.parameters()).device
@@ -202,6 +201,11 @@ class DrafterRunner:
                 self._first_position[rid] = 0
                 return
         self._first_position[rid] = p
+
+    @property
+    def _column_ids(self) -> torch.Tensor | None:
+        """The draft vocabulary's id of each logits column ([N] int64 on the device); None: a column is its id."""
+        return None if self.draft_vocab is None else self.draft_vocab.ids
 
     def _mtp_step(
         self,
