@@ -53,7 +53,7 @@ class DraftVocabulary:
             raise UsageError(f"--draft-vocab-size {size}: must be between 1 and the vocabulary's {vocab - 1}")
         if tp_size() > 1:
             raise UsageError("--draft-vocab-size needs a drafter on one rank (its head is split by vocabulary rows)")
-        if sorted(seed_order.tolist()) != list(range(vocab)):
+        if not np.array_equal(np.sort(seed_order), np.arange(vocab)):
             raise ValueError("the seed order must list every id of the vocabulary once")
         full = mtp.shared_head.head.weight  # [V, H]
         self.size, self.vocab_size, self._full = size, vocab, full
