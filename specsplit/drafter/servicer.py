@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily
 
-from specsplit.client.errors import InvalidArgument, SpecsplitError
+from specsplit.client.errors import InvalidArgument, SpecsplitError, Unavailable
 from specsplit.drafter.runner import DrafterRunner, ProposeItem, ProposeOutput
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specsplit.rpc.bidi_stream import until_draining
@@ -384,13 +384,32 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def OpenHiddenTransport(self, request, context):
         await self._require_ready(context)
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
         try:  # never while a Propose is receiving
-            await self._steps.run(self.locked, self.receiver.open, request)
+            await self._steps.run(self.locked, self._open_transport, request, deadline)
         except SpecsplitError as err:
             await context.abort(err.code, err.message)
         return drafter_pb2.OpenHiddenTransportResponse(
             device=str(self.receiver.device), device_hand_off=self.receiver.device_hand_off
         )
+
+    def _open_transport(self, request: drafter_pb2.OpenHiddenTransportRequest, deadline: float | None) -> None:
+        """Step thread: opens the receiver within what is left of the caller's deadline. An open that waited its
+        turn past it is refused without joining: the verifier has given up on that generation, and waiting out a
+        rendezvous nobody holds would put every later open one timeout behind the verifier's."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(
+                    f"OpenHiddenTransport: generation {request.generation} waited its turn past the caller's deadline"
+                )
+            if request.timeout_s <= 0 or request.timeout_s > left:
+                bounded = drafter_pb2.OpenHiddenTransportRequest()
+                bounded.CopyFrom(request)
+                bounded.timeout_s = left
+                request = bounded
+        self.receiver.open(request)
 
     def locked(self, fn, *args):
         """`fn(*args)` with the model to itself (no Propose or Free running)."""

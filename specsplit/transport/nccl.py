@@ -89,8 +89,12 @@ class NcclSender(HiddenStatesSender):
         if self._group is None:
             raise TransportError("nccl transport is not open")
         rows = hidden_states.contiguous()
+        try:  # gloo finds a peer that went away here, at once (nccl at the wait, in `finish`)
+            work = self._group.send([rows], 1, 0) if rows.numel() else None
+        except RuntimeError as err:
+            self.reset()  # every later send would fail the same way: the next call opens a new group
+            raise TransportError(f"hidden-state send {self._sequence + 1} failed: {err}") from err
         self._sequence += 1
-        work = self._group.send([rows], 1, 0) if rows.numel() else None
         msg.hidden_states_handle.CopyFrom(
             drafter_pb2.HiddenStatesHandle(
                 generation=self.generation,

@@ -262,7 +262,9 @@ class DrafterChannel:
         """The OpenHiddenTransport call a transport's `open` makes to `replica`."""
 
         def call(request: drafter_pb2.OpenHiddenTransportRequest):
-            return replica.stub.OpenHiddenTransport(request, timeout=self.timeout_s, metadata=outgoing_metadata())
+            # A transport that waits for the drafter to join (nccl) gives up after its own timeout_s: so does the call.
+            timeout = request.timeout_s if request.timeout_s > 0 else self.timeout_s
+            return replica.stub.OpenHiddenTransport(request, timeout=timeout, metadata=outgoing_metadata())
 
         return call
 

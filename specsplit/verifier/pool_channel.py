@@ -190,6 +190,10 @@ class PoolChannel(DrafterChannel):
                 error = f"hidden-state transport {self.transport.name}: {err}"
                 self.transport.reset()
             return None, error
+        except Exception as err:  # noqa: BLE001 (e.g. a rendezvous that failed: the replica fails, not every Propose)
+            log.exception("Propose to %s failed", replica.address)
+            self.transport.reset()
+            return None, f"hidden-state transport {self.transport.name}: {type(err).__name__}: {err}"
         return resp, ""
 
     async def _stream(self, replica: Replica) -> BidiStream | LocalStream:

@@ -96,7 +96,8 @@ def test_killing_the_nccl_drafter_keeps_output_and_a_restarted_one_is_opened_aga
             if out.stats.num_draft_tokens > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert out.stats.num_draft_tokens > 0
+        logs = "\n".join(f"--- {r}:\n{nccl_cluster.services[r].log_tail(15)}" for r in ("verifier", "drafter"))
+        assert out.stats.num_draft_tokens > 0, logs
 
 
 def test_verifier_refuses_to_start_against_a_drafter_with_another_transport(tiny_checkpoint, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from specsplit.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.transport import make_receiver, make_sender
-from specsplit.transport.base import Transfer
+from specsplit.transport.base import Transfer, TransportError
 from specsplit.transport.handle import OpenState, check_handle
 from specsplit.transport.ipc_ring import RingFull, SlotRing
 
@@ -91,6 +91,34 @@ def test_nccl_on_gloo_moves_rows_in_order_and_reopens_after_a_failed_call():
             assert pair.sender.generation == 2
             with pytest.raises(FailedPrecondition, match="generation 1"):  # stale handle from before
                 pair.receiver.receive(_wire(msg))
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_nccl_send_to_a_drafter_that_went_away_fails_as_a_transport_error_and_reopens():
+    """gloo finds a closed peer at the send itself: a TransportError that resets the sender (the replica fails and
+    is probed), not a RuntimeError that failed every later Propose the same way on the dead group."""
+
+    async def run():
+        pair = Pair(timeout_s=2.0)
+        try:
+            await pair.propose(_rows(2))
+            pair.receiver.close()  # the drafter's end goes away
+            pair.receiver = make_receiver("nccl", "cpu", HIDDEN)  # and a restarted one waits to be opened
+            for _ in range(50):  # the sender learns of it within a few sends (gloo's socket sees the close)
+                msg = drafter_pb2.ProposeRequest()
+                try:
+                    pair.sender.finish(pair.sender.send(_rows(2), msg), ok=True)
+                except TransportError:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("sends to a closed peer never failed")
+            assert pair.sender.needs_open(_rows(2))
+            assert torch.equal(await pair.propose(_rows(3, 4)), _rows(3, 4))
+            assert pair.sender.generation == 2
         finally:
             pair.close()
 
