@@ -59,7 +59,9 @@ class PrefixCache:
         self._drafter_epoch = 0  # `drafter_lost` calls so far
         self._epoch: dict[bytes, int] = {}  # block hash -> the drafter epoch its drafter key was last sent in
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self._commands = CacheCommands()
+        # A new directory knows nothing of what the verifier caches (a scheduler made anew beside a verifier that
+        # served another): its first iteration has the verifier forget its cache, as a new coordinator's does.
+        self._commands = CacheCommands(reset=True)
         self.queries = 0  # prompt tokens of admitted requests (vllm:prefix_cache_queries)
         self.hits = 0  # of them, those that came from the cache (vllm:prefix_cache_hits)
 

@@ -167,6 +167,16 @@ def test_turned_off_nothing_is_cached_and_no_command_is_sent():
     assert out.scheduled[0].num_computed_tokens == 0 and out.scheduled[0].num_cached_blocks == 0
 
 
+def test_a_new_directory_has_the_verifier_forget_its_cache_first():
+    """A scheduler made anew beside a verifier that served another (the in-process engine's next scheduler) knows
+    nothing of what the verifier caches: its first iteration resets it (the verifier refused its registrations of
+    blocks it held already, and every request was prefilled twice), later ones do not."""
+    s = make()
+    s.add_request(req("a", PREFIX + [1]))
+    first, second = step(s), step(s)
+    assert first.cache_commands.reset and not second.cache_commands.reset
+
+
 def test_reset_forgets_the_directory_and_tells_the_verifier():
     s = make()
     s.add_request(req("a", PREFIX + [1]))
