@@ -23,25 +23,30 @@ requests finishing and slots refilling put prefill chunks into decode iterations
 request ends together, one batched prefill) and scattered in speculative modes (a prefill chunk in many iterations);
 adaptive learned inside its timed run; the garbage collector ran at random.
 
-All modes run in one process on the in-process engine (the services' scheduler, verifier worker and drafter runner,
-no gRPC), the model built once; each cell learns afresh. The expected time is printed before the grid (from the
-target-only step measured at batch 1 and at the largest batch, linear in tokens). `--services` runs the
-uniform-alpha cells through the three services instead, as closed batches of --new-tokens (B concurrent clients;
-`specsplit up`'s colocated LocalCluster with a forced-acceptance drafter; one timed run per mode after a warm-up).
+Where: `--where in-process` runs the modes on the in-process engine (the services' scheduler, verifier worker
+and drafter runner in one process, no gRPC), the model built once, each cell learning afresh; the expected time is
+printed before the grid (from the target-only step measured at batch 1 and at the largest batch, linear in tokens).
+`--where services` runs the same cells and modes, in the same rounds, through the three services as `specsplit up`
+runs them (co-located drafter; `ServicesBench`): two sets up at once, `--no-adaptive` for target_only and the fixed
+k and one as shipped for adaptive, each run a closed batch of B requests of --new-tokens (64: requests as short as
+users send), the adaptive set learning across cells as a server does (--learn-runs untimed batches before each
+cell). The default runs both, one after the other, and prints each cell's ratios side by side.
 
-    # H200, 7B shape, random weights: the default grid (about 6 minutes); subsets with --alphas / --batches
+    # H200, 7B shape, random weights: the default grid in one process (about 6 minutes), then through the services;
+    # subsets with --alphas / --batches
     python benchmarks/adaptive.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16
     # CPU, the demo checkpoint, batch 1 and 8
     OMP_NUM_THREADS=1 python benchmarks/adaptive.py --batches 1 8 --mixed-batches 8 --ks 1 2 3
-    # the services at a few cells
+    # the services alone at a few cells
     python benchmarks/adaptive.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \
-        --services --alphas 0.3 0.9 --batches 8 64
+        --where services --alphas 0.3 0.9 --batches 8 64
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -50,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,8 +76,6 @@ from benchmarks.lib.e2e_modes import InProcessEngine, step_token_budget  # noqa:
 from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.coordinator.draft_choice import AdaptiveDraftCount, DraftPolicy  # noqa: E402
-
-WARM_UP_TOKENS = 16  # the services' warm-up
 
 
 @dataclasses.dataclass
@@ -110,8 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.85,
         help="after round 1 drop a fixed k below this x the fastest (0: never; for noise of more than a few percent)",
     )
-    p.add_argument("--services", action="store_true", help="the uniform cells through the three services")
-    p.add_argument("--new-tokens", type=int, default=32, help="--services: tokens per request (closed batch)")
+    p.add_argument(
+        "--where",
+        nargs="+",
+        choices=["in-process", "services"],
+        default=["in-process", "services"],
+        help="the in-process engine's steady-state windows, the services' closed batches, or both (in that order)",
+    )
+    p.add_argument("--new-tokens", type=int, default=64, help="services: tokens per request (a closed batch)")
+    p.add_argument(
+        "--learn-runs", type=int, default=2, help="services: untimed batches the adaptive set serves before a cell"
+    )
     p.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks of 16 tokens (default: what the longest run needs)"
     )
@@ -122,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shape has no weights: add --load-format dummy")
     if any(k < 1 for k in args.ks) or not all(0.0 <= a <= 1.0 for a in [*args.alphas, *args.mixed]):
         p.error("--ks must be >= 1 (k = 0 is target_only) and every alpha in [0, 1]")
+    if args.new_tokens < 1 or args.learn_runs < 0:
+        p.error("--new-tokens must be >= 1 and --learn-runs >= 0")
     if args.rounds < 1 or args.iterations < 1 or args.warm_iterations < 0 or args.learn_iterations < 0:
         p.error("--rounds and --iterations must be >= 1, --warm-iterations and --learn-iterations >= 0")
     if any(b < 1 for b in [*args.batches, *args.mixed_batches]):
@@ -226,41 +241,57 @@ class Bench:
         return result
 
     def cell(self, cell: Cell, modes: list[str]) -> dict:
+        """Adaptive learns first in an untimed window from a fresh chooser, which every round's window goes on
+        from."""
         args = self.args
         learned = AdaptiveDraftCount()
-        if args.learn_iterations:
-            self.window(cell, "adaptive", learned, args.learn_iterations, 0)
-        windows: dict[str, list[Window]] = {m: [] for m in modes}
-        active = list(modes)
-        for r in range(args.rounds):
-            shift = r % len(active)
-            for mode in active[shift:] + active[:shift]:
-                chooser = learned if mode == "adaptive" else None  # (goes on learning from round to round)
-                timed = timed_iterations(args, cell.batch)
-                windows[mode].append(self.window(cell, mode, chooser, timed, args.warm_iterations))
-            if r == 0 and args.prune > 0 and args.rounds > 1:
-                fastest = max(w[0].tokens_per_s for w in windows.values())
-                active = [
-                    m
-                    for m in active
-                    if m in ("target_only", "adaptive") or windows[m][0].tokens_per_s >= args.prune * fastest
-                ]
-        row: dict = {"cell": cell.name, "batch": cell.batch, "tokens_per_s": {}, "range": {}, "rounds": {}}
-        for mode, ws in windows.items():
-            speeds = [w.tokens_per_s for w in ws]
-            row["rounds"][mode] = speeds
-            row["tokens_per_s"][mode] = statistics.median(speeds)
-            row["range"][mode] = [min(speeds), max(speeds)]
-        row["mean_drafts"] = {m: statistics.mean(w.drafts_per_request for w in ws) for m, ws in windows.items()}
+
+        def learn() -> None:
+            if args.learn_iterations:
+                self.window(cell, "adaptive", learned, args.learn_iterations, 0)
+
+        def run(mode: str) -> Window:
+            chooser = learned if mode == "adaptive" else None
+            return self.window(cell, mode, chooser, timed_iterations(args, cell.batch), args.warm_iterations)
+
+        return measure_cell(cell, modes, args, learn, run)
+
+
+def measure_cell(cell: Cell, modes: list[str], args, learn: Callable[[], None], run: Callable[[str], Run]) -> dict:
+    """A cell's row, measured alike in one process and through the services: `learn()` (adaptive's untimed start),
+    then --rounds rounds of `run(mode)` (one timed measurement) over the modes still in the running, the order
+    rotating; after round 1 a fixed k slower than --prune x the round's fastest mode is not run again."""
+    learn()
+    windows: dict[str, list[Run]] = {m: [] for m in modes}
+    active = list(modes)
+    for r in range(args.rounds):
+        shift = r % len(active)
+        for mode in active[shift:] + active[:shift]:
+            windows[mode].append(run(mode))
+        if r == 0 and args.prune > 0 and args.rounds > 1:
+            fastest = max(w[0].tokens_per_s for w in windows.values())
+            active = [
+                m
+                for m in active
+                if m in ("target_only", "adaptive") or windows[m][0].tokens_per_s >= args.prune * fastest
+            ]
+    row: dict = {"cell": cell.name, "batch": cell.batch, "tokens_per_s": {}, "range": {}, "rounds": {}}
+    for mode, ws in windows.items():
+        speeds = [w.tokens_per_s for w in ws]
+        row["rounds"][mode] = speeds
+        row["tokens_per_s"][mode] = statistics.median(speeds)
+        row["range"][mode] = [min(speeds), max(speeds)]
+    row["mean_drafts"] = {m: statistics.mean(w.drafts_per_request for w in ws) for m, ws in windows.items()}
+    if isinstance(windows["adaptive"][0], Window):  # the chooser's host time: measured in one process only
         row["choose_ms_per_iteration"] = statistics.median(w.choose_ms_per_iteration for w in windows["adaptive"])
         row["ahead_ms_per_iteration"] = statistics.median(w.ahead_ms_per_iteration for w in windows["adaptive"])
-        hist: list[int] = []
-        for w in windows["adaptive"]:
-            for d, n in enumerate(w.draft_count_histogram):
-                hist.extend([0] * (d + 1 - len(hist)))
-                hist[d] += n
-        row["adaptive_draft_count_histogram"] = hist
-        return ratios(row)
+    hist: list[int] = []
+    for w in windows["adaptive"]:
+        for d, n in enumerate(w.draft_count_histogram):
+            hist.extend([0] * (d + 1 - len(hist)))
+            hist[d] += n
+    row["adaptive_draft_count_histogram"] = hist
+    return ratios(row)
 
 
 def ratios(row: dict) -> dict:
@@ -301,61 +332,126 @@ def estimate_seconds(
     return total
 
 
-def services_rows(args, model: Path, work: Path, prompts, reference, oracle: Oracle, modes: list[str]) -> list[dict]:
-    """The uniform cells through the services: per alpha a fixed-k cluster, then an adaptive one."""
-    from benchmarks.lib.e2e_modes import run_services
-    from specsplit.cli.launcher import LocalCluster
+@dataclasses.dataclass
+class ServicesRun:
+    """One timed closed batch through the services (what `measure_cell` reads of a run)."""
 
-    oracle.save(work / "oracle.json")
-    max_k, max_batch = max(args.ks), max(args.batches)
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    rows = {
-        (a, b): {"cell": f"alpha={a}", "batch": b, "tokens_per_s": {}, "mean_drafts": {}}
-        for a in args.alphas
-        for b in args.batches
-    }
-    failures: list[str] = []
-    for alpha in args.alphas:
-        forced = ["-m", "benchmarks.lib.forced_drafter", "--alpha", str(alpha), "--oracle", str(work / "oracle.json")]
-        for adaptive in (False, True):
-            scheduling = [
-                "--max-num-seqs",
-                str(max_batch),
-                "--max-num-batched-tokens",
-                str(step_token_budget(max_batch, max_k)),
-            ]
-            with LocalCluster(
+    tokens_per_s: float
+    drafts_per_request: float  # drafts verified per request and iteration
+    draft_count_histogram: list[int]
+    outputs: list[list[int]]
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+Run = Window | ServicesRun
+
+
+class ServicesBench:
+    """The grid through the three services as `specsplit up` runs them (co-located drafter, a forced-acceptance
+    drafter in place of `serve drafter`): two sets up at once, one started `--no-adaptive` for target_only and the
+    fixed k (each request asks for its k) and one as shipped (adaptive, up to max(--ks)), so that a cell's modes
+    interleave between them as in one process (run one after the other, the two sets' order moved speeds by
+    5-10 %). A run is a closed batch: B concurrent requests of --new-tokens each, timed from their release to the
+    last answer. The adaptive set learns as a server does, across cells: before a cell's rounds it serves
+    --learn-runs untimed batches of the cell. Every cell's acceptance pattern (`Cell.alphas`) has prompts of its own
+    (a group of the largest batch's size), whose requests name their oracle sequences (`first_index`): one drafter
+    serves every cell."""
+
+    def __init__(self, args, model: Path, work: Path, grid: list[Cell], vocab_size: int):
+        from specsplit.cli.launcher import LocalCluster
+
+        self.args, self.max_k, self.vocab_size = args, max(args.ks), vocab_size
+        self.max_batch = max([*args.batches, *args.mixed_batches])
+        self.groups: dict[tuple[float, ...], int] = {}
+        for cell in grid:
+            self.groups.setdefault(tuple(cell.alphas), len(self.groups))
+        self.prompts = make_prompts(model, self.max_batch * len(self.groups), vocab_size)
+        alphas = [a for group in self.groups for a in group]
+        self.oracle_path = work / "oracle.json"
+        env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        forced = ["-m", "benchmarks.lib.forced_drafter", "--oracle", str(self.oracle_path), "--seed", str(args.seed)]
+        forced += ["--alpha", *map(str, alphas)]
+        scheduling = ["--max-num-seqs", str(self.max_batch)]
+        scheduling += ["--max-num-batched-tokens", str(step_token_budget(self.max_batch, self.max_k))]
+        blocks = ["--num-blocks", str(args.num_blocks)]
+        self.clusters: dict[str, LocalCluster] = {}
+        self._stack = contextlib.ExitStack()
+        for name, extra in (("fixed", ["--no-adaptive"]), ("adaptive", [])):
+            cluster = LocalCluster(
                 str(model),
-                num_speculative_tokens=max_k,
+                num_speculative_tokens=self.max_k,
                 device=args.device,
                 dtype=args.dtype,
-                log_dir=work / f"logs-{alpha}-{'adaptive' if adaptive else 'fixed'}",
+                log_dir=work / f"logs-{name}",
                 load_format=args.load_format,
-                role_commands={"drafter": [sys.executable, *forced, "--seed", str(args.seed)]},
+                role_commands={"drafter": [sys.executable, *forced]},
                 env=env,
-                coordinator_args=scheduling if adaptive else [*scheduling, "--no-adaptive"],
-                verifier_args=["--num-blocks", str(args.num_blocks)],
-                drafter_args=["--num-blocks", str(args.num_blocks)],
-            ) as cluster:
-                for batch in args.batches:
-                    row = rows[alpha, batch]
-                    for mode in ["adaptive"] if adaptive else modes[:-1]:
-                        k = 0 if mode == "target_only" else max_k if mode == "adaptive" else int(mode[1:])
-                        warm_up = args.new_tokens if adaptive else min(WARM_UP_TOKENS, args.new_tokens)
-                        run_services(cluster.address, prompts[:batch], warm_up, k)
-                        result = run_services(cluster.address, prompts[:batch], args.new_tokens, k)
-                        check_lossless(f"services alpha={alpha} batch {batch} {mode}", [result], reference, failures)
-                        row["tokens_per_s"][mode] = batch * args.new_tokens / result.seconds
-                        row["mean_drafts"][mode] = result.stats.num_draft_tokens / max(1, result.stats.num_iterations)
-                        if adaptive:
-                            row["adaptive_draft_count_histogram"] = result.stats.draft_count_histogram
-                        print(
-                            f"services alpha={alpha} B={batch} {mode}: {row['tokens_per_s'][mode]:.1f} tok/s",
-                            flush=True,
-                        )
-    for failure in failures:
-        print(f"LOSSLESS FAILURE: {failure}")
-    return [ratios(r) for r in rows.values()], failures
+                coordinator_args=[*scheduling, *extra],
+                verifier_args=blocks,
+                drafter_args=blocks,
+            )
+            self.clusters[name] = self._stack.enter_context(cluster)
+        self.failures: list[str] = []
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def write_oracle(self) -> None:
+        """Target-only greedy continuations of every prompt (the fixed set, k 0, the largest batch at a time), past
+        what a run emits by the drafts of its last iteration: the oracle, which the drafters read once it exists."""
+        from benchmarks.lib.e2e_modes import run_services
+
+        n = self.args.new_tokens + self.max_k + 1
+        fixed = self.clusters["fixed"].address
+        sequences = []
+        for first in range(0, len(self.prompts), self.max_batch):
+            prompts = self.prompts[first : first + self.max_batch]
+            sequences += [p + o for p, o in zip(prompts, run_services(fixed, prompts, n, 0).outputs)]
+        partial = self.oracle_path.with_suffix(".partial")
+        Oracle(sequences, self.vocab_size).save(partial)
+        os.replace(partial, self.oracle_path)  # whole, at once: a drafter may look for it at any moment
+
+    def _run(self, cell: Cell, mode: str) -> ServicesRun:
+        from benchmarks.lib.e2e_modes import run_services
+
+        k = mode_k(mode, self.max_k)
+        cluster = self.clusters["adaptive" if mode == "adaptive" else "fixed"]
+        first = self.groups[tuple(cell.alphas)] * self.max_batch
+        prompts = self.prompts[first : first + cell.batch]
+        r = run_services(cluster.address, prompts, self.args.new_tokens, k, first_index=first)
+        stats = r.stats
+        return ServicesRun(
+            cell.batch * self.args.new_tokens / r.seconds,
+            stats.num_draft_tokens / max(1, stats.num_iterations),
+            list(stats.draft_count_histogram),
+            r.outputs,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+        )
+
+    def cell(self, cell: Cell, modes: list[str]) -> dict:
+        runs: list[tuple[str, ServicesRun]] = []
+
+        def learn() -> None:
+            for _ in range(self.args.learn_runs):
+                self._run(cell, "adaptive")
+
+        def run(mode: str) -> ServicesRun:
+            runs.append((mode, self._run(cell, mode)))
+            return runs[-1][1]
+
+        row = measure_cell(cell, modes, self.args, learn, run)
+        row["acceptance"] = {}  # accepted / verified drafts per mode: the forced acceptance, as the services saw it
+        for mode in modes:
+            drafted = sum(r.num_draft_tokens for m, r in runs if m == mode)
+            if drafted:
+                row["acceptance"][mode] = sum(r.num_accepted_tokens for m, r in runs if m == mode) / drafted
+        # Lossless: every run's output is the cell's first target-only run's (the same batch through the same set).
+        reference = next(r.outputs for m, r in runs if m == "target_only")
+        for mode, r in runs:
+            check_lossless(f"services {cell.name} batch {cell.batch} {mode}", [r], reference, self.failures)
+        return row
 
 
 def fmt_range(row: dict, mode: str) -> str:
@@ -403,67 +499,100 @@ def calibrate(bench: Bench, max_batch: int) -> tuple[float, float, float]:
     return steps[0], steps[1], prefill
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.num_blocks is None:
-        args.num_blocks = 4096 if args.services else kv_blocks(args)
-    t_begin = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="specsplit-adaptive-"))
-    model = write_shape(args.shape, work / args.shape) if args.shape else args.model
-    max_k = max(args.ks)
+def services_blocks(args: argparse.Namespace) -> int:
+    """KV blocks of 16 tokens for each set of services: the largest batch at its longest (the oracle's run)."""
+    per_request = -(-(PROMPT_LEN + args.new_tokens + 2 * max(args.ks) + 2) // 16)
+    return max([*args.batches, *args.mixed_batches]) * per_request + 16
+
+
+def in_process_rows(args, model: Path, grid: list[Cell], modes: list[str], t_begin: float):
     max_batch = max([*args.batches, *args.mixed_batches])
     engine = InProcessEngine(
         str(model),
         args.device,
         getattr(torch, args.dtype),
         args.load_format,
-        args.num_blocks,
+        args.num_blocks or kv_blocks(args),
         max_batch,
-        max_k,
-        max_num_batched_tokens=None if args.services else window_budget(args),
+        max(args.ks),
+        max_num_batched_tokens=window_budget(args),
     )
     prompts = make_prompts(model, max_batch, engine.target.config.vocab_size)
+    reference = reference_outputs(engine, prompts, args)
+    bench = Bench(engine, prompts, reference, args)
+    gc.collect()
+    gc.freeze()  # what exists now (the model, the engine) is never collected: each window's collection is short
+    step_1, step_max, prefill = calibrate(bench, max_batch)
+    expected = estimate_seconds(args, grid, modes, step_1, step_max, max_batch, prefill)
+    print(
+        f"target-only step {step_1 * 1e3:.2f} ms at B=1, {step_max * 1e3:.2f} ms at B={max_batch}; "
+        f"{len(grid)} cells x {len(modes)} modes x {args.rounds} rounds: expected about {expected:.0f} s "
+        f"(less what pruning saves), set-up {time.monotonic() - t_begin:.0f} s",
+        flush=True,
+    )
+    rows = [announce("one process", bench.cell(cell, modes)) for cell in grid]
+    gc.unfreeze()
+    return rows, bench.failures
+
+
+def services_rows(args, model: Path, work: Path, grid: list[Cell], modes: list[str]):
+    config = json.loads((model / "config.json").read_text())
+    vocab_size = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    args.num_blocks = args.num_blocks or services_blocks(args)
+    services = ServicesBench(args, model, work, grid, vocab_size)
+    try:
+        services.write_oracle()
+        rows = [announce("services", services.cell(cell, modes)) for cell in grid]
+    finally:
+        services.close()
+    return rows, services.failures
+
+
+def announce(where: str, row: dict) -> dict:
+    row["where"] = where
+    print(
+        f"{where}: {row['cell']} B={row['batch']}: adaptive {fmt_range(row, 'adaptive')} tok/s, "
+        f"/best fixed ({row['best_fixed']}) {row['adaptive_vs_best_fixed']:.3f}, "
+        f"/target_only {row['adaptive_vs_target_only']:.3f}, spread {row['spread']:.3f}, "
+        f"drafts/it {row['mean_drafts']['adaptive']:.2f}",
+        flush=True,
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_begin = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="specsplit-adaptive-"))
+    model = write_shape(args.shape, work / args.shape) if args.shape else args.model
+    grid = cells(args)
     modes = ["target_only", *[f"k{k}" for k in args.ks], "adaptive"]
-    if args.services:
-        reference = engine.run(prompts, args.new_tokens, 0).outputs  # target-only greedy: the lossless oracle
-        oracle = Oracle([p + o for p, o in zip(prompts, reference)], engine.target.config.vocab_size)
-        del engine  # the services load the model themselves
-        rows, failures = services_rows(args, model, work, prompts, reference, oracle, modes)
-        what = f"{args.shape or model.name} ({args.load_format} weights), {args.device} {args.dtype}"
-        print(f"\nadaptive speculation: {what}, three services (colocated), closed batches of {args.new_tokens} tokens")
-    else:
-        reference = reference_outputs(engine, prompts, args)
-        bench = Bench(engine, prompts, reference, args)
-        grid = cells(args)
-        gc.collect()
-        gc.freeze()  # what exists now (the model, the engine) is never collected: each window's collection is short
-        step_1, step_max, prefill = calibrate(bench, max_batch)
-        expected = estimate_seconds(args, grid, modes, step_1, step_max, max_batch, prefill)
+    rows: list[dict] = []
+    failures: list[str] = []
+    what = f"{args.shape or model.name} ({args.load_format} weights), {args.device} {args.dtype}"
+    if "in-process" in args.where:
+        got, failed = in_process_rows(args, model, grid, modes, t_begin)
+        rows, failures = rows + got, failures + failed
         print(
-            f"target-only step {step_1 * 1e3:.2f} ms at B=1, {step_max * 1e3:.2f} ms at B={max_batch}; "
-            f"{len(grid)} cells x {len(modes)} modes x {args.rounds} rounds: expected about {expected:.0f} s "
-            f"(less what pruning saves), set-up {time.monotonic() - t_begin:.0f} s",
-            flush=True,
-        )
-        rows, failures = [], bench.failures
-        for cell in grid:
-            t_cell = time.monotonic()
-            rows.append(bench.cell(cell, modes))
-            r = rows[-1]
-            print(
-                f"{r['cell']} B={r['batch']}: adaptive {fmt_range(r, 'adaptive')} tok/s, "
-                f"/best fixed ({r['best_fixed']}) {r['adaptive_vs_best_fixed']:.3f}, "
-                f"/target_only {r['adaptive_vs_target_only']:.3f}, spread {r['spread']:.3f}, "
-                f"drafts/it {r['mean_drafts']['adaptive']:.2f} ({time.monotonic() - t_cell:.0f} s)",
-                flush=True,
-            )
-        what = f"{args.shape or model.name} ({args.load_format} weights), {args.device} {args.dtype}, one process"
-        print(
-            f"\nadaptive speculation: {what}; per window {args.warm_iterations} + max({args.iterations}, "
-            f"{args.request_iterations} / B) timed decode iterations, {args.rounds} rounds; "
+            f"\nadaptive speculation, one process: {what}; per window {args.warm_iterations} + "
+            f"max({args.iterations}, {args.request_iterations} / B) timed decode iterations, {args.rounds} rounds; "
             f"{time.monotonic() - t_begin:.0f} s"
         )
-    print_table(rows, modes)
+        print_table(got, modes)
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the services load the model themselves
+    if "services" in args.where:
+        t_services = time.monotonic()
+        got, failed = services_rows(args, model, work, grid, modes)
+        rows, failures = rows + got, failures + failed
+        print(
+            f"\nadaptive speculation through the services (co-located, as `specsplit up`): {what}; closed batches of "
+            f"{args.new_tokens} new tokens, {args.rounds} rounds; {time.monotonic() - t_services:.0f} s"
+        )
+        print_table(got, modes)
+    if len(args.where) > 1:
+        print_side_by_side(rows)
     out = args.out or (Path(os.environ["OUT"]) / "adaptive.json" if os.environ.get("OUT") else None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -472,6 +601,21 @@ def main(argv: list[str] | None = None) -> int:
     for failure in failures:
         print(f"LOSSLESS FAILURE: {failure}")
     return 1 if failures else 0
+
+
+def print_side_by_side(rows: list[dict]) -> None:
+    """Each cell's ratios in one process and through the services, one line."""
+    by_cell: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        by_cell.setdefault((r["cell"], r["batch"]), {})[r["where"]] = r
+    print("\nadaptive / best fixed k and adaptive / target_only, one process | services")
+    print(f"{'cell':<16}{'B':>5}{'adapt/best':>22}{'adapt/t-o':>22}")
+    for (cell, batch), where in by_cell.items():
+        cols = []
+        for key in ("adaptive_vs_best_fixed", "adaptive_vs_target_only"):
+            pair = [f"{where[w][key]:.3f}" if w in where else "-" for w in ("one process", "services")]
+            cols.append(" | ".join(pair))
+        print(f"{cell:<16}{batch:>5}{cols[0]:>22}{cols[1]:>22}")
 
 
 if __name__ == "__main__":

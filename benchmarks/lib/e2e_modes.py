@@ -195,14 +195,19 @@ _RUNS = itertools.count()
 
 
 def run_services(
-    address: str, prompts: list[list[int]], new_tokens: int, k: int, structured_output: dict | None = None
+    address: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    k: int,
+    structured_output: dict | None = None,
+    first_index: int = 0,
 ) -> RunResult:
     """B concurrent Generate calls (one thread and client each), then the coordinator's timings of their
     iterations. Each request's id names its prompt (a forced-acceptance drafter matches it by that). The clients
     are connected and their threads started before the run's clock starts, and released together: a server's
     clients hold their channels, and a client's own connection set-up is not the server's time (it spread the
     arrivals of 32 requests over three iterations on the H200). `structured_output`: every request's (the SDK's
-    `structured_output=`), None for unconstrained runs."""
+    `structured_output=`), None for unconstrained runs. Prompt i's request names oracle sequence first_index + i."""
     tag = f"run{os.getpid()}.{next(_RUNS)}"
     before = max((it.iteration for it in recent_iterations(address)), default=0)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -220,7 +225,7 @@ def run_services(
                 ignore_eos=True,
                 num_speculative_tokens=k,
                 temperature=0.0,
-                request_id=prompt_request_id(i, tag),
+                request_id=prompt_request_id(first_index + i, tag),
                 structured_output=structured_output,
             )
             outputs[i], per_request[i] = list(out.token_ids), out.stats

@@ -21,7 +21,7 @@ class ForcedOnceWritten:
     """The drafter's runner, wrapped in a `ForcedAcceptanceRunner` from the first call that finds the oracle file
     (written whole: renamed into place); same `propose` / `free`, other attributes pass through."""
 
-    def __init__(self, runner, oracle_path: str, alpha: float, seed: int):
+    def __init__(self, runner, oracle_path: str, alpha: float | list[float], seed: int):
         self.runner, self.oracle_path, self.alpha, self.seed = runner, oracle_path, alpha, seed
         self.forced: ForcedAcceptanceRunner | None = None
 
@@ -42,11 +42,18 @@ class ForcedOnceWritten:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--alpha", type=float, required=True, help="probability that a draft is the oracle's token")
+    p.add_argument(
+        "--alpha",
+        type=float,
+        nargs="+",
+        required=True,
+        help="probability that a draft is the oracle's token: one, or one per oracle sequence",
+    )
     p.add_argument("--oracle", required=True, help="JSON written by Oracle.save")
     p.add_argument("--seed", type=int, default=0)
     ours, rest = p.parse_known_args(argv)
-    serve_wrapped(rest, lambda runner: ForcedOnceWritten(runner, ours.oracle, ours.alpha, ours.seed))
+    alpha = ours.alpha[0] if len(ours.alpha) == 1 else ours.alpha
+    serve_wrapped(rest, lambda runner: ForcedOnceWritten(runner, ours.oracle, alpha, ours.seed))
 
 
 if __name__ == "__main__":
