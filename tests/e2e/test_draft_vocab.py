@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit.cli.launcher import LocalCluster
-from tests.e2e.helpers import DEMO_PROMPTS, generate_concurrently, kill_under_streams
+from tests.e2e.helpers import DEMO_PROMPTS, generate_concurrently, greedy_ignoring_eos, kill_under_streams
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 PROMPTS = DEMO_PROMPTS[:6]
@@ -36,14 +36,13 @@ def reference():
     model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    outs = []
-    with torch.no_grad():
-        for prompt in ids:
-            seq = list(prompt)
-            for _ in range(NEW):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            outs.append(seq[len(prompt) :])
-    return ids, outs
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=1)
+        return out[0, len(prompt) :].tolist()
+
+    return ids, [greedy_ignoring_eos(generate, prompt, NEW) for prompt in ids]
 
 
 def test_greedy_equals_transformers_while_the_drafter_swaps_its_set(cluster, reference):
