@@ -17,8 +17,8 @@ from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.transport import make_receiver, make_sender
 
 HIDDEN = 8
-TIMEOUT_S = 3.0  # the verifier's transport timeout: its join and its call give up after it
-BUSY_S = 4.0  # the drafter's step thread is busy this long (> TIMEOUT_S: the first open's caller gives up)
+TIMEOUT_S = 4.0  # the verifier's transport timeout: its join and its call give up after it
+BUSY_S = 5.0  # the drafter's step thread is busy this long (> TIMEOUT_S: the first open's caller gives up)
 
 
 class Runner:
