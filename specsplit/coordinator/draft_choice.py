@@ -181,6 +181,7 @@ class AdaptiveDraftCount(DraftPolicy):
         self._kept: KeptChoice | None = None
         self._trial: BatchChoice | None = None  # a choice of a depth never run steadily, to repeat once
         self._ahead: BatchChoice | None = None  # the next best allocation, computed ahead (`choose_ahead`)
+        self._paired = False  # before a Propose's cost is known: the last choice was none (`_pair`)
 
     def _sweep(self, caps: list[int], num_reqs: int, max_cap: int) -> list[int] | None:
         """The uniform depth (every request that many drafts, at most its cap) whose token count was timed fewer than
@@ -200,6 +201,14 @@ class AdaptiveDraftCount(DraftPolicy):
                 return [min(depth, cap) for cap in caps]
         swept.done.add(batch)  # every depth of it swept (samples never decrease)
         return None
+
+    @staticmethod
+    def _sweeps_pay(remaining: list[int] | None, max_cap: int) -> bool:
+        """Whether a batch with these tokens left may be swept: one whose requests have, on average, fewer tokens left
+        than SWEEP_SAMPLES iterations at the deepest cap emit is ending, and a depth swept now prices batches to come
+        while this one's last iterations run what the sweep asks instead of the best known choice (closed batches of
+        short requests spent most of their tails sweeping the shrinking batch's new token counts, at no drafts)."""
+        return not remaining or sum(remaining) >= SWEEP_SAMPLES * (max_cap + 1) * len(remaining)
 
     def record_verified(self, counts: PositionCounts, num_drafts: int, num_accepted: int) -> None:
         """A request's verification: its own counts and the server's."""
@@ -250,8 +259,8 @@ class AdaptiveDraftCount(DraftPolicy):
         if not self.costs.ready:
             return list(caps)
         if self.costs.propose_s is None:  # a Propose's cost: iterations with and without one, side by side
-            return [0] * num_reqs if self.costs.measured[1] else list(caps)
-        sweep = self._sweep(caps, num_reqs, max_cap)
+            return self._pair(caps)
+        sweep = self._sweep(caps, num_reqs, max_cap) if self._sweeps_pay(remaining, max_cap) else None
         if sweep is not None:
             self._trial = None  # (a trial's second iteration must follow its first)
             return sweep
@@ -310,6 +319,18 @@ class AdaptiveDraftCount(DraftPolicy):
             self._trial = BatchChoice(list(caps), list(counts), explored)
             return explored
         return chosen
+
+    def _pair(self, caps: list[int]) -> list[int]:
+        """Before a Propose's cost is known: every request its cap until an iteration with a Propose was timed, then
+        alternately none and the caps. An iteration that follows a choice of none verifies no drafts and, where the
+        caps follow it, runs a Propose: beside the iterations that do neither, at the same token count, it prices the
+        Propose. Choosing none from then on left that to the iteration right after the prefill, which with chunked
+        prefill (a batch's prompts over several steps) shares its step with a prefill chunk and is not learned from:
+        no Propose ran again, and no drafts stayed chosen for good."""
+        if not self.costs.measured[1]:
+            return list(caps)
+        self._paired = not self._paired
+        return list(caps) if not self._paired else [0] * len(caps)
 
     def _climb(self, chosen: list[int], caps: list[int]) -> list[int] | None:
         """One draft more each, while climbing after a rise of the server's acceptance; else None. The first reading
