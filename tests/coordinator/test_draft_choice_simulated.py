@@ -88,13 +88,7 @@ def tokens_per_s(
         if step < slow_iterations:
             t *= 1.3
         seen = 1.0 if pace is None else pace()
-        results = []
-        for item in out.scheduled:
-            r, position, accepted = int(item.request.request_id), len(item.request.output_token_ids), 0
-            while accepted < item.num_draft_tokens and COINS[r][position + accepted] < alphas[r]:
-                accepted += 1
-            n = item.num_draft_tokens
-            results.append(VerifyResult(item.request.request_id, [7] * (accepted + 1), n - accepted, n))
+        results = verify(out, alphas)
         s.update_from_output(out, results)
         later = out.num_later_steps if out.proposes else 0
         reported = later_step_s(len(out.scheduled)) * later * REPORTED
@@ -103,6 +97,22 @@ def tokens_per_s(
             seconds += t
             tokens += sum(len(res.sampled_token_ids) for res in results)
     return tokens / seconds
+
+
+def verify(out, alphas: list[float]) -> list[VerifyResult]:
+    """The step's results: each request's drafts accepted while its coins at their positions fall below its alpha (the
+    request's index ends its id); a prefill chunk short of its prompt's end samples nothing."""
+    results = []
+    for item in out.scheduled:
+        if not item.sample:
+            results.append(VerifyResult(item.request.request_id, [], 0, 0))
+            continue
+        r, position, accepted = int(item.request.request_id.rsplit("-", 1)[-1]), len(item.request.output_token_ids), 0
+        while accepted < item.num_draft_tokens and COINS[r][position + accepted] < alphas[r]:
+            accepted += 1
+        n = item.num_draft_tokens
+        results.append(VerifyResult(item.request.request_id, [7] * (accepted + 1), n - accepted, n))
+    return results
 
 
 def median_over_rounds(alphas: list[float], k: int | None, chooser: DraftPolicy | None, timed: int, ragged_cost: bool):
@@ -221,21 +231,7 @@ def closed_batch(s: Scheduler, alphas: list[float], k: int | None, new: int, rng
         out = s.schedule()
         s.choose_ahead(out)
         t = iteration_s(out.num_scheduled_tokens, len(out.scheduled), out.proposes, out.num_later_steps, rng)
-        results = []
-        for item in out.scheduled:
-            r, position, accepted = (
-                int(item.request.request_id.rsplit("-", 1)[1]),
-                len(item.request.output_token_ids),
-                0,
-            )
-            if not item.sample:  # a prefill chunk short of the prompt's end
-                results.append(VerifyResult(item.request.request_id, [], 0, 0))
-                continue
-            while accepted < item.num_draft_tokens and COINS[r][position + accepted] < alphas[r]:
-                accepted += 1
-            n = item.num_draft_tokens
-            results.append(VerifyResult(item.request.request_id, [7] * (accepted + 1), n - accepted, n))
-        s.update_from_output(out, results)
+        s.update_from_output(out, verify(out, alphas))
         later = out.num_later_steps if out.proposes else 0
         s.record_iteration(out, t, out.proposes, later, later_step_s(len(out.scheduled)) * later * REPORTED)
         seconds += t
