@@ -28,7 +28,7 @@ and drafter runner in one process, no gRPC), the model built once, each cell lea
 printed before the grid (from the target-only step measured at batch 1 and at the largest batch, linear in tokens).
 `--where services` runs the same cells and modes, in the same rounds, through the three services as `specsplit up`
 runs them (co-located drafter; `ServicesBench`): two sets up at once, `--no-adaptive` for target_only and the fixed
-k and one as shipped for adaptive, each run a closed batch of B requests of --new-tokens (64: requests as short as
+k and one `--adaptive`, each run a closed batch of B requests of --new-tokens (64: requests as short as
 users send), the adaptive set learning across cells as a server does (--learn-runs untimed batches before each
 cell). The default runs both, one after the other, and prints each cell's ratios side by side.
 
@@ -350,7 +350,7 @@ Run = Window | ServicesRun
 class ServicesBench:
     """The grid through the three services as `specsplit up` runs them (co-located drafter, a forced-acceptance
     drafter in place of `serve drafter`): two sets up at once, one started `--no-adaptive` for target_only and the
-    fixed k (each request asks for its k) and one as shipped (adaptive, up to max(--ks)), so that a cell's modes
+    fixed k (each request asks for its k) and one `--adaptive` (up to max(--ks)), so that a cell's modes
     interleave between them as in one process (run one after the other, the two sets' order moved speeds by
     5-10 %). A run is a closed batch: B concurrent requests of --new-tokens each, timed from their release to the
     last answer. The adaptive set learns as a server does, across cells: before a cell's rounds it serves
@@ -377,7 +377,7 @@ class ServicesBench:
         blocks = ["--num-blocks", str(args.num_blocks)]
         self.clusters: dict[str, LocalCluster] = {}
         self._stack = contextlib.ExitStack()
-        for name, extra in (("fixed", ["--no-adaptive"]), ("adaptive", [])):
+        for name, extra in (("fixed", ["--no-adaptive"]), ("adaptive", ["--adaptive"])):
             cluster = LocalCluster(
                 str(model),
                 num_speculative_tokens=self.max_k,

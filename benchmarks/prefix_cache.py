@@ -17,13 +17,14 @@ first token (from sending a request to its first delta that carries tokens, the 
 (N x T / the cell's wall time), the sum of the cached prompt tokens the requests' usage reports, and the outputs.
 
 Two clusters, one after the other, on the same prompts in the same order: `specsplit up`'s (`LocalCluster`: co-located
-drafter, k 3, adaptive speculation, the servers' token budget per step) with `--no-enable-prefix-caching`, then with
-caching on (the default), each with --max-num-seqs the largest batch. Checks, which fail the run after the tables:
-every output with caching on equals the one with caching off (greedy: lossless); off reports no cached tokens; on,
-`shared` reports at least N x (the system prompt's full blocks less one) cached tokens (the last full block may be
-computed again, `specsplit/coordinator/prefix_cache.py`'s `lookup`) and `unshared` none. The JSON (with every output)
-and the tables as Markdown go to --out (default with $OUT: $OUT/prefix-cache-NAME.json, .md beside it), written after
-the first cluster too, so that a run cut short keeps what it measured; the services' logs beside them.
+drafter, k 3 (`--adaptive`: adaptive speculation), the servers' token budget per step) with
+`--no-enable-prefix-caching`, then with caching on (the default), each with --max-num-seqs the largest batch. Checks,
+which fail the run after the tables: every output with caching on equals the one with caching off (greedy: lossless);
+off reports no cached tokens; on, `shared` reports at least N x (the system prompt's full blocks less one) cached tokens
+(the last full block may be computed again, `specsplit/coordinator/prefix_cache.py`'s `lookup`) and `unshared` none. The
+JSON (with every output) and the tables as Markdown go to --out (default with $OUT: $OUT/prefix-cache-NAME.json, .md
+beside it), written after the first cluster too, so that a run cut short keeps what it measured; the services' logs
+beside them.
 
     # the Qwen2-7B shape, random weights built on the GPU
     python benchmarks/prefix_cache.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \\
@@ -293,10 +294,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="cells to run")
     p.add_argument(
-        "--no-adaptive",
-        dest="adaptive",
-        action="store_false",
-        help="every request k drafts (`up --no-adaptive`): the clusters' draft choices then cannot differ",
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="adaptive speculation (`up --adaptive`; default: every request k drafts, as `up` runs, so that the two "
+        "clusters' draft choices cannot differ)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="JSON results (default with $OUT: $OUT/prefix-cache-NAME.json)"

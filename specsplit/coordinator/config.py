@@ -20,7 +20,7 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     num_speculative_tokens: int = 3  # adaptive: the most drafts a request gets; else every request's k
-    adaptive: bool = True  # each request's draft count chosen per iteration (draft_choice.py)
+    adaptive: bool = False  # each request's draft count chosen per iteration (draft_choice.py); off: every request k
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024

@@ -43,11 +43,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument(
-        "--no-adaptive",
-        dest="adaptive",
-        action="store_false",
-        help="every request gets --num-speculative-tokens drafts each iteration (default: each request's count is "
-        "chosen per iteration, up to that many, from its acceptance and the measured step times)",
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="adaptive speculation: each request's draft count chosen per iteration, up to --num-speculative-tokens, "
+        "from its acceptance and the measured step times (default: off, every request gets that many drafts each "
+        "iteration: through the services a fixed k measured better; docs/performance.md, 'Adaptive speculation')",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -59,12 +60,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def scheduling_flags(
-    max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True, enable_prefix_caching: bool = True
+    max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = False, enable_prefix_caching: bool = True
 ) -> list[str]:
     """`add_scheduling_arguments`' values as command-line flags again."""
     flags = ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
-    if not adaptive:
-        flags.append("--no-adaptive")
+    if adaptive:
+        flags.append("--adaptive")
     return flags if enable_prefix_caching else [*flags, "--no-enable-prefix-caching"]
 
 
@@ -82,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         default=3,
-        help="the most drafts a request gets per iteration (k; with --no-adaptive, the drafts every request gets)",
+        help="the drafts every request gets per iteration (k; with --adaptive, the most it gets)",
     )
     add_scheduling_arguments(p)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
@@ -118,7 +119,7 @@ class CoordinatorConfig:
     auth_token_file: str | None
     http_port: int | None = None
     served_model_name: str | None = None
-    adaptive: bool = True
+    adaptive: bool = False
     enable_prefix_caching: bool = True
 
     @classmethod

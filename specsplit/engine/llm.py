@@ -37,11 +37,11 @@ from specsplit.verifier.worker import VerifierWorker
 
 
 class LLM:
-    """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding; else the most
-    drafts a request gets per iteration, chosen per request and iteration (`adaptive`, learning across generate()
-    calls) or always that many (`adaptive=False`). `load_format="dummy"`: seeded random weights from config.json
-    (benchmarks). `enable_prefix_caching`: prompts start on the cached KV of the blocks they share with earlier
-    requests (as `serve`'s default). `draft_vocab_size`: the ids the drafts are picked from (`serve drafter
+    """A target and its MTP module on one device. `num_speculative_tokens` 0: target-only decoding; else the drafts
+    every request gets per iteration (as `serve`'s default), or with `adaptive=True` the most it gets, chosen per
+    request and iteration (learning across generate() calls). `load_format="dummy"`: seeded random weights from
+    config.json (benchmarks). `enable_prefix_caching`: prompts start on the cached KV of the blocks they share with
+    earlier requests (as `serve`'s default). `draft_vocab_size`: the ids the drafts are picked from (`serve drafter
     --draft-vocab-size`; 0: every id)."""
 
     def __init__(
@@ -57,7 +57,7 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         device_hand_off: bool = True,
-        adaptive: bool = True,
+        adaptive: bool = False,
         enable_prefix_caching: bool = True,
         draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
     ):

@@ -636,7 +636,7 @@ def test_the_scheduler_takes_the_allocation_computed_while_the_step_ran(monkeypa
     """The engines call `Scheduler.choose_ahead` once a step is on its way: the next schedule of the same decoding
     batch takes the best allocation computed then (the chooser's costly part is then not between two steps); a batch
     that changed computes it at schedule."""
-    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3)
+    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3, adaptive=True)
     chooser = AdaptiveDraftCount()
     s = Scheduler(cfg, [99], chooser)
     for i in range(3):
@@ -736,18 +736,19 @@ def test_fixed_draft_count_gives_every_request_its_cap_and_learns_nothing():
 
 
 def test_the_default_policy_follows_the_config():
-    """`adaptive` (the default) with drafts: adaptive speculation; `--no-adaptive` or no drafts: every request its k."""
+    """The default (`serve`'s, `up`'s, the LLM's): every request its k; `adaptive` with drafts: adaptive speculation;
+    no drafts: every request its k (none)."""
     config = dict(max_model_len=512, block_size=16, num_blocks=256)
-    assert type(draft_policy(SchedulerConfig(**config))) is AdaptiveDraftCount
-    assert type(draft_policy(SchedulerConfig(**config, adaptive=False))) is FixedDraftCount
-    assert type(draft_policy(SchedulerConfig(**config, num_speculative_tokens=0))) is FixedDraftCount
+    assert type(draft_policy(SchedulerConfig(**config))) is FixedDraftCount
+    assert type(draft_policy(SchedulerConfig(**config, adaptive=True))) is AdaptiveDraftCount
+    assert type(draft_policy(SchedulerConfig(**config, adaptive=True, num_speculative_tokens=0))) is FixedDraftCount
 
 
 def test_what_the_adaptive_choice_learned_goes_on_with_it_to_the_next_scheduler():
     """As `specsplit.LLM` does from one generate() to the next: a scheduler given the policy another one taught (drafts
     always rejected, tokens dear) asks for no drafts from its first choice, where a new policy gives every request its
     cap until it has timed an iteration."""
-    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3)
+    cfg = SchedulerConfig(max_model_len=512, block_size=16, num_blocks=256, num_speculative_tokens=3, adaptive=True)
 
     def run(s: Scheduler, iterations: int) -> list[list[int]]:
         for i in range(4):

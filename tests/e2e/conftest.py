@@ -52,8 +52,9 @@ def session_cluster(tiny_checkpoint, tmp_path_factory):
         tiny_checkpoint,
         num_speculative_tokens=3,
         log_dir=logs,
-        # A fixed k: the tests of faults, transports and security count on drafts, which adaptive speculation stops
-        # asking for when the tiny model's drafts are rejected (test_adaptive.py and test_demo_model.py run it).
+        # A fixed k (the default, said here because these tests count on it): the tests of faults, transports and
+        # security count on drafts, which adaptive speculation stops asking for when the tiny model's drafts are
+        # rejected (test_adaptive.py runs it).
         coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-adaptive", *DRAIN],
         verifier_args=DRAIN,
         drafter_args=DRAIN,

@@ -13,12 +13,12 @@ from tests.e2e.test_lossless_greedy import prompts
 
 @pytest.fixture(scope="module")
 def adaptive_cluster(tiny_checkpoint, tmp_path_factory):
-    """The default: each request's draft count chosen per iteration, at most 3."""
+    """`--adaptive`: each request's draft count chosen per iteration, at most 3."""
     with LocalCluster(
         tiny_checkpoint,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("logs-adaptive"),
-        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64"],
+        coordinator_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--adaptive"],
     ) as c:
         yield c
 

@@ -141,12 +141,12 @@ def test_drafter_sigkilled_mid_stream_and_restarted_equals_no_speculation(demo_f
 
 
 def test_adaptive_in_a_shuffled_batch_with_unseeded_requests_equals_no_speculation(tmp_path, prompts, reference):
-    """The default cluster (adaptive speculation), the 12 seeded requests and 4 unseeded sampled ones sent together,
-    started in a shuffled order."""
+    """Adaptive speculation (`--adaptive`), the 12 seeded requests and 4 unseeded sampled ones sent together, started
+    in a shuffled order."""
     requests = [(i, prompts[i], kind) for i, kind in enumerate(KINDS)]
     requests += [(None, prompts[len(KINDS) + j], kind) for j, kind in enumerate(UNSEEDED)]
     random.Random(7).shuffle(requests)
-    with LocalCluster(DEMO, num_speculative_tokens=3, log_dir=tmp_path) as cluster:
+    with LocalCluster(DEMO, num_speculative_tokens=3, log_dir=tmp_path, coordinator_args=["--adaptive"]) as cluster:
         outs = generate_concurrently(
             cluster.address, [p for _, p, _ in requests], MAX_TOKENS, per_prompt=[kind for _, _, kind in requests]
         )

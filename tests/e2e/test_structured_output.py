@@ -136,7 +136,7 @@ def test_sampled_output_follows_the_constraint_and_reproduces_with_its_seed(demo
 
 
 def test_adaptive_and_streamed_outputs_follow_the_constraint(tmp_path):
-    with LocalCluster(DEMO, num_speculative_tokens=3, log_dir=tmp_path) as cluster:
+    with LocalCluster(DEMO, num_speculative_tokens=3, log_dir=tmp_path, coordinator_args=["--adaptive"]) as cluster:
         outs = run_all(cluster.address, None)
         with Client(cluster.address, timeout=120) as client:
             for kind, spec in KINDS.items():

@@ -7,7 +7,7 @@ import pytest
 
 from specsplit.cli.commands import parse_args
 from specsplit.client.errors import UsageError
-from specsplit.coordinator.server import CoordinatorConfig
+from specsplit.coordinator.server import CoordinatorConfig, scheduling_flags
 from specsplit.drafter.server import DrafterConfig
 from specsplit.rpc.placement import Placement
 from specsplit.rpc.server import ServerOptions
@@ -55,8 +55,14 @@ def test_the_coordinators_defaults_are_the_command_lines():
         max_waiting=1024,
         startup_timeout=600.0,
         auth_token_file=None,
+        adaptive=False,  # a fixed k unless --adaptive (docs/design.md §9: what measured best through the services)
     )
     assert config.server.max_message_bytes == 256 * 2**20
+    args = ["serve", "coordinator", "--model", "ckpt", "--verifier", "127.0.0.1:1", "--port", "0", "--adaptive"]
+    assert CoordinatorConfig.from_args(parse_args(args)).adaptive
+    up = parse_args(["up", "--adaptive"])  # `up` passes it on to the coordinator it starts
+    assert "--adaptive" in scheduling_flags(up.max_num_seqs, up.max_num_batched_tokens, up.adaptive)
+    assert "--adaptive" not in scheduling_flags(16, 512)
 
 
 def test_the_verifiers_defaults_are_the_command_lines():
