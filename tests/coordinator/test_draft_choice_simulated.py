@@ -44,6 +44,19 @@ def iteration_s(num_tokens: int, batch: int, proposes: bool, later_steps: int, r
     return (ms * 1e-3 + later_steps * later_step_s(batch)) * rng.uniform(0.97, 1.03)
 
 
+def server_config(batch: int, max_num_batched_tokens: int, adaptive: bool) -> SchedulerConfig:
+    """A server of `batch` slots, k up to K_MAX, KV for every request."""
+    return SchedulerConfig(
+        max_model_len=4096,
+        block_size=16,
+        num_blocks=1 << 16,
+        num_speculative_tokens=K_MAX,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max_num_batched_tokens,
+        adaptive=adaptive,
+    )
+
+
 def tokens_per_s(
     alphas: list[float],
     k: int | None,
@@ -63,15 +76,7 @@ def tokens_per_s(
     (the drafter's report too), the window is scored at the unscaled times (how well it chose, not how fast the
     machine was meanwhile)."""
     rng, batch = random.Random(seed), len(alphas)
-    config = SchedulerConfig(
-        max_model_len=4096,
-        block_size=16,
-        num_blocks=1 << 16,
-        num_speculative_tokens=K_MAX,
-        max_num_seqs=batch,
-        max_num_batched_tokens=batch * (PROMPT + K_MAX + 1),  # the prefill in one iteration
-        adaptive=k is None,
-    )
+    config = server_config(batch, batch * (PROMPT + K_MAX + 1), adaptive=k is None)  # the prefill in one iteration
     s = Scheduler(config, [1 << 30], chooser)
     horizon = (WARM + max(timed, LEARN) + 2) * (K_MAX + 1)  # benchmarks/adaptive.py's: the tokens left weigh as there
     for i in range(batch):
@@ -256,15 +261,7 @@ def test_closed_batches_of_64_tokens_with_chunked_prefill(name, alphas):
     counts, mostly at no drafts (0.86x k 3 at alpha 0.9, 0.95x at 0.6; the services on the H100 ran 0.86x k 3 at alpha
     0.9, batch 32)."""
     batch, rng = len(alphas), random.Random(0)
-    config = SchedulerConfig(
-        max_model_len=4096,
-        block_size=16,
-        num_blocks=1 << 16,
-        num_speculative_tokens=K_MAX,
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(512, batch * (K_MAX + 1)),
-        adaptive=False,
-    )
+    config = server_config(batch, max(512, batch * (K_MAX + 1)), adaptive=False)
     fixed_server = Scheduler(config, [1 << 30])
     fixed = {
         k: statistics.median(closed_batch(fixed_server, alphas, k, 64, rng, f"k{k}.{r}") for r in range(3))
