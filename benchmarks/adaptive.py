@@ -72,7 +72,7 @@ from benchmarks.lib.adaptive_window import (  # noqa: E402
     run_window,
     window_token_budget,
 )
-from benchmarks.lib.e2e_modes import InProcessEngine, step_token_budget  # noqa: E402
+from benchmarks.lib.e2e_modes import InProcessEngine, RunResult, run_services, step_token_budget  # noqa: E402
 from benchmarks.lib.forced_acceptance import ForcedAcceptanceRunner, Oracle  # noqa: E402
 from benchmarks.lib.shapes import SHAPES, write_shape  # noqa: E402
 from specsplit.coordinator.draft_choice import AdaptiveDraftCount, DraftPolicy  # noqa: E402
@@ -334,14 +334,23 @@ def estimate_seconds(
 
 @dataclasses.dataclass
 class ServicesRun:
-    """One timed closed batch through the services (what `measure_cell` reads of a run)."""
+    """One timed closed batch through the services, read as `measure_cell` reads a window."""
 
-    tokens_per_s: float
-    drafts_per_request: float  # drafts verified per request and iteration
-    draft_count_histogram: list[int]
-    outputs: list[list[int]]
-    num_draft_tokens: int
-    num_accepted_tokens: int
+    result: RunResult
+    tokens: int  # the batch's: B x --new-tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.result.seconds
+
+    @property
+    def drafts_per_request(self) -> float:
+        """Drafts verified per request and iteration."""
+        return self.result.stats.num_draft_tokens / max(1, self.result.stats.num_iterations)
+
+    @property
+    def draft_count_histogram(self) -> list[int]:
+        return list(self.result.stats.draft_count_histogram)
 
 
 Run = Window | ServicesRun
@@ -400,8 +409,6 @@ class ServicesBench:
     def write_oracle(self) -> None:
         """Target-only greedy continuations of every prompt (the fixed set, k 0, the largest batch at a time), past
         what a run emits by the drafts of its last iteration: the oracle, which the drafters read once it exists."""
-        from benchmarks.lib.e2e_modes import run_services
-
         n = self.args.new_tokens + self.max_k + 1
         fixed = self.clusters["fixed"].address
         sequences = []
@@ -413,22 +420,12 @@ class ServicesBench:
         os.replace(partial, self.oracle_path)  # whole, at once: a drafter may look for it at any moment
 
     def _run(self, cell: Cell, mode: str) -> ServicesRun:
-        from benchmarks.lib.e2e_modes import run_services
-
         k = mode_k(mode, self.max_k)
         cluster = self.clusters["adaptive" if mode == "adaptive" else "fixed"]
         first = self.groups[tuple(cell.alphas)] * self.max_batch
         prompts = self.prompts[first : first + cell.batch]
-        r = run_services(cluster.address, prompts, self.args.new_tokens, k, first_index=first)
-        stats = r.stats
-        return ServicesRun(
-            cell.batch * self.args.new_tokens / r.seconds,
-            stats.num_draft_tokens / max(1, stats.num_iterations),
-            list(stats.draft_count_histogram),
-            r.outputs,
-            stats.num_draft_tokens,
-            stats.num_accepted_tokens,
-        )
+        result = run_services(cluster.address, prompts, self.args.new_tokens, k, first_index=first)
+        return ServicesRun(result, cell.batch * self.args.new_tokens)
 
     def cell(self, cell: Cell, modes: list[str]) -> dict:
         runs: list[tuple[str, ServicesRun]] = []
@@ -444,13 +441,14 @@ class ServicesBench:
         row = measure_cell(cell, modes, self.args, learn, run)
         row["acceptance"] = {}  # accepted / verified drafts per mode: the forced acceptance, as the services saw it
         for mode in modes:
-            drafted = sum(r.num_draft_tokens for m, r in runs if m == mode)
+            stats = [r.result.stats for m, r in runs if m == mode]
+            drafted = sum(s.num_draft_tokens for s in stats)
             if drafted:
-                row["acceptance"][mode] = sum(r.num_accepted_tokens for m, r in runs if m == mode) / drafted
+                row["acceptance"][mode] = sum(s.num_accepted_tokens for s in stats) / drafted
         # Lossless: every run's output is the cell's first target-only run's (the same batch through the same set).
-        reference = next(r.outputs for m, r in runs if m == "target_only")
+        reference = next(r.result.outputs for m, r in runs if m == "target_only")
         for mode, r in runs:
-            check_lossless(f"services {cell.name} batch {cell.batch} {mode}", [r], reference, self.failures)
+            check_lossless(f"services {cell.name} batch {cell.batch} {mode}", [r.result], reference, self.failures)
         return row
 
 

@@ -181,7 +181,7 @@ class AdaptiveDraftCount(DraftPolicy):
         self._kept: KeptChoice | None = None
         self._trial: BatchChoice | None = None  # a choice of a depth never run steadily, to repeat once
         self._ahead: BatchChoice | None = None  # the next best allocation, computed ahead (`choose_ahead`)
-        self._paired = False  # before a Propose's cost is known: the last choice was none (`_pair`)
+        self._none_last = False  # before a Propose's cost is known: the last choice was none (`_pair`)
 
     def _sweep(self, caps: list[int], num_reqs: int, max_cap: int) -> list[int] | None:
         """The uniform depth (every request that many drafts, at most its cap) whose token count was timed fewer than
@@ -329,8 +329,8 @@ class AdaptiveDraftCount(DraftPolicy):
         no Propose ran again, and no drafts stayed chosen for good."""
         if not self.costs.measured[1]:
             return list(caps)
-        self._paired = not self._paired
-        return list(caps) if not self._paired else [0] * len(caps)
+        self._none_last = not self._none_last
+        return [0] * len(caps) if self._none_last else list(caps)
 
     def _climb(self, chosen: list[int], caps: list[int]) -> list[int] | None:
         """One draft more each, while climbing after a rise of the server's acceptance; else None. The first reading
