@@ -9,6 +9,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -82,7 +83,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+LOWEST_PORT = 10000  # free_port's ports are at least this, below the kernel's ephemeral range
+
+
 def free_port(host: str = WORKER_HOST) -> int:
+    """A port free on `host` now, for a service that binds it later (seconds later: torch is imported first). Taken
+    below the kernel's ephemeral range where it has one: a port the kernel hands out there (bind to port 0, or the
+    local port of an outgoing connection, which every gRPC channel opens) may be taken by anyone before the service
+    binds it, and was (`specsplit up`'s verifier refused to start: its port was in use)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100 if low > LOWEST_PORT else 0):
+        port = rng.randrange(LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), 0 where it is not known."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
