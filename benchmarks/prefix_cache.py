@@ -12,19 +12,23 @@ A cell is one workload at one batch B of --batches: --requests (N) requests, B i
 order), --new-tokens (T) each. Before its timed requests a cell sends one untimed request: the system prompt alone in
 `shared` (it puts the prompt's blocks in the cache when caching is on), a prompt of P + U tokens of its own in
 `unshared`; so the first request of a cell does not pay a warm-up the others do not. Every cell has prompts of its own
-(seeded by --seed, the workload and the batch), so no cell starts on the blocks of another. Per cell: the time to the
-first token (from sending a request to its first delta that carries tokens, the SDK's stream) at p50 and p99, tokens/s
-(N x T / the cell's wall time), the sum of the cached prompt tokens the requests' usage reports, and the outputs.
+in every round (seeded by --seed, the workload, the batch and the round), so no cell starts on the blocks of another or
+of its own earlier round. Per cell: the time to the first token (from sending a request to its first delta that carries
+tokens, the SDK's stream) at p50 and p99 over every round's requests, tokens/s (rounds x N x T / the rounds' wall
+time), the sum of the cached prompt tokens the requests' usage reports, and the outputs.
 
-Two clusters, one after the other, on the same prompts in the same order: `specsplit up`'s (`LocalCluster`: co-located
-drafter, k 3 (`--adaptive`: adaptive speculation), the servers' token budget per step) with
-`--no-enable-prefix-caching`, then with caching on (the default), each with --max-num-seqs the largest batch. Checks,
-which fail the run after the tables: every output with caching on equals the one with caching off (greedy: lossless);
-off reports no cached tokens; on, `shared` reports at least N x (the system prompt's full blocks less one) cached tokens
-(the last full block may be computed again, `specsplit/coordinator/prefix_cache.py`'s `lookup`) and `unshared` none. The
-JSON (with every output) and the tables as Markdown go to --out (default with $OUT: $OUT/prefix-cache-NAME.json, .md
-beside it), written after the first cluster too, so that a run cut short keeps what it measured; the services' logs
-beside them.
+Two clusters up at once, `specsplit up`'s (`LocalCluster`: co-located drafter, k 3 (`--adaptive`: adaptive
+speculation), the servers' token budget per step), one with `--no-enable-prefix-caching` and one with caching on (the
+default), each with --max-num-seqs the largest batch; on CUDA each takes half of `up`'s share of the device
+(`--gpu-memory-utilization` 0.45). Each of --rounds rounds runs every cell on both, the same prompts, the two clusters'
+order alternating from cell to cell and round to round (off-on, on-off, ...): run one cluster after the other, a
+cluster's place in the run moved its speed by as much as caching's cost was to be shown under (docs/performance.md).
+Checks, which fail the run after the tables: every output with caching on equals the one with caching off (greedy:
+lossless); off reports no cached tokens; on, `shared` reports at least N x (the system prompt's full blocks less one)
+cached tokens per round (the last full block may be computed again, `specsplit/coordinator/prefix_cache.py`'s `lookup`)
+and `unshared` none. The JSON (with every output) and the tables as Markdown go to --out (default with $OUT:
+$OUT/prefix-cache-NAME.json, .md beside it), written after every round too, so that a run cut short keeps what it
+measured; the services' logs beside them.
 
     # the Qwen2-7B shape, random weights built on the GPU
     python benchmarks/prefix_cache.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \\
@@ -62,8 +66,9 @@ from specsplit.client.sdk import AsyncClient  # noqa: E402
 from specsplit.coordinator.server import scheduling_flags  # noqa: E402
 
 WORKLOADS = ("shared", "unshared")
-CACHING = {"off": False, "on": True}  # run in this order; "off" is the reference of the lossless check
+CACHING = {"off": False, "on": True}  # "off" is the reference of the lossless check
 NUM_SPECULATIVE_TOKENS = 3  # `specsplit up`'s default k
+CLUSTER_SHARE = 0.45  # of a CUDA device, each cluster's --gpu-memory-utilization: two share `up`'s 0.9
 REQUEST_TIMEOUT_S = 900
 
 
@@ -84,13 +89,14 @@ class CellRun:
     prompt_tokens: list[int]
 
 
-def make_cells(args, vocab_size: int) -> list[Cell]:
-    """Every cell's prompts, random token ids (ids 0-2 left out: special in the demo's vocabulary), seeded by --seed,
-    the workload and the batch: the same in every cluster and every process, and no two cells alike."""
+def make_cells(args, vocab_size: int, round_: int) -> list[Cell]:
+    """One round's cells, random token ids (ids 0-2 left out: special in the demo's vocabulary), seeded by --seed,
+    the workload, the batch and the round: the same for both clusters and in every process, and no two cells (or
+    rounds of a cell) alike."""
     cells = []
     for batch in args.batches:
         for workload in args.workloads:
-            rng = random.Random(f"{args.seed}:{workload}:{batch}")
+            rng = random.Random(f"{args.seed}:{workload}:{batch}:{round_}")
 
             def draw(n: int, rng=rng) -> list[int]:
                 return [rng.randrange(3, vocab_size) for _ in range(n)]
@@ -104,6 +110,11 @@ def make_cells(args, vocab_size: int) -> list[Cell]:
                 length = args.prefix_tokens + args.user_tokens
                 cells.append(Cell(workload, batch, draw(length), [draw(length) for _ in range(args.requests)]))
     return cells
+
+
+def cluster_order(round_: int, cell_index: int) -> tuple[str, str]:
+    """Which cluster runs a cell first: off-on and on-off in turn, cell by cell and round by round."""
+    return ("off", "on") if (round_ + cell_index) % 2 == 0 else ("on", "off")
 
 
 async def one_request(client: AsyncClient, prompt: list[int], new_tokens: int):
@@ -138,20 +149,39 @@ async def run_cell(client: AsyncClient, cell: Cell, new_tokens: int) -> CellRun:
     )
 
 
-async def run_cells(address: str, cells: list[Cell], new_tokens: int) -> tuple[list[CellRun], int]:
-    """Every cell in order through one client (connected before the first cell); also the verifier's block size."""
-    async with AsyncClient(address, timeout=REQUEST_TIMEOUT_S) as client:
-        block_size = (await client.model_info()).block_size
-        runs = []
-        for cell in cells:
+async def run_round(clients: dict[str, AsyncClient], cells: list[Cell], round_: int, new_tokens: int):
+    """Every cell of one round on both clusters, in `cluster_order`: {(caching, cell index): CellRun}."""
+    runs = {}
+    for i, cell in enumerate(cells):
+        for caching in cluster_order(round_, i):
             t0 = time.monotonic()
-            runs.append(await run_cell(client, cell, new_tokens))
-            print(f"[{cell.workload} batch {cell.batch}: {time.monotonic() - t0:.1f}s]", file=sys.stderr)
-        return runs, block_size
+            runs[caching, i] = await run_cell(clients[caching], cell, new_tokens)
+            print(
+                f"[round {round_} {cell.workload} batch {cell.batch} caching {caching}: {time.monotonic() - t0:.1f}s]",
+                file=sys.stderr,
+            )
+    return runs
+
+
+async def run_rounds(addresses: dict[str, str], rounds: list[list[Cell]], new_tokens: int, report) -> None:
+    """Every round through one client per cluster (connected before the first cell); after each round
+    `report(runs so far: {(caching, cell index): [CellRun per round]}, the verifier's block size)`."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {
+            caching: await stack.enter_async_context(AsyncClient(address, timeout=REQUEST_TIMEOUT_S))
+            for caching, address in addresses.items()
+        }
+        block_size = (await clients["on"].model_info()).block_size
+        runs: dict[tuple[str, int], list[CellRun]] = {}
+        for r, cells in enumerate(rounds):
+            for key, run in (await run_round(clients, cells, r, new_tokens)).items():
+                runs.setdefault(key, []).append(run)
+            report(runs, block_size)
 
 
 def make_cluster(args, model: Path, work: Path, caching: bool) -> LocalCluster:
-    """`specsplit up`'s services (its defaults; --max-num-seqs the largest batch), prefix caching on or off."""
+    """`specsplit up`'s services (its defaults; --max-num-seqs the largest batch; on CUDA CLUSTER_SHARE of the
+    device), prefix caching on or off."""
     max_batch = max(args.batches)
     return LocalCluster(
         str(model),
@@ -161,6 +191,7 @@ def make_cluster(args, model: Path, work: Path, caching: bool) -> LocalCluster:
         log_dir=work / f"logs-caching-{'on' if caching else 'off'}",
         load_format=args.load_format,
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        gpu_memory_utilization=CLUSTER_SHARE if args.device.startswith("cuda") else None,
         coordinator_args=scheduling_flags(
             max_batch,
             step_token_budget(max_batch, NUM_SPECULATIVE_TOKENS),
@@ -170,26 +201,42 @@ def make_cluster(args, model: Path, work: Path, caching: bool) -> LocalCluster:
     )
 
 
-def cell_row(caching: str, cell: Cell, run: CellRun, new_tokens: int) -> dict:
+def cell_row(caching: str, cell: Cell, runs: list[CellRun], new_tokens: int) -> dict:
+    """One cluster's cell over its rounds so far (`runs`, in round order)."""
+    seconds = sum(run.seconds for run in runs)
+    ttft = [t for run in runs for t in run.ttft]
+    cached = [n for run in runs for n in run.cached_tokens]
+    requests = sum(len(run.outputs) for run in runs)
     return {
         "caching": caching,
         "workload": cell.workload,
         "batch": cell.batch,
-        "requests": len(cell.prompts),
-        "seconds": run.seconds,
-        "ttft_p50_s": float(np.percentile(run.ttft, 50)),
-        "ttft_p99_s": float(np.percentile(run.ttft, 99)),
-        "tokens_per_s": len(cell.prompts) * new_tokens / run.seconds,
-        "cached_tokens": sum(run.cached_tokens),
-        "prompt_tokens": sum(run.prompt_tokens),
-        "ttft_s": run.ttft,
-        "cached_tokens_per_request": run.cached_tokens,
-        "outputs": run.outputs,
+        "requests": requests,
+        "seconds": seconds,
+        "round_seconds": [run.seconds for run in runs],
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tokens_per_s": requests * new_tokens / seconds,
+        "cached_tokens": sum(cached),
+        "prompt_tokens": sum(n for run in runs for n in run.prompt_tokens),
+        "ttft_s": ttft,
+        "cached_tokens_per_request": cached,
+        "outputs": [output for run in runs for output in run.outputs],
     }
 
 
+def pooled_rows(cells: list[Cell], runs: dict[tuple[str, int], list[CellRun]], new_tokens: int) -> list[dict]:
+    """A row per cluster and cell (`cells`: one round's, for their workloads and batches) over its rounds."""
+    return [
+        cell_row(caching, cell, runs[caching, i], new_tokens)
+        for caching in CACHING
+        for i, cell in enumerate(cells)
+        if (caching, i) in runs
+    ]
+
+
 def ratios(rows: list[dict]) -> list[dict]:
-    """Caching on / off per workload and batch."""
+    """Caching on / off per workload and batch, over the rounds; and each round's tokens/s on / off."""
     by = {(r["caching"], r["workload"], r["batch"]): r for r in rows}
     out = []
     for (caching, workload, batch), on in by.items():
@@ -200,6 +247,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                     "workload": workload,
                     "batch": batch,
                     **{key: on[key] / off[key] for key in ("ttft_p50_s", "ttft_p99_s", "tokens_per_s")},
+                    "tokens_per_s_rounds": [a / b for a, b in zip(off["round_seconds"], on["round_seconds"])],
                 }
             )
     return out
@@ -207,12 +255,13 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def check(rows: list[dict], args, block_size: int) -> list[str]:
     """What is wrong: outputs with caching on that differ from those with it off, cached tokens off, too few cached
-    tokens on in `shared`, any in `unshared`."""
+    tokens on in `shared` (the system prompt's full blocks less one per request), any in `unshared`."""
     failures = []
     by = {(r["caching"], r["workload"], r["batch"]): r for r in rows}
-    least = args.requests * max(0, (args.prefix_tokens // block_size - 1) * block_size)
+    per_request = max(0, (args.prefix_tokens // block_size - 1) * block_size)
     for (caching, workload, batch), r in by.items():
         name = f"caching {caching} {workload} batch {batch}"
+        least = len(r["outputs"]) * per_request
         if caching == "off" and r["cached_tokens"]:
             failures.append(f"{name}: {r['cached_tokens']} cached tokens reported with caching off")
         if caching != "on":
@@ -234,13 +283,15 @@ def check(rows: list[dict], args, block_size: int) -> list[str]:
 
 def publish(args, rows: list[dict], failures: list[str], block_size: int, device: str, t_begin: float, final: bool):
     """The tables (printed when `final`) and, with --out, the JSON and the tables as Markdown beside it."""
+    rounds = len(rows[0]["round_seconds"]) if rows else 0
     by_ratio = ratios(rows)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         print(
             f"model {args.shape or args.model} ({args.load_format} weights) on {device} ({args.dtype}); system prompt "
             f"{args.prefix_tokens} tokens, user turn {args.user_tokens}, {args.new_tokens} new tokens, greedy, "
-            f"ignore_eos; {args.requests} requests per cell; KV block {block_size} tokens; "
+            f"ignore_eos; {args.requests} requests per cell and round, {rounds} round(s); "
+            f"KV block {block_size} tokens; "
             f"{'total' if final else 'so far (the run goes on)'} {time.monotonic() - t_begin:.0f}s\n"
         )
         print("| caching | workload | batch | TTFT p50 s | TTFT p99 s | tokens/s | cached tokens | prompt tokens |")
@@ -252,12 +303,13 @@ def publish(args, rows: list[dict], failures: list[str], block_size: int, device
             )
         if by_ratio:
             print("\nCaching on / off (TTFT: lower is better; tokens/s: higher is better):\n")
-            print("| workload | batch | TTFT p50 | TTFT p99 | tokens/s |")
-            print("|---|---|---|---|---|")
+            print("| workload | batch | TTFT p50 | TTFT p99 | tokens/s | tokens/s per round |")
+            print("|---|---|---|---|---|---|")
             for r in by_ratio:
+                per_round = ", ".join(f"{x:.3f}" for x in r["tokens_per_s_rounds"])
                 print(
                     f"| {r['workload']} | {r['batch']} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
-                    f"{r['tokens_per_s']:.3f} |"
+                    f"{r['tokens_per_s']:.3f} | {per_round} |"
                 )
         if final:
             print(
@@ -292,6 +344,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--user-tokens", type=int, default=64, help="each request's own user turn's tokens (U)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (T)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="rounds of every cell on both clusters, each on prompts of its own"
+    )
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="cells to run")
     p.add_argument(
         "--adaptive",
@@ -306,8 +361,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.shape and args.load_format != "dummy":
         p.error("--shape has no weights: add --load-format dummy")
-    if min(args.batches) < 1 or args.requests < 1 or args.prefix_tokens < 1 or args.user_tokens < 1:
-        p.error("--batches, --requests, --prefix-tokens and --user-tokens must be >= 1")
+    if min(args.batches) < 1 or min(args.requests, args.prefix_tokens, args.user_tokens, args.rounds) < 1:
+        p.error("--batches, --requests, --prefix-tokens, --user-tokens and --rounds must be >= 1")
     if args.out is None and os.environ.get("OUT"):
         args.out = Path(os.environ["OUT"]) / f"prefix-cache-{args.shape or args.model.name}.json"
     return args
@@ -331,23 +386,28 @@ def main() -> None:
         import torch
 
         device = torch.cuda.get_device_name(args.device)
-    cells = make_cells(args, config["vocab_size"])
+    rounds = [make_cells(args, config["vocab_size"], r) for r in range(args.rounds)]
     rows: list[dict] = []
     block_size = 0
-    for caching, enabled in CACHING.items():
-        cluster = make_cluster(args, model, work, enabled)
-        with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for caching, enabled in CACHING.items():  # one after the other: each measures its memory on its own
+            cluster = make_cluster(args, model, work, enabled)
             if args.out:  # the services' logs beside the results, once they are stopped (also after a failed start)
                 stack.callback(copy_logs, cluster.log_dir, args.out.with_name(f"{args.out.stem}-logs-{caching}"))
-            cluster.start()
-            stack.callback(cluster.stop)
+            clusters[caching] = stack.enter_context(cluster)
             print(
                 f"[caching {caching}: services up at {time.monotonic() - t_begin:.0f}s; logs in {work}]",
                 file=sys.stderr,
             )
-            runs, block_size = asyncio.run(run_cells(cluster.address, cells, args.new_tokens))
-        rows += [cell_row(caching, cell, run, args.new_tokens) for cell, run in zip(cells, runs)]
-        publish(args, rows, [], block_size, device, t_begin, final=False)
+
+        def report(runs: dict[tuple[str, int], list[CellRun]], size: int) -> None:
+            nonlocal rows, block_size
+            rows, block_size = pooled_rows(rounds[0], runs, args.new_tokens), size
+            publish(args, rows, [], block_size, device, t_begin, final=False)
+
+        addresses = {caching: cluster.address for caching, cluster in clusters.items()}
+        asyncio.run(run_rounds(addresses, rounds, args.new_tokens, report))
     failures = check(rows, args, block_size)
     publish(args, rows, failures, block_size, device, t_begin, final=True)
     if failures:

@@ -1,10 +1,12 @@
 """benchmarks/prefix_cache.py on the CPU with the demo checkpoint (a smoke run: the numbers are for the GPU): both
-clusters run every cell, the outputs with caching on equal those with it off, and the cached tokens are accounted
-(none with caching off or without a shared prefix; the system prompt's blocks, bar at most one, with it)."""
+clusters run every cell in every round, in alternating order, the outputs with caching on equal those with it off,
+and the cached tokens are accounted (none with caching off or without a shared prefix; the system prompt's blocks,
+bar at most one, with it)."""
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from benchmarks.prefix_cache import check
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PREFIX, USER, NEW, REQUESTS = 64, 16, 6, 4
+PREFIX, USER, NEW, REQUESTS, ROUNDS = 64, 16, 6, 4, 2
 
 
 def test_caching_on_and_off_give_the_same_outputs_and_the_shared_prefix_is_cached(tmp_path):
@@ -21,7 +23,7 @@ def test_caching_on_and_off_give_the_same_outputs_and_the_shared_prefix_is_cache
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--batches", "1", "2"]
         + ["--requests", str(REQUESTS), "--prefix-tokens", str(PREFIX), "--user-tokens", str(USER)]
-        + ["--new-tokens", str(NEW), "--out", str(out)],
+        + ["--new-tokens", str(NEW), "--rounds", str(ROUNDS), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -36,9 +38,10 @@ def test_caching_on_and_off_give_the_same_outputs_and_the_shared_prefix_is_cache
     rows = {(r["caching"], r["workload"], r["batch"]): r for r in result["rows"]}
     assert sorted(rows) == sorted((c, w, b) for c in ("off", "on") for w in ("shared", "unshared") for b in (1, 2))
     for (caching, workload, batch), r in rows.items():
-        assert len(r["outputs"]) == len(r["ttft_s"]) == REQUESTS
+        assert len(r["outputs"]) == len(r["ttft_s"]) == REQUESTS * ROUNDS
         assert all(len(output) == NEW for output in r["outputs"])
-        assert r["prompt_tokens"] == REQUESTS * (PREFIX + USER)
+        assert r["prompt_tokens"] == REQUESTS * ROUNDS * (PREFIX + USER)
+        assert len(r["round_seconds"]) == ROUNDS and r["seconds"] == sum(r["round_seconds"])
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tokens_per_s"] > 0
         # Greedy: caching changes where the prompt's KV comes from, never the output.
         assert r["outputs"] == rows["off", workload, batch]["outputs"]
@@ -53,7 +56,13 @@ def test_caching_on_and_off_give_the_same_outputs_and_the_shared_prefix_is_cache
     shared = next(r for r in result["ratios"] if r["workload"] == "shared" and r["batch"] == 1)
     on, off = rows["on", "shared", 1], rows["off", "shared", 1]
     assert shared["ttft_p50_s"] == on["ttft_p50_s"] / off["ttft_p50_s"]
+    assert shared["tokens_per_s_rounds"] == [a / b for a, b in zip(off["round_seconds"], on["round_seconds"])]
     assert f"\n| shared | 1 | {shared['ttft_p50_s']:.3f} | " in out.with_suffix(".md").read_text()
+    # Each cell ran on both clusters in every round, which went first alternating from cell to cell and round to round.
+    order = re.findall(r"\[round (\d) (\w+) batch (\d) caching (on|off):", proc.stderr)
+    assert len(order) == ROUNDS * len(rows)
+    firsts = [caching for i, (*_, caching) in enumerate(order) if i % 2 == 0]
+    assert firsts == ["off", "on", "off", "on", "on", "off", "on", "off"]
 
 
 def _row(caching: str, workload: str, cached: int, outputs: list[list[int]]) -> dict:
