@@ -2,7 +2,8 @@
 
 Slot s is entry `s % block_size` of block `s // block_size`, i.e. row s of the cache viewed as
 `[num_blocks * block_size, kv_heads * head_dim]`. Padding tokens of a CUDA-graph bucket carry
-slot -1, so their K/V never land in the cache. One launch for K and V, no host sync.
+slot -1, so their K/V never land in the cache. One launch for K and V, no host sync. MLA's latent cache
+holds one vector per token: `write_rows_triton` writes it, the same kernel without V.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ def _write_kv_kernel(
     stride_v_t,
     ROW: tl.constexpr,
     ROW_P2: tl.constexpr,
+    WITH_V: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     offs = tl.arange(0, ROW_P2)
     mask = offs < tl.where(slot >= 0, ROW, 0)
     k = tl.load(k_ptr + t * stride_k_t + offs, mask=mask)
-    v = tl.load(v_ptr + t * stride_v_t + offs, mask=mask)
     tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if WITH_V:
+        v = tl.load(v_ptr + t * stride_v_t + offs, mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(
@@ -55,5 +58,43 @@ def write_kv_triton(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, ROW_P2=triton.next_power_of_2(row)
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        ROW=row,
+        ROW_P2=triton.next_power_of_2(row),
+        WITH_V=True,
+    )
+
+
+def write_rows_triton(
+    rows: torch.Tensor,  # [T, row]
+    cache: torch.Tensor,  # [num_blocks, block_size, row], contiguous
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
+) -> None:
+    """One vector per token into a paged cache (MLA's latents)."""
+    num_tokens, row = rows.shape
+    if not cache.is_contiguous():
+        raise ValueError("the cache must be contiguous")
+    if cache.shape[2] != row:
+        raise ValueError(f"rows {tuple(rows.shape)} do not fit the cache {tuple(cache.shape)}")
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        rows,
+        rows,
+        cache,
+        cache,
+        slot_mapping,
+        rows.stride(0),
+        rows.stride(0),
+        ROW=row,
+        ROW_P2=triton.next_power_of_2(row),
+        WITH_V=False,
     )

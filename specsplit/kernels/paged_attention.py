@@ -141,7 +141,7 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
+def dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
     """The cache's dtype, except bf16 under the Triton interpreter (CPU tests), whose tl.dot miscomputes
     bf16 tiles (triton 3.9): there they are upcast to fp32, on the GPU the dot runs in bf16."""
     if cache_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
@@ -225,20 +225,32 @@ def paged_attention_triton(
         BLOCK_N=64 if head_dim_p2 <= 64 else 32,
         SPLIT=split,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=_dot_dtype(k_cache.dtype),
+        DOT_DTYPE=dot_dtype(k_cache.dtype),
     )
     if split:
-        _combine_kernel[(num_tokens, num_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            num_splits,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P2=head_dim_p2,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-        )
+        combine_splits(part_acc, part_m, part_l, out, head_dim)
     return out
+
+
+def combine_splits(
+    part_acc: torch.Tensor,  # [T, num_heads, num_splits, D_P2] float32: each split's unnormalised output
+    part_m: torch.Tensor,  # [T, num_heads, num_splits] float32: each split's running max
+    part_l: torch.Tensor,  # [T, num_heads, num_splits] float32: each split's softmax denominator
+    out: torch.Tensor,  # [T, num_heads, >= head_dim]: written, its first head_dim values per head
+    head_dim: int,
+) -> None:
+    """Split-K's second kernel: each (token, head)'s partials into its normalised output."""
+    num_tokens, num_heads, num_splits, head_dim_p2 = part_acc.shape
+    _combine_kernel[(num_tokens, num_heads)](
+        part_acc,
+        part_m,
+        part_l,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_splits,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        SPLITS_P2=triton.next_power_of_2(num_splits),
+    )

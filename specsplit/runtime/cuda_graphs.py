@@ -58,7 +58,7 @@ class CudaGraphRunner:
         self.token_context_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
         self.previous_hidden = (  # [size, hidden] for the MTP module, else None
-            torch.zeros(size, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
+            torch.zeros(size, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
             if isinstance(model, MTPModule)
             else None
         )

@@ -8,6 +8,7 @@ from specsplit.drafter.runner import DrafterRunner, ProposeItem, _collect
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
@@ -15,6 +16,12 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("d") / "m", architecture="llama", seed=5)
+    return load_target(ckpt), load_mtp(ckpt)
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory):
+    ckpt = write_tiny_deepseek_checkpoint(tmp_path_factory.mktemp("dsv3"), seed=5)
     return load_target(ckpt), load_mtp(ckpt)
 
 
@@ -91,10 +98,12 @@ def test_missing_history_restarts_the_request_instead_of_failing(models):
     assert runner.kv_cache.num_free_blocks == runner.kv_cache.num_blocks
 
 
-def test_kernel_and_graph_buffer_path_proposes_like_the_sdpa_path(models):
+@pytest.mark.parametrize("models_of", ["models", "deepseek_models"])
+def test_kernel_and_graph_buffer_path_proposes_like_the_sdpa_path(request, models_of):
     """Draft steps through the CUDA-graph runner's static buffers (run eagerly on CPU, buckets 1, 2, 4):
-    same greedy drafts and the same sparse q of sampled drafts as the eager SDPA path."""
-    target, mtp = models
+    same greedy drafts and the same sparse q of sampled drafts as the eager SDPA path (DeepSeek-V3: MLA's Triton
+    kernel against its eager path)."""
+    target, mtp = request.getfixturevalue(models_of)
     a, b = PROMPT + [20, 21, 22], PROMPT[:4] + [30, 31]
     ha, hb = target_hidden(target, a), target_hidden(target, b)
     cache = mtp.make_kv_cache(32, 4)
@@ -122,7 +131,8 @@ def test_kernel_and_graph_buffer_path_proposes_like_the_sdpa_path(models):
         )
         assert got.draft_probs[0] is None and expected.draft_probs[0] is None
         torch.testing.assert_close(got.draft_probs[1], expected.draft_probs[1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.k, plain.kv_cache.k, atol=1e-5, rtol=1e-5)
+    for name in ("latent",) if hasattr(cache, "latent") else ("k", "v"):  # MLA caches latents
+        torch.testing.assert_close(getattr(cache, name), getattr(plain.kv_cache, name), atol=1e-5, rtol=1e-5)
 
 
 def test_mtp_cache_running_out_mid_proposal_keeps_a_prefix_of_the_drafts(models):

@@ -1,5 +1,5 @@
-"""The target forward on the Triton attention path (`use_kernel`) equals the SDPA path and transformers,
-and the CUDA-graph runner's static-buffer path (run eagerly here) equals the plain forward."""
+"""The target forward on the Triton attention path (`use_kernel`) equals the SDPA path (DeepSeek-V3: the eager MLA
+path) and transformers, and the CUDA-graph runner's static-buffer path (run eagerly here) equals the plain forward."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from specsplit.models.loader import load_target
 from specsplit.runtime.cuda_graphs import CudaGraphRunner, token_buckets
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 # Steps over two requests: a ragged prefill, then decode / verify steps of 1 .. 4 new tokens each.
 STEPS = [{"a": 7, "b": 5}, {"a": 1, "b": 4}, {"b": 1, "a": 3}, {"a": 1}, {"a": 2, "b": 1}]
@@ -33,16 +34,35 @@ def _run_steps(model, runner=None, use_kernel=False, seed=0):
     return outputs, cache
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_kernel_path_equals_sdpa_path_over_decode_and_verify_steps(checkpoint_dir, architecture):
-    model = load_target(checkpoint_dir(architecture))
+@pytest.fixture(scope="module")
+def load(checkpoint_dir, tmp_path_factory):
+    """load(architecture) → a tiny target; "deepseek_v3" (MLA over a latent cache) and "deepseek_v3 q_proj" (no
+    q LoRA, rotate-half RoPE) from tests/fixtures/tiny_deepseek_v3.py."""
+
+    def make(architecture: str):
+        if architecture.startswith("deepseek_v3"):
+            plain_q = {"q_lora_rank": None, "rope_interleave": False} if architecture.endswith("q_proj") else {}
+            return load_target(write_tiny_deepseek_checkpoint(tmp_path_factory.mktemp("dsv3"), **plain_q))
+        return load_target(checkpoint_dir(architecture))
+
+    return make
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """What a cache holds: K and V, or MLA's latents."""
+    return [cache.latent] if hasattr(cache, "latent") else [cache.k, cache.v]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "deepseek_v3", "deepseek_v3 q_proj"])
+def test_kernel_path_equals_sdpa_path_over_decode_and_verify_steps(load, architecture):
+    model = load(architecture)
     expected, expected_cache = _run_steps(model)
     got, cache = _run_steps(model, use_kernel=True)
     for (h, logits), (h_ref, logits_ref) in zip(got, expected):
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache.k, expected_cache.k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v, expected_cache.v, atol=1e-5, rtol=1e-5)
+    for got_cache, expected_cache_tensor in zip(_cache_tensors(cache), _cache_tensors(expected_cache)):
+        torch.testing.assert_close(got_cache, expected_cache_tensor, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_path_prefill_logits_match_transformers(checkpoint_dir, hf_model):
@@ -65,8 +85,9 @@ def test_token_buckets_are_powers_of_two_up_to_the_maximum():
     assert token_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_static_buffer_path_with_padding_equals_the_plain_forward(checkpoint_dir):
-    model = load_target(checkpoint_dir("llama"))
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_v3"])
+def test_static_buffer_path_with_padding_equals_the_plain_forward(load, architecture):
+    model = load(architecture)
     expected, expected_cache = _run_steps(model)
     # Largest bucket 4: the 5-token step goes eager; 3-token steps are padded to 4 (two of them).
     runner = CudaGraphRunner(model, model.make_kv_cache(16, 4), max_model_len=64, max_num_tokens=4, capture=False)
@@ -77,8 +98,8 @@ def test_static_buffer_path_with_padding_equals_the_plain_forward(checkpoint_dir
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
     # Padding tokens wrote nothing: the whole cache (free blocks included) equals the plain run's.
-    torch.testing.assert_close(cache.k, expected_cache.k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v, expected_cache.v, atol=1e-5, rtol=1e-5)
+    for got_cache, expected_cache_tensor in zip(_cache_tensors(cache), _cache_tensors(expected_cache)):
+        torch.testing.assert_close(got_cache, expected_cache_tensor, atol=1e-5, rtol=1e-5)
 
 
 def test_steps_outside_the_graphs_are_refused(checkpoint_dir):

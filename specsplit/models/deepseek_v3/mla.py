@@ -23,8 +23,11 @@ Tensor-parallel: the heads split across the ranks (q_proj / q_b_proj and kv_b_pr
 head, o_proj row-parallel, its partial output all-reduced); the down-projections, their norms and the
 latent cache are replicated (every rank caches the whole latent: it is per token, not per head).
 
-Like `specsplit.models.attention.paged_attention`, this reference loops over requests; a fused kernel replaces
-`mla_paged_attention`.
+Two paths, as `specsplit.models.attention.paged_attention` has: with `attn.use_kernel` (the runners choose it,
+`use_kernel_for`: decode, verify and short prefill chunks) the latents are written by a Triton launch that skips
+padding slots and the absorbed attention runs in one Triton kernel over the step's device metadata
+(`specsplit/kernels/mla_attention.py`): no host work per request, no host sync, so the step can replay a CUDA
+graph. Otherwise a per-request loop over the gathered context picks the absorbed or the expanded form.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit.kernels.kv_write import write_rows_triton
+from specsplit.kernels.mla_attention import mla_attention_triton
 from specsplit.models.deepseek_v3.config import DeepseekV3Config
 from specsplit.models.deepseek_v3.latent_cache import LatentKVCache
 from specsplit.models.deepseek_v3.rotary import apply_rotary, softmax_scale
@@ -136,6 +141,9 @@ def mla_paged_attention(
     """Writes `latent` at the step's slots, then attends each request's queries over its cache."""
     if q_nope.shape[0] != attn.num_tokens:
         raise ValueError(f"{q_nope.shape[0]} query tokens but the attention metadata describes {attn.num_tokens}")
+    if attn.use_kernel:
+        write_rows_triton(latent, latent_cache, attn.slot_mapping)
+        return attend_absorbed_kernel(q_nope, q_pe, latent_cache, attn, kv_b_weight, scale)
     flat_cache = latent_cache.view(-1, latent_cache.shape[-1])
     flat_cache.index_copy_(0, attn.slot_mapping, latent.to(flat_cache.dtype))
     heads, nope = q_nope.shape[1], q_nope.shape[2]
@@ -153,6 +161,32 @@ def mla_paged_attention(
         attend = attend_absorbed if n <= absorb_max_query_len else attend_expanded
         out[q_start:q_end] = attend(q_nope[q_start:q_end], q_pe[q_start:q_end], context, kv_b_weight, scale, mask)
     return out
+
+
+def attend_absorbed_kernel(
+    q_nope: torch.Tensor,  # [T, heads, qk_nope]
+    q_pe: torch.Tensor,  # [T, heads, rope], rotated
+    latent_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope], the step's latents written
+    attn: AttentionMetadata,
+    kv_b_weight: torch.Tensor,  # [heads * (qk_nope + v_head), kv_lora_rank]
+    scale: float,
+) -> torch.Tensor:  # [T, heads, v_head]
+    """`attend_absorbed` for the whole step at once, the attention in the Triton kernel."""
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    rank = kv_b_weight.shape[1]
+    w = kv_b_weight.view(heads, -1, rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, qk_nope, rank], [heads, v_head, rank]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, rank]
+    o_latent = mla_attention_triton(
+        q_latent,
+        q_pe,
+        latent_cache,
+        attn.block_tables,
+        attn.token_req_index,
+        attn.token_context_lens,
+        scale,
+    )
+    return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, v_head]
 
 
 def attend_expanded(

@@ -16,10 +16,6 @@ from specsplit.models.target import TargetModel
 
 
 class DeepseekV3Target(TargetModel):
-    # MLA keeps its eager path over the latent cache, and CUDA graphs need the Triton attention path, so DeepSeek-V3
-    # runs eagerly (its MoE is the fused one, without host sync, as GLM-4.5's).
-    supports_attention_kernel = False
-
     def _make_layer(self, index: int) -> nn.Module:
         return DeepseekV3DecoderLayer(self.config, index)
 

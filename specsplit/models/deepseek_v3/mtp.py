@@ -22,10 +22,6 @@ from specsplit.models.mtp_layout import DEEPSEEK_LAYOUT
 
 
 class DeepseekV3MTP(MTPModule):
-    # MLA keeps its eager path over the latent cache, and CUDA graphs need the Triton attention path, so DeepSeek-V3
-    # runs eagerly (its MoE is the fused one, without host sync, as GLM-4.5's).
-    supports_attention_kernel = False
-
     def _make_layout(self):
         return DEEPSEEK_LAYOUT
 

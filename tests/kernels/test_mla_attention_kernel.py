@@ -1,0 +1,75 @@
+"""The Triton MLA kernel (absorbed form, `specsplit/kernels/mla_attention.py`) equals paged attention's reference
+run as MLA is defined: one KV head whose keys are the cached latents [c_kv; k_pe] and whose values are c_kv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.kernels.mla_attention import mla_attention_triton
+from specsplit.kernels.paged_attention_reference import paged_attention_reference
+
+
+def _ragged_case(context_lens, new_tokens, heads, rank, rope, block_size, dtype, seed=0, padding=0):
+    """A shuffled paged latent cache holding each request's context, its last `new_tokens` as queries (plus
+    `padding` tokens of context length 0), the query's latent part a transposed view as the model makes it."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=g).to(dtype)
+    block_tables = torch.full((len(context_lens), max(blocks_per_req) + 1), -1, dtype=torch.int32)
+    for r, nb in enumerate(blocks_per_req):
+        block_tables[r, :nb] = torch.tensor([order.pop() for _ in range(nb)])
+    req_index, ctx = [], []
+    for r, (n, new) in enumerate(zip(context_lens, new_tokens)):
+        req_index += [r] * new
+        ctx += list(range(n - new + 1, n + 1))  # causal: query j sees cache indices 0 .. n - new + j
+    req_index += [0] * padding
+    ctx += [0] * padding
+    tokens = len(ctx)
+    q_latent = torch.randn(heads, tokens, rank, generator=g).to(dtype).transpose(0, 1)  # [T, H, R], a bmm's view
+    q_pe = torch.randn(tokens, heads, rope, generator=g).to(dtype)
+    return q_latent, q_pe, cache, block_tables, torch.tensor(req_index, dtype=torch.int32), torch.tensor(ctx)
+
+
+def _reference(q_latent, q_pe, cache, block_tables, req_index, ctx, scale):
+    rank = q_latent.shape[2]
+    keys = cache[:, :, None, :]  # one KV head: [c_kv; k_pe]
+    values = torch.cat([cache[..., :rank], torch.zeros_like(cache[..., rank:])], dim=-1)[:, :, None, :]
+    q = torch.cat([q_latent, q_pe], dim=-1)
+    return paged_attention_reference(q, keys, values, block_tables, req_index, ctx, scale)[..., :rank]
+
+
+CASES = {
+    # context lengths, new tokens per request, heads, kv_lora_rank, rope dim, block size
+    "tiny_verify": ([37, 5, 19], [4, 1, 2], 4, 32, 8, 16),
+    "heads_past_a_block_odd_blocks": ([23, 9], [3, 1], 20, 48, 16, 5),
+    "deepseek_dims_decode": ([70, 1], [1, 1], 16, 512, 64, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_equals_reference_fp32(name, num_splits):
+    args = _ragged_case(*CASES[name], dtype=torch.float32, padding=1)
+    scale = 0.11
+    out = mla_attention_triton(*args, scale=scale, num_splits=num_splits)
+    assert out.shape == args[0].shape
+    torch.testing.assert_close(out, _reference(*args, scale), atol=2e-5, rtol=1e-5)
+    assert torch.all(out[-1] == 0)  # the padding token
+
+
+def test_kernel_equals_reference_bf16():
+    args = _ragged_case(*CASES["tiny_verify"], dtype=torch.bfloat16, seed=1)
+    out = mla_attention_triton(*args, scale=0.2, num_splits=2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(*args, 0.2).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    q_latent, q_pe, cache, tables, req_index, ctx = _ragged_case(*CASES["tiny_verify"], dtype=torch.float32)
+    with pytest.raises(ValueError, match="do not fit the latent cache"):
+        mla_attention_triton(q_latent, q_pe[..., :-1], cache, tables, req_index, ctx, scale=1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_attention_triton(q_latent, q_pe, cache, tables, req_index, ctx, scale=1.0, num_splits=0)
