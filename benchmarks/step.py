@@ -42,12 +42,14 @@ Per row, the median over `--steps` steps after `--warmup` untimed ones, the firs
 the host clock; `gpu_ms` the GPU time of the device work alone (CUDA events around the forward + logits, around the
 whole propose): the step's time less its GPU time is host work the GPU waited for; `collective_ms` and
 `collective_share` the time inside the step's all-reduces and logits gather (CUDA events around each, waiting for
-slower ranks included; TP > 1, eager paths); the HBM roofline: the bytes of weights the step reads
-(`benchmarks/lib/weight_bytes.py`, a rank's share under TP) over 4.8 TB/s, divided by the step time and by its GPU
-time; on CUDA `gpu_ops_per_step`, the kernels and copies of one step, and those kernels by GPU time (torch.profiler,
-the top 12 to stderr). `--profile`: torch.profiler's top ops of one warm step by host (self CPU) time and by GPU
-time, to stderr. The table is printed; `--out` (default $OUT/step-PHASE.json when $OUT is set) gets the arguments
-and the rows as JSON.
+slower ranks included; TP > 1, eager paths); the HBM roofline: the bytes the step reads, its active weights
+(`benchmarks/lib/weight_bytes.py`, a rank's share under TP; routed experts as the expected distinct number under
+uniform routing) and the KV cache entries of its requests (context and new tokens, every layer, the rank's own
+cache: MLA's latents, GQA's K and V), over the device's bandwidth (3.35 TB/s on an H100, 4.8 TB/s on an H200 and
+as a reference elsewhere), divided by the step time and by its GPU time; on CUDA `gpu_ops_per_step`, the kernels
+and copies of one step, and those kernels by GPU time (torch.profiler, the top 12 to stderr). `--profile`:
+torch.profiler's top ops of one warm step by host (self CPU) time and by GPU time, to stderr. The table is printed;
+`--out` (default $OUT/step-PHASE.json when $OUT is set) gets the arguments and the rows as JSON.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def row_of(args: argparse.Namespace, model: str, device, path: str, tp: int, ran
     }
 
 
-def measured_row(args, row: dict, step, after, device, weight_bytes: float) -> dict:
+def measured_row(args, row: dict, step, after, device, weight_bytes: float, kv_bytes: float) -> dict:
     """`row` with the step measured (`measure_step`), its tokens per second and its roofline."""
     row.update(
         measure_step(
@@ -190,7 +192,7 @@ def measured_row(args, row: dict, step, after, device, weight_bytes: float) -> d
         )
     )
     row["tokens_per_s"] = row["tokens"] / (row["step_ms"] / 1e3)
-    add_roofline(row, weight_bytes)
+    add_roofline(row, weight_bytes, kv_bytes)
     print_row(row, show_kernels=row["rank"] == 0)
     return row
 
@@ -240,6 +242,7 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
     from specsplit.models.attention import use_precompiled_sdpa
     from specsplit.models.loader import load_target
     from specsplit.runtime.cuda_graphs import CudaGraphRunner
+    from specsplit.runtime.memory_profile import cache_bytes
 
     dtype = getattr(torch, args.dtype)
     model = load_target(model_dir, dtype=dtype, device=device, load_format=load_format)
@@ -257,6 +260,7 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
         )
         print(f"{name}: graphs for {runner.buckets} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sizes = model_bytes(json.loads((model_dir / "config.json").read_text()), dtype.itemsize)
+    kv_token = cache_bytes(cache) / (cache.num_blocks * cache.block_size)  # over every layer
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens
     vocab = model.config.vocab_size
     rows = []
@@ -279,10 +283,13 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
                     continue
                 step = target_step(model, cache, runner, req_ids, new, path, draws, positions, not decode)
                 row = row_of(args, name, cache.device, path, tp, rank, batch, new)
+                # A rank reads its shard of the weights, and every request's cache entries (context and new) of
+                # its own cache.
+                weight_bytes, kv_bytes = sizes.verify_step(batch * new) / tp, batch * (args.context + new) * kv_token
                 with sdpa_per_request(path == "eager_loop"):
                     rows.append(
                         measured_row(args, row, step, rollback(cache, req_ids, args.context), cache.device,
-                                     sizes.verify_step(batch * new) / tp)  # a rank reads its shard
+                                     weight_bytes, kv_bytes)
                     )  # fmt: skip
             for rid in req_ids:
                 cache.free(rid)
@@ -332,8 +339,10 @@ def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidd
     import torch
 
     from specsplit.drafter.runner import ProposeItem
+    from specsplit.runtime.memory_profile import cache_bytes
 
     dtype, k, context = getattr(torch, args.dtype), args.k, args.context
+    kv_token = cache_bytes(runner.kv_cache) / (runner.kv_cache.num_blocks * runner.kv_cache.block_size)
     head_rows = vocab if draft_vocab is None else draft_vocab.size
     rows = []
     with torch.inference_mode():
@@ -357,6 +366,8 @@ def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidd
             # vocabulary's head reads its rows instead of the vocabulary's.
             head_saved = (vocab - head_rows) * hidden_size * dtype.itemsize
             weight_bytes = sizes.draft_step(batch * (k + 1)) + (k - 1) * sizes.draft_step(batch) - k * head_saved
+            # MTP KV: step 0 sees context + k + 1 entries per request, later step j one more each.
+            kv_bytes = batch * sum(context + k + 1 + j for j in range(k)) * kv_token
             row = measured_row(
                 args,
                 row_of(args, name, runner.device, path, 1, 0, batch, k + 1),
@@ -364,6 +375,7 @@ def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidd
                 rollback(runner.kv_cache, req_ids, context),
                 runner.device,
                 weight_bytes,
+                kv_bytes,
             )
             row["drafts"] = sum(len(d) for d in drafts)  # of the last propose: k per request
             row["draft_vocab"] = head_rows

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib.weight_bytes import HBM_BYTES_PER_S
+from benchmarks.lib.weight_bytes import hbm_bytes_per_s
 from specsplit.models.parallel import time_collectives
 
 Step = Callable[[Callable], object]
@@ -158,11 +158,15 @@ def print_top_ops(step: Step, after: Callable[[], None], on_cuda: bool, show: bo
         print(table.table(sort_by=key, row_limit=15, max_name_column_width=60), file=sys.stderr)
 
 
-def add_roofline(row: dict, weight_bytes: float) -> None:
-    """weight_gb: the weights the step reads; roofline_pct and gpu_roofline_pct: the time reading them at
-    `HBM_BYTES_PER_S` takes, as a share of the step's host time and of its GPU time."""
-    ideal_ms = 1e3 * weight_bytes / HBM_BYTES_PER_S
+def add_roofline(row: dict, weight_bytes: float, kv_bytes: float = 0.0) -> None:
+    """weight_gb and kv_gb: the weights and the KV cache the step reads; roofline_pct and gpu_roofline_pct: the
+    time reading both at the device's bandwidth (`hbm_bytes_per_s` of `row["device"]`) takes, as a share of the
+    step's host time and of its GPU time."""
+    bandwidth = hbm_bytes_per_s(row["device"])
+    ideal_ms = 1e3 * (weight_bytes + kv_bytes) / bandwidth
     row["weight_gb"] = weight_bytes / 1e9
+    row["kv_gb"] = kv_bytes / 1e9
+    row["hbm_tb_s"] = bandwidth / 1e12
     row["roofline_pct"] = 100 * ideal_ms / row["step_ms"]
     row["gpu_roofline_pct"] = 100 * ideal_ms / row["gpu_ms"] if row["gpu_ms"] else None
 
@@ -190,14 +194,15 @@ def _cell(value, spec: str = "") -> str:
 def print_table(rows: list[dict]) -> None:
     print(
         "| model | TP | rank | batch | tokens | path | cold ms | step ms | GPU ms | collective ms | tokens/s "
-        "| % HBM roofline | % roofline (GPU) | GPU ops / step |"
+        "| weights + KV GB | % HBM roofline | % roofline (GPU) | GPU ops / step |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['tp']} | {r['rank']} | {r['batch']} | {r['tokens']} | {r['path']} "
             f"| {r['cold_ms']:.3f} | {r['step_ms']:.3f} | {_cell(r['gpu_ms'], '.3f')} "
-            f"| {_cell(r['collective_ms'], '.3f')} | {r['tokens_per_s']:.0f} | {r['roofline_pct']:.1f} "
+            f"| {_cell(r['collective_ms'], '.3f')} | {r['tokens_per_s']:.0f} "
+            f"| {r['weight_gb']:.3f} + {r['kv_gb']:.3f} | {r['roofline_pct']:.1f} "
             f"| {_cell(r['gpu_roofline_pct'], '.1f')} | {_cell(r['gpu_ops_per_step'])} |"
         )
 

@@ -21,6 +21,15 @@ from dataclasses import dataclass
 from specsplit.runtime.kv_cache_size import GIB, HEADROOM
 
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e
+HBM_BYTES_PER_S_BY_GPU = {"H100": 3.35e12, "H200": HBM_BYTES_PER_S}  # SXM parts: HBM3, HBM3e
+
+
+def hbm_bytes_per_s(device_name: str) -> float:
+    """The memory bandwidth of the GPU named `device_name` (torch.cuda.get_device_name); the H200's for any other
+    device (a CPU run's fraction is only a reference point)."""
+    return next((bw for gpu, bw in HBM_BYTES_PER_S_BY_GPU.items() if gpu in device_name), HBM_BYTES_PER_S)
+
+
 FP8_BLOCK = 128
 ROUTER_BYTES = 4  # fp32
 

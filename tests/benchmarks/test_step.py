@@ -38,6 +38,9 @@ def test_decode_times_each_path_at_each_batch_size(tmp_path):
         assert r["tokens"] == r["batch"]  # one new token per request (k 0)
         assert r["cold_ms"] > 0 and r["step_ms"] > 0 and r["tokens_per_s"] > 0
         assert r["weight_gb"] > 0 and r["roofline_pct"] > 0
+        # The KV the step reads: each request's context and new token, K and V of every layer (qwen2-tiny: 2 layers,
+        # 2 KV heads of 32, float32).
+        assert r["kv_gb"] == pytest.approx(r["batch"] * (32 + 1) * 2 * 2 * 2 * 32 * 4 / 1e9)
         assert r["gpu_ms"] is None and r["gpu_ops_per_step"] is None  # CUDA only
         assert r["collective_ms"] is None  # one rank
 
