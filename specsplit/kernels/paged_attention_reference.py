@@ -42,3 +42,24 @@ def paged_attention_reference(
         scores = torch.einsum("hd,nhd->hn", q[t].float(), keys) * scale
         out[t] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(q.dtype)
     return out
+
+
+def mla_attention_reference(
+    q_latent: torch.Tensor,  # [T, num_heads, R]: W_UK-absorbed q_nope
+    q_pe: torch.Tensor,  # [T, num_heads, P], rotated
+    latent_cache: torch.Tensor,  # [num_blocks, block_size, R + P]: [c_kv; k_pe]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int
+    token_req_index: torch.Tensor,  # [T] int
+    token_context_lens: torch.Tensor,  # [T] int, 0 = padding token
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, R], q_latent's dtype
+    """Reference of `specsplit/kernels/mla_attention.py`: MLA's absorbed attention is paged attention with one KV head
+    whose keys are the cached latents [c_kv; k_pe] and whose values are c_kv (here the latents with k_pe zeroed, the
+    output cut to R)."""
+    rank = q_latent.shape[2]
+    values = torch.cat([latent_cache[..., :rank], torch.zeros_like(latent_cache[..., rank:])], dim=-1)
+    q = torch.cat([q_latent, q_pe], dim=-1)
+    out = paged_attention_reference(
+        q, latent_cache[:, :, None], values[:, :, None], block_tables, token_req_index, token_context_lens, scale
+    )
+    return out[..., :rank]

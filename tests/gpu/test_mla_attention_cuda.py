@@ -15,7 +15,7 @@ import torch
 
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.kernels.mla_attention import mla_attention_triton
-from specsplit.kernels.paged_attention_reference import paged_attention_reference
+from specsplit.kernels.paged_attention_reference import mla_attention_reference
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
@@ -38,19 +38,12 @@ def _case(batch: int, new: int, context: int, seed: int = 0):
     return [t.cuda() for t in (q_latent, q_pe, cache, tables, req, ctx)]
 
 
-def _reference(q_latent, q_pe, cache, tables, req, ctx, scale):
-    values = torch.cat([cache[..., :RANK], torch.zeros_like(cache[..., RANK:])], dim=-1)
-    q = torch.cat([q_latent, q_pe], dim=-1).cpu()
-    ref = paged_attention_reference(q, cache[:, :, None].cpu(), values[:, :, None].cpu(), tables.cpu(), req, ctx, scale)
-    return ref[..., :RANK].float()
-
-
 @pytest.mark.parametrize(("batch", "new", "context"), [(1, 1, 1000), (4, 4, 300), (32, 1, 200)])
 def test_kernel_at_deepseek_widths_equals_the_reference_and_replays_in_a_graph(batch, new, context):
     args = _case(batch, new, context)
     scale = 0.1147  # DeepSeek-V3's, with YaRN's mscale
     out = mla_attention_triton(*args, scale=scale)
-    ref = _reference(*args, scale)
+    ref = mla_attention_reference(*[a.cpu() for a in args], scale).float()
     err = (out.float().cpu() - ref).abs().max().item()
     assert err <= 2e-2 * max(1.0, ref.abs().max().item()), err
     static = [a.clone() for a in args]

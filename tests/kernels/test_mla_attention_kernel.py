@@ -1,5 +1,6 @@
-"""The Triton MLA kernel (absorbed form, `specsplit/kernels/mla_attention.py`) equals paged attention's reference
-run as MLA is defined: one KV head whose keys are the cached latents [c_kv; k_pe] and whose values are c_kv."""
+"""The Triton MLA kernel (absorbed form, `specsplit/kernels/mla_attention.py`) equals its reference, paged attention's
+run as MLA is defined (one KV head whose keys are the cached latents [c_kv; k_pe] and whose values are c_kv), and the
+reference equals the model's eager absorbed attention."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from specsplit.kernels.mla_attention import mla_attention_triton
-from specsplit.kernels.paged_attention_reference import paged_attention_reference
+from specsplit.kernels.paged_attention_reference import mla_attention_reference
+from specsplit.models.deepseek_v3.mla import attend_absorbed
 
 
 def _ragged_case(context_lens, new_tokens, heads, rank, rope, block_size, dtype, seed=0, padding=0):
@@ -33,14 +35,6 @@ def _ragged_case(context_lens, new_tokens, heads, rank, rope, block_size, dtype,
     return q_latent, q_pe, cache, block_tables, torch.tensor(req_index, dtype=torch.int32), torch.tensor(ctx)
 
 
-def _reference(q_latent, q_pe, cache, block_tables, req_index, ctx, scale):
-    rank = q_latent.shape[2]
-    keys = cache[:, :, None, :]  # one KV head: [c_kv; k_pe]
-    values = torch.cat([cache[..., :rank], torch.zeros_like(cache[..., rank:])], dim=-1)[:, :, None, :]
-    q = torch.cat([q_latent, q_pe], dim=-1)
-    return paged_attention_reference(q, keys, values, block_tables, req_index, ctx, scale)[..., :rank]
-
-
 CASES = {
     # context lengths, new tokens per request, heads, kv_lora_rank, rope dim, block size
     "tiny_verify": ([37, 5, 19], [4, 1, 2], 4, 32, 8, 16),
@@ -56,7 +50,7 @@ def test_kernel_equals_reference_fp32(name, num_splits):
     scale = 0.11
     out = mla_attention_triton(*args, scale=scale, num_splits=num_splits)
     assert out.shape == args[0].shape
-    torch.testing.assert_close(out, _reference(*args, scale), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out, mla_attention_reference(*args, scale), atol=2e-5, rtol=1e-5)
     assert torch.all(out[-1] == 0)  # the padding token
 
 
@@ -64,7 +58,21 @@ def test_kernel_equals_reference_bf16():
     args = _ragged_case(*CASES["tiny_verify"], dtype=torch.bfloat16, seed=1)
     out = mla_attention_triton(*args, scale=0.2, num_splits=2)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), _reference(*args, 0.2).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), mla_attention_reference(*args, 0.2).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_reference_equals_the_models_eager_absorbed_attention():
+    """One request's queries over its context: the reference against `attend_absorbed` with W_UK = identity (q_nope is
+    then q_latent) and W_UV = identity (its output is the latent sum)."""
+    heads, rank, rope, context, new = 3, 8, 4, 11, 3
+    q_latent, q_pe, cache, tables, req_index, ctx = _ragged_case([context], [new], heads, rank, rope, 4, torch.float32)
+    eye = torch.eye(rank).repeat(heads, 1, 1)  # [heads, rank, rank]
+    kv_b_weight = torch.cat([eye, eye], dim=1).reshape(heads * 2 * rank, rank)  # W_UK and W_UV per head
+    slots = (tables[0, torch.arange(context) // 4].long() * 4 + torch.arange(context) % 4).tolist()
+    latents = cache.view(-1, rank + rope)[slots]
+    mask = torch.arange(context)[None, :] <= torch.arange(context - new, context)[:, None]
+    eager = attend_absorbed(q_latent.contiguous(), q_pe, latents, kv_b_weight, 0.3, mask)
+    torch.testing.assert_close(mla_attention_reference(q_latent, q_pe, cache, tables, req_index, ctx, 0.3), eager)
 
 
 def test_shapes_that_do_not_fit_are_refused():
