@@ -50,13 +50,38 @@ def write_kv_triton(
         raise ValueError("the K and V caches must be contiguous")
     if k_cache.shape[2] * k_cache.shape[3] != row or v.shape != k.shape:
         raise ValueError(f"K {tuple(k.shape)} / V {tuple(v.shape)} do not fit the cache {tuple(k_cache.shape)}")
-    k, v = k.reshape(num_tokens, row), v.reshape(num_tokens, row)
-    if k.stride(1) != 1:
-        k = k.contiguous()
-    if v.stride(1) != 1:
-        v = v.contiguous()
+    _launch(k.reshape(num_tokens, row), v.reshape(num_tokens, row), k_cache, v_cache, slot_mapping)
+
+
+def write_rows_triton(
+    rows: torch.Tensor,  # [T, row]
+    cache: torch.Tensor,  # [num_blocks, block_size, row], contiguous
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
+) -> None:
+    """One vector per token into a paged cache (MLA's latents)."""
+    if not cache.is_contiguous():
+        raise ValueError("the cache must be contiguous")
+    if cache.shape[2] != rows.shape[1]:
+        raise ValueError(f"rows {tuple(rows.shape)} do not fit the cache {tuple(cache.shape)}")
+    _launch(rows, None, cache, None, slot_mapping)
+
+
+def _launch(
+    k: torch.Tensor,  # [T, row]
+    v: torch.Tensor | None,  # [T, row], or None: K alone
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, row = k.shape
     if num_tokens == 0:
         return
+    k = k if k.stride(1) == 1 else k.contiguous()
+    with_v = v is not None
+    if with_v:
+        v = v if v.stride(1) == 1 else v.contiguous()
+    else:
+        v, v_cache = k, k_cache  # not read
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -67,34 +92,5 @@ def write_kv_triton(
         v.stride(0),
         ROW=row,
         ROW_P2=triton.next_power_of_2(row),
-        WITH_V=True,
-    )
-
-
-def write_rows_triton(
-    rows: torch.Tensor,  # [T, row]
-    cache: torch.Tensor,  # [num_blocks, block_size, row], contiguous
-    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
-) -> None:
-    """One vector per token into a paged cache (MLA's latents)."""
-    num_tokens, row = rows.shape
-    if not cache.is_contiguous():
-        raise ValueError("the cache must be contiguous")
-    if cache.shape[2] != row:
-        raise ValueError(f"rows {tuple(rows.shape)} do not fit the cache {tuple(cache.shape)}")
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        rows,
-        rows,
-        cache,
-        cache,
-        slot_mapping,
-        rows.stride(0),
-        rows.stride(0),
-        ROW=row,
-        ROW_P2=triton.next_power_of_2(row),
-        WITH_V=False,
+        WITH_V=with_v,
     )

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.kernels.paged_attention import MIN_DOT, choose_num_splits, combine_splits, dot_dtype
+from specsplit.kernels.paged_attention import (
+    MIN_DOT,
+    choose_num_splits,
+    combine_splits,
+    dot_dtype,
+    online_softmax_step,
+    split_partials,
+)
 
 BLOCK_H = 16  # query heads per program (tl.dot's least M)
 BLOCK_N = 32  # cache entries per iteration
@@ -103,13 +110,8 @@ def _mla_kernel(
         c_kv, k_pe = c_kv.to(DOT_DTYPE), k_pe.to(DOT_DTYPE)
         s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION)
         s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = online_softmax_step(s, valid, m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c_kv, input_precision=PRECISION)
-        m = m_new
 
     if SPLIT:
         part = (t * num_heads + heads) * num_splits + split  # [BLOCK_H] into [T, num_heads, num_splits]
@@ -153,12 +155,7 @@ def mla_attention_triton(
         return out
     rank_p2 = max(MIN_DOT, triton.next_power_of_2(rank))
     split = num_splits > 1
-    if split:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, rank_p2, dtype=torch.float32, device=out.device)
-        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=out.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # not read: SPLIT is off
+    part_acc, part_m, part_l = split_partials(out, num_splits, rank_p2)
     _mla_kernel[(num_tokens, head_blocks, num_splits)](
         q_latent,
         q_pe,

@@ -28,6 +28,18 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
+def online_softmax_step(s, valid, m, denom):
+    """One tile of scores s [rows, BLOCK_N] (columns not `valid` left out) into the running max m and denominator
+    [rows]: the tile's unnormalised probabilities, the factor that rescales what was summed before, the new max and
+    denominator."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_kernel(
     q_ptr,
     k_cache_ptr,
@@ -91,13 +103,8 @@ def _attend_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_P2, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = online_softmax_step(s, valid, m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m = m_new
 
     if SPLIT:
         part = (t * num_heads + heads) * num_splits + split  # [GROUP_P2] into [T, num_heads, num_splits]
@@ -189,12 +196,7 @@ def paged_attention_triton(
     group = num_heads // kv_heads
     head_dim_p2 = max(MIN_DOT, triton.next_power_of_2(head_dim))
     split = num_splits > 1
-    if split:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim_p2, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # not read: SPLIT is off
+    part_acc, part_m, part_l = split_partials(out, num_splits, head_dim_p2)
     _attend_kernel[(num_tokens, kv_heads, num_splits)](
         q,
         k_cache,
@@ -230,6 +232,18 @@ def paged_attention_triton(
     if split:
         combine_splits(part_acc, part_m, part_l, out, head_dim)
     return out
+
+
+def split_partials(out: torch.Tensor, num_splits: int, width_p2: int) -> tuple[torch.Tensor, ...]:
+    """Split-K's partials for `out` ([T, num_heads, ...]): each split's unnormalised output [T, num_heads, num_splits,
+    width_p2], running max and denominator [T, num_heads, num_splits], float32; `out` three times (not read) when
+    there is one split."""
+    if num_splits == 1:
+        return out, out, out
+    num_tokens, num_heads = out.shape[:2]
+    part_acc = torch.empty(num_tokens, num_heads, num_splits, width_p2, dtype=torch.float32, device=out.device)
+    part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_acc, part_m, torch.empty_like(part_m)
 
 
 def combine_splits(

@@ -3,8 +3,9 @@
 1. The compiled Triton paged attention against the torch reference on the same device: random ragged batches
    (1-8 requests, contexts up to 700, 1-5 new tokens or a 40-token chunk), GQA shapes of Qwen2-7B / Llama-3-8B /
    the demo, fp32 / bf16 / fp16, split-K on and off; 60 cases.
-2. Target decode / verify steps: SDPA path vs Triton path vs captured CUDA graphs (replayed), on a tiny fp32
-   checkpoint and the demo checkpoint in bf16; the drafter's MTP steps eager vs CUDA graphs.
+2. Target decode / verify steps: SDPA path vs Triton path vs captured CUDA graphs (replayed), on tiny fp32
+   checkpoints (Qwen3; DeepSeek-V3, its eager MLA path against `specsplit/kernels/mla_attention.py`) and the demo
+   checkpoint in bf16; the drafter's MTP steps eager vs CUDA graphs (Qwen3, DeepSeek-V3).
 
     SPECSPLIT_GPU_TESTS=1 python -m pytest -m gpu tests/gpu
 """
@@ -22,6 +23,7 @@ from specsplit.kernels.paged_attention_reference import paged_attention_referenc
 from specsplit.models.loader import load_mtp, load_target
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from tests.fixtures.tiny import write_tiny_checkpoint
+from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 from tests.gpu.model_steps import decode_steps
 
 pytestmark = pytest.mark.gpu
@@ -34,8 +36,10 @@ CASES = 60
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), architecture="qwen3", max_position_embeddings=256)
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    qwen3 = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), architecture="qwen3", max_position_embeddings=256)
+    deepseek = write_tiny_deepseek_checkpoint(tmp_path_factory.mktemp("dsv3"), max_position_embeddings=256)
+    return {"qwen3": qwen3, "deepseek-v3": deepseek}
 
 
 @pytest.mark.parametrize("i", range(CASES))
@@ -67,13 +71,15 @@ def test_triton_paged_attention_matches_the_reference(i):
     assert all(err <= TOL[dtype] for err in errors.values()), f"{where}: max |error| per num_splits {errors}"
 
 
-@pytest.mark.parametrize(("model", "tol"), [("tiny qwen3 fp32", 1e-3), ("demo bf16", 0.25)])
-def test_target_steps_agree_across_sdpa_kernel_and_cuda_graphs(model, tol, tiny_checkpoint):
+@pytest.mark.parametrize(
+    ("model", "tol"), [("tiny qwen3 fp32", 1e-3), ("tiny deepseek-v3 fp32", 1e-3), ("demo bf16", 0.25)]
+)
+def test_target_steps_agree_across_sdpa_kernel_and_cuda_graphs(model, tol, tiny_checkpoints):
     dev = torch.device("cuda")
     if model == "demo bf16":
         target = load_target(DEMO, dtype=torch.bfloat16, device=dev)
     else:
-        target = load_target(tiny_checkpoint, device=dev)
+        target = load_target(tiny_checkpoints[model.split()[1]], device=dev)
     results = {}
     for path in ("sdpa", "kernel", "graphs"):
         cache = target.make_kv_cache(64, 16)
@@ -86,9 +92,11 @@ def test_target_steps_agree_across_sdpa_kernel_and_cuda_graphs(model, tol, tiny_
         assert err <= tol, f"{model}: {path} vs sdpa: max |logits diff| {err:.2e} > {tol}"
 
 
-def test_drafter_proposes_the_same_drafts_with_cuda_graphs(tiny_checkpoint):
+@pytest.mark.parametrize("architecture", ["qwen3", "deepseek-v3"])
+def test_drafter_proposes_the_same_drafts_with_cuda_graphs(tiny_checkpoints, architecture):
     dev = torch.device("cuda")
-    target, mtp = load_target(tiny_checkpoint, device=dev), load_mtp(tiny_checkpoint, device=dev)
+    path = tiny_checkpoints[architecture]
+    target, mtp = load_target(path, device=dev), load_mtp(path, device=dev)
     tokens = list(range(11, 40))
     with torch.inference_mode():
         cache = target.make_kv_cache(16, 16)
@@ -102,6 +110,7 @@ def test_drafter_proposes_the_same_drafts_with_cuda_graphs(tiny_checkpoint):
     for graphs in (False, True):
         cache = mtp.make_kv_cache(32, 16)
         runner = DrafterRunner(mtp, cache, attention_kernel=graphs, cuda_graphs=graphs)
+        assert (runner.graphs is not None) == graphs
         first = runner.propose([ProposeItem("r", 0, tokens[1:20], 3)], hidden[:19])
         second = runner.propose([ProposeItem("r", 19, tokens[20:22], 4)], hidden[19:21])
         drafts[graphs] = (first.drafts, second.drafts)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specsplit.kernels.kv_write import write_kv_triton
+from specsplit.kernels.kv_write import write_kv_triton, write_rows_triton
 from specsplit.kernels.paged_attention import paged_attention_triton
 from specsplit.kernels.paged_attention_reference import paged_attention_reference
 
@@ -97,3 +97,15 @@ def test_write_kv_puts_rows_at_their_slots_and_skips_negative_slots():
         assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t])
     untouched = [s for s in range(12) if s not in (7, 0, 11)]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_write_rows_puts_one_vector_per_token_at_its_slot_and_skips_negative_slots():
+    """MLA's latents: one row per token (a width that is no power of two), padding tokens (slot -1) write nothing."""
+    g = torch.Generator().manual_seed(3)
+    cache = torch.zeros(4, 3, 9)
+    rows = torch.randn(9, 4, generator=g).t()  # [4, 9], a transposed view: rows not contiguous
+    write_rows_triton(rows, cache, torch.tensor([5, -1, 10, 1]))
+    flat = cache.view(12, 9)
+    for t, s in ((0, 5), (2, 10), (3, 1)):
+        assert torch.equal(flat[s], rows[t])
+    assert not flat[[s for s in range(12) if s not in (5, 10, 1)]].any()
