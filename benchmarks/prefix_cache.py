@@ -30,9 +30,9 @@ and `unshared` none. The JSON (with every output) and the tables as Markdown go 
 $OUT/prefix-cache-NAME.json, .md beside it), written after every round too, so that a run cut short keeps what it
 measured; the services' logs beside them.
 
-    # the Qwen2-7B shape, random weights built on the GPU
+    # the Qwen2-7B shape, random weights built on the GPU: 64 requests per cell and cluster, in two rounds of 32
     python benchmarks/prefix_cache.py --shape qwen2-7b --load-format dummy --device cuda --dtype bfloat16 \\
-        --batches 1 32 --requests 64 --prefix-tokens 2048 --user-tokens 64 --new-tokens 32
+        --batches 1 32 --requests 32 --rounds 2 --prefix-tokens 2048 --user-tokens 64 --new-tokens 32
     # the demo checkpoint on the CPU (2,048 positions: P + U + T must fit)
     python benchmarks/prefix_cache.py --batches 1 8 --requests 16 --prefix-tokens 1536
 """
