@@ -23,11 +23,14 @@ import triton.language as tl
 
 from specsplit.kernels.paged_attention import (
     MIN_DOT,
+    cache_rows,
     choose_num_splits,
     combine_splits,
     dot_dtype,
     online_softmax_step,
     split_partials,
+    store_attention,
+    token_key_range,
 )
 
 BLOCK_H = 16  # query heads per program (tl.dot's least M)
@@ -72,11 +75,7 @@ def _mla_kernel(
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(token_req_index_ptr + t).to(tl.int64)
-    context_len = tl.load(token_context_lens_ptr + t).to(tl.int32)
-    keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, context_len)
+    req, start, end = token_key_range(token_req_index_ptr, token_context_lens_ptr, t, split, num_splits, BLOCK_N)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -101,8 +100,9 @@ def _mla_kernel(
     for n0 in range(start, end, BLOCK_N):
         cache_index = n0 + tl.arange(0, BLOCK_N)
         valid = cache_index < end
-        block = tl.load(block_tables_ptr + req * stride_bt_req + cache_index // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_c_block + (cache_index % BLOCK_SIZE) * stride_c_pos
+        row = cache_rows(
+            block_tables_ptr, req, stride_bt_req, cache_index, valid, stride_c_block, stride_c_pos, BLOCK_SIZE
+        )
         c_kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(
             cache_ptr + row[:, None] + RANK + offs_p[None, :], mask=valid[:, None] & p_mask[None, :], other=0.0
@@ -113,15 +113,10 @@ def _mla_kernel(
         p, alpha, m, denom = online_softmax_step(s, valid, m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c_kv, input_precision=PRECISION)
 
-    if SPLIT:
-        part = (t * num_heads + heads) * num_splits + split  # [BLOCK_H] into [T, num_heads, num_splits]
-        tl.store(part_m_ptr + part, m, mask=h_mask)
-        tl.store(part_l_ptr + part, denom, mask=h_mask)
-        tl.store(part_acc_ptr + part[:, None] * RANK_P2 + offs_r[None, :], acc, mask=h_mask[:, None])
-    else:
-        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        o_ptrs = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + offs_r[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
+    store_attention(
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, denom, t, heads, h_mask, offs_r, r_mask,
+        stride_o_t, stride_o_h, num_heads, num_splits, split, RANK_P2, SPLIT,
+    )  # fmt: skip
 
 
 def mla_attention_triton(

@@ -40,6 +40,60 @@ def online_softmax_step(s, valid, m, denom):
 
 
 @triton.jit
+def token_key_range(token_req_index_ptr, token_context_lens_ptr, t, split, num_splits, BLOCK_N: tl.constexpr):
+    """Token t's request and the cache indices [start, end) its split `split` of `num_splits` attends over."""
+    req = tl.load(token_req_index_ptr + t).to(tl.int64)
+    context_len = tl.load(token_context_lens_ptr + t).to(tl.int32)
+    keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * keys_per_split
+    return req, start, tl.minimum(start + keys_per_split, context_len)
+
+
+@triton.jit
+def cache_rows(
+    block_tables_ptr, req, stride_bt_req, cache_index, valid, stride_c_block, stride_c_pos, BLOCK_SIZE: tl.constexpr
+):
+    """Offsets into a paged cache of request `req`'s entries at `cache_index` (through its block table)."""
+    block = tl.load(block_tables_ptr + req * stride_bt_req + cache_index // BLOCK_SIZE, mask=valid, other=0)
+    return block.to(tl.int64) * stride_c_block + (cache_index % BLOCK_SIZE) * stride_c_pos
+
+
+@triton.jit
+def store_attention(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    acc,
+    m,
+    denom,
+    t,
+    heads,
+    h_mask,
+    offs_d,
+    d_mask,
+    stride_o_t,
+    stride_o_h,
+    num_heads,
+    num_splits,
+    split,
+    D_P2: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """A program's rows (`heads` of token t): normalised into `out`, or with SPLIT its split's partials
+    (`split_partials`' layout), which `combine_splits` normalises."""
+    if SPLIT:
+        part = (t * num_heads + heads) * num_splits + split  # into [T, num_heads, num_splits]
+        tl.store(part_m_ptr + part, m, mask=h_mask)
+        tl.store(part_l_ptr + part, denom, mask=h_mask)
+        tl.store(part_acc_ptr + part[:, None] * D_P2 + offs_d[None, :], acc, mask=h_mask[:, None])
+    else:
+        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        o_ptrs = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _attend_kernel(
     q_ptr,
     k_cache_ptr,
@@ -75,11 +129,7 @@ def _attend_kernel(
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(token_req_index_ptr + t).to(tl.int64)
-    context_len = tl.load(token_context_lens_ptr + t).to(tl.int32)
-    keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, context_len)
+    req, start, end = token_key_range(token_req_index_ptr, token_context_lens_ptr, t, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM_P2)
@@ -96,8 +146,10 @@ def _attend_kernel(
     for n0 in range(start, end, BLOCK_N):
         cache_index = n0 + tl.arange(0, BLOCK_N)
         valid = cache_index < end
-        block = tl.load(block_tables_ptr + req * stride_bt_req + cache_index // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_c_block + (cache_index % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_head
+        row = cache_rows(
+            block_tables_ptr, req, stride_bt_req, cache_index, valid, stride_c_block, stride_c_pos, BLOCK_SIZE
+        )
+        row += kv_head * stride_c_head
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
@@ -106,15 +158,10 @@ def _attend_kernel(
         p, alpha, m, denom = online_softmax_step(s, valid, m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
 
-    if SPLIT:
-        part = (t * num_heads + heads) * num_splits + split  # [GROUP_P2] into [T, num_heads, num_splits]
-        tl.store(part_m_ptr + part, m, mask=g_mask)
-        tl.store(part_l_ptr + part, denom, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + offs_d[None, :], acc, mask=g_mask[:, None])
-    else:
-        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        o_ptrs = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    store_attention(
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, denom, t, heads, g_mask, offs_d, d_mask,
+        stride_o_t, stride_o_h, num_heads, num_splits, split, HEAD_DIM_P2, SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit
