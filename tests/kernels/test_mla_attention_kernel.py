@@ -10,29 +10,21 @@ import torch
 from specsplit.kernels.mla_attention import mla_attention_triton
 from specsplit.kernels.paged_attention_reference import mla_attention_reference
 from specsplit.models.deepseek_v3.mla import attend_absorbed
+from tests.kernels.paged_layout import scattered_layout
 
 
 def _ragged_case(context_lens, new_tokens, heads, rank, rope, block_size, dtype, seed=0, padding=0):
     """A shuffled paged latent cache holding each request's context, its last `new_tokens` as queries (plus
     `padding` tokens of context length 0), the query's latent part a transposed view as the model makes it."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
+    num_blocks, block_tables, req_index, ctx = scattered_layout(context_lens, new_tokens, block_size, g)
     cache = torch.randn(num_blocks, block_size, rank + rope, generator=g).to(dtype)
-    block_tables = torch.full((len(context_lens), max(blocks_per_req) + 1), -1, dtype=torch.int32)
-    for r, nb in enumerate(blocks_per_req):
-        block_tables[r, :nb] = torch.tensor([order.pop() for _ in range(nb)])
-    req_index, ctx = [], []
-    for r, (n, new) in enumerate(zip(context_lens, new_tokens)):
-        req_index += [r] * new
-        ctx += list(range(n - new + 1, n + 1))  # causal: query j sees cache indices 0 .. n - new + j
-    req_index += [0] * padding
-    ctx += [0] * padding
+    req_index = torch.cat([req_index, torch.zeros(padding, dtype=torch.int32)])
+    ctx = torch.cat([ctx, torch.zeros(padding, dtype=ctx.dtype)])
     tokens = len(ctx)
     q_latent = torch.randn(heads, tokens, rank, generator=g).to(dtype).transpose(0, 1)  # [T, H, R], a bmm's view
     q_pe = torch.randn(tokens, heads, rope, generator=g).to(dtype)
-    return q_latent, q_pe, cache, block_tables, torch.tensor(req_index, dtype=torch.int32), torch.tensor(ctx)
+    return q_latent, q_pe, cache, block_tables, req_index, ctx
 
 
 CASES = {

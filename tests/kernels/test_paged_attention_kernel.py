@@ -11,6 +11,7 @@ import torch
 from specsplit.kernels.kv_write import write_kv_triton, write_rows_triton
 from specsplit.kernels.paged_attention import paged_attention_triton
 from specsplit.kernels.paged_attention_reference import paged_attention_reference
+from tests.kernels.paged_layout import scattered_layout
 
 
 def _ragged_case(
@@ -18,21 +19,11 @@ def _ragged_case(
 ):
     """A shuffled paged cache holding each request's context, and its last `new_tokens` as queries."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered through the pool
+    num_blocks, block_tables, req_index, ctx = scattered_layout(context_lens, new_tokens, block_size, g)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    width = max(blocks_per_req) + 1  # a spare -1 column, as a padded table has
-    block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
-    for r, nb in enumerate(blocks_per_req):
-        block_tables[r, :nb] = torch.tensor([order.pop() for _ in range(nb)])
-    req_index, ctx = [], []
-    for r, (n, new) in enumerate(zip(context_lens, new_tokens)):
-        req_index += [r] * new
-        ctx += list(range(n - new + 1, n + 1))  # causal: query j sees cache indices 0 .. n - new + j
     q = torch.randn(len(ctx), heads, dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, block_tables, torch.tensor(req_index, dtype=torch.int32), torch.tensor(ctx)
+    return q, k_cache, v_cache, block_tables, req_index, ctx
 
 
 CASES = {
