@@ -100,12 +100,23 @@ def start_streams(
 
 
 def kill_under_streams(cluster, role: str, prompts: list[list[int]], max_tokens: int, finals: dict | None = None):
-    """Greedy streams of `prompts` (`start_streams`); once one has 8 tokens, `role` SIGKILLed and restarted; returns
-    every stream's tokens by prompt index once all ended, and raises the first stream's failure."""
-    progressed = threading.Event()
-    threads, results, errors = start_streams(
-        cluster.address, prompts, max_tokens, lambda n: n >= 8 and progressed.set(), finals=finals
-    )
+    """Greedy streams of `prompts` (`start_streams`); once every stream has tokens (all admitted before the kill: on a
+    loaded machine a stream admitted after it would start differently, e.g. without the prefix cache the failure
+    dropped) and one has 8, `role` SIGKILLed and restarted; returns every stream's tokens by prompt index once all
+    ended, and raises the first stream's failure."""
+    progressed, lock = threading.Event(), threading.Lock()
+    started: set[int] = set()  # the stream threads that have tokens
+    most = 0
+
+    def on_progress(n: int) -> None:
+        nonlocal most
+        with lock:
+            started.add(threading.get_ident())  # each stream runs on a thread of its own
+            most = max(most, n)
+            if most >= 8 and len(started) == len(prompts):
+                progressed.set()
+
+    threads, results, errors = start_streams(cluster.address, prompts, max_tokens, on_progress, finals=finals)
     assert progressed.wait(60)
     cluster.kill(role, signal.SIGKILL)
     time.sleep(0.5)
