@@ -228,10 +228,7 @@ def cell_row(caching: str, cell: Cell, runs: list[CellRun], new_tokens: int) -> 
 def pooled_rows(cells: list[Cell], runs: dict[tuple[str, int], list[CellRun]], new_tokens: int) -> list[dict]:
     """A row per cluster and cell (`cells`: one round's, for their workloads and batches) over its rounds."""
     return [
-        cell_row(caching, cell, runs[caching, i], new_tokens)
-        for caching in CACHING
-        for i, cell in enumerate(cells)
-        if (caching, i) in runs
+        cell_row(caching, cell, runs[caching, i], new_tokens) for caching in CACHING for i, cell in enumerate(cells)
     ]
 
 

@@ -242,7 +242,6 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
     from specsplit.models.attention import use_precompiled_sdpa
     from specsplit.models.loader import load_target
     from specsplit.runtime.cuda_graphs import CudaGraphRunner
-    from specsplit.runtime.memory_profile import cache_bytes
 
     dtype = getattr(torch, args.dtype)
     model = load_target(model_dir, dtype=dtype, device=device, load_format=load_format)
@@ -260,7 +259,7 @@ def target_rows(args, name: str, model_dir: Path, load_format: str, device: str,
         )
         print(f"{name}: graphs for {runner.buckets} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sizes = model_bytes(json.loads((model_dir / "config.json").read_text()), dtype.itemsize)
-    kv_token = cache_bytes(cache) / (cache.num_blocks * cache.block_size)  # over every layer
+    kv_token = cache.bytes_per_token  # over every layer
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens
     vocab = model.config.vocab_size
     rows = []
@@ -339,10 +338,9 @@ def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidd
     import torch
 
     from specsplit.drafter.runner import ProposeItem
-    from specsplit.runtime.memory_profile import cache_bytes
 
     dtype, k, context = getattr(torch, args.dtype), args.k, args.context
-    kv_token = cache_bytes(runner.kv_cache) / (runner.kv_cache.num_blocks * runner.kv_cache.block_size)
+    kv_token = runner.kv_cache.bytes_per_token
     head_rows = vocab if draft_vocab is None else draft_vocab.size
     rows = []
     with torch.inference_mode():

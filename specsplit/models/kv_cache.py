@@ -472,3 +472,8 @@ class PagedKVCache(PagedBlocks):
     @property
     def device(self) -> torch.device:
         return self.k.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies, K and V over all layers."""
+        return (self.k.nbytes + self.v.nbytes) // (self.num_blocks * self.block_size)
