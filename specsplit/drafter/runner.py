@@ -75,7 +75,7 @@ class ProposeItem:
     num_rows: int = 0
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
-    grammar: str | None = None  # structured output: its drafts follow this grammar (`_constrained_pick`)
+    grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
     # With a grammar: the request's output so far (on a device hand-off, until the step's tokens: `_add_step_tokens`).
     output: list[int] = field(default_factory=list)
     # Prefix caching: the drafter keys of the cached blocks the verifier started the request on (their tokens are
@@ -324,17 +324,17 @@ class DrafterRunner:
         else:
             logits = None if out_logits is None else out_logits.index_select(0, select)
         drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
-        copying = None  # constrained: a masked step's drafts on their way to the host (`_constrained_pick`)
         if constrained:
             if step_tokens is not None:
                 tokens, num_sampled = step_tokens.lists()
                 _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
-            pick, copying = self._constrained_pick(logits, sampling, items, active, drafted, None)
-        else:
-            pick = self._pick(logits, sampling, hidden.shape[0])
-        picks = [pick]
+            self._mask_grammars(logits, items, active, drafted)
+        picks = [self._pick(logits, sampling, hidden.shape[0])]
+        # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
+        # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
+        copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
         steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
-        for step_rows, (keep, attn, positions_t, sampling) in zip(actives, steps):
+        for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
                 tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
@@ -345,10 +345,12 @@ class DrafterRunner:
             if not graphed:
                 logits = self.mtp.compute_logits(hidden)
             if constrained:
-                pick, copying = self._constrained_pick(logits, sampling, items, step_rows, drafted, copying)
-            else:
-                pick = self._pick(logits, sampling, hidden.shape[0])
-            picks.append(pick)
+                if copying is not None:
+                    copying.note(drafted)
+                self._mask_grammars(logits, items, step_rows, drafted)
+            picks.append(self._pick(logits, sampling, hidden.shape[0]))
+            if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
+                copying = _DraftsCopy(step_rows, picks[-1][0])
         if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
             return ProposeOutput(drafts, (t0, t1, t1))
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
@@ -356,67 +358,28 @@ class DrafterRunner:
         t1 = self._timer.split(t1, t2)
         return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
 
-    def _constrained_pick(
+    def _mask_grammars(
         self,
-        logits: torch.Tensor | None,  # [n, V] this step's, a row per item of `rows` (None: a tensor-parallel follower)
-        sampling: _Sampling | None,
+        logits: torch.Tensor | None,  # [n, V] this step's, one row per item of `rows`
         items: list[ProposeItem],
         rows: list[int],  # this step's items, in row order
-        drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host
-        copying: _DraftsCopy | None,  # the step before's drafts, where they are still on their way to the host
-    ) -> tuple[_Pick, _DraftsCopy | None]:
-        """A step's drafts where a request is constrained: each picked after the request's output and its drafts so
-        far as its grammar allows.
-
-        A greedy step picks first and masks after: its argmax comes to the host, the grammar checks each constrained
-        row's draft (`Grammars.allows`, one token), and only the rows whose draft it refuses are masked and picked
-        again; a masked argmax is the plain one wherever the grammar allows the plain one. A step with a sampled
-        request masks its constrained rows before it picks (`Grammars.next_masks`: what the grammar allows,
-        computed while the step's forward runs), since a sampled draft's q must be the one it was drawn from; its
-        drafts go to the host without a wait (the `_DraftsCopy` returned) and are waited for once the next step's
-        forward is queued. A request whose output its grammar refuses (which verification would not have let
-        through) is drafted unmasked."""
-        n = len(rows)
+        drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host (`_DraftsCopy.note`)
+    ) -> None:
+        """Masks the rows of constrained requests with their grammar's state after their output and the drafts this
+        Propose made for them so far, so that the draft picked next is one the grammar allows. A request whose output
+        its grammar refuses (which verification would not have let through) is drafted unmasked."""
         if logits is None:  # a tensor-parallel follower: rank 0 picks
-            return self._pick(None, sampling, n), None
-        if copying is not None:
-            copying.note(drafted)
-        constrained = [(row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None]
-        if sampling is not None:
-            words, errors = self.grammars.next_masks(
-                [(item.request_id, item.grammar, item.output, drafted[i]) for _, item, i in constrained]
-            )
-            self._log_unmasked(constrained, errors)
-            apply_masks(logits, [row for row, _, _ in constrained], words, self._column_ids)
-            pick = self._pick(logits, sampling, n)
-            return pick, _DraftsCopy(rows, pick[0])
-        tokens = to_ids(logits.argmax(dim=-1), self._column_ids)
-        picked = tokens.tolist()
-        allowed, errors = self.grammars.allows(
-            [(item.request_id, item.grammar, item.output, drafted[i], picked[row]) for row, item, i in constrained]
+            return
+        rows_items = [(row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None]
+        if not rows_items:
+            return
+        words, errors = self.grammars.next_masks(
+            [(item.request_id, item.grammar, item.output, drafted[i]) for _, item, i in rows_items]
         )
-        self._log_unmasked(constrained, errors)
-        refused = [c for c, ok in zip(constrained, allowed) if not ok]
-        self.grammars.drafts_checked += len(constrained)
-        self.grammars.drafts_masked += len(refused)
-        if refused:
-            words, _ = self.grammars.next_masks(
-                [(item.request_id, item.grammar, item.output, drafted[i]) for _, item, i in refused]
-            )
-            apply_masks(logits, [row for row, _, _ in refused], words, self._column_ids)
-            tokens = to_ids(logits.argmax(dim=-1), self._column_ids)  # the rows the grammar allowed stay as they were
-            picked = tokens.tolist()
-        for row, i in enumerate(rows):
-            drafted[i].append(picked[row])
-        if tp_size() > 1:
-            broadcast_tensor_from_first(tokens)
-        return (tokens, None, None), None
-
-    @staticmethod
-    def _log_unmasked(constrained: list[tuple[int, ProposeItem, int]], errors: list) -> None:
-        for (_, item, _), err in zip(constrained, errors):
+        for (_, item, _), err in zip(rows_items, errors):
             if err is not None:  # its row allows everything
                 log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
+        apply_masks(logits, [row for row, _, _ in rows_items], words, self._column_ids)
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
         """logits: [n, V] float32 (a draft vocabulary's: [n, N]) → drafts [n] (token ids); argmax alone when every row

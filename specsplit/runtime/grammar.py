@@ -50,8 +50,6 @@ class Grammars:
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
         # says): none while the drafter masks its drafts too (benchmarks/structured_output.py compares unmasked ones).
         self.checked = self.refused = 0
-        # The drafter's greedy drafts the grammar checked (`allows`), and those it refused, whose rows were masked.
-        self.drafts_checked = self.drafts_masked = 0
 
     @property
     def tokenizer(self):
@@ -108,31 +106,6 @@ class Grammars:
             if n:
                 matcher.rollback(n)
         return out, errors
-
-    def allows(
-        self, requests: list[tuple[str, str, list[int], list[int], int]]
-    ) -> tuple[list[bool], list[InvalidArgument | None]]:
-        """Per (request id, grammar, output, drafts, token): whether the grammar takes `token` after the output and
-        `drafts` (drafts past an EOS left out, as `next_masks` leaves them out). A one-token check in place of a
-        mask: where it holds, a greedy draft masked with `next_masks`' row is this token, so the drafter masks only
-        the rows it refuses. llguidance's check follows the grammar's lexer; its masks also keep forced text to its
-        canonical tokens, so in rare states (the first token of a forced JSON key, tokenized another way) a token
-        passes the check that its mask leaves out; the verifier's masks then reject that draft. A request whose
-        output its grammar refuses allows every token, as its `next_masks` row does; its error comes with the answers
-        as `next_masks` gives it."""
-        eos = set(self.tokenizer.eos_tokens)
-        allowed: list[bool] = []
-        errors: list[InvalidArgument | None] = [None] * len(requests)
-        for row, (request_id, grammar, output, drafts, token) in enumerate(requests):
-            try:
-                m = self._matcher(request_id, grammar, output)
-            except InvalidArgument as err:
-                errors[row] = err
-                allowed.append(True)
-                continue
-            drafts = drafts[: next((j for j, t in enumerate(drafts) if t in eos), len(drafts))]
-            allowed.append(m.matcher.validate_tokens([*drafts, token]) == len(drafts) + 1)
-        return allowed, errors
 
     def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows

@@ -39,33 +39,3 @@ def test_masked_drafts_follow_the_grammar_and_are_accepted_more_often(llm):
     for a, b in zip(masked, unmasked):
         assert a.token_ids == b.token_ids  # drafts change how many tokens an iteration yields, never which
         assert a.finish_reason != "stop" or re.fullmatch(REGEX, a.text), a.text
-
-
-def drafts_of(llm, monkeypatch) -> list[list[int]]:
-    runner, made = llm.drafter.runner, []
-
-    def propose(*args, **kwargs):
-        out = type(runner).propose(runner, *args, **kwargs)
-        made.extend(out.drafts)
-        return out
-
-    monkeypatch.setattr(runner, "propose", propose)
-    return made
-
-
-def test_greedy_drafts_checked_before_a_mask_equal_drafts_masked_every_step(llm, monkeypatch):
-    """The drafter picks a greedy draft, checks it with the grammar and masks only the rows it refuses: its drafts
-    equal those of masking every constrained row (the check refusing everything), draft for draft, and some rows
-    needed no mask."""
-    grammars = llm.drafter.runner.grammars
-    made = drafts_of(llm, monkeypatch)
-    checked, masked = grammars.drafts_checked, grammars.drafts_masked
-    first = llm.generate(PROMPTS, max_tokens=32, structured_output={"regex": REGEX})
-    checked, masked = grammars.drafts_checked - checked, grammars.drafts_masked - masked
-    checked_first = list(made)
-    made.clear()
-    monkeypatch.setattr(grammars, "allows", lambda requests: ([False] * len(requests), [None] * len(requests)))
-    every = llm.generate(PROMPTS, max_tokens=32, structured_output={"regex": REGEX})
-    assert made == checked_first and any(made)
-    assert [r.token_ids for r in first] == [r.token_ids for r in every]
-    assert 0 < masked < checked, (masked, checked)

@@ -99,24 +99,3 @@ def test_the_drafters_next_masks_are_the_rows_after_its_drafts(tok):
     assert len(allowed_ids(words[3])) == words.shape[1] * 32
     again, _ = grammars.next_masks([("r0", GRAMMAR, [], [])])
     assert np.array_equal(again[0], rows[0])  # the drafts were rolled back
-
-
-def test_the_drafters_one_token_check_agrees_with_its_masks(tok):
-    """`allows` (the drafter's check of a greedy draft before any mask) takes a token exactly where `next_masks`' row
-    for the same output and drafts has its bit, for every token of the vocabulary: after no draft, after drafts,
-    after text the grammar may end on (a digit or EOS), after an EOS draft (the EOS row's mask); a request whose
-    output its grammar refuses allows every token and comes with its error."""
-    grammars = Grammars(DEMO)
-    ids = tok.encode("hello 42", add_special_tokens=False)
-    eos = tok.eos_token_id
-    cases = [([], []), ([], ids[:1]), (ids[:1], ids[1:2]), (ids, []), ([], ids), ([], [*ids, eos, ids[0]])]
-    vocab = len(tok)
-    for output, drafts in cases:
-        words, _ = grammars.next_masks([("r", GRAMMAR, output, drafts)])
-        want = allowed_ids(words[0])
-        allowed, errors = grammars.allows([("r", GRAMMAR, output, drafts, t) for t in range(vocab)])
-        assert errors == [None] * vocab
-        assert {t for t in range(vocab) if allowed[t]} == want & set(range(vocab)), (output, drafts)
-        assert 0 < len(want & set(range(vocab))) < vocab
-    allowed, errors = grammars.allows([("bad", GRAMMAR, [ids[-1], ids[-1]], [], t) for t in (ids[0], eos)])
-    assert allowed == [True, True] and all(isinstance(e, InvalidArgument) for e in errors)
