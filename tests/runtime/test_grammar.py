@@ -99,3 +99,24 @@ def test_the_drafters_next_masks_are_the_rows_after_its_drafts(tok):
     assert len(allowed_ids(words[3])) == words.shape[1] * 32
     again, _ = grammars.next_masks([("r0", GRAMMAR, [], [])])
     assert np.array_equal(again[0], rows[0])  # the drafts were rolled back
+
+
+def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
+    """New requests' matchers are built on threads together (`_make_matchers`): their masks equal those of matchers
+    made one request at a time, for two grammars in one batch, and a request given another grammar gets a new one."""
+    other = llguidance.LLMatcher.grammar_from_regex("[0-9]+ (hello|world)")
+    ids = tok.encode("hello 42", add_special_tokens=False)
+    digits = tok.encode("42 ", add_special_tokens=False)
+    jobs = [(f"r{i}", GRAMMAR if i % 2 else other, [], (ids if i % 2 else digits)[: i % 3]) for i in range(6)]
+    together = Grammars(DEMO)
+    masks = together.batch_masks(jobs)
+    assert len(together._matchers) == 6 and together._builders is not None  # made on the threads
+    alone = Grammars(DEMO)
+    for job, got in zip(jobs, masks):
+        assert np.array_equal(got, alone.batch_masks([job])[0]), job
+    regrammared = [(rid, other if g == GRAMMAR else GRAMMAR, [], []) for rid, g, _, _ in jobs[:2]]
+    words, errors = together.next_masks(regrammared)
+    assert errors == [None, None]
+    for (rid, g, _, _), row in zip(regrammared, words):
+        assert together._matchers[rid].grammar == g
+        assert np.array_equal(row, alone.masks("fresh" + rid, g, [], [])[0])
