@@ -42,6 +42,11 @@ of its own.
                       (105.7 GiB); verifier 3.71 + 3 x 0.60 + n x 11.53 GB with its workspace and KV
                       (3200 x 13.5 KB of latent cache): n = 9 MoE layers (105.6 GiB), 10 would need 116.3 GiB.
                       12 layers of the 61.
+
+One H100 (about 78 GiB): the same arithmetic (`plan_shares`, tests/benchmarks/test_weight_bytes.py) holds
+deepseek-v3-fp8-h100, 6 layers (3 dense + 3 MoE; the drafter 0.25 of the device, the verifier 0.65), and
+glm-4.5-air-fp8-h100, 25 layers (1 dense + 24 MoE; 0.12 and 0.78). An H200 runs them too, so one command per shape
+measures either GPU.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ DEEPSEEK_V3 = {
 FAMILY = {"glm-4.5-air": GLM4_MOE, "glm-tiny": GLM4_MOE, "deepseek-v3": DEEPSEEK_V3, "deepseek-v3-tiny": DEEPSEEK_V3}
 
 DEEPSEEK_V3_H200_LAYERS = 12  # 3 dense + 9 MoE: the module docstring's arithmetic
+DEEPSEEK_V3_H100_LAYERS = 6  # 3 dense + 3 MoE
+GLM_45_AIR_H100_LAYERS = 25  # 1 dense + 24 MoE
 
 SHAPES = {
     "qwen2-7b": dict(
@@ -239,6 +246,10 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "we
 for _name in ("qwen2-7b", "glm-4.5-air", "glm-tiny", "deepseek-v3", "deepseek-v3-tiny"):
     SHAPES[f"{_name}-fp8"] = dict(SHAPES[_name], quantization_config=FP8)
     FAMILY[f"{_name}-fp8"] = FAMILY.get(_name, QWEN2)
+# The FP8 MoE shapes cut to what one H100 holds (the module docstring).
+for _name, _layers in (("deepseek-v3", DEEPSEEK_V3_H100_LAYERS), ("glm-4.5-air", GLM_45_AIR_H100_LAYERS)):
+    SHAPES[f"{_name}-fp8-h100"] = dict(SHAPES[f"{_name}-fp8"], num_hidden_layers=_layers)
+    FAMILY[f"{_name}-fp8-h100"] = FAMILY[_name]
 
 
 def write_shape(name: str, path: str | Path) -> Path:

@@ -1,14 +1,15 @@
 """benchmarks/lib/weight_bytes.py: the weight bytes of the real shapes (counted from config.json as the loader holds
 them), the expected routed experts a step touches, and the one-GPU memory plan behind benchmarks/lib/shapes.py's
-DeepSeek-V3 layer count."""
+DeepSeek-V3 layer count, and the cuts one H100 holds."""
 
 import pytest
 
-from benchmarks.lib.shapes import DEEPSEEK_V3_H200_LAYERS, SHAPES
+from benchmarks.lib.shapes import DEEPSEEK_V3_H100_LAYERS, DEEPSEEK_V3_H200_LAYERS, GLM_45_AIR_H100_LAYERS, SHAPES
 from benchmarks.lib.weight_bytes import LayerBytes, model_bytes, plan_shares
 from specsplit.runtime.kv_cache_size import GIB
 
 H200 = int(139.8 * GIB)  # the H200's total memory as torch reports it (its memory plans print 139.8 GiB)
+H100 = int(78 * GIB)  # an H100's, rounded down (torch reports 79.1 GiB for the 80 GB part)
 
 
 def test_weights_of_the_fp8_shapes_as_counted_by_hand():
@@ -53,3 +54,22 @@ def test_deepseek_v3_is_cut_to_the_most_layers_one_h200_holds():
     assert "cut the shape's layers" in plan(DEEPSEEK_V3_H200_LAYERS + 1).refusal()
     glm = plan_shares(model_bytes(SHAPES["glm-4.5-air-fp8"]), H200, 0.9, 0.1, 32 * (64 + 32 + 4), 512)
     assert glm.fits and (glm.verifier, glm.drafter) == (0.8, 0.1)  # up's defaults as they are
+
+
+@pytest.mark.parametrize(
+    "name, layers, dense", [("deepseek-v3", DEEPSEEK_V3_H100_LAYERS, 3), ("glm-4.5-air", GLM_45_AIR_H100_LAYERS, 1)]
+)
+def test_the_h100_cuts_hold_the_most_layers_78_gib_fits(name, layers, dense):
+    """`<shape>-fp8-h100`: the FP8 MoE shape with the most layers whose verifier and co-located drafter (as
+    `benchmarks/e2e.py --services-only` plans them) fit 78 GiB; MoE layers beyond the dense ones."""
+
+    def plan(n: int):
+        sizes = model_bytes(dict(SHAPES[f"{name}-fp8"], num_hidden_layers=n))
+        return plan_shares(sizes, H100, 0.9, 0.1, kv_tokens=32 * (64 + 32 + 4), max_step_tokens=512)
+
+    cut = SHAPES[f"{name}-fp8-h100"]
+    assert cut["num_hidden_layers"] == layers > dense and cut["quantization_config"]["quant_method"] == "fp8"
+    assert {k: v for k, v in cut.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in SHAPES[f"{name}-fp8"].items() if k != "num_hidden_layers"
+    }
+    assert plan(layers).fits and not plan(layers + 1).fits
