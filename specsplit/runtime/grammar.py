@@ -157,33 +157,39 @@ class Grammars:
         """Matchers for the (request id, grammar) pairs that have none for that grammar yet (a batch's new requests),
         parsed together: llguidance drops the GIL while it builds one (about 0.4-0.6 ms for a JSON schema at a
         152k vocabulary, docs/performance.md "Structured output"), so threads build them side by side; `_matcher`
-        then finds them. A lone one is left to `_matcher`."""
+        then finds them; a lone one is built here on the calling thread."""
         new = {rid: g for rid, g in requests if (m := self._matchers.get(rid)) is None or m.grammar != g}
-        if len(new) < 2:
+        if not new:
             return
         import llguidance
 
         tokenizer = self.tokenizer
-        if self._builders is None:
-            self._builders = ThreadPoolExecutor(min(32, os.cpu_count() or 1), thread_name_prefix="grammar")
-        made = self._builders.map(lambda grammar: llguidance.LLMatcher(tokenizer, grammar), new.values())
+
+        def build(grammar: str):
+            # A matcher of its own, parsed from the grammar. llguidance's `deep_copy` of one kept per grammar is
+            # about a hundred times cheaper to make, but the copies share one lexer behind one lock: with them the
+            # executor's threads took 3.3x as long for a batch's masks at batch 32 and 128 on a 16-core GPU host
+            # (`benchmarks/structured_output.py`, docs/performance.md "Structured output").
+            return llguidance.LLMatcher(tokenizer, grammar)
+
+        if len(new) == 1:
+            made = map(build, new.values())
+        else:
+            if self._builders is None:
+                self._builders = ThreadPoolExecutor(min(32, os.cpu_count() or 1), thread_name_prefix="grammar")
+            made = self._builders.map(build, new.values())
         for (rid, grammar), matcher in zip(new.items(), made):
             self._matchers[rid] = _Matcher(grammar, matcher)
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
-        import llguidance
-
         eos = set(self.tokenizer.eos_tokens)
         end = next((j for j, t in enumerate(output) if t in eos), len(output))
         output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
-        if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
-            # A matcher of its own, parsed from the grammar. llguidance's `deep_copy` of one kept per grammar is about
-            # a hundred times cheaper to make, but the copies share one lexer behind one lock: with them the
-            # executor's threads took 3.3x as long for a batch's masks at batch 32 and 128 on a 16-core GPU host
-            # (`benchmarks/structured_output.py`, docs/performance.md "Structured output").
-            m = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))
-            self._matchers[request_id] = m
+        if m is not None and output[: len(m.consumed)] != m.consumed:  # the output went another way: start afresh
+            del self._matchers[request_id]
+        self._make_matchers([(request_id, grammar)])
+        m = self._matchers[request_id]
         new = output[len(m.consumed) :]
         if new:
             if m.matcher.try_consume_tokens(new) != len(new):
