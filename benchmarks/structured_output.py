@@ -1,8 +1,9 @@
 """What structured output costs a verify step: the grammar masks' host time (llguidance filling a packed mask per
 row, drafts included, the batch's rows at once, as the verifier's `Grammars.batch_masks` does) and their device time
 (the masks unpacked and applied to the logits, `logits_processors.apply`), at a 151,936-id vocabulary, batch 1 / 32 /
-128 x k 3; and the demo checkpoint's acceptance under constraints with the drafter's drafts masked (as served) and
-unmasked, with the share of verified drafts the grammar refused.
+128 x k 3, and the host time of a batch of new requests' first step (their matchers built, one row each); and the
+demo checkpoint's acceptance under constraints with the drafter's drafts masked (as served) and unmasked, with the
+share of verified drafts the grammar refused.
 
     python benchmarks/structured_output.py --device cuda [--batches 1 32 128] [--acceptance]
 
