@@ -296,9 +296,11 @@ class LocalCluster:
                 raise TimeoutError(f"{svc.role} was not ready in time\n{svc.log_tail()}")
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` and waits for the service to exit: SIGKILL 30 s; SIGTERM or SIGINT drain, which may take the
+        service's whole `--shutdown-grace` (30 s by default), so 90 s."""
         svc = self.services[role]
         svc.proc.send_signal(sig)
-        svc.proc.wait(timeout=30)
+        svc.proc.wait(timeout=30 if sig == signal.SIGKILL else 90)
 
     def restart(self, role: str, timeout_s: float = 120.0) -> Service:
         """Starts a stopped service again on the same address and waits until it serves."""
