@@ -186,10 +186,10 @@ class Grammars:
         end = next((j for j, t in enumerate(output) if t in eos), len(output))
         output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
-        if m is not None and output[: len(m.consumed)] != m.consumed:  # the output went another way: start afresh
-            del self._matchers[request_id]
-        self._make_matchers([(request_id, grammar)])
-        m = self._matchers[request_id]
+        if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
+            self._matchers.pop(request_id, None)  # none yet, another grammar, or an output that went another way
+            self._make_matchers([(request_id, grammar)])
+            m = self._matchers[request_id]
         new = output[len(m.consumed) :]
         if new:
             if m.matcher.try_consume_tokens(new) != len(new):

@@ -42,9 +42,6 @@ def test_a_pooled_drafter_on_this_host_takes_its_socket_and_one_elsewhere_grpc(t
         env=env,
         placement="pooled",
         coordinator_args=["--no-adaptive"],  # a Propose every iteration: each request's trace shows its path
-        # A fresh-clone CI run once saw the drafter's drain below held for its whole 30 s grace by a call in flight
-        # (the cause is not found; docs/testing.md): 5 s keeps the test short if it happens again.
-        drafter_args=["--shutdown-grace", "5"],
     ) as cluster:
         with Client(cluster.address, timeout=60) as client:
             outputs["same-host"] = client.generate(
