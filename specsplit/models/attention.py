@@ -5,11 +5,12 @@ K/V at `slot_mapping`, and returns the attention output; query j of a request's 
 cache indices 0 .. seq_len - n + j. Two paths:
 - `attn.use_kernel`: the Triton kernel (`specsplit/kernels/paged_attention.py`) over the metadata's device
   tensors; no host work per request, no host sync, capturable in a CUDA graph. Runners choose it
-  (`use_kernel_for`) for decode / verify steps, and for prefill chunks whose (query, key) pairs stay
-  few: one program per query token re-reads its context, right for a few new tokens per request,
-  wasteful for long prompts; but the eager path's host work (large per step whatever the prompt:
-  `benchmarks/step.py --phase prefill`; docs/performance.md, "Decode step and kernels") costs more than that
-  re-reading for short prompts, and the kernel path can replay a CUDA graph.
+  (`use_kernel_for`) for decode / verify steps, and for steps of up to a CUDA graph's tokens whose (query,
+  key) pairs stay below `KERNEL_MAX_PREFILL_PAIRS`: one program per query token re-reads its context, right
+  for a few new tokens per request, wasteful for very long contexts; but the eager path's host work (large per
+  step whatever the prompt: `benchmarks/step.py --phase prefill`; docs/performance.md, "Decode step and
+  kernels") costs more than that re-reading for chunks of prompts of a few thousand tokens, and the kernel path
+  can replay a CUDA graph.
 - otherwise (prefill steps, CPU, DeepSeek-V3's MLA has its own): `scaled_dot_product_attention` over
   the gathered K/V, in one call over the step padded to its longest request (`attn.padded_batch`)
   when the padding costs at most twice the real work, else in a per-request loop.
@@ -38,8 +39,13 @@ def use_precompiled_sdpa() -> None:
 # Steps whose requests all have at most this many new tokens run the kernel (decode: 1, verify: 1 + k).
 KERNEL_MAX_QUERY_LEN = 16
 # Longer steps (prefill chunks) run it while the step has at most this many (query token, visible key)
-# pairs: a 512-token prompt from its start is 131,328.
-KERNEL_MAX_PREFILL_PAIRS = 1 << 18
+# pairs: a 512-token prompt from its start is 131,328; its chunk from 1,536 to 2,048 is 917,760, and a batch-32
+# step of such a chunk beside 31 verify rows of 4 tokens about 1.0M. Past the bound a step runs eagerly, and an
+# eager step of several requests that padding would blow up (`specsplit/models/padded_batch.py`) is a loop of
+# about ten launches per request and layer. On an H100 (7B shape) that chunk took 22.0 ms on the kernel, 39.2 ms
+# eagerly, and batch-32 prompts of 2,112 tokens reached their first token 3.5x sooner with this bound than with
+# 1 << 18 (benchmarks/results/prefix_cache_h100.md). DeepSeek-V3's MLA kernel at this bound is not measured.
+KERNEL_MAX_PREFILL_PAIRS = 1 << 21
 
 
 def use_kernel_for(enabled: bool, num_new_tokens: list[int], seq_lens: list[int], max_prefill_tokens: int) -> bool:

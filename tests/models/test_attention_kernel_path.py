@@ -123,7 +123,8 @@ def test_steps_take_the_kernel_by_query_length_then_by_attention_pairs():
     assert use_kernel_for(True, [512], [512], 512)  # a 512-token prompt from its start: 131,328 pairs
     assert not use_kernel_for(True, [512], [512], 256)  # no CUDA graph that large: eager SDPA
     assert not use_kernel_for(True, [64, 64], [64, 64], 0)  # no graphs at all
-    assert not use_kernel_for(True, [512], [4096], 512)  # a late chunk of a long prompt: 1.9M pairs
+    assert use_kernel_for(True, [388, *[4] * 31], [2048] * 32, 512)  # a chunk beside verify rows: 1.0M pairs
+    assert not use_kernel_for(True, [512], [8192], 512)  # a late chunk of a long prompt: 4.1M pairs
     n = 64
     fits = (KERNEL_MAX_PREFILL_PAIRS + n * (n - 1) // 2) // n  # pairs n * s - n (n - 1) / 2: the longest s that fits
     assert use_kernel_for(True, [n], [fits], 512) and not use_kernel_for(True, [n], [fits + 1], 512)
