@@ -24,8 +24,8 @@ head, o_proj row-parallel, its partial output all-reduced); the down-projections
 latent cache are replicated (every rank caches the whole latent: it is per token, not per head).
 
 Two paths, as `specsplit.models.attention.paged_attention` has: with `attn.use_kernel` (the runners choose it,
-`use_kernel_for`: decode, verify and short prefill chunks) the latents are written by a Triton launch that skips
-padding slots and the absorbed attention runs in one Triton kernel over the step's device metadata
+`use_kernel_for`: decode, verify and prefill chunks under its pairs bound) the latents are written by a Triton
+launch that skips padding slots and the absorbed attention runs in one Triton kernel over the step's device metadata
 (`specsplit/kernels/mla_attention.py`): no host work per request, no host sync, so the step can replay a CUDA
 graph. Otherwise a per-request loop over the gathered context picks the absorbed or the expanded form.
 """
