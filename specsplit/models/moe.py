@@ -89,11 +89,12 @@ class Router(nn.Module):
         # x: [T, hidden] → topk_ids [T, top_k] int64, topk_weights [T, top_k] float32
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, num_experts]
         choice = scores + self.e_score_correction_bias.float()
-        grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, n_group, experts_per_group]
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-        kept_groups = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-        choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).flatten(1)
+        if self.topk_group < self.n_group:  # else every group is kept (GLM-4.5's one group): nothing to mask
+            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, n_group, experts_per_group]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            kept_groups = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+            choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).flatten(1)
         topk_ids = choice.topk(self.top_k, dim=-1).indices  # [T, top_k]
         weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:

@@ -114,8 +114,9 @@ def _hf_moe_with_our_weights(moe: MoE, config: DeepseekV3Config) -> DeepseekV3Mo
         {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 2},
         {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "n_routed_experts": 16, "n_shared_experts": 2},
         {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 4, "norm_topk_prob": False},
+        {"n_group": 2, "topk_group": 2, "num_experts_per_tok": 3},  # every group kept: the group stage skipped
     ],
-    ids=["2-groups", "4-groups", "ungrouped-unnormalised"],
+    ids=["2-groups", "4-groups", "ungrouped-unnormalised", "every-group-kept"],
 )
 def test_moe_matches_transformers(groups):
     config = dataclasses.replace(CONFIG, **groups)
