@@ -42,9 +42,8 @@ KERNEL_MAX_QUERY_LEN = 16
 # pairs: a 512-token prompt from its start is 131,328; its chunk from 1,536 to 2,048 is 917,760, and a batch-32
 # step of such a chunk beside 31 verify rows of 4 tokens about 1.0M. Past the bound a step runs eagerly, and an
 # eager step of several requests that padding would blow up (`specsplit/models/padded_batch.py`) is a loop of
-# about ten launches per request and layer. On an H100 (7B shape) that chunk took 22.0 ms on the kernel, 39.2 ms
-# eagerly, and batch-32 prompts of 2,112 tokens reached their first token 3.5x sooner with this bound than with
-# 1 << 18 (benchmarks/results/prefix_cache_h100.md). DeepSeek-V3's MLA kernel at this bound is not measured.
+# about ten launches per request and layer. Measured against 1 << 18 on an H100: docs/performance.md, "Prefix
+# caching" (DeepSeek-V3's MLA kernel at this bound is not measured).
 KERNEL_MAX_PREFILL_PAIRS = 1 << 21
 
 
