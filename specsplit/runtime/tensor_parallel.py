@@ -117,8 +117,10 @@ def start_ranks(config, follower_main: Callable, on_exit: Callable[[int, int | N
 
 async def start_followers(config, follower_main: Callable, server, close: Callable) -> Followers:
     """`start_ranks` from rank 0's event loop, with its fault handling: a follower that exits makes this process
-    report NOT_SERVING on `server` (a `ServiceServer`), kill its other ranks, stop serving, await `close()` (its
-    sockets) and exit 1, not drain: its step thread may be stuck in a collective with the lost rank."""
+    report NOT_SERVING on `server` (a `ServiceServer`), kill its other ranks, await `close()` (its sockets) and
+    exit 1, not drain: its step thread may be stuck in a collective with the lost rank. The gRPC server is not
+    stopped first: that would wake the orderly stop (`run_until_signal`), whose end of the followers broadcasts to
+    the lost rank and fails, racing this exit (a process that aborted instead of exiting 1)."""
     loop = asyncio.get_running_loop()
     followers: Followers | None = None
     role = follower_main.__module__.split(".")[1]
@@ -134,7 +136,6 @@ async def start_followers(config, follower_main: Callable, server, close: Callab
         await server.set_not_serving()
         if followers is not None:
             followers.kill()
-        await server.stop(1.0)
         await close()
         logging.shutdown()
         os._exit(1)
