@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.kernels.fused_moe import fused_routed_experts, routed_experts_reference
+from specsplit.kernels.router import route_reference, route_triton
 from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
 from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
@@ -86,20 +87,19 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, hidden] → topk_ids [T, top_k] int64, topk_weights [T, top_k] float32
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, num_experts]
-        choice = scores + self.e_score_correction_bias.float()
-        if self.topk_group < self.n_group:  # else every group is kept (GLM-4.5's one group): nothing to mask
-            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, n_group, experts_per_group]
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-            kept_groups = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-            choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).flatten(1)
-        topk_ids = choice.topk(self.top_k, dim=-1).indices  # [T, top_k]
-        weights = scores.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_ids, weights * self.routed_scaling_factor
+        # x: [T, hidden] → topk_ids [T, top_k] int64, topk_weights [T, top_k] float32; on CUDA the routing after the
+        # gate GEMV is one kernel (`specsplit.kernels.router`), elsewhere its torch ops
+        logits = F.linear(x.float(), self.weight.float())  # [T, num_experts]
+        route = route_triton if x.is_cuda and not _INTERPRETED else route_reference
+        return route(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
 
 
 class StackedExperts(nn.Module):
