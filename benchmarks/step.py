@@ -23,7 +23,9 @@ Phases (`--phase`):
   KV, each bringing k + 1 hidden-state rows (a fully accepted iteration) and getting k drafts: host planning,
   uploads, MTP step 0 and steps 1..k-1, the drafts to the host, on the runner's own path (on CUDA the Triton
   attention and CUDA graphs); per row also the medians of step 0 and steps 1..k-1
-  (`step0_ms`, `later_steps_ms`), and with `--draft-vocab-sizes` a runner per draft vocabulary size.
+  (`step0_ms`, `later_steps_ms`), and with `--draft-vocab-sizes` a runner per draft vocabulary size; greedy
+  proposes run steps 1..k-1 as one CUDA graph (`specsplit/drafter/later_steps.py`; path `graphs+later_graph`), and
+  `--later-steps graph,steps` adds a runner per size launching a graph per later step (path `graphs`).
 A target step is what the verifier does per iteration: metadata (`prepare_step`, one upload), input ids and
 positions to the device, forward, logits, synchronize. Every step is rolled back after it, so the context stays
 put. Paths of the target phases (`--paths`): `eager` (SDPA attention in one call over the step padded to its
@@ -108,6 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="0",
         help="propose: comma-separated draft vocabulary sizes (0: the full vocabulary), a runner each",
     )
+    p.add_argument(
+        "--later-steps",
+        default="graph",
+        help="propose: comma-separated, how the runner runs steps 1..k-1 of greedy proposes: graph (one CUDA graph "
+        "for them all, the runner's default on CUDA), steps (a graph per step, launched by the host), a runner each",
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one step per row")
@@ -131,6 +139,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.draft_vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
+    args.later_steps = args.later_steps.split(",")
+    if not set(args.later_steps) <= {"graph", "steps"}:
+        p.error(f"--later-steps: graph or steps, got {','.join(args.later_steps)}")
     if args.phase == "propose":
         if args.paths is not None or args.tp != "1":
             p.error("--paths and --tp are the target phases': propose runs on the runner's own path, one device")
@@ -323,11 +334,15 @@ def propose_rows(args, name: str, model_dir: Path, load_format: str) -> list[dic
     hidden_size, vocab = mtp.config.hidden_size, mtp.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for vocab_size in args.draft_vocab_sizes:
+    for vocab_size, later in itertools.product(args.draft_vocab_sizes, args.later_steps):
         mtp.draft_head = None  # the previous size's
         draft_vocab = draft_vocabulary(mtp, vocab_size, model_dir)
         runner = DrafterRunner(mtp, mtp.make_kv_cache(blocks, BLOCK_SIZE), draft_vocab=draft_vocab)
+        if later == "steps":
+            runner.later_steps = None  # `_propose`'s step-by-step loop
         path = "graphs" if runner.graphs is not None else "kernel" if runner.attention_kernel else "eager"
+        if runner.later_steps is not None:
+            path += "+later_graph"
         rows += propose_batches(args, name, runner, sizes, draft_vocab, path, hidden_size, vocab, generator)
         del runner
     return rows
@@ -381,7 +396,7 @@ def propose_batches(args, name: str, runner, sizes, draft_vocab, path: str, hidd
             row["step0_ms"] = statistics.median(s[0] for s in timed) / 1e6
             row["later_steps_ms"] = statistics.median(s[1] for s in timed) / 1e6
             print(
-                f"  draft vocabulary {head_rows}: MTP step 0 {row['step0_ms']:.3f} ms, steps 1..{k - 1} "
+                f"  {path}, draft vocabulary {head_rows}: MTP step 0 {row['step0_ms']:.3f} ms, steps 1..{k - 1} "
                 f"{row['later_steps_ms']:.3f} ms (medians)"
             )
             rows.append(row)

@@ -39,6 +39,7 @@ from specsplit.drafter.device_propose import (
     valid_rows_on_host,
 )
 from specsplit.drafter.draft_vocab import DraftVocabulary
+from specsplit.drafter.later_steps import LaterStepsGraphs
 from specsplit.drafter.sampling import noise_seed, pick_drafts, to_ids
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
@@ -133,6 +134,10 @@ class DrafterRunner:
         self.prefix_cache_hits = 0
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
+        )
+        # Greedy unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`).
+        self.later_steps = (
+            None if self.graphs is None else LaterStepsGraphs(mtp, kv_cache, self.graphs, lambda: self._column_ids)
         )
         use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
@@ -276,6 +281,10 @@ class DrafterRunner:
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
+        chained = self._chains(items, active, plan, constrained or bool(sampling32))
+        # The later steps' graph: each row's last position (int64), its request, cache entries and steps (int32).
+        chain64 = [last_pos] if chained else []
+        chain32 = [active, [plan.seq_lens[i] for i in active], [plan.more_steps[i] for i in active]] if chained else []
         step_tokens = None  # constrained, on a hand-off: the step's tokens on their way to the host
         if dev is not None:  # the device's tokens, gathered from its [num_reqs, width] rows
             width = dev.tokens.shape[1]
@@ -290,10 +299,13 @@ class DrafterRunner:
         else:
             tokens64 = [[t for item in items for t in item.next_token_ids]]
         int64, int32, float32 = self._upload(
-            [*tokens64, positions, [last_rows[i] for i in active], *plan.int64_arrays, *sampling64],
-            plan.int32_arrays,
+            [*tokens64, positions, [last_rows[i] for i in active], *plan.int64_arrays, *sampling64, *chain64],
+            [*plan.int32_arrays, *chain32],
             sampling32,
         )
+        if chained:
+            chain_inputs = [int64.pop(), *int32[-3:]]
+            int32 = int32[:-3]
         if dev is not None:
             counts_t, gather_t, active_t = int64[:3]
             flat = dev.tokens.reshape(-1)
@@ -333,7 +345,13 @@ class DrafterRunner:
         # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
         # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
         copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
-        steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
+        if chained:  # steps 1..S replayed as one graph, every row in each (past a row's steps its drafts are dropped)
+            num_steps = max(plan.more_steps[i] for i in active)
+            later = self.later_steps.run(picks[0][0], hidden, *chain_inputs, attn.block_tables, shift, num_steps)
+            picks += [(later[s], None, None) for s in range(num_steps)]
+            steps, actives = [], [active] * num_steps
+        else:
+            steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
         for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
             tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
             if keep is not None:  # requests that want no more drafts leave the step
@@ -356,7 +374,22 @@ class DrafterRunner:
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
-        return _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+        out = _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+        if chained:
+            for i in active:
+                del out.drafts[i][1 + plan.more_steps[i] :]
+        return out
+
+    def _chains(self, items: list[ProposeItem], active: list[int], plan: StepPlan, per_step: bool) -> bool:
+        """Whether this propose's later steps run as one graph (`later_steps.py`): on one device, with later steps,
+        rows and block tables the graphs take; not where a step needs the host between steps (`per_step`: grammar
+        masks, sampled drafts' q)."""
+        if self.later_steps is None or per_step or tp_size() > 1 or not active:
+            return False
+        if max(plan.more_steps[i] for i in active) < 1:
+            return False
+        width = len(plan.int32_arrays[TABLES]) // len(items)
+        return self.later_steps.can_run(len(active), len(items), width)
 
     def _mask_grammars(
         self,

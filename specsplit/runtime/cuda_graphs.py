@@ -64,6 +64,7 @@ class CudaGraphRunner:
         )
         # bucket → (graph or None, hidden [b, H], logits [b, V])
         self._outputs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor]] = {}
+        self.pool = None  # the graphs' memory pool, once captured (`specsplit.drafter.later_steps` captures into it)
         if capture:
             self._capture()
 
@@ -148,7 +149,7 @@ class CudaGraphRunner:
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         self.slot_mapping.fill_(-1)  # warm-up and capture runs write nothing and read nothing
         self.token_context_lens.fill_(0)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory

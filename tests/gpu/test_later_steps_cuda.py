@@ -1,0 +1,92 @@
+"""On a CUDA GPU, the drafter's later steps captured as one graph (`specsplit/drafter/later_steps.py`) give the drafts
+of the step-by-step graphs, iteration after iteration: batches of 1, 3 (a padded bucket) and 32 requests at k 3 (graphs
+captured with the runner) and 3 requests at k 5 (captured on first use), on the host path and on the device hand-off,
+with the full vocabulary and with a draft vocabulary swapped under the graph.
+
+    SPECSPLIT_GPU_TESTS=1 python -m pytest -m gpu tests/gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.drafter.draft_vocab import draft_vocabulary
+from specsplit.drafter.runner import DrafterRunner, ProposeItem
+from specsplit.models.loader import load_mtp
+from specsplit.transport.base import DeviceTokens
+from tests.fixtures.tiny import write_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ls") / "m", architecture="qwen2", seed=3)
+
+
+def runners(checkpoint, vocab_size: int | None):
+    """(with the later steps' graph, without it): each its own module, cache and step graphs."""
+    made = []
+    for chained in (True, False):
+        mtp = load_mtp(checkpoint, device=torch.device("cuda"))
+        vocab = None if vocab_size is None else draft_vocabulary(mtp, vocab_size, checkpoint)
+        runner = DrafterRunner(mtp, mtp.make_kv_cache(256, 16), max_graph_tokens=128, draft_vocab=vocab)
+        assert runner.graphs is not None and runner.later_steps is not None
+        if not chained:
+            runner.later_steps = None
+        made.append(runner)
+    return made
+
+
+@pytest.mark.parametrize("batch, k", [(1, 3), (3, 3), (32, 3), (3, 5)])  # k 5: its graphs captured on first use
+@pytest.mark.parametrize("hand_off", [False, True], ids=["host", "hand-off"])
+@pytest.mark.parametrize("vocab_size", [None, 48], ids=["full", "draft-vocab"])
+def test_later_steps_graph_drafts_as_the_step_graphs(checkpoint, batch, k, hand_off, vocab_size):
+    chained, stepwise = runners(checkpoint, vocab_size)
+    runs, run = [], chained.later_steps.run
+    chained.later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    g = torch.Generator().manual_seed(batch)
+    dev = torch.device("cuda")
+    hidden_size, vocab = chained.mtp.config.hidden_size, chained.mtp.config.vocab_size
+    ids = [f"r{i}" for i in range(batch)]
+    prompts = {r: torch.randint(3, vocab, (6 + i % 5,), generator=g).tolist() for i, r in enumerate(ids)}
+    items = [ProposeItem(r, 0, prompts[r][1:], k) for r in ids]
+    rows = torch.randn(sum(len(i.next_token_ids) for i in items), hidden_size, generator=g).to(dev)
+    assert chained.propose(items, rows).drafts == stepwise.propose(items, rows).drafts
+    start = {r: len(prompts[r]) - 1 for r in ids}
+    for it in range(6):
+        if it == 3 and vocab_size is not None:  # a new set of ids under the captured graph
+            for runner in (chained, stepwise):
+                before = runner.draft_vocab.ids.clone()
+                runner.draft_vocab.observe(list(range(200, 248)) * 2)
+                runner.draft_vocab.swap(wait=True)
+                assert not torch.equal(runner.draft_vocab.ids, before)
+        num_sampled = [1 + (it + j) % (k + 1) for j in range(batch)]
+        tokens = torch.full((batch, k + 1), -1, dtype=torch.int64)
+        for r, n in enumerate(num_sampled):
+            tokens[r, :n] = torch.randint(3, vocab, (n,), generator=g)
+        hidden = torch.randn(batch * (k + 1), hidden_size, generator=g).to(dev)
+        if hand_off:  # both runners on the device path
+            tokens_dev, sampled_dev = tokens.to(dev), torch.tensor(num_sampled, device=dev)
+            got, expected = (
+                runner.propose(
+                    [ProposeItem(r, start[r], [], k, num_rows=k + 1) for r in ids],
+                    hidden,
+                    DeviceTokens(tokens_dev, sampled_dev),
+                )
+                for runner in (chained, stepwise)
+            )
+        else:
+            host_items = [
+                ProposeItem(r, start[r], tokens[i, :n].tolist(), k) for i, (r, n) in enumerate(zip(ids, num_sampled))
+            ]
+            valid = torch.cat([hidden[i * (k + 1) : i * (k + 1) + n] for i, n in enumerate(num_sampled)])
+            got, expected = (runner.propose(host_items, valid) for runner in (chained, stepwise))
+        assert got.drafts == expected.drafts, f"iteration {it}"
+        assert all(len(d) == k for d in got.drafts)
+        if vocab_size is not None:  # the set in place (after the swap: the counts of every request's tokens too)
+            assert all(set(d) <= set(chained.draft_vocab.ids.tolist()) for d in got.drafts)
+        for r, n in zip(ids, num_sampled):
+            start[r] += n
+    assert runs == [k - 1] * 7  # every propose's later steps ran as one graph
