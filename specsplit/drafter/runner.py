@@ -7,7 +7,8 @@ positions p and the token x_{p+1} that follows each. The drafter
 2. MTP step 0: runs the MTP layer over all (h_p, x_{p+1}) pairs of the batch at once; the output
    of each request's last pair gives draft 1;
 3. steps 1..k-1: reuses the MTP layer on its own output h' and the draft it just made, one
-   position further, for the requests that want more drafts.
+   position further, for the requests that want more drafts (greedy, unconstrained, on one CUDA device: all of
+   them replayed as one graph, `later_steps.py`; otherwise a step at a time).
 A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
 starts afresh at the first new position: drafts may be worse for a while, output never changes.
 
