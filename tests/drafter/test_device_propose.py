@@ -10,25 +10,13 @@ from transformers import AutoTokenizer
 from specsplit.drafter.device_propose import can_propose_on_device, shifted
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.drafter.servicer import DrafterServicer
-from specsplit.models.loader import load_mtp
 from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from specsplit.transport.base import DeviceTokens
 from specsplit.transport.grpc_bytes import GrpcReceiver
 from specsplit.transport.wire import fill_tensor_proto
-from tests.fixtures.tiny import write_tiny_checkpoint
 
 PADDING = -1  # what the rejection sampler leaves past num_sampled
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("d") / "m", architecture="llama", seed=5)
-
-
-@pytest.fixture(scope="module")
-def mtp(tiny_dir):
-    return load_mtp(tiny_dir)
 
 
 def kernel_runner(mtp, graphs: bool, tokenizer_dir=None) -> DrafterRunner:

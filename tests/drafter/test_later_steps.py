@@ -13,20 +13,9 @@ from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.models.loader import load_mtp
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
 from specsplit.transport.base import DeviceTokens
-from tests.fixtures.tiny import write_tiny_checkpoint
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
 PADDING = -1
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ls") / "m", architecture="llama", seed=5)
-
-
-@pytest.fixture(scope="module")
-def mtp(llama_dir):
-    return load_mtp(llama_dir)
 
 
 def runner_for(mtp, chained: bool, num_blocks: int = 64, draft_vocab=None) -> DrafterRunner:
@@ -114,11 +103,11 @@ def test_a_cache_that_caps_the_drafts_gives_the_same_prefix(mtp):
     assert len(got) == 2
 
 
-def test_a_draft_vocabulary_maps_the_graphs_drafts_to_its_ids(llama_dir):
+def test_a_draft_vocabulary_maps_the_graphs_drafts_to_its_ids(tiny_dir):
     runners = []
     for chained in (True, False):  # each runner its own module: the draft vocabulary attaches its head to it
-        module = load_mtp(llama_dir)
-        runners.append(runner_for(module, chained, draft_vocab=draft_vocabulary(module, 40, llama_dir)))
+        module = load_mtp(tiny_dir)
+        runners.append(runner_for(module, chained, draft_vocab=draft_vocabulary(module, 40, tiny_dir)))
     got, expected = decode(module, runners, {"a": 3, "b": 2}, iterations=2)
     assert got == expected
     ids = set(runners[0].draft_vocab.ids.tolist())
