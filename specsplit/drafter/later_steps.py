@@ -1,8 +1,9 @@
-"""The drafter's later steps (1..k-1) of a greedy propose as one CUDA graph: each step's inputs, its MTP forward, the
-draft's pick (argmax, then a draft vocabulary's id) and the next step's inputs, all on the device.
+"""The drafter's later steps (1..k-1) of an unconstrained propose as one CUDA graph: each step's inputs, its MTP
+forward, the draft's pick (the argmax, or for sampled requests the race over q, `sampling.py`; then a draft vocabulary's
+id) and the next step's inputs, all on the device.
 
 Step by step (`DrafterRunner._propose`'s loop) the host launches every later step itself: a graph replay, the copies
-into its static buffers, the device hand-off's shift, the argmax and the id map, about a dozen launches per step. At
+into its static buffers, the device hand-off's shift, the pick and the id map, about a dozen launches per step. At
 batch 1 the step's kernels take about 0.3 ms (a 16,384-id draft vocabulary) and the host's launches between them left
 the GPU idle for about as long (benchmarks/results/draft_vocab.md). Here the host copies the inputs once and replays one
 graph for all S later steps, whose inputs one kernel works out from step 0's plan
@@ -12,12 +13,15 @@ graph for all S later steps, whose inputs one kernel works out from step 0's pla
   past them its step writes no KV (slot -1) and reads none (context 0), and its drafts are dropped on the host;
 - its context is step 0's cache entries plus s, its position its last token's plus s, both moved by the device
   hand-off's `shift` (num_sampled - rows, ≤ 0: `device_propose.py`); its KV slot comes from step 0's block tables;
-- its input token is the draft the step before picked, its previous hidden state that step's output.
+- its input token is the draft the step before picked, its previous hidden state that step's output;
+- a sampled row's noise counter is its position (the verifier's row that scores the draft), its temperature and seed
+  step 0's.
 
-The same steps, the same kernels and buckets as the step-by-step graphs: the drafts equal theirs (tests compare them,
-on the CPU through `capture=False`, which runs the same static-buffer code eagerly). One graph per (bucket of rows, S),
-in the step graphs' memory pool: S = 1 and 2 (k 2 and 3, the coordinator's default) for every bucket with the runner,
-any other S for a bucket the first time a propose needs it (about 10 ms, once per process).
+The same steps, the same kernels and buckets as the step-by-step graphs: the drafts (and q) equal theirs (tests compare
+them, on the CPU through `capture=False`, which runs the same static-buffer code eagerly). One graph per (bucket of
+rows, S, greedy or sampled), in the step graphs' memory pool: S = 1 and 2 (k 2 and 3, the coordinator's default) for
+every bucket with the runner, any other S for a bucket the first time a propose needs it (about 10 ms, once per
+process).
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ import time
 
 import torch
 
-from specsplit.drafter.sampling import to_ids
+from specsplit.drafter.sampling import pick_drafts, to_ids
 from specsplit.kernels.draft_step_inputs import step_inputs
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.mtp import MTPModule
-from specsplit.runtime.cuda_graphs import CudaGraphRunner
+from specsplit.runtime.cuda_graphs import CudaGraphRunner, capturing
 
 log = logging.getLogger(__name__)
-CAPTURED_WITH_THE_RUNNER = 2  # the most later steps whose graphs are captured at start (k 3, the default)
+CAPTURED_WITH_THE_RUNNER = 2  # the most later steps whose graphs (greedy and sampled) are captured at start (k 3)
 
 
 class LaterStepsGraphs:
@@ -43,12 +47,14 @@ class LaterStepsGraphs:
         mtp: MTPModule,
         kv_cache: PagedKVCache,
         step_graphs: CudaGraphRunner,  # step 0's: its buckets, block-table width and memory pool are shared
-        column_ids,  # () -> [N] int64 draft vocabulary ids on the device, or None (every id)
+        column_ids: torch.Tensor | None,  # [N] int64 a draft vocabulary's ids (rewritten in place at a swap), or None
+        draft_top_k: int,  # sampled drafts: q's support (`sampling.py`)
     ) -> None:
         self.mtp = mtp
         self.kv_cache = kv_cache
         self.step_graphs = step_graphs
         self.column_ids = column_ids
+        self.draft_top_k = draft_top_k
         self.capture = step_graphs.pool is not None
         self.buckets = step_graphs.buckets
         self.max_blocks = step_graphs.max_blocks
@@ -61,12 +67,17 @@ class LaterStepsGraphs:
         self.context = torch.zeros(size, dtype=torch.int32, device=device)  # step 0's cache entries
         self.steps = torch.zeros(size, dtype=torch.int32, device=device)  # later steps of each row; padding 0
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, S) → drafts
+        self.temperature = torch.zeros(size, dtype=torch.float32, device=device)  # sampled graphs: 0 = greedy row
+        self.seeds = torch.zeros(size, dtype=torch.int64, device=device)  # sampled graphs: each row's noise seed
+        # (bucket, S, sampled) → the graph and its outputs: drafts [S, bucket], sampled q's ids and probs [S, bucket, K]
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         if self.capture:
             t0 = time.perf_counter()
             for num_steps in range(1, CAPTURED_WITH_THE_RUNNER + 1):
-                for bucket in reversed(self.buckets):
-                    self._graphs[bucket, num_steps] = self._capture(bucket, num_steps)
+                for sampled in (False, True):
+                    for bucket in reversed(self.buckets):
+                        key = (bucket, num_steps, sampled)
+                        self._graphs[key] = self._capture(*key)
             log.info("drafter: %d later-steps graphs captured in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     def can_run(self, num_rows: int, num_reqs: int, table_width: int) -> bool:
@@ -83,8 +94,11 @@ class LaterStepsGraphs:
         steps: torch.Tensor,  # [n] int32 later steps of each row (≥ 0)
         block_tables: torch.Tensor,  # [num_reqs, width] int32 step 0's
         shift: torch.Tensor | None,  # [n] int64 ≤ 0 (a device hand-off), or None
+        sampling: tuple[torch.Tensor, torch.Tensor] | None,  # [n] float32 temperatures, [n] int64 seeds; None: greedy
         num_steps: int,  # S: the most later steps of any row
-    ) -> torch.Tensor:  # [S, n] int64 the drafts of steps 1..S, row by row (past a row's `steps`: dropped)
+    ) -> tuple[torch.Tensor, ...]:
+        """The drafts of steps 1..S row by row ([S, n] int64; past a row's `steps` dropped by the caller), and with
+        `sampling` q's ids and probabilities ([S, n, K] each)."""
         n = tokens.shape[0]
         bucket = next(b for b in self.buckets if b >= n)
         num_reqs, width = block_tables.shape
@@ -100,23 +114,22 @@ class LaterStepsGraphs:
         if n < bucket:
             self.steps[n:bucket].zero_()
         self.block_tables[:num_reqs, :width].copy_(block_tables, non_blocking=True)
-        key = (bucket, num_steps)
+        if sampling is not None:  # padding rows: greedy
+            torch._foreach_copy_([self.temperature[:n], self.seeds[:n]], list(sampling), non_blocking=True)
+            if n < bucket:
+                self.temperature[n:bucket].zero_()
+        key = (bucket, num_steps, sampling is not None)
         if not self.capture:
-            return self._forward(bucket, num_steps)[:, :n]
+            return tuple(t[:, :n] for t in self._forward(*key))
         if key not in self._graphs:
             t0 = time.perf_counter()
-            self._graphs[key] = self._capture(bucket, num_steps)
-            log.info(
-                "drafter: later-steps graph of %d rows, %d steps in %.0f ms",
-                bucket,
-                num_steps,
-                1e3 * (time.perf_counter() - t0),
-            )
-        graph, drafts = self._graphs[key]
+            self._graphs[key] = self._capture(*key)
+            log.info("drafter: later-steps graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
+        graph, outputs = self._graphs[key]
         graph.replay()
-        return drafts[:, :n]
+        return tuple(t[:, :n] for t in outputs)
 
-    def _forward(self, bucket: int, num_steps: int) -> torch.Tensor:  # [S, bucket] int64
+    def _forward(self, bucket: int, num_steps: int, sampled: bool) -> tuple[torch.Tensor, ...]:
         size = self.kv_cache.block_size
         tokens, hidden, req_rows = self.tokens[:bucket], self.hidden[:bucket], self.req_rows[:bucket]
         context, slots, positions = step_inputs(  # [S, bucket] each, one launch
@@ -129,7 +142,7 @@ class LaterStepsGraphs:
             size,
             num_steps,
         )
-        drafts = torch.empty(num_steps, bucket, dtype=torch.int64, device=tokens.device)
+        drafts, q_ids, q_probs = [], [], []
         for s in range(num_steps):
             attn = AttentionMetadata(
                 query_start_loc=req_rows[:0],  # not read by the kernel path
@@ -142,22 +155,38 @@ class LaterStepsGraphs:
                 use_kernel=True,
             )
             hidden = self.mtp(tokens, hidden, positions[s], self.kv_cache, attn)
-            tokens = to_ids(self.mtp.compute_logits(hidden).argmax(dim=-1), self.column_ids())
-            drafts[s] = tokens
-        return drafts
+            logits = self.mtp.compute_logits(hidden)
+            if sampled:  # a draft's noise counter: the position of the token before it (the step's input)
+                step = pick_drafts(
+                    logits,
+                    self.temperature[:bucket],
+                    self.seeds[:bucket],
+                    positions[s],
+                    self.draft_top_k,
+                    any_sampled=True,
+                    column_ids=self.column_ids,
+                    vocab_size=self.mtp.config.vocab_size,
+                )
+                tokens = step.tokens
+                q_ids.append(step.q_ids)
+                q_probs.append(step.q_probs)
+            else:
+                tokens = to_ids(logits.argmax(dim=-1), self.column_ids)
+            drafts.append(tokens)
+        return tuple(torch.stack(t) for t in ((drafts, q_ids, q_probs) if sampled else (drafts,)))
 
     @torch.inference_mode()
-    def _capture(self, bucket: int, num_steps: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int, num_steps: int, sampled: bool) -> tuple[torch.cuda.CUDAGraph, tuple]:
         """Captured with every row's `steps` at 0 for the warm-up and the capture: they write and read no KV."""
         saved = self.steps[:bucket].clone()
         self.steps[:bucket].zero_()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(bucket, num_steps)  # not captured: first launches of this bucket's shapes
+            self._forward(bucket, num_steps, sampled)  # not captured: first launches of this bucket's shapes
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.step_graphs.pool):
-            drafts = self._forward(bucket, num_steps)
+        with capturing(graph, self.step_graphs.pool):
+            outputs = self._forward(bucket, num_steps, sampled)
         self.steps[:bucket].copy_(saved)
-        return graph, drafts
+        return graph, outputs

@@ -136,9 +136,9 @@ class DrafterRunner:
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
-        # Greedy unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`).
+        # Unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`).
         self.later_steps = (
-            None if self.graphs is None else LaterStepsGraphs(mtp, kv_cache, self.graphs, lambda: self._column_ids)
+            None if self.graphs is None else LaterStepsGraphs(mtp, kv_cache, self.graphs, self._column_ids, draft_top_k)
         )
         use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
@@ -282,7 +282,7 @@ class DrafterRunner:
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
-        chained = self._chains(items, active, plan, constrained or bool(sampling32))
+        chained = self._chains(items, active, plan, constrained)
         # The later steps' graph: each row's last position (int64), its request, cache entries and steps (int32).
         chain64 = [last_pos] if chained else []
         chain32 = [active, [plan.seq_lens[i] for i in active], [plan.more_steps[i] for i in active]] if chained else []
@@ -348,8 +348,20 @@ class DrafterRunner:
         copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
         if chained:  # steps 1..S replayed as one graph, every row in each (past a row's steps its drafts are dropped)
             num_steps = max(plan.more_steps[i] for i in active)
-            later = self.later_steps.run(picks[0][0], hidden, *chain_inputs, attn.block_tables, shift, num_steps)
-            picks += [(later[s], None, None) for s in range(num_steps)]
+            later = self.later_steps.run(
+                picks[0][0],
+                hidden,
+                *chain_inputs,
+                attn.block_tables,
+                shift,
+                None if sampling is None else sampling[:2],
+                num_steps,
+            )
+            q_ids, q_probs = later[1:] if sampling is not None else (None, None)  # [S, n, K] each
+            for s in range(num_steps):
+                picks.append(
+                    (later[0][s], None if q_ids is None else q_ids[s], None if q_probs is None else q_probs[s])
+                )
             steps, actives = [], [active] * num_steps
         else:
             steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
@@ -376,15 +388,18 @@ class DrafterRunner:
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         out = _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
-        if chained:
+        if chained:  # a row's drafts, and q rows, past its steps
             for i in active:
-                del out.drafts[i][1 + plan.more_steps[i] :]
+                kept = 1 + plan.more_steps[i]
+                del out.drafts[i][kept:]
+                if out.draft_probs[i] is not None:
+                    out.draft_probs[i] = tuple(t[:kept] for t in out.draft_probs[i])
         return out
 
     def _chains(self, items: list[ProposeItem], active: list[int], plan: StepPlan, per_step: bool) -> bool:
         """Whether this propose's later steps run as one graph (`later_steps.py`): on one device, with later steps,
         rows and block tables the graphs take; not where a step needs the host between steps (`per_step`: grammar
-        masks, sampled drafts' q)."""
+        masks)."""
         if self.later_steps is None or per_step or tp_size() > 1 or not active:
             return False
         if max(plan.more_steps[i] for i in active) < 1:

@@ -18,11 +18,30 @@ token; it gets a static buffer too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.mtp import MTPModule
 from specsplit.models.target import TargetModel
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool):
+    """`torch.cuda.graph(graph, pool=pool)` with Python's cyclic garbage collector held off: a collection during the
+    capture can free what a dead object held (another graph, a CUDA event, a pinned buffer), a CUDA call the capture
+    forbids, and the capture fails ("operation failed due to a previous error during capture"). Seen on an H100 when a
+    test's dropped runner was collected while the next one captured."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
@@ -157,7 +176,7 @@ class CudaGraphRunner:
                 self._forward(bucket)  # compiles the Triton kernels, moves RoPE tables; not captured
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capturing(graph, pool):
                 hidden, logits = self._forward(bucket)
             self._outputs[bucket] = (graph, hidden, logits)
         torch.cuda.synchronize()

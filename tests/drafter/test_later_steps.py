@@ -1,8 +1,10 @@
-"""The later steps of a greedy propose as one graph (`specsplit/drafter/later_steps.py`), run eagerly on the CPU
+"""The later steps of an unconstrained propose as one graph (`specsplit/drafter/later_steps.py`), run eagerly on the CPU
 (`capture=False`: the same static-buffer code the CUDA graph records): the drafts and the MTP cache equal the
 step-by-step path's, iteration after iteration, with requests wanting different numbers of drafts, a cache that caps
-them, a draft vocabulary and the device hand-off; proposes that need the host between steps keep the step-by-step
-path."""
+them, a draft vocabulary, the device hand-off and sampled drafts (their q rows too)."""
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ def runner_for(mtp, chained: bool, num_blocks: int = 64, draft_vocab=None) -> Dr
     runner = DrafterRunner(mtp, cache, attention_kernel=True, cuda_graphs=False, draft_vocab=draft_vocab)
     runner.graphs = CudaGraphRunner(mtp, cache, max_model_len=128, max_num_tokens=8, capture=False)
     if chained:
-        runner.later_steps = LaterStepsGraphs(mtp, cache, runner.graphs, lambda: runner._column_ids)
+        runner.later_steps = LaterStepsGraphs(mtp, cache, runner.graphs, runner._column_ids, runner.draft_top_k)
     return runner
 
 
@@ -146,12 +148,44 @@ def test_device_hand_off_through_the_graph_equals_the_host_path(mtp):
     assert len(runs) == 6
 
 
-def test_sampled_drafts_keep_the_step_by_step_path(mtp):
-    runner = runner_for(mtp, True)
-    runs = counting(runner)
-    hidden = torch.randn(6, mtp.config.hidden_size, generator=torch.Generator().manual_seed(2))
-    greedy = ProposeItem("g", 0, [20, 21, 22], 3)
-    out = runner.propose([greedy, ProposeItem("s", 0, [30, 31, 32], 3, temperature=0.7, seed=1)], hidden)
-    assert runs == [] and [len(d) for d in out.drafts] == [3, 3] and out.draft_probs[1] is not None
-    runner.propose([ProposeItem("k1", 0, [40, 41], 1)], hidden[:2])  # k 1: no later step
-    assert runs == []
+def test_sampled_drafts_through_the_graph_equal_the_steps_one_by_one(tiny_dir):
+    """Sampled requests (their own noise, and coupled) beside a greedy one, k 4, 3 and 2: the same drafts and the same
+    q rows, with the full vocabulary and a draft vocabulary's ids; a k 1 propose has no later step to run."""
+    for size in (None, 40):
+        runners = []
+        for chained in (True, False):
+            module = load_mtp(tiny_dir)
+            vocab = None if size is None else draft_vocabulary(module, size, tiny_dir)
+            runners.append(runner_for(module, chained, draft_vocab=vocab))
+        runs = counting(runners[0])
+        hidden = torch.randn(9, module.config.hidden_size, generator=torch.Generator().manual_seed(2))
+        items = [
+            ProposeItem("g", 0, [20, 21, 22], 4),
+            ProposeItem("s", 0, [30, 31, 32], 3, temperature=0.7, seed=1),
+            ProposeItem("c", 0, [40, 41, 42], 2, temperature=1.3, seed=5, coupled=True),
+        ]
+        got, expected = (r.propose(items, hidden) for r in runners)
+        assert got.drafts == expected.drafts and [len(d) for d in got.drafts] == [4, 3, 2]
+        assert got.draft_probs[0] is None and expected.draft_probs[0] is None
+        for a, b in zip(got.draft_probs[1:], expected.draft_probs[1:]):
+            torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+            assert torch.equal(a[0], b[0])
+        assert [d.shape[0] for d, _ in got.draft_probs[1:]] == [3, 2]
+        assert runs == [3]
+        runners[0].propose([ProposeItem("k1", 0, [50, 51], 1, temperature=0.5, seed=2)], hidden[:2])
+        assert runs == [3]
+
+
+def test_a_dropped_runner_is_freed_at_once(mtp):
+    """Nothing refers back from the later steps' graphs to their runner: a runner dropped (the memory probe's, at a
+    drafter's start) is freed by reference counting, not by a cyclic collection that could come mid-capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        runner = runner_for(mtp, True)
+        freed = weakref.ref(runner), weakref.ref(runner.later_steps)
+        del runner
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()

@@ -90,3 +90,34 @@ def test_later_steps_graph_drafts_as_the_step_graphs(checkpoint, batch, k, hand_
         for r, n in zip(ids, num_sampled):
             start[r] += n
     assert runs == [k - 1] * 7  # every propose's later steps ran as one graph
+
+
+@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("vocab_size", [None, 48], ids=["full", "draft-vocab"])
+def test_sampled_later_steps_graph_drafts_and_q_as_the_step_graphs(checkpoint, k, vocab_size):
+    """A greedy, a sampled and a coupled request: the same drafts and q rows, iteration after iteration."""
+    chained, stepwise = runners(checkpoint, vocab_size)
+    runs, run = [], chained.later_steps.run
+    chained.later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    g = torch.Generator().manual_seed(k)
+    dev = torch.device("cuda")
+    hidden_size, vocab = chained.mtp.config.hidden_size, chained.mtp.config.vocab_size
+    sampling = {"g": {}, "s": {"temperature": 0.8, "seed": 3}, "c": {"temperature": 1.2, "seed": 9, "coupled": True}}
+    start = dict.fromkeys(sampling, 0)
+    counts = dict.fromkeys(sampling, 7)
+    for it in range(5):
+        items = [
+            ProposeItem(r, start[r], torch.randint(3, vocab, (counts[r],), generator=g).tolist(), k, **options)
+            for r, options in sampling.items()
+        ]
+        rows = torch.randn(sum(counts.values()), hidden_size, generator=g).to(dev)
+        got, expected = (runner.propose(items, rows) for runner in (chained, stepwise))
+        assert got.drafts == expected.drafts, f"iteration {it}"
+        assert got.draft_probs[0] is None
+        for a, b in zip(got.draft_probs[1:], expected.draft_probs[1:]):
+            assert torch.equal(a[0], b[0]) and a[0].shape[0] == k
+            torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+        for j, r in enumerate(sampling):
+            start[r] += counts[r]
+            counts[r] = 1 + (it + j) % (k + 1)
+    assert runs == [k - 1] * 5
