@@ -136,9 +136,12 @@ class DrafterRunner:
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
-        # Unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`).
+        # Unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`). Not tensor-parallel: a
+        # follower's steps have no logits (rank 0 picks each step's drafts and broadcasts them).
         self.later_steps = (
-            None if self.graphs is None else LaterStepsGraphs(mtp, kv_cache, self.graphs, self._column_ids, draft_top_k)
+            LaterStepsGraphs(mtp, kv_cache, self.graphs, self._column_ids, draft_top_k)
+            if self.graphs is not None and tp_size() == 1
+            else None
         )
         use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
@@ -400,7 +403,7 @@ class DrafterRunner:
         """Whether this propose's later steps run as one graph (`later_steps.py`): on one device, with later steps,
         rows and block tables the graphs take; not where a step needs the host between steps (`per_step`: grammar
         masks)."""
-        if self.later_steps is None or per_step or tp_size() > 1 or not active:
+        if self.later_steps is None or per_step or not active:
             return False
         if max(plan.more_steps[i] for i in active) < 1:
             return False
