@@ -26,7 +26,8 @@ def checkpoint(tmp_path_factory):
 
 
 def runners(checkpoint, vocab_size: int | None):
-    """(with the later steps' graph, without it): each its own module, cache and step graphs."""
+    """(with the later steps' graph, without it, the S of each of the first's later-steps graph runs): each runner its
+    own module, cache and step graphs."""
     made = []
     for chained in (True, False):
         mtp = load_mtp(checkpoint, device=torch.device("cuda"))
@@ -36,16 +37,16 @@ def runners(checkpoint, vocab_size: int | None):
         if not chained:
             runner.later_steps = None
         made.append(runner)
-    return made
+    runs, run = [], made[0].later_steps.run
+    made[0].later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    return *made, runs
 
 
 @pytest.mark.parametrize("batch, k", [(1, 3), (3, 3), (32, 3), (3, 5)])  # k 5: its graphs captured on first use
 @pytest.mark.parametrize("hand_off", [False, True], ids=["host", "hand-off"])
 @pytest.mark.parametrize("vocab_size", [None, 48], ids=["full", "draft-vocab"])
 def test_later_steps_graph_drafts_as_the_step_graphs(checkpoint, batch, k, hand_off, vocab_size):
-    chained, stepwise = runners(checkpoint, vocab_size)
-    runs, run = [], chained.later_steps.run
-    chained.later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    chained, stepwise, runs = runners(checkpoint, vocab_size)
     g = torch.Generator().manual_seed(batch)
     dev = torch.device("cuda")
     hidden_size, vocab = chained.mtp.config.hidden_size, chained.mtp.config.vocab_size
@@ -96,9 +97,7 @@ def test_later_steps_graph_drafts_as_the_step_graphs(checkpoint, batch, k, hand_
 @pytest.mark.parametrize("vocab_size", [None, 48], ids=["full", "draft-vocab"])
 def test_sampled_later_steps_graph_drafts_and_q_as_the_step_graphs(checkpoint, k, vocab_size):
     """A greedy, a sampled and a coupled request: the same drafts and q rows, iteration after iteration."""
-    chained, stepwise = runners(checkpoint, vocab_size)
-    runs, run = [], chained.later_steps.run
-    chained.later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    chained, stepwise, runs = runners(checkpoint, vocab_size)
     g = torch.Generator().manual_seed(k)
     dev = torch.device("cuda")
     hidden_size, vocab = chained.mtp.config.hidden_size, chained.mtp.config.vocab_size
