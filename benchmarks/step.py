@@ -23,9 +23,10 @@ Phases (`--phase`):
   KV, each bringing k + 1 hidden-state rows (a fully accepted iteration) and getting k drafts: host planning,
   uploads, MTP step 0 and steps 1..k-1, the drafts to the host, on the runner's own path (on CUDA the Triton
   attention and CUDA graphs); per row also the medians of step 0 and steps 1..k-1
-  (`step0_ms`, `later_steps_ms`), and with `--draft-vocab-sizes` a runner per draft vocabulary size; greedy
-  proposes run steps 1..k-1 as one CUDA graph (`specsplit/drafter/later_steps.py`; path `graphs+later_graph`), and
-  `--later-steps graph,steps` adds a runner per size launching a graph per later step (path `graphs`).
+  (`step0_ms`, `later_steps_ms`), and with `--draft-vocab-sizes` a runner per draft vocabulary size; proposes
+  without structured output run steps 1..k-1 as one CUDA graph (`specsplit/drafter/later_steps.py`; path
+  `graphs+later_graph`), and `--later-steps graph,steps` adds a runner per size launching a graph per later step
+  (path `graphs`).
 A target step is what the verifier does per iteration: metadata (`prepare_step`, one upload), input ids and
 positions to the device, forward, logits, synchronize. Every step is rolled back after it, so the context stays
 put. Paths of the target phases (`--paths`): `eager` (SDPA attention in one call over the step padded to its
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--later-steps",
         default="graph",
-        help="propose: comma-separated, how the runner runs steps 1..k-1 of greedy proposes: graph (one CUDA graph "
+        help="propose: comma-separated, how the runner runs steps 1..k-1 of the proposes: graph (one CUDA graph "
         "for them all, the runner's default on CUDA), steps (a graph per step, launched by the host), a runner each",
     )
     p.add_argument("--steps", type=int)

@@ -56,9 +56,7 @@ class LaterStepsGraphs:
         self.column_ids = column_ids
         self.draft_top_k = draft_top_k
         self.capture = step_graphs.pool is not None
-        self.buckets = step_graphs.buckets
-        self.max_blocks = step_graphs.max_blocks
-        size, device = self.buckets[-1], kv_cache.device
+        size, device = step_graphs.buckets[-1], kv_cache.device
         self.tokens = torch.zeros(size, dtype=torch.int64, device=device)  # step 1's input: step 0's drafts
         self.hidden = torch.zeros(size, mtp.config.hidden_size, dtype=mtp.embed_tokens.weight.dtype, device=device)
         self.last_positions = torch.zeros(size, dtype=torch.int64, device=device)  # of each row's last token
@@ -66,7 +64,7 @@ class LaterStepsGraphs:
         self.req_rows = torch.zeros(size, dtype=torch.int32, device=device)  # each row's row of the block tables
         self.context = torch.zeros(size, dtype=torch.int32, device=device)  # step 0's cache entries
         self.steps = torch.zeros(size, dtype=torch.int32, device=device)  # later steps of each row; padding 0
-        self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(size, step_graphs.max_blocks, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(size, dtype=torch.float32, device=device)  # sampled graphs: 0 = greedy row
         self.seeds = torch.zeros(size, dtype=torch.int64, device=device)  # sampled graphs: each row's noise seed
         # (bucket, S, sampled) → the graph and its outputs: drafts [S, bucket], sampled q's ids and probs [S, bucket, K]
@@ -75,14 +73,14 @@ class LaterStepsGraphs:
             t0 = time.perf_counter()
             for num_steps in range(1, CAPTURED_WITH_THE_RUNNER + 1):
                 for sampled in (False, True):
-                    for bucket in reversed(self.buckets):
+                    for bucket in reversed(step_graphs.buckets):
                         key = (bucket, num_steps, sampled)
                         self._graphs[key] = self._capture(*key)
             log.info("drafter: %d later-steps graphs captured in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     def can_run(self, num_rows: int, num_reqs: int, table_width: int) -> bool:
-        top = self.buckets[-1]
-        return num_rows <= top and num_reqs <= top and table_width <= self.max_blocks
+        top = self.step_graphs.buckets[-1]
+        return num_rows <= top and num_reqs <= top and table_width <= self.step_graphs.max_blocks
 
     def run(
         self,
@@ -100,7 +98,7 @@ class LaterStepsGraphs:
         """The drafts of steps 1..S row by row ([S, n] int64; past a row's `steps` dropped by the caller), and with
         `sampling` q's ids and probabilities ([S, n, K] each)."""
         n = tokens.shape[0]
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self.step_graphs.bucket_for(n)
         num_reqs, width = block_tables.shape
         torch._foreach_copy_([self.tokens[:n], self.last_positions[:n]], [tokens, last_positions], non_blocking=True)
         torch._foreach_copy_(
