@@ -281,19 +281,36 @@ class LocalCluster:
         self.launch()
         deadline = time.monotonic() + timeout_s
         try:
-            for svc in list(self.services.values()):
-                self.wait_ready(svc, deadline)
+            self.wait_ready(list(self.services.values()), deadline)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_ready(self, svc: Service, deadline: float) -> None:
-        while not svc.poll_ready(timeout_s=min(1.0, max(0.0, deadline - time.monotonic()))):
-            if svc.output_closed:
-                raise RuntimeError(f"{svc.role} exited with code {svc.proc.wait()}\n{svc.log_tail()}")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{svc.role} was not ready in time\n{svc.log_tail()}")
+    def wait_ready(self, services: list[Service], deadline: float) -> None:
+        """Until each of `services` has said it listens. Raises RuntimeError as soon as any of them exits (one
+        waits on another: the coordinator on its verifier would wait its whole --startup-timeout for a verifier
+        that exited), TimeoutError at `deadline`."""
+        waiting = list(services)
+        while waiting:
+            for svc in waiting:
+                if not svc.poll_ready() and svc.output_closed:
+                    raise RuntimeError(f"{svc.role} exited with code {svc.proc.wait()}\n{svc.log_tail()}")
+            waiting = [svc for svc in waiting if svc.ready_at is None]
+            if waiting and time.monotonic() >= deadline:
+                raise TimeoutError(f"{waiting[0].role} was not ready in time\n{self.not_ready()}")
+            if waiting:
+                waiting[0].poll_ready(timeout_s=min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def not_ready(self) -> str:
+        """Each service that has not said it listens, with the end of its log: one waits on another (coordinator
+        on verifier, a co-located verifier on its drafter), and the one it waits on tells why."""
+        return "\n".join(
+            f"--- {svc.role} (pid {svc.proc.pid}, {'running' if svc.proc.poll() is None else 'exited'}):\n"
+            f"{svc.log_tail()}"
+            for svc in self.services.values()
+            if not svc.poll_ready()
+        )
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` and waits for the service to exit: SIGKILL 30 s; SIGTERM or SIGINT drain, which may take the
@@ -305,7 +322,7 @@ class LocalCluster:
     def restart(self, role: str, timeout_s: float = 120.0) -> Service:
         """Starts a stopped service again on the same address and waits until it serves."""
         svc = self.respawn(role)
-        self.wait_ready(svc, time.monotonic() + timeout_s)
+        self.wait_ready([svc], time.monotonic() + timeout_s)
         return svc
 
     def respawn(self, role: str) -> Service:

@@ -219,7 +219,14 @@ async def serve(config: CoordinatorConfig) -> None:
     http = await _start_http(config, tokenizer, tokens) if config.http_port is not None else None
     channel = peer_channel(config.verifier, tls)
     stub = verifier_pb2_grpc.VerifierStub(channel)
-    info = await _wait_for_model_info(stub, config.startup_timeout)
+    info = await server.unless_stopped(_wait_for_model_info(stub, config.startup_timeout))
+    if info is None:  # SIGTERM or SIGINT while waiting for the verifier
+        log.info("coordinator: stopped before its verifier answered")
+        await channel.close()
+        if http is not None:
+            await http.stop()
+        await server.stop(0)
+        return
     refusal = verifier_refusal(config.verifier_rpc, config.verifier, info)
     if refusal:
         await channel.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -17,6 +18,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -29,6 +31,7 @@ from specsplit.client.errors import UsageError
 from specsplit.rpc.process import outlive_the_coordinator
 from specsplit.rpc.security import TlsFiles
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # Hidden states of a large batch exceed gRPC's 4 MiB default; this bounds every message.
@@ -225,6 +228,21 @@ class ServiceServer:
         finally:
             if not self._stopping:
                 await self.server.stop(0)
+
+    async def unless_stopped(self, start_up: Awaitable[T]) -> T | None:
+        """`start_up`'s result, or None where a SIGTERM or SIGINT comes first (`start_up` cancelled): a service
+        waiting at start-up on another one (the coordinator on its verifier, up to --startup-timeout) stops when
+        told to instead of when that wait ends."""
+        task = asyncio.ensure_future(start_up)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            stop.cancel()
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
 
     async def mark_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)

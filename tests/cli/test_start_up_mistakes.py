@@ -25,9 +25,11 @@ import pytest
 DEMO = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 
 
-# One process spawned at a time (the slow commands are waited for two at a time, from a thread pool): a spawn from
-# a pool thread beside another failed once in CI with "OSError: [Errno 14] Bad address" from the child's exec
-# (CPython spawns with vfork, sharing the parent's memory until the exec); not reproduced since.
+# One process spawned at a time (the slow commands are waited for two at a time, from a thread pool). A command
+# spawned from a pool thread gets its environment as a dict made on the main thread: with env=None the child's exec
+# reads the process's `environ`, which the main thread's next tests change meanwhile (monkeypatch.setenv), and
+# CPython spawns with vfork, the child sharing the parent's memory until the exec: it failed twice, in CI and beside
+# a CPU hog, with "OSError: [Errno 14] Bad address" from the child's exec.
 _SPAWN = threading.Lock()
 
 
@@ -164,7 +166,7 @@ def slow(request, tmp_path_factory):
     started: dict[str, tuple[Path, Future | None]] = {"socket TMPDIR": (Path(socket_tmp), None)}
     for name, (test, model, argv, tmpdir) in commands.items():
         if test in selected:
-            env = None if tmpdir is None else {**os.environ, "TMPDIR": tmpdir}
+            env = {**os.environ} if tmpdir is None else {**os.environ, "TMPDIR": tmpdir}
             # Any free port: two at once would find the role's default port taken (a verifier binds before it loads).
             port = [] if "--port" in argv else ["--port", "0"]
             started[name] = (model, pool.submit(run, *argv, *port, "--model", str(model), env=env))

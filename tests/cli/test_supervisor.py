@@ -28,6 +28,7 @@ def on_sigterm(signum, frame):  # as the services drain: a stamp in terms.log, t
     os._exit(int(code.read_text()) if code.exists() else 0)
 
 signal.signal(signal.SIGTERM, on_sigterm)
+print(f"{role} loading", file=sys.stderr, flush=True)
 if (pathlib.Path(args[args.index("--model") + 1]) / f"{role}.crash").exists():
     sys.exit(3)
 if (pathlib.Path(args[args.index("--model") + 1]) / f"{role}.refuse").exists():
@@ -176,6 +177,31 @@ def test_a_service_silent_past_the_startup_timeout_stops_everything(running, tmp
     assert run.finish() == 1
     assert run.lines == ["drafter not serving after 0.5 s; stopping all services"]
     assert run.all_stopped()
+
+
+def test_a_cluster_that_does_not_start_in_time_says_which_service_is_silent_with_its_log(tmp_path):
+    (tmp_path / "drafter.silent").touch()
+    commands = {role: [sys.executable, "-c", STAND_IN, role] for role in ROLES}
+    cluster = LocalCluster(tmp_path, role_commands=commands, log_dir=tmp_path / "logs")
+    with pytest.raises(TimeoutError) as raised:
+        cluster.start(timeout_s=3.0)
+    message = str(raised.value)
+    assert "--- drafter (pid " in message and "running):\ndrafter loading" in message
+    assert "--- coordinator" not in message and "--- verifier" not in message  # both said they listen
+    assert all(svc.proc.poll() is not None for svc in cluster.services.values())  # start() stopped them
+
+
+def test_a_cluster_fails_to_start_as_soon_as_a_service_exits_though_another_waits_on_it(tmp_path):
+    """The coordinator, silent as one waiting for its verifier, is not waited for past the verifier's exit."""
+    (tmp_path / "coordinator.silent").touch()
+    (tmp_path / "verifier.crash").touch()
+    commands = {role: [sys.executable, "-c", STAND_IN, role] for role in ROLES}
+    cluster = LocalCluster(tmp_path, role_commands=commands, log_dir=tmp_path / "logs")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="verifier exited with code 3\nverifier loading"):
+        cluster.start(timeout_s=120.0)
+    assert time.monotonic() - began < 60  # not the 120 s deadline
+    assert all(svc.proc.poll() is not None for svc in cluster.services.values())
 
 
 def test_stop_stops_the_coordinator_before_the_model_services(running, tmp_path):

@@ -1,6 +1,7 @@
 """Helpers shared by the end-to-end tests."""
 
 import os
+import pathlib
 import random
 import signal
 import threading
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specsplit import Client
 from specsplit.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"  # the trained demo checkpoint
 BLOCK_SIZE = 16  # the services' default KV block size: prefix caching caches full blocks
 PREFIX_CACHE_SERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 # Code openings the demo checkpoint (trained on Python) continues with real acceptance.

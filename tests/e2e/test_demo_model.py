@@ -1,7 +1,6 @@
 """With the trained demo checkpoint (real acceptance): greedy output equals transformers' generate,
 and sampled output follows the target's distribution with sampled (sparse-q) drafts."""
 
-import pathlib
 import threading
 
 import pytest
@@ -9,10 +8,8 @@ import torch
 
 from specsplit import Client
 from specsplit.cli.launcher import LocalCluster
+from tests.e2e.helpers import DEMO, assert_first_two_tokens_follow
 from tests.e2e.helpers import DEMO_PROMPTS as PROMPTS
-from tests.e2e.helpers import assert_first_two_tokens_follow
-
-DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 
 
 @pytest.fixture(scope="module")

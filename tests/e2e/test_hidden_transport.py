@@ -114,7 +114,7 @@ def test_verifier_refuses_to_start_against_a_drafter_with_another_transport(tiny
         cluster.start_drafter()
         verifier = cluster.start_verifier()
         with pytest.raises(RuntimeError, match="verifier exited with code 2") as err:
-            cluster.wait_ready(verifier, time.monotonic() + 120)
+            cluster.wait_ready([verifier], time.monotonic() + 120)
     finally:
         cluster.stop()
     assert "takes hidden states by grpc but this verifier sends them by nccl" in str(err.value)

@@ -126,9 +126,7 @@ def test_one_process_and_the_services_make_the_same_decisions(tmp_path):
     try:
         cluster.start_drafter()
         cluster.start_verifier()
-        limit = time.monotonic() + 300
-        for role in ("drafter", "verifier"):
-            cluster.wait_ready(cluster.services[role], limit)
+        cluster.wait_ready(list(cluster.services.values()), time.monotonic() + 300)
         services, service_outputs = through_services(cluster, eos, prompts)
     finally:
         cluster.stop()

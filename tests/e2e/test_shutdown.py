@@ -3,6 +3,8 @@ is in flight, and exit 0. (The session's cluster, whose services drain for 1 s a
 service a test stopped is started again for the next test that takes it: tests/e2e/conftest.py.)"""
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,8 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit import Client, SpecsplitError
+from specsplit.rpc.process import free_port
 
-from .helpers import greedy_ignoring_eos, start_streams
+from .helpers import DEMO, greedy_ignoring_eos, start_streams
 
 N_TOKENS = 40
 
@@ -53,6 +56,28 @@ def test_sigterm_on_the_coordinator_finishes_in_flight_streams_then_exits_0(clus
     assert done.wait(60)
     assert got[-1] == "length" and len(got) == 151  # the in-flight stream finished in full
     assert coordinator.wait(30) == 0
+
+
+def test_sigterm_on_a_coordinator_still_waiting_for_its_verifier_exits_0_at_once(tmp_path):
+    """Its wait (up to --startup-timeout, 600 s) ends with the signal, not with the wait."""
+    port, nobody = free_port(), free_port()
+    log_path = tmp_path / "coordinator.log"
+    command = [sys.executable, "-m", "specsplit", "serve", "coordinator", "--model", str(DEMO)]
+    command += ["--verifier", f"127.0.0.1:{nobody}", "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while _health(f"127.0.0.1:{port}") != "NOT_SERVING":  # serving health: past its gRPC server's start
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log_path.read_text()
+        assert "stopped before its verifier answered" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("role", ["drafter", "verifier"])
