@@ -1,7 +1,8 @@
 """What structured output costs a verify step: the grammar masks' host time (llguidance filling a packed mask per
 row, drafts included, the batch's rows at once, as the verifier's `Grammars.batch_masks` does) and their device time
 (the masks unpacked and applied to the logits, `logits_processors.apply`), at a 151,936-id vocabulary, batch 1 / 32 /
-128 x k 3, and the host time of a batch of new requests' first step (their matchers built, one row each); and the
+128 x k 3, the host time of a batch of new requests' first step (their matchers built, one row each) and of their
+first 12 steps, with new matchers and with those finished requests left (`Grammars.free`); and the
 demo checkpoint's acceptance under constraints with the drafter's drafts masked (as served) and unmasked, with the
 share of verified drafts the grammar refused.
 
@@ -141,26 +142,50 @@ def mask_times(batches: list[int], device: str, repeats: int) -> list[dict]:
             if device != "cpu":
                 torch.cuda.synchronize()
             dev.append(time.perf_counter() - t0)
-        first = []  # a batch of new requests' first step: their matchers made, one row each
+        first = []  # a batch of new requests' first step: their matchers made (no finished request's), one row each
         for step in range(repeats):
             ids = [f"new{step}-{i}" for i in range(batch)]
+            fresh = Grammars(None, grammars.tokenizer)
             t0 = time.perf_counter()
-            grammars.batch_masks([(rid, grammar, [], []) for rid in ids])
+            fresh.batch_masks([(rid, grammar, [], []) for rid in ids])
             first.append(time.perf_counter() - t0)
-            grammars.free(ids)
+        # A batch of new requests' first START_STEPS steps, as the steps above from the text's start: with matchers
+        # made new (a fresh Grammars each time) and with the matchers the requests before them left (`free`).
+        new = [start_ms(Grammars(None, grammars.tokenizer), grammar, text, batch) for _ in range(3)]
+        start_ms(grammars, grammar, text, batch)  # leaves its matchers for the next requests
+        reused = [start_ms(grammars, grammar, text, batch) for _ in range(3)]
         rows.append(
             dict(
                 batch=batch,
                 host_ms=1e3 * statistics.median(host),
                 device_ms=1e3 * statistics.median(dev),
                 first_ms=1e3 * statistics.median(first),
+                start_new_ms=statistics.median(new),
+                start_reused_ms=statistics.median(reused),
             )
         )
+        r = rows[-1]
         print(
-            f"| {batch} | {K} | {rows[-1]['host_ms']:.2f} | {rows[-1]['device_ms']:.3f} | {rows[-1]['first_ms']:.2f} |",
+            f"| {batch} | {K} | {r['host_ms']:.2f} | {r['device_ms']:.3f} | {r['first_ms']:.2f} "
+            f"| {r['start_new_ms']:.1f} | {r['start_reused_ms']:.1f} |",
             flush=True,
         )
     return rows
+
+
+START_STEPS = 12
+
+
+def start_ms(grammars: Grammars, grammar: str, text: list[int], batch: int) -> float:
+    """Host ms of the masks of `batch` new requests' first START_STEPS steps (each one token further, K drafts), their
+    requests freed after."""
+    ids = [f"start{time.perf_counter_ns()}-{i}" for i in range(batch)]
+    t0 = time.perf_counter()
+    for step in range(START_STEPS):
+        grammars.batch_masks([(rid, grammar, text[:step], text[step : step + K]) for rid in ids])
+    elapsed = 1e3 * (time.perf_counter() - t0)
+    grammars.free(ids)
+    return elapsed
 
 
 def acceptance(device: str) -> None:
@@ -200,9 +225,10 @@ def main() -> None:
     print(f"{name}: JSON-schema masks over a {VOCAB}-id vocabulary, k {K}, median of {args.repeats}")
     print(
         "| batch | k | host ms per step (masks of every row) | device ms per step (unpack + apply) "
-        "| host ms of new requests' first step (matchers made) |"
+        "| host ms of new requests' first step (matchers made) | host ms of new requests' first "
+        f"{START_STEPS} steps, new matchers | the same, matchers reused |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     mask_times(args.batches, args.device, args.repeats)
     if args.acceptance:
         acceptance(args.device)

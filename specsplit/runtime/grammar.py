@@ -21,6 +21,7 @@ allowing token 32 w + i.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ import torch
 
 from specsplit.client.errors import InvalidArgument
 from specsplit.kernels.grammar_mask import BITS, apply_masks_reference, apply_masks_triton
+
+IDLE_MATCHERS = 256  # finished requests' matchers kept for reuse (`Grammars._recycle`), about 0.2 MB each
 
 
 @dataclass
@@ -48,6 +51,9 @@ class Grammars:
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = tokenizer  # llguidance.LLTokenizer
         self._matchers: dict[str, _Matcher] = {}
+        # Finished requests' matchers, reset, per grammar (least recently used first), for the next requests of it.
+        self._idle: OrderedDict[str, list[object]] = OrderedDict()
+        self._num_idle = 0
         self._executor = None  # llguidance.LLExecutor, made at the first masks
         self._builders = None  # threads making new requests' matchers (`_make_matchers`)
         # Drafts whose rows were masked, and those of them the grammar did not allow (rejected whatever the target
@@ -159,6 +165,11 @@ class Grammars:
         152k vocabulary, docs/performance.md "Structured output"), so threads build them side by side; `_matcher`
         then finds them; a lone one is built here on the calling thread."""
         new = {rid: g for rid, g in requests if (m := self._matchers.get(rid)) is None or m.grammar != g}
+        for rid, grammar in list(new.items()):
+            self._recycle(self._matchers.pop(rid, None))  # another grammar's
+            if (matcher := self._take_idle(grammar)) is not None:
+                self._matchers[rid] = _Matcher(grammar, matcher)
+                del new[rid]
         if not new:
             return
         import llguidance
@@ -181,13 +192,40 @@ class Grammars:
         for (rid, grammar), matcher in zip(new.items(), made):
             self._matchers[rid] = _Matcher(grammar, matcher)
 
+    def _recycle(self, m: _Matcher | None) -> None:
+        """Keeps a finished request's matcher, reset, for the next request of its grammar (at most `IDLE_MATCHERS`;
+        those of the grammar whose last request finished longest ago are dropped first). Reset, a matcher keeps the
+        lexer states it built while it ran, which a new one builds again over its first steps: a batch of new
+        requests' first steps cost several times their later ones (`benchmarks/structured_output.py`,
+        docs/performance.md "Structured output"). A copy of one matcher kept per grammar (`deep_copy`) would share
+        its lexer with the others, behind one lock (`_make_matchers`)."""
+        if m is None or m.matcher.is_error() or not m.matcher.reset():
+            return
+        self._idle.setdefault(m.grammar, []).append(m.matcher)
+        self._idle.move_to_end(m.grammar)
+        self._num_idle += 1
+        while self._num_idle > IDLE_MATCHERS:
+            self._take_idle(next(iter(self._idle)))
+
+    def _take_idle(self, grammar: str):
+        """A kept matcher of `grammar` (`_recycle`), taken out of the kept ones; None where none is kept."""
+        idle = self._idle.get(grammar)
+        if idle is None:
+            return None
+        matcher = idle.pop()
+        self._num_idle -= 1
+        if not idle:
+            del self._idle[grammar]
+        return matcher
+
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
         eos = set(self.tokenizer.eos_tokens)
         end = next((j for j, t in enumerate(output) if t in eos), len(output))
         output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
         m = self._matchers.get(request_id)
         if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
-            self._matchers.pop(request_id, None)  # none yet, another grammar, or an output that went another way
+            # none yet, another grammar, or an output that went another way
+            self._recycle(self._matchers.pop(request_id, None))
             self._make_matchers([(request_id, grammar)])
             m = self._matchers[request_id]
         new = output[len(m.consumed) :]
@@ -205,10 +243,10 @@ class Grammars:
 
     def free(self, request_ids) -> None:
         for rid in request_ids:
-            self._matchers.pop(rid, None)
+            self._recycle(self._matchers.pop(rid, None))
 
     def clear(self) -> None:
-        self._matchers.clear()
+        self.free(list(self._matchers))
 
 
 def apply_masks(

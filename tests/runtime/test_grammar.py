@@ -120,3 +120,41 @@ def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
     for (rid, g, _, _), row in zip(regrammared, words):
         assert together._matchers[rid].grammar == g
         assert np.array_equal(row, alone.masks("fresh" + rid, g, [], [])[0])
+
+
+def test_a_finished_requests_matcher_serves_the_next_request_of_its_grammar_as_a_new_one_would(tok):
+    """`free` keeps the matcher, reset, for the next request of the same grammar (its lexer states stay built): that
+    request's masks, step after step, equal a new matcher's; a request of another grammar does not get it; a matcher
+    of a request whose output broke its grammar is not kept."""
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    grammars = Grammars(DEMO)
+    grammars.masks("done", GRAMMAR, [hello], [num])
+    finished = grammars._matchers["done"].matcher
+    grammars.free(["done"])
+    other = llguidance.LLMatcher.grammar_from_regex("[0-9]+ (hello|world)")
+    grammars.masks("other", other, [], [])
+    assert grammars._matchers["other"].matcher is not finished
+    fresh = Grammars(DEMO)
+    for output, drafts in [([], [hello, num]), ([hello], [num]), ([hello, num], [])]:
+        assert np.array_equal(
+            grammars.masks("next", GRAMMAR, output, drafts), fresh.masks("r", GRAMMAR, output, drafts)
+        )
+        assert grammars._matchers["next"].matcher is finished
+    with pytest.raises(InvalidArgument, match="does not follow its grammar"):
+        grammars.masks("next", GRAMMAR, [hello, num, hello], [])
+    grammars.free(["next", "other"])
+    assert grammars._take_idle(GRAMMAR) is None  # "next" was dropped, not kept
+
+
+def test_kept_matchers_are_bounded_the_grammar_finished_longest_ago_dropped_first(tok, monkeypatch):
+    monkeypatch.setattr("specsplit.runtime.grammar.IDLE_MATCHERS", 3)
+    grammars = Grammars(DEMO)
+    old, new = GRAMMAR, llguidance.LLMatcher.grammar_from_regex("[0-9]+ (hello|world)")
+    jobs = [(f"old{i}", old, [], []) for i in range(2)] + [(f"new{i}", new, [], []) for i in range(2)]
+    grammars.batch_masks(jobs)
+    grammars.free(["old0", "old1", "new0", "new1"])  # four kept, one over: one of `old`'s dropped
+    assert grammars._num_idle == 3 and len(grammars._idle[old]) == 1 and len(grammars._idle[new]) == 2
+    grammars.batch_masks([("a", old, [], []), ("b", old, [], []), ("c", new, [], [])])  # old's one, then a new one
+    assert grammars._num_idle == 1 and old not in grammars._idle
+    grammars.clear()  # a new coordinator: every request's matcher kept as a finished one's
+    assert grammars._num_idle == 3 and not grammars._matchers
