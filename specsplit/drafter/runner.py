@@ -7,8 +7,8 @@ positions p and the token x_{p+1} that follows each. The drafter
 2. MTP step 0: runs the MTP layer over all (h_p, x_{p+1}) pairs of the batch at once; the output
    of each request's last pair gives draft 1;
 3. steps 1..k-1: reuses the MTP layer on its own output h' and the draft it just made, one
-   position further, for the requests that want more drafts (greedy, unconstrained, on one CUDA device: all of
-   them replayed as one graph, `later_steps.py`; otherwise a step at a time).
+   position further, for the requests that want more drafts (unconstrained, on one CUDA device: all of them
+   replayed as one graph, `later_steps.py`; otherwise a step at a time).
 A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
 starts afresh at the first new position: drafts may be worse for a while, output never changes.
 
@@ -285,10 +285,12 @@ class DrafterRunner:
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
-        chained = self._chains(items, active, plan, constrained)
+        chained_steps = self._chained_steps(items, active, plan, constrained)  # S in one graph; 0: step by step
         # The later steps' graph: each row's last position (int64), its request, cache entries and steps (int32).
-        chain64 = [last_pos] if chained else []
-        chain32 = [active, [plan.seq_lens[i] for i in active], [plan.more_steps[i] for i in active]] if chained else []
+        chain64 = [last_pos] if chained_steps else []
+        chain32 = []
+        if chained_steps:
+            chain32 = [active, [plan.seq_lens[i] for i in active], [plan.more_steps[i] for i in active]]
         step_tokens = None  # constrained, on a hand-off: the step's tokens on their way to the host
         if dev is not None:  # the device's tokens, gathered from its [num_reqs, width] rows
             width = dev.tokens.shape[1]
@@ -307,7 +309,7 @@ class DrafterRunner:
             [*plan.int32_arrays, *chain32],
             sampling32,
         )
-        if chained:
+        if chained_steps:
             chain_inputs = [int64.pop(), *int32[-3:]]
             int32 = int32[:-3]
         if dev is not None:
@@ -349,8 +351,7 @@ class DrafterRunner:
         # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
         # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
         copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
-        if chained:  # steps 1..S replayed as one graph, every row in each (past a row's steps its drafts are dropped)
-            num_steps = max(plan.more_steps[i] for i in active)
+        if chained_steps:  # steps 1..S replayed as one graph, every row in each (past its steps a row's drafts dropped)
             later = self.later_steps.run(
                 picks[0][0],
                 hidden,
@@ -358,14 +359,14 @@ class DrafterRunner:
                 attn.block_tables,
                 shift,
                 None if sampling is None else sampling[:2],
-                num_steps,
+                chained_steps,
             )
             q_ids, q_probs = later[1:] if sampling is not None else (None, None)  # [S, n, K] each
-            for s in range(num_steps):
+            for s in range(chained_steps):
                 picks.append(
                     (later[0][s], None if q_ids is None else q_ids[s], None if q_probs is None else q_probs[s])
                 )
-            steps, actives = [], [active] * num_steps
+            steps, actives = [], [active] * chained_steps
         else:
             steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
         for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
@@ -391,7 +392,7 @@ class DrafterRunner:
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         out = _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
-        if chained:  # a row's drafts, and q rows, past its steps
+        if chained_steps:  # a row's drafts, and q rows, past its steps
             for i in active:
                 kept = 1 + plan.more_steps[i]
                 del out.drafts[i][kept:]
@@ -399,16 +400,16 @@ class DrafterRunner:
                     out.draft_probs[i] = tuple(t[:kept] for t in out.draft_probs[i])
         return out
 
-    def _chains(self, items: list[ProposeItem], active: list[int], plan: StepPlan, per_step: bool) -> bool:
-        """Whether this propose's later steps run as one graph (`later_steps.py`): on one device, with later steps,
-        rows and block tables the graphs take; not where a step needs the host between steps (`per_step`: grammar
-        masks)."""
+    def _chained_steps(self, items: list[ProposeItem], active: list[int], plan: StepPlan, per_step: bool) -> int:
+        """How many later steps this propose runs as one graph (`later_steps.py`), 0 where it runs them step by step:
+        on one device, with rows and block tables the graphs take; not where a step needs the host between steps
+        (`per_step`: grammar masks)."""
         if self.later_steps is None or per_step or not active:
-            return False
-        if max(plan.more_steps[i] for i in active) < 1:
-            return False
+            return 0
         width = len(plan.int32_arrays[TABLES]) // len(items)
-        return self.later_steps.can_run(len(active), len(items), width)
+        if not self.later_steps.can_run(len(active), len(items), width):
+            return 0
+        return max(plan.more_steps[i] for i in active)
 
     def _mask_grammars(
         self,
