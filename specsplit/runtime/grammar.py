@@ -50,6 +50,7 @@ class Grammars:
     def __init__(self, tokenizer_dir: str | Path | None, tokenizer=None):
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = tokenizer  # llguidance.LLTokenizer
+        self._eos: frozenset[int] | None = None  # the tokenizer's EOS ids (`eos`)
         self._matchers: dict[str, _Matcher] = {}
         # Finished requests' matchers, reset, per grammar (least recently used first), for the next requests of it.
         self._idle: OrderedDict[str, list[object]] = OrderedDict()
@@ -77,6 +78,12 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(hf)
         return self._tokenizer
 
+    @property
+    def eos(self) -> frozenset[int]:
+        if self._eos is None:
+            self._eos = frozenset(self.tokenizer.eos_tokens)
+        return self._eos
+
     def masks(self, request_id: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
         """[len(drafts) + 1, words] int32: the tokens the grammar allows at each of the request's rows (`batch_masks`
         for one request)."""
@@ -92,7 +99,7 @@ class Grammars:
         everything), else None."""
         import llguidance.numpy
 
-        eos = set(self.tokenizer.eos_tokens)
+        eos = self.eos
         self._make_matchers([(request_id, grammar) for request_id, grammar, _, _ in requests])
         out = np.full((len(requests), -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
         errors: list[InvalidArgument | None] = [None] * len(requests)
@@ -128,7 +135,7 @@ class Grammars:
         import llguidance.numpy
 
         vocab = self.tokenizer.vocab_size
-        eos = set(self.tokenizer.eos_tokens)
+        eos = self.eos
         self._make_matchers([(request_id, grammar) for request_id, grammar, _, _ in requests])
         jobs, firsts, after_eos = [], [], []
         total = 0
@@ -219,9 +226,9 @@ class Grammars:
         return matcher
 
     def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
-        eos = set(self.tokenizer.eos_tokens)
-        end = next((j for j, t in enumerate(output) if t in eos), len(output))
-        output = output[:end]  # the request ends at its EOS: what a step emitted past it is dropped
+        """The request's matcher, having consumed its output up to its first EOS (the request ends there: what a step
+        emitted past it is dropped). Only the tokens past what it consumed are looked at for an EOS: what it consumed
+        holds none, and a step's cost stays that of its new tokens however long the output grows."""
         m = self._matchers.get(request_id)
         if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
             # none yet, another grammar, or an output that went another way
@@ -229,6 +236,8 @@ class Grammars:
             self._make_matchers([(request_id, grammar)])
             m = self._matchers[request_id]
         new = output[len(m.consumed) :]
+        eos = self.eos
+        new = new[: next((j for j, t in enumerate(new) if t in eos), len(new))]
         if new:
             if m.matcher.try_consume_tokens(new) != len(new):
                 del self._matchers[request_id]

@@ -59,6 +59,19 @@ def test_rows_after_an_eos_draft_are_masked_as_the_eos_row(tok):
     assert np.array_equal(grammars.next_masks([("r", GRAMMAR, [hello], [num, eos, hello])])[0][0], masks[1])
 
 
+def test_an_output_past_its_eos_is_followed_up_to_the_eos_step_after_step(tok):
+    """Under ignore_eos the output goes on after its EOS with tokens the grammar would refuse: the matcher, which looks
+    only at the tokens past what it consumed, stops at the EOS, and the rows stay those of the EOS's state."""
+    grammars = Grammars(DEMO)
+    hello, num = tok.encode("hello 42", add_special_tokens=False)
+    eos = tok.eos_token_id
+    at_eos = grammars.masks("r", GRAMMAR, [hello, num], [])
+    for output in ([hello, num, eos], [hello, num, eos, hello], [hello, num, eos, hello, hello, num]):
+        assert np.array_equal(grammars.masks("r", GRAMMAR, output, []), at_eos)
+        assert np.array_equal(grammars.next_masks([("r", GRAMMAR, output, [])])[0][0], at_eos[0])
+    assert np.array_equal(Grammars(DEMO).masks("x", GRAMMAR, [hello, num, eos, hello], []), at_eos)
+
+
 def test_an_output_that_went_another_way_starts_a_fresh_matcher_and_one_off_the_grammar_is_refused(tok):
     grammars = Grammars(DEMO)
     hello, world = tok.encode("hello", add_special_tokens=False), tok.encode("world", add_special_tokens=False)
