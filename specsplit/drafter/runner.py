@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specsplit.drafter.device_propose import (
@@ -43,6 +44,7 @@ from specsplit.drafter.draft_vocab import DraftVocabulary
 from specsplit.drafter.later_steps import LaterStepsGraphs
 from specsplit.drafter.sampling import noise_seed, pick_drafts, to_ids
 from specsplit.drafter.step_timer import StepTimer
+from specsplit.kernels.grammar_mask import BITS
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.mtp import MTPModule
@@ -62,6 +64,9 @@ _LaterStep = tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor, _Sampli
 
 log = logging.getLogger(__name__)
 TABLES = 2  # the block tables' place in `StepPlan.int32_arrays`
+# A constrained row whose grammar allows more than this share of the vocabulary drafts its later steps unmasked
+# (`DrafterRunner._mask_grammars`).
+WIDE_MASK = 0.5
 
 
 @dataclass
@@ -285,7 +290,8 @@ class DrafterRunner:
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
-        chained_steps = self._chained_steps(items, active, plan, constrained)  # S in one graph; 0: step by step
+        # S later steps in one graph; 0: step by step. Constrained: only where step 0's masks leave none to mask.
+        chained_steps = self._chained_steps(items, active, plan)
         # The later steps' graph: each row's last position (int64), its request, cache entries and steps (int32).
         chain64 = [last_pos] if chained_steps else []
         chain32 = []
@@ -342,11 +348,16 @@ class DrafterRunner:
         else:
             logits = None if out_logits is None else out_logits.index_select(0, select)
         drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
+        wide: set[int] = set()  # constrained items drafted unmasked from step 1 on (`_mask_grammars`)
         if constrained:
             if step_tokens is not None:
                 tokens, num_sampled = step_tokens.lists()
                 _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
-            self._mask_grammars(logits, items, active, drafted)
+            self._mask_grammars(logits, items, active, drafted, wide)
+            masked = [i for i in active if items[i].grammar is not None and i not in wide]
+            constrained = bool(masked)  # later steps to mask
+            if constrained:
+                chained_steps = 0
         picks = [self._pick(logits, sampling, hidden.shape[0])]
         # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
         # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
@@ -382,7 +393,8 @@ class DrafterRunner:
             if constrained:
                 if copying is not None:
                     copying.note(drafted)
-                self._mask_grammars(logits, items, step_rows, drafted)
+                self._mask_grammars(logits, items, step_rows, drafted, wide)
+                constrained = any(items[i].grammar is not None and i not in wide for i in step_rows)
             picks.append(self._pick(logits, sampling, hidden.shape[0]))
             if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
                 copying = _DraftsCopy(step_rows, picks[-1][0])
@@ -400,11 +412,10 @@ class DrafterRunner:
                     out.draft_probs[i] = tuple(t[:kept] for t in out.draft_probs[i])
         return out
 
-    def _chained_steps(self, items: list[ProposeItem], active: list[int], plan: StepPlan, per_step: bool) -> int:
-        """How many later steps this propose runs as one graph (`later_steps.py`), 0 where it runs them step by step:
-        on one device, with rows and block tables the graphs take; not where a step needs the host between steps
-        (`per_step`: grammar masks)."""
-        if self.later_steps is None or per_step or not active:
+    def _chained_steps(self, items: list[ProposeItem], active: list[int], plan: StepPlan) -> int:
+        """How many later steps this propose can run as one graph (`later_steps.py`), 0 where it runs them step by
+        step: on one device, with rows and block tables the graphs take."""
+        if self.later_steps is None or not active:
             return 0
         width = len(plan.int32_arrays[TABLES]) // len(items)
         if not self.later_steps.can_run(len(active), len(items), width):
@@ -417,13 +428,22 @@ class DrafterRunner:
         items: list[ProposeItem],
         rows: list[int],  # this step's items, in row order
         drafted: dict[int, list[int]],  # each item's drafts so far in this Propose, on the host (`_DraftsCopy.note`)
+        wide: set[int],  # items drafted unmasked from here on; those whose mask allows most tokens join it
     ) -> None:
         """Masks the rows of constrained requests with their grammar's state after their output and the drafts this
         Propose made for them so far, so that the draft picked next is one the grammar allows. A request whose output
-        its grammar refuses (which verification would not have let through) is drafted unmasked."""
+        its grammar refuses (which verification would not have let through) is drafted unmasked.
+
+        A row whose mask allows more than `WIDE_MASK` of the vocabulary (inside a JSON string, say) drafts its later
+        steps unmasked: there the masks cost the most (the trie of the whole vocabulary walked: llguidance's slow
+        states) and change the fewest drafts, and a step whose rows need no mask neither waits for the host nor is
+        kept out of the later steps' graph. On the demo model the acceptance is that of masking every step
+        (docs/performance.md, "Structured output")."""
         if logits is None:  # a tensor-parallel follower: rank 0 picks
             return
-        rows_items = [(row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None]
+        rows_items = [
+            (row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None and i not in wide
+        ]
         if not rows_items:
             return
         words, errors = self.grammars.next_masks(
@@ -432,6 +452,8 @@ class DrafterRunner:
         for (_, item, _), err in zip(rows_items, errors):
             if err is not None:  # its row allows everything
                 log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
+        allowed = np.bitwise_count(words.view(np.uint32)).sum(axis=1)
+        wide.update(i for (_, _, i), n in zip(rows_items, allowed.tolist()) if n > WIDE_MASK * words.shape[1] * BITS)
         apply_masks(logits, [row for row, _, _ in rows_items], words, self._column_ids)
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:

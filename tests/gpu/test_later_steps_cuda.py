@@ -8,12 +8,14 @@ with the full vocabulary and with a draft vocabulary swapped under the graph.
 
 from __future__ import annotations
 
+import llguidance
 import pytest
 import torch
 
 from specsplit.drafter.draft_vocab import draft_vocabulary
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.models.loader import load_mtp
+from specsplit.runtime.grammar import Grammars
 from specsplit.transport.base import DeviceTokens
 from tests.fixtures.tiny import write_tiny_checkpoint
 
@@ -120,3 +122,26 @@ def test_sampled_later_steps_graph_drafts_and_q_as_the_step_graphs(checkpoint, k
             start[r] += counts[r]
             counts[r] = 1 + (it + j) % (k + 1)
     assert runs == [k - 1] * 5
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["all-wide", "one-narrow"])
+def test_a_constrained_propose_runs_the_later_steps_graph_where_no_row_needs_a_later_mask(checkpoint, narrow):
+    """Rows whose grammar allows most tokens are masked at step 0 alone (`DrafterRunner._mask_grammars`): a propose of
+    only such rows replays the later steps' graph; with one row masked at every step it runs them step by step. The
+    drafts equal the step-by-step runner's either way."""
+    wide = llguidance.grammar_from("grammar", "start: /(?s:.)*/")
+    chained, stepwise, runs = runners(checkpoint, None)
+    for runner in (chained, stepwise):
+        runner.grammars = Grammars(checkpoint)
+    g = torch.Generator().manual_seed(7)
+    vocab, hidden_size = chained.mtp.config.vocab_size, chained.mtp.config.hidden_size
+    grammars = [wide] * 4
+    if narrow:
+        grammars[1] = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
+    items = [
+        ProposeItem(f"r{i}", 0, torch.randint(3, vocab, (5,), generator=g).tolist(), 3, grammar=gr, output=[])
+        for i, gr in enumerate(grammars)
+    ]
+    rows = torch.randn(20, hidden_size, generator=g).to("cuda")
+    assert chained.propose(items, rows).drafts == stepwise.propose(items, rows).drafts
+    assert runs == ([] if narrow else [2])

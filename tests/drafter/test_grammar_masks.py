@@ -1,0 +1,45 @@
+"""The drafter's grammar masks (`DrafterRunner._mask_grammars`): every constrained row is masked at step 0; a row whose
+grammar allows few tokens is masked at every later step too, after the drafts before it, and one whose grammar allows
+most of the vocabulary (`WIDE_MASK`) drafts its later steps unmasked, with no mask filled for them."""
+
+import llguidance
+import torch
+from transformers import AutoTokenizer
+
+from specsplit.drafter.runner import DrafterRunner, ProposeItem
+
+NARROW = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
+WIDE = llguidance.grammar_from("grammar", "start: /(?s:.)*/")  # any text
+
+
+def test_a_wide_row_is_masked_at_step_0_alone_and_a_narrow_one_at_every_step(mtp, tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    letters = set("abcdefghijklm")
+    runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
+    masked: list[list[str]] = []  # per next_masks call, the requests it filled
+    next_masks = runner.grammars.next_masks
+    runner.grammars.next_masks = lambda requests: masked.append([r[0] for r in requests]) or next_masks(requests)
+    k = 3
+    items = [
+        ProposeItem("narrow", 0, [5, 6, 7, 8], k, grammar=NARROW, output=[]),
+        ProposeItem("wide", 0, [9, 10, 11], k, grammar=WIDE, output=[]),
+        ProposeItem("free", 0, [12, 13], k),
+    ]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(sum(len(i.next_token_ids) for i in items), mtp.config.hidden_size, generator=g)
+    out = runner.propose(items, rows)
+    assert masked == [["narrow", "wide"], ["narrow"], ["narrow"]]
+    assert all(len(d) == k for d in out.drafts)
+    for draft in out.drafts[0]:  # every draft of the narrow row is one its grammar allows
+        assert draft == tok.eos_token_id or set(tok.convert_ids_to_tokens(draft)) <= letters
+
+
+def test_a_propose_whose_rows_are_all_wide_fills_masks_for_step_0_alone(mtp, tiny_dir):
+    runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
+    masked = []
+    next_masks = runner.grammars.next_masks
+    runner.grammars.next_masks = lambda requests: masked.append(len(requests)) or next_masks(requests)
+    items = [ProposeItem(f"r{i}", 0, [5 + i, 6, 7], 3, grammar=WIDE, output=[]) for i in range(3)]
+    rows = torch.randn(9, mtp.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert [len(d) for d in runner.propose(items, rows).drafts] == [3, 3, 3]
+    assert masked == [3]
