@@ -2,7 +2,9 @@
 row, drafts included, the batch's rows at once, as the verifier's `Grammars.batch_masks` does) and their device time
 (the masks unpacked and applied to the logits, `logits_processors.apply`), at a 151,936-id vocabulary, batch 1 / 32 /
 128 x k 3, the host time of a batch of new requests' first step (their matchers built, one row each) and of their
-first 12 steps, with new matchers and with those finished requests left (`Grammars.free`); and the
+first 12 steps, with new matchers and with those finished requests left (`Grammars.free`); the drafter's host time
+for the masks of a propose (k 3 MTP steps, `DrafterRunner._mask_grammars`) with every step masked and as served (the
+later steps of rows whose grammar allows most tokens unmasked, `WIDE_MASK`); and the
 demo checkpoint's acceptance under constraints with the drafter's drafts masked (as served) and unmasked, with the
 share of verified drafts the grammar refused.
 
@@ -23,6 +25,7 @@ import statistics
 import sys
 import sysconfig
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specsplit.drafter import runner as drafter_runner  # noqa: E402
 from specsplit.runtime.grammar import Grammars  # noqa: E402
 from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply  # noqa: E402
 
@@ -154,6 +158,7 @@ def mask_times(batches: list[int], device: str, repeats: int) -> list[dict]:
         new = [start_ms(Grammars(None, grammars.tokenizer), grammar, text, batch) for _ in range(3)]
         start_ms(grammars, grammar, text, batch)  # leaves its matchers for the next requests
         reused = [start_ms(grammars, grammar, text, batch) for _ in range(3)]
+        every_step, served = propose_masks_ms(grammars, grammar, text, offsets, repeats, device)
         rows.append(
             dict(
                 batch=batch,
@@ -162,18 +167,54 @@ def mask_times(batches: list[int], device: str, repeats: int) -> list[dict]:
                 first_ms=1e3 * statistics.median(first),
                 start_new_ms=statistics.median(new),
                 start_reused_ms=statistics.median(reused),
+                propose_every_step_ms=every_step,
+                propose_served_ms=served,
             )
         )
         r = rows[-1]
         print(
             f"| {batch} | {K} | {r['host_ms']:.2f} | {r['device_ms']:.3f} | {r['first_ms']:.2f} "
-            f"| {r['start_new_ms']:.1f} | {r['start_reused_ms']:.1f} |",
+            f"| {r['start_new_ms']:.1f} | {r['start_reused_ms']:.1f} | {every_step:.2f} | {served:.2f} |",
             flush=True,
         )
     return rows
 
 
 START_STEPS = 12
+
+
+def propose_masks_ms(
+    grammars: Grammars, grammar: str, text: list[int], offsets: list[int], repeats: int, device: str
+) -> tuple[float, float]:
+    """Median host ms of the drafter's masks for one propose of K MTP steps (the batch's requests at `offsets` in the
+    text, one token further each repeat; each step's drafts the text's next tokens), with every step masked (a
+    `WIDE_MASK` no mask exceeds) and as served: `DrafterRunner._mask_grammars` itself, masks applied to the
+    logits."""
+    runner = types.SimpleNamespace(grammars=grammars, _column_ids=None)
+    logits = torch.zeros(len(offsets), VOCAB, device=device)
+    served = drafter_runner.WIDE_MASK
+    times = {}
+    for wide_mask in (2.0, served):
+        drafter_runner.WIDE_MASK = wide_mask
+        per = []
+        for step in range(repeats):
+            starts = [o + step for o in offsets]
+            items = [
+                drafter_runner.ProposeItem(f"r{i}", 0, [], K, grammar=grammar, output=text[:s])
+                for i, s in enumerate(starts)
+            ]
+            rows = list(range(len(items)))
+            wide: set[int] = set()
+            t0 = time.perf_counter()
+            for j in range(K):
+                drafted = {i: text[s : s + j] for i, s in enumerate(starts)}
+                drafter_runner.DrafterRunner._mask_grammars(runner, logits, items, rows, drafted, wide)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            per.append(time.perf_counter() - t0)
+        times[wide_mask] = 1e3 * statistics.median(per)
+    drafter_runner.WIDE_MASK = served
+    return times[2.0], times[served]
 
 
 def start_ms(grammars: Grammars, grammar: str, text: list[int], batch: int) -> float:
@@ -226,9 +267,11 @@ def main() -> None:
     print(
         "| batch | k | host ms per step (masks of every row) | device ms per step (unpack + apply) "
         "| host ms of new requests' first step (matchers made) | host ms of new requests' first "
-        f"{START_STEPS} steps, new matchers | the same, matchers reused |"
+        f"{START_STEPS} steps, new matchers | the same, matchers reused "
+        "| drafter host ms per propose, every step masked "
+        "| the same, as served (rows allowing most tokens: step 0 alone) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     mask_times(args.batches, args.device, args.repeats)
     if args.acceptance:
         acceptance(args.device)

@@ -217,3 +217,18 @@ def test_the_grammar_engine_benchmark_measures_llguidance_alone_without_xgrammar
     ]
     compiled = [line for line in proc.stdout.splitlines() if line.endswith("|") and "| llguidance |" in line]
     assert len(compiled) == 8 and "xgrammar |" not in proc.stdout
+
+
+def test_the_mask_benchmark_gives_every_column_of_a_batch():
+    """`benchmarks/structured_output.py` as documented, at a small batch: one row with every column timed, the
+    drafter's propose with every step masked and as served among them."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "structured_output.py"), "--batches", "2", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 | 3 |")]
+    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 9
+    assert all(float(cell) > 0 for cell in rows[0].strip("|").split("|")[2:])
