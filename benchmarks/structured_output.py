@@ -188,11 +188,13 @@ def propose_masks_ms(
 ) -> tuple[float, float]:
     """Median host ms of the drafter's masks for one propose of K MTP steps (the batch's requests at `offsets` in the
     text, one token further each repeat; each step's drafts the text's next tokens), with every step masked (a
-    `WIDE_MASK` no mask exceeds) and as served: `DrafterRunner._mask_grammars` itself, masks applied to the
-    logits."""
+    `WIDE_MASK` no mask exceeds) and as served: `DrafterRunner._mask_grammars` itself, the masks applied to logits on
+    the GPU (their upload and kernel launched); on the CPU their application, which a GPU runs, is left out."""
     runner = types.SimpleNamespace(grammars=grammars, _column_ids=None)
     logits = torch.zeros(len(offsets), VOCAB, device=device)
-    served = drafter_runner.WIDE_MASK
+    served, apply_masks = drafter_runner.WIDE_MASK, drafter_runner.apply_masks
+    if device == "cpu":
+        drafter_runner.apply_masks = lambda *args: None
     times = {}
     for wide_mask in (2.0, served):
         drafter_runner.WIDE_MASK = wide_mask
@@ -213,7 +215,7 @@ def propose_masks_ms(
                 torch.cuda.synchronize()
             per.append(time.perf_counter() - t0)
         times[wide_mask] = 1e3 * statistics.median(per)
-    drafter_runner.WIDE_MASK = served
+    drafter_runner.WIDE_MASK, drafter_runner.apply_masks = served, apply_masks
     return times[2.0], times[served]
 
 
