@@ -354,8 +354,7 @@ class DrafterRunner:
                 tokens, num_sampled = step_tokens.lists()
                 _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
             self._mask_grammars(logits, items, active, drafted, wide)
-            masked = [i for i in active if items[i].grammar is not None and i not in wide]
-            constrained = bool(masked)  # later steps to mask
+            constrained = any(items[i].grammar is not None and i not in wide for i in active)  # later steps to mask
             if constrained:
                 chained_steps = 0
         picks = [self._pick(logits, sampling, hidden.shape[0])]
