@@ -12,13 +12,19 @@ NARROW = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
 WIDE = llguidance.grammar_from("grammar", "start: /(?s:.)*/")  # any text
 
 
+def spied_runner(mtp, tiny_dir) -> tuple[DrafterRunner, list[list[str]]]:
+    """A runner whose masks record, per `next_masks` call, the requests it filled."""
+    runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
+    masked: list[list[str]] = []
+    next_masks = runner.grammars.next_masks
+    runner.grammars.next_masks = lambda requests: masked.append([r[0] for r in requests]) or next_masks(requests)
+    return runner, masked
+
+
 def test_a_wide_row_is_masked_at_step_0_alone_and_a_narrow_one_at_every_step(mtp, tiny_dir):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     letters = set("abcdefghijklm")
-    runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
-    masked: list[list[str]] = []  # per next_masks call, the requests it filled
-    next_masks = runner.grammars.next_masks
-    runner.grammars.next_masks = lambda requests: masked.append([r[0] for r in requests]) or next_masks(requests)
+    runner, masked = spied_runner(mtp, tiny_dir)
     k = 3
     items = [
         ProposeItem("narrow", 0, [5, 6, 7, 8], k, grammar=NARROW, output=[]),
@@ -35,11 +41,8 @@ def test_a_wide_row_is_masked_at_step_0_alone_and_a_narrow_one_at_every_step(mtp
 
 
 def test_a_propose_whose_rows_are_all_wide_fills_masks_for_step_0_alone(mtp, tiny_dir):
-    runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
-    masked = []
-    next_masks = runner.grammars.next_masks
-    runner.grammars.next_masks = lambda requests: masked.append(len(requests)) or next_masks(requests)
+    runner, masked = spied_runner(mtp, tiny_dir)
     items = [ProposeItem(f"r{i}", 0, [5 + i, 6, 7], 3, grammar=WIDE, output=[]) for i in range(3)]
     rows = torch.randn(9, mtp.config.hidden_size, generator=torch.Generator().manual_seed(1))
     assert [len(d) for d in runner.propose(items, rows).drafts] == [3, 3, 3]
-    assert masked == [3]
+    assert masked == [["r0", "r1", "r2"]]
