@@ -208,9 +208,11 @@ def propose_masks_ms(
             rows = list(range(len(items)))
             wide: set[int] = set()
             t0 = time.perf_counter()
+            masks = drafter_runner.DrafterRunner._draft_masks(runner, items, rows)
             for j in range(K):
                 drafted = {i: text[s : s + j] for i, s in enumerate(starts)}
-                drafter_runner.DrafterRunner._mask_grammars(runner, logits, items, rows, drafted, wide)
+                drafter_runner.DrafterRunner._mask_grammars(runner, masks, logits, items, rows, drafted, wide)
+            masks.close()
             if device != "cpu":
                 torch.cuda.synchronize()
             per.append(time.perf_counter() - t0)

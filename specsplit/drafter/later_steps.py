@@ -1,6 +1,6 @@
-"""The drafter's later steps (1..k-1) of an unconstrained propose as one CUDA graph: each step's inputs, its MTP
-forward, the draft's pick (the argmax, or for sampled requests the race over q, `sampling.py`; then a draft vocabulary's
-id) and the next step's inputs, all on the device.
+"""The drafter's later steps (1..k-1) of a propose as CUDA graphs: each step's inputs, its MTP forward, the draft's
+pick (the argmax, or for sampled requests the race over q, `sampling.py`; then a draft vocabulary's id) and the next
+step's inputs, all on the device; for an unconstrained propose one graph of every step.
 
 Step by step (`DrafterRunner._propose`'s loop) the host launches every later step itself: a graph replay, the copies
 into its static buffers, the device hand-off's shift, the pick and the id map, about a dozen launches per step. At
@@ -17,17 +17,27 @@ graph for all S later steps, whose inputs one kernel works out from step 0's pla
 - a sampled row's noise counter is its position (the verifier's row that scores the draft), its temperature and seed
   step 0's.
 
+A constrained propose (structured output) masks each step's logits with its rows' grammars before the pick, and the
+masks of step s follow the drafts of step s - 1: the host fills them (`DrafterRunner._masked_later_steps`). Its
+steps run as parts, each a graph: step s's forward, replayed before the host waits for the drafts before it, so that
+the device runs it while the host fills its masks; then its pick, the masks copied in first (`masks`, one row per
+row). Step by step instead, the host's launches, the hand-off's shift and the KV plan of every step came on top of the
+masks, and the later steps of a constrained batch of 32 took 4.8-5.2 ms against 1.4 ms unconstrained on an H100
+(docs/performance.md, "Structured output").
+
 The same steps, the same kernels and buckets as the step-by-step graphs: the drafts (and q) equal theirs (tests compare
-them, on the CPU through `capture=False`, which runs the same static-buffer code eagerly). One graph per (bucket of
-rows, S, greedy or sampled), in the step graphs' memory pool: S = 1 and 2 (k 2 and 3, the coordinator's default) for
-every bucket with the runner, any other S for a bucket the first time a propose needs it (11–88 ms on an H100 with
-the 7B shape, once per process).
+them, on the CPU through `capture=False`, which runs the same static-buffer code eagerly). Graphs per (bucket of
+rows, S, greedy or sampled, masked), in the step graphs' memory pool: unmasked, S = 1 and 2 (k 2 and 3, the
+coordinator's default) for every bucket with the runner, any other S for a bucket the first time a propose needs it
+(11–88 ms on an H100 with the 7B shape, once per process); masked, each the first time a propose needs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +46,7 @@ from specsplit.kernels.draft_step_inputs import step_inputs
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.mtp import MTPModule
 from specsplit.runtime.cuda_graphs import CudaGraphRunner, capturing
+from specsplit.runtime.grammar import apply_packed
 
 log = logging.getLogger(__name__)
 CAPTURED_WITH_THE_RUNNER = 2  # the most later steps whose graphs (greedy and sampled) are captured at start (k 3)
@@ -67,14 +78,16 @@ class LaterStepsGraphs:
         self.block_tables = torch.zeros(size, step_graphs.max_blocks, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(size, dtype=torch.float32, device=device)  # sampled graphs: 0 = greedy row
         self.seeds = torch.zeros(size, dtype=torch.int64, device=device)  # sampled graphs: each row's noise seed
-        # (bucket, S, sampled) → the graph and its outputs: drafts [S, bucket], sampled q's ids and probs [S, bucket, K]
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.masks: torch.Tensor | None = None  # masked steps: [size, 1 + W] int32 (`_masks_of`)
+        # (bucket, S, sampled, masked) → its graphs (`_capture`) and their state, whose "outputs" are the drafts
+        # [S, bucket] and sampled q's ids and probs [S, bucket, K]
+        self._graphs: dict[tuple[int, int, bool, bool], tuple[list[torch.cuda.CUDAGraph], dict]] = {}
         if self.capture:
             t0 = time.perf_counter()
             for num_steps in range(1, CAPTURED_WITH_THE_RUNNER + 1):
                 for sampled in (False, True):
                     for bucket in reversed(step_graphs.buckets):
-                        key = (bucket, num_steps, sampled)
+                        key = (bucket, num_steps, sampled, False)
                         self._graphs[key] = self._capture(*key)
             log.info("drafter: %d later-steps graphs captured in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
@@ -97,6 +110,28 @@ class LaterStepsGraphs:
     ) -> tuple[torch.Tensor, ...]:
         """The drafts of steps 1..S row by row ([S, n] int64; past a row's `steps` dropped by the caller), and with
         `sampling` q's ids and probabilities ([S, n, K] each)."""
+        run = self.start(
+            tokens, hidden, last_positions, req_rows, context, steps, block_tables, shift, sampling, num_steps
+        )
+        run.all()
+        return run.outputs()
+
+    def start(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        last_positions: torch.Tensor,
+        req_rows: torch.Tensor,
+        context: torch.Tensor,
+        steps: torch.Tensor,
+        block_tables: torch.Tensor,
+        shift: torch.Tensor | None,
+        sampling: tuple[torch.Tensor, torch.Tensor] | None,
+        num_steps: int,
+        words: int = 0,  # masked (a constrained propose): the int32 words of a grammar mask
+    ) -> LaterStepsRun:
+        """`run`'s inputs copied in; the steps then run by the returned run: all at once (`run`), or masked, each
+        step's forward, then its masks filled on the host, then its pick."""
         n = tokens.shape[0]
         bucket = self.step_graphs.bucket_for(n)
         num_reqs, width = block_tables.shape
@@ -116,75 +151,144 @@ class LaterStepsGraphs:
             torch._foreach_copy_([self.temperature[:n], self.seeds[:n]], list(sampling), non_blocking=True)
             if n < bucket:
                 self.temperature[n:bucket].zero_()
-        key = (bucket, num_steps, sampling is not None)
+        if words:
+            self._masks_of(words)
+        key = (bucket, num_steps, sampling is not None, bool(words))
         if not self.capture:
-            return tuple(t[:, :n] for t in self._forward(*key))
+            return LaterStepsRun(self, n, *self._parts(*key))
         if key not in self._graphs:
             t0 = time.perf_counter()
             self._graphs[key] = self._capture(*key)
             log.info("drafter: later-steps graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
-        graph, outputs = self._graphs[key]
-        graph.replay()
-        return tuple(t[:, :n] for t in outputs)
+        graphs, state = self._graphs[key]
+        return LaterStepsRun(self, n, [graph.replay for graph in graphs], state)
 
-    def _forward(self, bucket: int, num_steps: int, sampled: bool) -> tuple[torch.Tensor, ...]:
+    def _masks_of(self, words: int) -> None:
+        """The masked steps' masks on the device, [rows, 1 + words] int32 (`apply_packed`'s layout: row r's mask is
+        row r's), made at the first constrained propose."""
+        if self.masks is None:
+            size = self.step_graphs.buckets[-1]
+            self.masks = torch.full((size, 1 + words), -1, dtype=torch.int32, device=self.tokens.device)
+            self.masks[:, 0] = torch.arange(size, dtype=torch.int32, device=self.tokens.device)
+        elif self.masks.shape[1] != 1 + words:
+            raise ValueError(f"masks of {words} words; the drafter's tokenizer has {self.masks.shape[1] - 1}")
+
+    def _parts(self, bucket: int, num_steps: int, sampled: bool, masked: bool) -> tuple[list[Callable], dict]:
+        """The steps' work over `bucket` rows in the order it runs: step 1's inputs and forward, then step by step
+        its pick (its masks applied first where `masked`: `self.masks`) and the next step's forward. Returns the
+        parts and the state they pass on: its "drafts" [n] per step, and once the last pick ran its "outputs"."""
         size = self.kv_cache.block_size
-        tokens, hidden, req_rows = self.tokens[:bucket], self.hidden[:bucket], self.req_rows[:bucket]
-        context, slots, positions = step_inputs(  # [S, bucket] each, one launch
-            self.context[:bucket],
-            self.shift[:bucket],
-            self.last_positions[:bucket],
-            self.steps[:bucket],
-            req_rows,
-            self.block_tables,
-            size,
-            num_steps,
-        )
-        drafts, q_ids, q_probs = [], [], []
-        for s in range(num_steps):
+        req_rows = self.req_rows[:bucket]
+        state: dict = {"drafts": [], "q_ids": [], "q_probs": []}
+
+        def forward(s: int) -> None:
             attn = AttentionMetadata(
                 query_start_loc=req_rows[:0],  # not read by the kernel path
                 seq_lens=req_rows[:0],
                 block_tables=self.block_tables,
-                slot_mapping=slots[s],
+                slot_mapping=state["slots"][s],
                 token_req_index=req_rows,
-                token_context_lens=context[s],
+                token_context_lens=state["context"][s],
                 block_size=size,
                 use_kernel=True,
             )
-            hidden = self.mtp(tokens, hidden, positions[s], self.kv_cache, attn)
-            logits = self.mtp.compute_logits(hidden)
+            state["hidden"] = self.mtp(state["tokens"], state["hidden"], state["positions"][s], self.kv_cache, attn)
+            state["logits"] = self.mtp.compute_logits(state["hidden"])
+
+        def first() -> None:
+            state["context"], state["slots"], state["positions"] = step_inputs(  # [S, bucket] each, one launch
+                self.context[:bucket],
+                self.shift[:bucket],
+                self.last_positions[:bucket],
+                self.steps[:bucket],
+                req_rows,
+                self.block_tables,
+                size,
+                num_steps,
+            )
+            state["tokens"], state["hidden"] = self.tokens[:bucket], self.hidden[:bucket]
+            forward(0)
+
+        def pick(s: int) -> None:
+            logits = state.pop("logits")
+            if masked:
+                apply_packed(logits, self.masks[:bucket], self.column_ids)
             if sampled:  # a draft's noise counter: the position of the token before it (the step's input)
                 step = pick_drafts(
                     logits,
                     self.temperature[:bucket],
                     self.seeds[:bucket],
-                    positions[s],
+                    state["positions"][s],
                     self.draft_top_k,
                     any_sampled=True,
                     column_ids=self.column_ids,
                     vocab_size=self.mtp.config.vocab_size,
                 )
-                tokens = step.tokens
-                q_ids.append(step.q_ids)
-                q_probs.append(step.q_probs)
+                state["tokens"] = step.tokens
+                state["q_ids"].append(step.q_ids)
+                state["q_probs"].append(step.q_probs)
             else:
-                tokens = to_ids(logits.argmax(dim=-1), self.column_ids)
-            drafts.append(tokens)
-        return tuple(torch.stack(t) for t in ((drafts, q_ids, q_probs) if sampled else (drafts,)))
+                state["tokens"] = to_ids(logits.argmax(dim=-1), self.column_ids)
+            state["drafts"].append(state["tokens"])
+            if s + 1 == num_steps:
+                kept = ("drafts", "q_ids", "q_probs") if sampled else ("drafts",)
+                state["outputs"] = tuple(torch.stack(state[name]) for name in kept)
+
+        parts = [first, functools.partial(pick, 0)]
+        for s in range(1, num_steps):
+            parts += [functools.partial(forward, s), functools.partial(pick, s)]
+        return parts, state
 
     @torch.inference_mode()
-    def _capture(self, bucket: int, num_steps: int, sampled: bool) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        """Captured with every row's `steps` at 0 for the warm-up and the capture: they write and read no KV."""
+    def _capture(self, bucket: int, num_steps: int, sampled: bool, masked: bool) -> tuple[list, dict]:
+        """Captured with every row's `steps` at 0 for the warm-up and the capture: they write and read no KV. One
+        graph of every part, or masked one per part (the host fills each step's masks between them)."""
         saved = self.steps[:bucket].clone()
         self.steps[:bucket].zero_()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(bucket, num_steps, sampled)  # not captured: first launches of this bucket's shapes
+            for part in self._parts(bucket, num_steps, sampled, masked)[0]:
+                part()  # not captured: first launches of this bucket's shapes
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.step_graphs.pool):
-            outputs = self._forward(bucket, num_steps, sampled)
+        parts, state = self._parts(bucket, num_steps, sampled, masked)
+        groups = [[part] for part in parts] if masked else [parts]
+        graphs = []
+        for group in groups:
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, self.step_graphs.pool):
+                for part in group:
+                    part()
+            graphs.append(graph)
         self.steps[:bucket].copy_(saved)
-        return graph, outputs
+        return graphs, state
+
+
+class LaterStepsRun:
+    """One propose's later steps (`LaterStepsGraphs.start`): `all` of them, or masked one part at a time: step s's
+    `forward`, then, its masks filled on the host, its `pick`. `parts`: step 1's inputs and forward, its pick, then
+    per later step its forward and pick; graph replays, or on the CPU the parts themselves."""
+
+    def __init__(self, graphs: LaterStepsGraphs, n: int, parts: list[Callable], state: dict):
+        self.graphs, self.n, self.parts, self.state = graphs, n, parts, state
+
+    def all(self) -> None:
+        for part in self.parts:
+            part()
+
+    def forward(self, s: int) -> None:
+        """Step s's forward queued (s from 0: the first later step)."""
+        self.parts[2 * s]()
+
+    def pick(self, s: int, words: torch.Tensor) -> None:
+        """Step s's drafts picked under `words` ([n, W] int32, pinned on a GPU: row r's mask, all ones for a row
+        left unmasked), copied without a wait: the host writes `words` again only once a later copy is done."""
+        self.graphs.masks[: self.n, 1:].copy_(words, non_blocking=True)
+        self.parts[2 * s + 1]()
+
+    def drafts(self, s: int) -> torch.Tensor:
+        """[n] int64 step s's drafts (on the device; valid once its pick is queued)."""
+        return self.state["drafts"][s][: self.n]
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, : self.n] for t in self.state["outputs"])

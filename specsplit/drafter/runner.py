@@ -7,8 +7,8 @@ positions p and the token x_{p+1} that follows each. The drafter
 2. MTP step 0: runs the MTP layer over all (h_p, x_{p+1}) pairs of the batch at once; the output
    of each request's last pair gives draft 1;
 3. steps 1..k-1: reuses the MTP layer on its own output h' and the draft it just made, one
-   position further, for the requests that want more drafts (unconstrained, on one CUDA device: all of them
-   replayed as one graph, `later_steps.py`; otherwise a step at a time).
+   position further, for the requests that want more drafts (on one CUDA device replayed as graphs, `later_steps.py`:
+   one graph of all of them, or with grammar masks to fill on the host a graph per part; otherwise a step at a time).
 A request whose history the drafter lacks (new replica, restart, or a gap after a failed call)
 starts afresh at the first new position: drafts may be worse for a while, output never changes.
 
@@ -41,7 +41,7 @@ from specsplit.drafter.device_propose import (
     valid_rows_on_host,
 )
 from specsplit.drafter.draft_vocab import DraftVocabulary
-from specsplit.drafter.later_steps import LaterStepsGraphs
+from specsplit.drafter.later_steps import LaterStepsGraphs, LaterStepsRun
 from specsplit.drafter.sampling import noise_seed, pick_drafts, to_ids
 from specsplit.drafter.step_timer import StepTimer
 from specsplit.kernels.grammar_mask import BITS
@@ -51,7 +51,7 @@ from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.cuda_graphs import resolve_step_path
-from specsplit.runtime.grammar import Grammars, apply_masks
+from specsplit.runtime.grammar import DraftMasks, Grammars, apply_masks
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
@@ -141,13 +141,14 @@ class DrafterRunner:
         self.attention_kernel, self.graphs = resolve_step_path(
             mtp, kv_cache, attention_kernel, cuda_graphs, mtp.config.max_position_embeddings, max_graph_tokens
         )
-        # Unconstrained proposes on one device: steps 1..k-1 in one graph (`later_steps.py`). Not tensor-parallel: a
-        # follower's steps have no logits (rank 0 picks each step's drafts and broadcasts them).
+        # Proposes on one device: steps 1..k-1 on graphs (`later_steps.py`). Not tensor-parallel: a follower's steps
+        # have no logits (rank 0 picks each step's drafts and broadcasts them).
         self.later_steps = (
             LaterStepsGraphs(mtp, kv_cache, self.graphs, self._column_ids, draft_top_k)
             if self.graphs is not None and tp_size() == 1
             else None
         )
+        self._later_words: torch.Tensor | None = None  # the masked later steps' masks on the host, pinned on a GPU
         use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
 
@@ -290,7 +291,7 @@ class DrafterRunner:
         last_pos = [items[i].start_position + counts[i] for i in active]  # of x_{p+1}; hand-off: all accepted
         sampling64, sampling32 = self._sampling_arrays(items, active, last_pos)
         constrained = self.grammars.tokenizer_dir is not None and any(items[i].grammar is not None for i in active)
-        # S later steps in one graph; 0: step by step. Constrained: only where step 0's masks leave none to mask.
+        # S later steps on graphs (constrained: one part at a time, `_masked_later_steps`); 0: step by step.
         chained_steps = self._chained_steps(items, active, plan)
         # The later steps' graph: each row's last position (int64), its request, cache entries and steps (int32).
         chain64 = [last_pos] if chained_steps else []
@@ -349,54 +350,65 @@ class DrafterRunner:
             logits = None if out_logits is None else out_logits.index_select(0, select)
         drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
         wide: set[int] = set()  # constrained items drafted unmasked from step 1 on (`_mask_grammars`)
+        masks = None  # constrained, on rank 0: the Propose's masks (`DraftMasks`), its drafts rolled back at the end
         if constrained:
             if step_tokens is not None:
                 tokens, num_sampled = step_tokens.lists()
                 _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
-            self._mask_grammars(logits, items, active, drafted, wide)
-            constrained = any(items[i].grammar is not None and i not in wide for i in active)  # later steps to mask
+            masks = self._draft_masks(items, active)
+        try:
             if constrained:
-                chained_steps = 0
-        picks = [self._pick(logits, sampling, hidden.shape[0])]
-        # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next step's
-        # forward is queued, so that the device runs it while the host fills the masks that follow those drafts.
-        copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
-        if chained_steps:  # steps 1..S replayed as one graph, every row in each (past its steps a row's drafts dropped)
-            later = self.later_steps.run(
-                picks[0][0],
-                hidden,
-                *chain_inputs,
-                attn.block_tables,
-                shift,
-                None if sampling is None else sampling[:2],
-                chained_steps,
-            )
-            q_ids, q_probs = later[1:] if sampling is not None else (None, None)  # [S, n, K] each
-            for s in range(chained_steps):
-                picks.append(
-                    (later[0][s], None if q_ids is None else q_ids[s], None if q_probs is None else q_probs[s])
+                self._mask_grammars(masks, logits, items, active, drafted, wide)
+                constrained = any(items[i].grammar is not None and i not in wide for i in active)  # later masks
+            picks = [self._pick(logits, sampling, hidden.shape[0])]
+            # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next
+            # step's forward is queued, so that the device runs it while the host fills the masks after those drafts.
+            copying = _DraftsCopy(active, picks[-1][0]) if constrained and logits is not None else None
+            if chained_steps:  # steps 1..S replayed as graphs, every row in each (past its steps its drafts dropped)
+                run = self.later_steps.start(
+                    picks[0][0],
+                    hidden,
+                    *chain_inputs,
+                    attn.block_tables,
+                    shift,
+                    None if sampling is None else sampling[:2],
+                    chained_steps,
+                    words=self.grammars.words if constrained else 0,
                 )
-            steps, actives = [], [active] * chained_steps
-        else:
-            steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
-        for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
-            tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
-            if keep is not None:  # requests that want no more drafts leave the step
-                tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
-                shift = None if shift is None else shift.index_select(0, keep)
-            if shift is not None:
-                attn, positions_t = shifted(attn, positions_t, shift)
-            hidden, logits, graphed = self._mtp_step(tokens, hidden, positions_t, attn)
-            if not graphed:
-                logits = self.mtp.compute_logits(hidden)
-            if constrained:
-                if copying is not None:
-                    copying.note(drafted)
-                self._mask_grammars(logits, items, step_rows, drafted, wide)
-                constrained = any(items[i].grammar is not None and i not in wide for i in step_rows)
-            picks.append(self._pick(logits, sampling, hidden.shape[0]))
-            if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
-                copying = _DraftsCopy(step_rows, picks[-1][0])
+                if constrained:
+                    self._masked_later_steps(run, masks, items, active, plan, drafted, wide, copying)
+                else:
+                    run.all()
+                later = run.outputs()
+                q_ids, q_probs = later[1:] if sampling is not None else (None, None)  # [S, n, K] each
+                for s in range(chained_steps):
+                    picks.append(
+                        (later[0][s], None if q_ids is None else q_ids[s], None if q_probs is None else q_probs[s])
+                    )
+                steps, actives = [], [active] * chained_steps
+            else:
+                steps, actives = self._plan_later_steps(items, active, last_pos, plan, attn.block_tables)
+            for step, (step_rows, (keep, attn, positions_t, sampling)) in enumerate(zip(actives, steps), start=1):
+                tokens = picks[-1][0]  # [n] the drafts just made are the next step's input tokens
+                if keep is not None:  # requests that want no more drafts leave the step
+                    tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
+                    shift = None if shift is None else shift.index_select(0, keep)
+                if shift is not None:
+                    attn, positions_t = shifted(attn, positions_t, shift)
+                hidden, logits, graphed = self._mtp_step(tokens, hidden, positions_t, attn)
+                if not graphed:
+                    logits = self.mtp.compute_logits(hidden)
+                if constrained:
+                    if copying is not None:
+                        copying.note(drafted)
+                    self._mask_grammars(masks, logits, items, step_rows, drafted, wide)
+                    constrained = any(items[i].grammar is not None and i not in wide for i in step_rows)
+                picks.append(self._pick(logits, sampling, hidden.shape[0]))
+                if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
+                    copying = _DraftsCopy(step_rows, picks[-1][0])
+        finally:
+            if masks is not None:
+                masks.close()
         if tp_rank() != 0:  # a follower: its steps are done, the drafts are rank 0's to answer with
             return ProposeOutput(drafts, (t0, t1, t1))
         tokens, q_ids, q_probs = self._to_host(picks, dev, items)
@@ -421,8 +433,21 @@ class DrafterRunner:
             return 0
         return max(plan.more_steps[i] for i in active)
 
+    def _draft_masks(self, items: list[ProposeItem], active: list[int]) -> DraftMasks | None:
+        """The masks of a constrained Propose's drafting items, on rank 0 (which picks the drafts)."""
+        if tp_rank() != 0:
+            return None
+        masks = DraftMasks(
+            self.grammars,
+            {i: (items[i].request_id, items[i].grammar, items[i].output) for i in active if items[i].grammar},
+        )
+        for i, err in masks.errors.items():  # its rows allow everything
+            log.warning("drafter: request %r drafted without its grammar: %s", items[i].request_id, err)
+        return masks
+
     def _mask_grammars(
         self,
+        masks: DraftMasks | None,  # None on a tensor-parallel follower: rank 0 picks
         logits: torch.Tensor | None,  # [n, V] this step's, one row per item of `rows`
         items: list[ProposeItem],
         rows: list[int],  # this step's items, in row order
@@ -435,26 +460,58 @@ class DrafterRunner:
 
         A row whose mask allows more than `WIDE_MASK` of the vocabulary (inside a JSON string, say) drafts its later
         steps unmasked: there the masks cost the most (the trie of the whole vocabulary walked: llguidance's slow
-        states) and change the fewest drafts, and a Propose none of whose rows needs a later mask neither waits for
-        the host between steps nor leaves the later steps' graph. On the demo model under a JSON schema the
+        states) and change the fewest drafts, and a Propose none of whose rows needs a later mask runs its later
+        steps as one graph, with no wait for the host between them. On the demo model under a JSON schema the
         acceptance is nearly that of masking every step: 2.77 tokens per iteration against 2.78 (docs/performance.md,
         "Structured output")."""
-        if logits is None:  # a tensor-parallel follower: rank 0 picks
+        if logits is None or masks is None:
             return
-        rows_items = [
-            (row, items[i], i) for row, i in enumerate(rows) if items[i].grammar is not None and i not in wide
-        ]
-        if not rows_items:
+        masked = [(row, i) for row, i in enumerate(rows) if items[i].grammar is not None and i not in wide]
+        if not masked:
             return
-        words, errors = self.grammars.next_masks(
-            [(item.request_id, item.grammar, item.output, drafted[i]) for _, item, i in rows_items]
-        )
-        for (_, item, _), err in zip(rows_items, errors):
-            if err is not None:  # its row allows everything
-                log.warning("drafter: request %r drafted without its grammar: %s", item.request_id, err)
-        allowed = np.bitwise_count(words.view(np.uint32)).sum(axis=1)
-        wide.update(i for (_, _, i), n in zip(rows_items, allowed.tolist()) if n > WIDE_MASK * words.shape[1] * BITS)
-        apply_masks(logits, [row for row, _, _ in rows_items], words, self._column_ids)
+        words = np.empty((len(masked), self.grammars.words), dtype=np.int32)
+        masks.fill([(j, i, drafted[i]) for j, (_, i) in enumerate(masked)], words)
+        _widen(words, [i for _, i in masked], wide)
+        apply_masks(logits, [row for row, _ in masked], words, self._column_ids)
+
+    def _masked_later_steps(
+        self,
+        run: LaterStepsRun,
+        masks: DraftMasks,
+        items: list[ProposeItem],
+        active: list[int],
+        plan: StepPlan,
+        drafted: dict[int, list[int]],
+        wide: set[int],
+        copying: _DraftsCopy,  # step 0's drafts on their way to the host
+    ) -> None:
+        """A constrained Propose's later steps on their graphs (`later_steps.py`), a step at a time: its forward
+        queued, then, while the device runs it, its rows' masks filled on the host after the drafts before them
+        (as `_mask_grammars` does: a row past its steps, wide or unconstrained allows everything), then its pick,
+        whose drafts go to the host for the next step's masks."""
+        n = len(active)
+        if self._later_words is None or self._later_words.shape[0] < n:
+            size = max(n, self.graphs.buckets[-1])
+            pinned = self.later_steps.masks.is_cuda
+            self._later_words = torch.empty((size, self.grammars.words), dtype=torch.int32, pin_memory=pinned)
+        words = self._later_words[:n]
+        view = words.numpy()
+        num_steps = max(plan.more_steps[i] for i in active)
+        for s in range(num_steps):
+            run.forward(s)
+            copying.note(drafted)
+            jobs = [
+                (a, i, drafted[i])
+                for a, i in enumerate(active)
+                if items[i].grammar is not None and i not in wide and plan.more_steps[i] > s
+            ]
+            unmasked = sorted(set(range(n)) - {a for a, _, _ in jobs})
+            view[unmasked] = -1
+            masks.fill(jobs, view)
+            _widen(view[[a for a, _, _ in jobs]], [i for _, i, _ in jobs], wide)
+            run.pick(s, words)
+            if s + 1 < num_steps:
+                copying = _DraftsCopy(active, run.drafts(s))
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
         """logits: [n, V] float32 (a draft vocabulary's: [n, N]) → drafts [n] (token ids); argmax alone when every row
@@ -563,6 +620,12 @@ class DrafterRunner:
             fill_tokens(items, *host[-2:])
             host = host[:-2]
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
+
+
+def _widen(words: np.ndarray, keys: list[int], wide: set[int]) -> None:
+    """`wide` gains the keys whose masks (`words`, row by row) allow more than `WIDE_MASK` of the vocabulary."""
+    allowed = np.bitwise_count(words.view(np.uint32)).sum(axis=1)
+    wide.update(key for key, count in zip(keys, allowed.tolist()) if count > WIDE_MASK * words.shape[1] * BITS)
 
 
 def _add_step_tokens(items: list[ProposeItem], tokens: list[list[int]]) -> None:

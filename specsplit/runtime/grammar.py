@@ -79,6 +79,20 @@ class Grammars:
         return self._tokenizer
 
     @property
+    def words(self) -> int:
+        """int32 words of a mask."""
+        return -(-self.tokenizer.vocab_size // BITS)
+
+    @property
+    def executor(self):
+        """llguidance's executor, whose threads fill a batch's masks in parallel (dropping the GIL)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    @property
     def eos(self) -> frozenset[int]:
         if self._eos is None:
             self._eos = frozenset(self.tokenizer.eos_tokens)
@@ -89,41 +103,6 @@ class Grammars:
         for one request)."""
         return self.batch_masks([(request_id, grammar, output, drafts)])[0]
 
-    def next_masks(
-        self, requests: list[tuple[str, str, list[int], list[int]]]
-    ) -> tuple[np.ndarray, list[InvalidArgument | None]]:
-        """Per (request id, grammar, output, drafts): what the grammar allows after the output and `drafts` (the
-        drafter's next draft; drafts it made earlier in the same Propose, all allowed: it masked them; drafts past an
-        EOS left out, as `batch_masks` masks them): [len(requests), words] int32, the rows filled in parallel
-        (llguidance's executor), and per request the error `batch_masks` would raise for it (its row then allows
-        everything), else None."""
-        import llguidance.numpy
-
-        eos = self.eos
-        self._make_matchers([(request_id, grammar) for request_id, grammar, _, _ in requests])
-        out = np.full((len(requests), -(-self.tokenizer.vocab_size // BITS)), -1, dtype=np.int32)
-        errors: list[InvalidArgument | None] = [None] * len(requests)
-        fill, taken = [], []
-        for row, (request_id, grammar, output, drafts) in enumerate(requests):
-            try:
-                m = self._matcher(request_id, grammar, output)
-            except InvalidArgument as err:
-                errors[row] = err
-                continue
-            drafts = drafts[: next((j for j, t in enumerate(drafts) if t in eos), len(drafts))]
-            n = m.matcher.try_consume_tokens(drafts) if drafts else 0
-            if n == len(drafts):
-                fill.append((m.matcher, row))
-            taken.append((m.matcher, n))
-        if fill:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, fill, out)
-        for matcher, n in taken:
-            if n:
-                matcher.rollback(n)
-        return out, errors
-
     def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows
         at each of the request's rows. Rows after a draft the grammar does not allow allow everything (nothing is
@@ -131,10 +110,8 @@ class Grammars:
         output up to its first EOS (`_matcher`), so under ignore_eos what follows an EOS is masked as the EOS was,
         as target-only decoding masks it. The masks of every row are computed in parallel (llguidance's executor
         threads, which drop the GIL)."""
-        import llguidance
         import llguidance.numpy
 
-        vocab = self.tokenizer.vocab_size
         eos = self.eos
         self._make_matchers([(request_id, grammar) for request_id, grammar, _, _ in requests])
         jobs, firsts, after_eos = [], [], []
@@ -153,15 +130,13 @@ class Grammars:
             if ends:  # the EOS row, and the rows after it
                 after_eos.append((total + len(used), total + len(drafts) + 1))
             total += len(drafts) + 1
-        out = np.full((total, -(-vocab // BITS)), -1, dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+        out = np.full((total, self.words), -1, dtype=np.int32)
         plain = [(matcher, row) for matcher, row, used in jobs if not used]  # llguidance takes no empty draft list
         drafted = [job for job in jobs if job[2]]
         if plain:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, out)
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, out)
         if drafted:
-            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, out)
         for row, end in after_eos:
             out[row + 1 : end] = out[row]
         return [out[first : first + len(r[3]) + 1] for first, r in zip(firsts, requests)]
@@ -258,6 +233,66 @@ class Grammars:
         self.free(list(self._matchers))
 
 
+class DraftMasks:
+    """One Propose's masks, for the drafter: each constrained request's matcher follows its output once, then the
+    drafts the Propose makes for it, each consumed once as it comes (not the drafts so far again at every step), and
+    all of them rolled back at `close`, which leaves the matcher at the output. `requests`: per key (the caller's
+    index of the request), its (request id, grammar, output). A request whose output its grammar refuses (which
+    verification would not have let through: its error is in `errors`), or one of whose drafts it refuses (a row
+    drafted unmasked), allows everything from then on."""
+
+    def __init__(self, grammars: Grammars, requests: dict[int, tuple[str, str, list[int]]]):
+        self._grammars = grammars
+        self._matchers: dict[int, object] = {}  # llguidance.LLMatcher per key still masked
+        self._consumed: dict[int, int] = {}  # per key, the drafts its matcher consumed
+        self._ended: set[int] = set()  # keys past an EOS draft: masked as their EOS row was (`Grammars.batch_masks`)
+        self.errors: dict[int, InvalidArgument] = {}
+        grammars._make_matchers([(rid, grammar) for rid, grammar, _ in requests.values()])
+        for key, (rid, grammar, output) in requests.items():
+            try:
+                self._matchers[key] = grammars._matcher(rid, grammar, output).matcher
+                self._consumed[key] = 0
+            except InvalidArgument as err:
+                self.errors[key] = err
+
+    def fill(self, jobs: list[tuple[int, int, list[int]]], out: np.ndarray) -> None:
+        """Per job (row, key, the drafts this Propose made for the key so far), row `row` of `out` ([rows, words]
+        int32, C-contiguous): what the key's grammar allows after its output and those drafts (drafts past an EOS left
+        out); all ones where it allows everything. The rows are filled in parallel (llguidance's executor)."""
+        import llguidance.numpy
+
+        eos = self._grammars.eos
+        fill = []
+        for row, key, drafts in jobs:
+            matcher = self._matchers.get(key)
+            if matcher is not None and key not in self._ended and len(drafts) > self._consumed[key]:
+                new = drafts[self._consumed[key] :]
+                stop = next((j for j, t in enumerate(new) if t in eos), len(new))
+                taken = matcher.try_consume_tokens(new[:stop]) if stop else 0
+                self._consumed[key] += taken
+                if taken < stop:  # a draft its grammar refuses: unmasked from here on
+                    self._release(key)
+                    matcher = None
+                elif stop < len(new):
+                    self._ended.add(key)
+            if matcher is None:
+                out[row] = -1
+            else:
+                fill.append((matcher, row))
+        if fill:
+            llguidance.numpy.fill_next_token_bitmask_par(self._grammars.executor, fill, out)
+
+    def close(self) -> None:
+        """Every consumed draft rolled back."""
+        for key in list(self._matchers):
+            self._release(key)
+
+    def _release(self, key: int) -> None:
+        matcher, consumed = self._matchers.pop(key), self._consumed.pop(key)
+        if consumed:
+            matcher.rollback(consumed)
+
+
 def apply_masks(
     logits: torch.Tensor, rows: list[int], words: np.ndarray, column_ids: torch.Tensor | None = None
 ) -> None:
@@ -266,7 +301,12 @@ def apply_masks(
     draft vocabulary's). The masks travel to the device as they are (32 ids per word), in one copy (`upload_masks`),
     and are applied there: by one Triton kernel on a GPU (`specsplit/kernels/grammar_mask.py`), by torch ops
     elsewhere."""
-    packed = upload_masks(rows, words, logits.device)
+    apply_packed(logits, upload_masks(rows, words, logits.device), column_ids)
+
+
+def apply_packed(logits: torch.Tensor, packed: torch.Tensor, column_ids: torch.Tensor | None = None) -> None:
+    """The masks of `packed` ([R, 1 + W] int32 on the logits' device: each mask's logits row, then its words) applied
+    to `logits`: by the Triton kernel on a GPU, by torch ops elsewhere."""
     (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed, column_ids)
 
 

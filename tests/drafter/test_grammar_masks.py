@@ -1,6 +1,6 @@
-"""The drafter's grammar masks (`DrafterRunner._mask_grammars`): every constrained row is masked at step 0; a row whose
-grammar allows few tokens is masked at every later step too, after the drafts before it, and one whose grammar allows
-most of the vocabulary (`WIDE_MASK`) drafts its later steps unmasked, with no mask filled for them."""
+"""The drafter's grammar masks (`DrafterRunner._mask_grammars`), step by step: every constrained row is masked at step
+0; a row whose grammar allows few tokens is masked at every later step too, after the drafts before it, and one whose
+grammar allows most of the vocabulary (`WIDE_MASK`) drafts its later steps unmasked, with no mask filled for them."""
 
 import llguidance
 import torch
@@ -13,11 +13,18 @@ WIDE = llguidance.grammar_from("grammar", "start: /(?s:.)*/")  # any text
 
 
 def spied_runner(mtp, tiny_dir) -> tuple[DrafterRunner, list[list[str]]]:
-    """A runner whose masks record, per `next_masks` call, the requests it filled."""
+    """A runner whose masks record, per fill (one a step), the requests whose masks it filled."""
     runner = DrafterRunner(mtp, mtp.make_kv_cache(64, 4), tokenizer_dir=tiny_dir)
     masked: list[list[str]] = []
-    next_masks = runner.grammars.next_masks
-    runner.grammars.next_masks = lambda requests: masked.append([r[0] for r in requests]) or next_masks(requests)
+    draft_masks = runner._draft_masks
+
+    def spied(items, active):
+        masks = draft_masks(items, active)
+        fill = masks.fill
+        masks.fill = lambda jobs, out: masked.append([items[key].request_id for _, key, _ in jobs]) or fill(jobs, out)
+        return masks
+
+    runner._draft_masks = spied
     return runner, masked
 
 

@@ -6,14 +6,17 @@ them, a draft vocabulary, the device hand-off and sampled drafts (their q rows t
 import gc
 import weakref
 
+import llguidance
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from specsplit.drafter.draft_vocab import draft_vocabulary
 from specsplit.drafter.later_steps import LaterStepsGraphs
 from specsplit.drafter.runner import DrafterRunner, ProposeItem
 from specsplit.models.loader import load_mtp
 from specsplit.runtime.cuda_graphs import CudaGraphRunner
+from specsplit.runtime.grammar import Grammars
 from specsplit.transport.base import DeviceTokens
 from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_checkpoint
 
@@ -32,13 +35,13 @@ def runner_for(mtp, chained: bool, num_blocks: int = 64, draft_vocab=None) -> Dr
 
 def counting(runner: DrafterRunner) -> list[int]:
     """Counts the later steps' graph runs of `runner`, one entry per run: its S."""
-    runs, run = [], runner.later_steps.run
+    runs, start = [], runner.later_steps.start
 
-    def counted(*args):
-        runs.append(args[-1])
-        return run(*args)
+    def counted(*args, **kwargs):
+        runs.append(args[9])
+        return start(*args, **kwargs)
 
-    runner.later_steps.run = counted
+    runner.later_steps.start = counted
     return runs
 
 
@@ -189,3 +192,56 @@ def test_a_dropped_runner_is_freed_at_once(mtp):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_constrained_propose_through_the_graphs_parts_drafts_as_the_steps_one_by_one(tiny_dir):
+    """Constrained requests (a narrow grammar greedy and sampled, a grammar allowing any text, one refusing the output
+    it is given) beside unconstrained ones, k 4, 3, 3, 2 and 3: the later steps' parts with each step's masks filled
+    between them (`DrafterRunner._masked_later_steps`) draft as the step-by-step path, q rows too, iteration after
+    iteration, and the narrow rows' drafts are ones their grammar allows; the matchers are left at the outputs."""
+    narrow = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
+    wide = llguidance.grammar_from("grammar", "start: /(?s:.)*/")
+    module = load_mtp(tiny_dir)
+    runners = [runner_for(module, chained) for chained in (True, False)]
+    for runner in runners:
+        runner.grammars = Grammars(tiny_dir)
+    runs = counting(runners[0])
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    letters = set("abcdefghijklm")
+    refused = tok.encode("xyz", add_special_tokens=False)
+    options = {
+        "n": dict(grammar=narrow, output=[]),
+        "s": dict(grammar=narrow, output=[], temperature=0.9, seed=3),
+        "w": dict(grammar=wide, output=[]),
+        "x": dict(grammar=narrow, output=refused),
+        "f": {},
+        "t": dict(temperature=0.7, seed=8),
+    }
+    ks = {"n": 4, "s": 3, "w": 3, "x": 2, "f": 3, "t": 1}
+    g = torch.Generator().manual_seed(4)
+    hidden_size, vocab = module.config.hidden_size, module.config.vocab_size
+    start = dict.fromkeys(ks, 0)
+    for it in range(3):
+        items = [
+            ProposeItem(r, start[r], torch.randint(3, vocab, (3,), generator=g).tolist(), k, **options[r])
+            for r, k in ks.items()
+        ]
+        rows = torch.randn(3 * len(ks), hidden_size, generator=g)
+        got, expected = (runner.propose(items, rows) for runner in runners)
+        assert got.drafts == expected.drafts, f"iteration {it}"
+        assert [len(d) for d in got.drafts] == list(ks.values())
+        for a, b in zip(got.draft_probs, expected.draft_probs):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a[0], b[0])
+                torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+        for r in ("n", "s"):
+            drafts = got.drafts[list(ks).index(r)]
+            assert all(t == tok.eos_token_id or set(tok.convert_ids_to_tokens(t)) <= letters for t in drafts), drafts
+        for r in ks:
+            start[r] += 3
+    assert runs == [3] * 3
+    for runner in runners:  # every draft rolled back: each matcher has consumed its output, no more
+        for r in ("n", "s", "w"):
+            matcher = runner.grammars._matchers[r].matcher
+            assert matcher.try_consume_tokens(refused) == 0 or r == "w"

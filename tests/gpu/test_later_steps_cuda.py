@@ -39,8 +39,8 @@ def runners(checkpoint, vocab_size: int | None):
         if not chained:
             runner.later_steps = None
         made.append(runner)
-    runs, run = [], made[0].later_steps.run
-    made[0].later_steps.run = lambda *args: runs.append(args[-1]) or run(*args)
+    runs, start = [], made[0].later_steps.start
+    made[0].later_steps.start = lambda *args, **kw: runs.append(args[9]) or start(*args, **kw)  # S
     return *made, runs
 
 
@@ -125,23 +125,49 @@ def test_sampled_later_steps_graph_drafts_and_q_as_the_step_graphs(checkpoint, k
 
 
 @pytest.mark.parametrize("narrow", [False, True], ids=["all-wide", "one-narrow"])
-def test_a_constrained_propose_runs_the_later_steps_graph_where_no_row_needs_a_later_mask(checkpoint, narrow):
-    """Rows whose grammar allows most tokens are masked at step 0 alone (`DrafterRunner._mask_grammars`): a propose of
-    only such rows replays the later steps' graph; with one row masked at every step it runs them step by step. The
-    drafts equal the step-by-step runner's either way."""
+@pytest.mark.parametrize("batch", [4, 32])
+def test_a_constrained_propose_runs_the_later_steps_graphs_and_drafts_as_the_step_graphs(checkpoint, narrow, batch):
+    """A constrained propose replays the later steps' graphs: as one graph where no row needs a later mask (every
+    row's grammar allows most tokens, `DrafterRunner._mask_grammars`), else a graph per part with the masks filled
+    between (`_masked_later_steps`), a greedy and a sampled narrow row among them. The drafts (and q rows) equal the
+    step-by-step runner's, iteration after iteration, and every narrow row's drafts are ones its grammar allows."""
     wide = llguidance.grammar_from("grammar", "start: /(?s:.)*/")
+    narrow_grammar = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
     chained, stepwise, runs = runners(checkpoint, None)
     for runner in (chained, stepwise):
         runner.grammars = Grammars(checkpoint)
+    tok = chained.grammars.tokenizer
     g = torch.Generator().manual_seed(7)
     vocab, hidden_size = chained.mtp.config.vocab_size, chained.mtp.config.hidden_size
-    grammars = [wide] * 4
+    grammars = [wide] * batch
+    sampled = {}
     if narrow:
-        grammars[1] = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
-    items = [
-        ProposeItem(f"r{i}", 0, torch.randint(3, vocab, (5,), generator=g).tolist(), 3, grammar=gr, output=[])
-        for i, gr in enumerate(grammars)
-    ]
-    rows = torch.randn(20, hidden_size, generator=g).to("cuda")
-    assert chained.propose(items, rows).drafts == stepwise.propose(items, rows).drafts
-    assert runs == ([] if narrow else [2])
+        grammars[1] = grammars[batch - 1] = narrow_grammar
+        sampled = {batch - 1: {"temperature": 0.8, "seed": 4}}
+    start = [0] * batch
+    for it in range(3):
+        items = [
+            ProposeItem(
+                f"r{i}",
+                start[i],
+                torch.randint(3, vocab, (5,), generator=g).tolist(),
+                3,
+                grammar=gr,
+                output=[],
+                **sampled.get(i, {}),
+            )
+            for i, gr in enumerate(grammars)
+        ]
+        rows = torch.randn(5 * batch, hidden_size, generator=g).to("cuda")
+        got, expected = chained.propose(items, rows), stepwise.propose(items, rows)
+        assert got.drafts == expected.drafts, f"iteration {it}"
+        for a, b in zip(got.draft_probs, expected.draft_probs):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a[0], b[0])
+                torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+        for i in [1, batch - 1] if narrow else []:
+            text = tok.decode_bytes(got.drafts[i]).decode("utf-8", "replace")
+            assert set(text) <= set("abcdefghijklm"), text
+        start = [s + 5 for s in start]
+    assert runs == [2] * 3

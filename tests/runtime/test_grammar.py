@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specsplit.client.errors import InvalidArgument
-from specsplit.runtime.grammar import Grammars
+from specsplit.runtime.grammar import DraftMasks, Grammars
 from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply
 from tests.e2e.test_demo_model import DEMO
 
@@ -24,6 +24,17 @@ def tok():
 
 def allowed_ids(row: np.ndarray) -> set[int]:
     return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
+
+
+def drafter_row(grammars: Grammars, rid: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
+    """The drafter's mask after the output and `drafts`, filled step after step as a Propose fills it (one draft more
+    each step, `DraftMasks`), the drafts rolled back after."""
+    masks = DraftMasks(grammars, {0: (rid, grammar, output)})
+    out = np.zeros((1, grammars.words), dtype=np.int32)
+    for j in range(len(drafts) + 1):
+        masks.fill([(0, 0, drafts[:j])], out)
+    masks.close()
+    return out[0]
 
 
 def test_each_row_allows_what_follows_the_output_and_the_drafts_before_it(tok):
@@ -56,7 +67,7 @@ def test_rows_after_an_eos_draft_are_masked_as_the_eos_row(tok):
     assert eos in allowed_ids(masks[1]) and hello not in allowed_ids(masks[1])
     for row in masks[2:]:
         assert np.array_equal(row, masks[1])
-    assert np.array_equal(grammars.next_masks([("r", GRAMMAR, [hello], [num, eos, hello])])[0][0], masks[1])
+    assert np.array_equal(drafter_row(grammars, "r", GRAMMAR, [hello], [num, eos, hello]), masks[1])
 
 
 def test_an_output_past_its_eos_is_followed_up_to_the_eos_step_after_step(tok):
@@ -68,7 +79,7 @@ def test_an_output_past_its_eos_is_followed_up_to_the_eos_step_after_step(tok):
     at_eos = grammars.masks("r", GRAMMAR, [hello, num], [])
     for output in ([hello, num, eos], [hello, num, eos, hello], [hello, num, eos, hello, hello, num]):
         assert np.array_equal(grammars.masks("r", GRAMMAR, output, []), at_eos)
-        assert np.array_equal(grammars.next_masks([("r", GRAMMAR, output, [])])[0][0], at_eos[0])
+        assert np.array_equal(drafter_row(grammars, "r", GRAMMAR, output, []), at_eos[0])
     assert np.array_equal(Grammars(DEMO).masks("x", GRAMMAR, [hello, num, eos, hello], []), at_eos)
 
 
@@ -98,20 +109,27 @@ def test_masks_become_minus_infinity_on_the_logits(tok):
         assert (logits[1 + r, 4096:] == float("-inf")).all()
 
 
-def test_the_drafters_next_masks_are_the_rows_after_its_drafts(tok):
-    """One row per request, filled together: request r's is the verifier's row after its drafts; a request whose
-    output its grammar refuses gets an error and a row allowing everything, and the others are unaffected."""
+def test_the_drafters_masks_follow_its_drafts_step_after_step_and_leave_no_trace(tok):
+    """A Propose's masks (`DraftMasks`): each step's row of a request is the verifier's row after the drafts so far,
+    each draft consumed once as it comes; a request whose output its grammar refuses gets an error and rows allowing
+    everything, a draft the grammar refuses leaves its request unmasked from then on, and the others are unaffected;
+    `close` rolls every draft back."""
     grammars = Grammars(DEMO)
     hello, num = tok.encode("hello 42", add_special_tokens=False)
     rows = grammars.masks("r0", GRAMMAR, [], [hello, num])
-    jobs = [(f"r{k}", GRAMMAR, [], [hello, num][:k]) for k in range(3)] + [("bad", GRAMMAR, [num, num], [])]
-    words, errors = grammars.next_masks(jobs)
-    for k in range(3):
-        assert np.array_equal(words[k], rows[k])
-    assert errors[:3] == [None] * 3 and isinstance(errors[3], InvalidArgument)
-    assert len(allowed_ids(words[3])) == words.shape[1] * 32
-    again, _ = grammars.next_masks([("r0", GRAMMAR, [], [])])
-    assert np.array_equal(again[0], rows[0])  # the drafts were rolled back
+    everything = grammars.words * 32
+    masks = DraftMasks(grammars, {0: ("r0", GRAMMAR, []), 1: ("r1", GRAMMAR, []), 2: ("bad", GRAMMAR, [num, num])})
+    assert list(masks.errors) == [2] and isinstance(masks.errors[2], InvalidArgument)
+    out = np.zeros((3, grammars.words), dtype=np.int32)
+    refused = [hello, hello]  # the second is not what the grammar allows after "hello"
+    for step in range(3):
+        masks.fill([(0, 0, [hello, num][:step]), (1, 1, refused[:step]), (2, 2, [])], out)
+        assert np.array_equal(out[0], rows[step]), step
+        assert len(allowed_ids(out[1])) == (everything if step == 2 else len(allowed_ids(rows[step])))
+        assert len(allowed_ids(out[2])) == everything
+    masks.close()
+    assert np.array_equal(grammars.masks("r0", GRAMMAR, [], []), rows[:1])  # the drafts were rolled back
+    assert np.array_equal(grammars.masks("r1", GRAMMAR, [], []), rows[:1])
 
 
 def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
@@ -128,8 +146,10 @@ def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
     for job, got in zip(jobs, masks):
         assert np.array_equal(got, alone.batch_masks([job])[0]), job
     regrammared = [(rid, other if g == GRAMMAR else GRAMMAR, [], []) for rid, g, _, _ in jobs[:2]]
-    words, errors = together.next_masks(regrammared)
-    assert errors == [None, None]
+    masks = DraftMasks(together, {j: (rid, g, []) for j, (rid, g, _, _) in enumerate(regrammared)})
+    assert masks.errors == {}
+    words = np.zeros((2, together.words), dtype=np.int32)
+    masks.fill([(j, j, []) for j in range(2)], words)
     for (rid, g, _, _), row in zip(regrammared, words):
         assert together._matchers[rid].grammar == g
         assert np.array_equal(row, alone.masks("fresh" + rid, g, [], [])[0])
