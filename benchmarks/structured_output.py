@@ -265,6 +265,12 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--acceptance", action="store_true", help="also the demo checkpoint's acceptance under constraints")
+    p.add_argument(
+        "--wide-mask",
+        type=float,
+        default=None,
+        help="the acceptance with the drafter's WIDE_MASK set to this (-1: step 0 alone masked; 2: every step)",
+    )
     args = p.parse_args()
     name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"{name}: JSON-schema masks over a {VOCAB}-id vocabulary, k {K}, median of {args.repeats}")
@@ -278,6 +284,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     mask_times(args.batches, args.device, args.repeats)
     if args.acceptance:
+        if args.wide_mask is not None:
+            drafter_runner.WIDE_MASK = args.wide_mask
         acceptance(args.device)
 
 

@@ -1,0 +1,55 @@
+"""The host timing probe (`benchmarks/host_probe/`): a process with it on its path times the grammar masks' host
+functions and writes what it timed, `show.py` prints it, `PROBE_WIDE` sets the drafter's wide-row share, and without
+PROBE_OUT nothing is wrapped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "benchmarks" / "host_probe"
+
+WORK = """
+import numpy as np
+import specsplit.drafter.runner as runner
+from specsplit.runtime.grammar import DraftMasks, Grammars
+grammars = Grammars("checkpoints/demo")
+grammar = '{"grammars": [{"lark_grammar": "start: /[a-z]+/"}]}'
+grammars.batch_masks([("r", grammar, [], [])])
+masks = DraftMasks(grammars, {0: ("r", grammar, [])})
+masks.fill([(0, 0, [])], np.zeros((1, grammars.words), dtype=np.int32))
+masks.close()
+print("WIDE_MASK", runner.WIDE_MASK, "wrapped", getattr(DraftMasks.fill, "_probed", False))
+"""
+
+
+def run(tmp_path: Path, **env: str) -> str:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
+    environ["PYTHONPATH"] = os.pathsep.join([str(PROBE), str(ROOT)])
+    out = subprocess.run(
+        [sys.executable, "-c", WORK], cwd=ROOT, env=environ | env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_probe_times_the_masks_host_functions_and_show_prints_them(tmp_path):
+    assert "WIDE_MASK -1.0 wrapped True" in run(tmp_path, PROBE_OUT=str(tmp_path), PROBE_WIDE="-1")
+    (path,) = tmp_path.glob("probe-*.json")
+    stats = json.loads(path.read_text())
+    assert stats["verifier_batch_masks"]["count"] == 1 and stats["verifier_batch_masks"]["mean_rows"] == 1
+    assert stats["draft_masks_fill"]["count"] == 1 and stats["draft_masks_close"]["count"] == 1
+    assert stats["llguidance_fill"]["count"] == 2  # the verifier's row and the drafter's
+    shown = subprocess.run(
+        [sys.executable, str(PROBE / "show.py"), str(tmp_path)], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "draft_masks_fill" in shown and "calls       1" in shown
+
+
+def test_without_probe_out_nothing_is_wrapped(tmp_path):
+    assert "WIDE_MASK 0.5 wrapped False" in run(tmp_path)
+    assert not list(tmp_path.iterdir())
