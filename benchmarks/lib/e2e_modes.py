@@ -13,7 +13,7 @@ of one host share):
     verifier_other   input batch, hidden-state rows, ProposeRequest / VerifyResponse building
     hop_v2d          verifier → drafter: ProposeRequest (hidden states) to the drafter's handler
     step0            drafter MTP step 0 over the iteration's hidden states
-    later_steps      drafter MTP steps 1..k-1
+    later_steps      drafter device time after step 0's forward: step 0's pick (constrained: its masks), steps 1..k-1
     drafter_other    drafter request parsing, hidden-state upload, forced acceptance, response
     hop_d2v          drafter → verifier: ProposeResponse
     hop_v2c          verifier → coordinator: VerifyResponse

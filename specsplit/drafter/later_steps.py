@@ -95,7 +95,7 @@ class LaterStepsGraphs:
         top = self.step_graphs.buckets[-1]
         return num_rows <= top and num_reqs <= top and table_width <= self.step_graphs.max_blocks
 
-    def run(
+    def start(
         self,
         tokens: torch.Tensor,  # [n] int64 step 0's drafts
         hidden: torch.Tensor,  # [n, H] step 0's outputs of those rows
@@ -107,31 +107,12 @@ class LaterStepsGraphs:
         shift: torch.Tensor | None,  # [n] int64 ≤ 0 (a device hand-off), or None
         sampling: tuple[torch.Tensor, torch.Tensor] | None,  # [n] float32 temperatures, [n] int64 seeds; None: greedy
         num_steps: int,  # S: the most later steps of any row
-    ) -> tuple[torch.Tensor, ...]:
-        """The drafts of steps 1..S row by row ([S, n] int64; past a row's `steps` dropped by the caller), and with
-        `sampling` q's ids and probabilities ([S, n, K] each)."""
-        run = self.start(
-            tokens, hidden, last_positions, req_rows, context, steps, block_tables, shift, sampling, num_steps
-        )
-        run.all()
-        return run.outputs()
-
-    def start(
-        self,
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        last_positions: torch.Tensor,
-        req_rows: torch.Tensor,
-        context: torch.Tensor,
-        steps: torch.Tensor,
-        block_tables: torch.Tensor,
-        shift: torch.Tensor | None,
-        sampling: tuple[torch.Tensor, torch.Tensor] | None,
-        num_steps: int,
         words: int = 0,  # masked (a constrained propose): the int32 words of a grammar mask
     ) -> LaterStepsRun:
-        """`run`'s inputs copied in; the steps then run by the returned run: all at once (`run`), or masked, each
-        step's forward, then its masks filled on the host, then its pick."""
+        """The inputs copied in; the steps then run by the returned run: `all` at once, or masked a part at a time
+        (each step's forward, its masks filled on the host meanwhile, then its pick). Its `outputs` are the drafts of
+        steps 1..S row by row ([S, n] int64; past a row's `steps` dropped by the caller), and with `sampling` q's ids
+        and probabilities ([S, n, K] each)."""
         n = tokens.shape[0]
         bucket = self.step_graphs.bucket_for(n)
         num_reqs, width = block_tables.shape

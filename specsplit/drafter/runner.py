@@ -376,7 +376,7 @@ class DrafterRunner:
                     words=self.grammars.words if constrained else 0,
                 )
                 if constrained:
-                    self._masked_later_steps(run, masks, items, active, plan, drafted, wide, copying)
+                    self._masked_later_steps(run, masks, items, active, plan, drafted, wide, copying, chained_steps)
                 else:
                     run.all()
                 later = run.outputs()
@@ -484,6 +484,7 @@ class DrafterRunner:
         drafted: dict[int, list[int]],
         wide: set[int],
         copying: _DraftsCopy,  # step 0's drafts on their way to the host
+        num_steps: int,  # S, the later steps of the deepest row
     ) -> None:
         """A constrained Propose's later steps on their graphs (`later_steps.py`), a step at a time: its forward
         queued, then, while the device runs it, its rows' masks filled on the host after the drafts before them
@@ -496,7 +497,6 @@ class DrafterRunner:
             self._later_words = torch.empty((size, self.grammars.words), dtype=torch.int32, pin_memory=pinned)
         words = self._later_words[:n]
         view = words.numpy()
-        num_steps = max(plan.more_steps[i] for i in active)
         for s in range(num_steps):
             run.forward(s)
             copying.note(drafted)
