@@ -359,7 +359,7 @@ class DrafterRunner:
         try:
             if constrained:
                 self._mask_grammars(masks, logits, items, active, drafted, wide)
-                constrained = any(items[i].grammar is not None and i not in wide for i in active)  # later masks
+                constrained = any(_to_mask(items, i, wide) for i in active)  # later masks
             picks = [self._pick(logits, sampling, hidden.shape[0])]
             # Constrained: the drafts just picked go to the host without a wait, and are waited for once the next
             # step's forward is queued, so that the device runs it while the host fills the masks after those drafts.
@@ -402,7 +402,7 @@ class DrafterRunner:
                     if copying is not None:
                         copying.note(drafted)
                     self._mask_grammars(masks, logits, items, step_rows, drafted, wide)
-                    constrained = any(items[i].grammar is not None and i not in wide for i in step_rows)
+                    constrained = any(_to_mask(items, i, wide) for i in step_rows)
                 picks.append(self._pick(logits, sampling, hidden.shape[0]))
                 if constrained and logits is not None and step < len(steps):  # the last step's drafts feed no mask
                     copying = _DraftsCopy(step_rows, picks[-1][0])
@@ -466,7 +466,7 @@ class DrafterRunner:
         "Structured output")."""
         if logits is None or masks is None:
             return
-        masked = [(row, i) for row, i in enumerate(rows) if items[i].grammar is not None and i not in wide]
+        masked = [(row, i) for row, i in enumerate(rows) if _to_mask(items, i, wide)]
         if not masked:
             return
         words = np.empty((len(masked), self.grammars.words), dtype=np.int32)
@@ -501,9 +501,7 @@ class DrafterRunner:
             run.forward(s)
             copying.note(drafted)
             jobs = [
-                (a, i, drafted[i])
-                for a, i in enumerate(active)
-                if items[i].grammar is not None and i not in wide and plan.more_steps[i] > s
+                (a, i, drafted[i]) for a, i in enumerate(active) if _to_mask(items, i, wide) and plan.more_steps[i] > s
             ]
             unmasked = sorted(set(range(n)) - {a for a, _, _ in jobs})
             view[unmasked] = -1
@@ -620,6 +618,11 @@ class DrafterRunner:
             fill_tokens(items, *host[-2:])
             host = host[:-2]
         return host[0].tolist(), *(host[1:] if sampled else (None, None))
+
+
+def _to_mask(items: list[ProposeItem], i: int, wide: set[int]) -> bool:
+    """Whether item i's drafts are masked: constrained, and its grammar not found wide (`WIDE_MASK`) in this Propose."""
+    return items[i].grammar is not None and i not in wide
 
 
 def _widen(words: np.ndarray, keys: list[int], wide: set[int]) -> None:
