@@ -7,7 +7,14 @@ breakdown) run beside it, each timer adding about a microsecond a call.
     PROBE_OUT=DIR PYTHONPATH=benchmarks/host_probe:. python benchmarks/e2e.py --structured json ...
 
 PROBE_WIDE=X sets the drafter's `WIDE_MASK` to X in every process: -1 masks step 0 alone (every row counts as wide),
-the ceiling of what the later steps' masks cost. Timers nest: a function's time includes the timed functions it calls.
+the ceiling of what the later steps' masks cost. PROBE_THREADS=N gives llguidance's executor (the masks' threads) N
+threads in every process. Timers nest: a function's time includes the timed functions it calls.
+
+PROBE_TRACE=START,SPAN records a torch.profiler trace (CPU and CUDA, the timed functions as named ranges) of the
+services' processes: the drafter's constrained Proposes START .. START + SPAN - 1, and the verifier's steps that run
+meanwhile (the drafter marks the window with a file in PROBE_OUT), written as trace-<pid>-<program>.json.gz;
+`python benchmarks/host_probe/timeline.py DIR` lays them side by side. The benchmark's own process (its in-process
+engine) is not traced: a profiler started inside its Propose broke its engine's loop.
 """
 
 import os
@@ -25,6 +32,57 @@ if os.environ.get("PROBE_OUT"):
     STATS: dict[str, dict] = {}
     LOCK = threading.Lock()
     LAST = [time.monotonic()]
+    TRACE = None
+    if os.environ.get("PROBE_TRACE") and os.path.basename(sys.argv[0]) != "e2e.py":
+        TRACE = [int(x) for x in os.environ["PROBE_TRACE"].split(",")]
+    WINDOW = os.path.join(os.environ["PROBE_OUT"], "trace.on")  # present while the drafting process traces
+    TRACING = {"prof": None, "proposes": 0, "done": False}
+
+    def trace_start() -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        TRACING["prof"] = torch.profiler.profile(activities=activities)
+        TRACING["prof"].__enter__()
+
+    def trace_stop() -> None:
+        import gzip
+        import shutil
+
+        prof, TRACING["prof"], TRACING["done"] = TRACING["prof"], None, True
+        prof.__exit__(None, None, None)
+        program = os.path.basename(sys.argv[0] or "py")
+        path = os.path.join(os.environ["PROBE_OUT"], f"trace-{os.getpid()}-{program}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path)
+
+    def tick_propose() -> None:
+        """A constrained Propose begins: the drafting process opens its window at START, closes it after SPAN."""
+        if TRACE is None or TRACING["done"]:
+            return
+        TRACING["proposes"] += 1
+        start, span = TRACE
+        if TRACING["proposes"] == start:
+            if TRACING["prof"] is None:
+                trace_start()
+            open(WINDOW, "w").close()
+        elif TRACING["proposes"] == start + span:
+            os.remove(WINDOW)
+            trace_stop()
+
+    def tick_verify() -> None:
+        """A verify step's masks begin: a verifier process traces while the drafting process's window is open."""
+        if TRACE is None or TRACING["done"] or TRACING["proposes"]:
+            return
+        open_now = os.path.exists(WINDOW)
+        if open_now and TRACING["prof"] is None:
+            trace_start()
+        elif not open_now and TRACING["prof"] is not None:
+            trace_stop()
 
     def record(name: str, seconds: float, rows: int | None) -> None:
         with LOCK:
@@ -46,6 +104,16 @@ if os.environ.get("PROBE_OUT"):
             return
 
         def timed(*args, **kwargs):
+            if name == "verifier_batch_masks":
+                tick_verify()
+            if TRACING["prof"] is not None:
+                import torch
+
+                with torch.profiler.record_function(name):
+                    return timed_call(*args, **kwargs)
+            return timed_call(*args, **kwargs)
+
+        def timed_call(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return f(*args, **kwargs)
@@ -56,6 +124,16 @@ if os.environ.get("PROBE_OUT"):
         setattr(owner, attr, timed)
 
     def grammar(mod) -> None:
+        if os.environ.get("PROBE_THREADS"):  # llguidance's executor with this many threads
+
+            def executor(self):
+                if self._executor is None:
+                    import llguidance
+
+                    self._executor = llguidance.LLExecutor(int(os.environ["PROBE_THREADS"]))
+                return self._executor
+
+            mod.Grammars.executor = property(executor)
         wrap(mod.Grammars, "batch_masks", "verifier_batch_masks", lambda a: len(a[1]))
         wrap(mod.Grammars, "_make_matchers", "make_matchers", lambda a: len(a[1]))
         wrap(mod.Grammars, "_matcher", "matcher_lookup")
@@ -79,11 +157,18 @@ if os.environ.get("PROBE_OUT"):
         propose = cls._propose
 
         def split(self, items, *args, **kwargs):
+            kind = "constrained" if any(item.grammar for item in items) else "plain"
+            if kind == "constrained":
+                tick_propose()
             t0 = time.perf_counter()
             try:
+                if TRACING["prof"] is not None:
+                    import torch
+
+                    with torch.profiler.record_function(f"propose_{kind}"):
+                        return propose(self, items, *args, **kwargs)
                 return propose(self, items, *args, **kwargs)
             finally:
-                kind = "constrained" if any(item.grammar for item in items) else "plain"
                 record(f"propose_{kind}", time.perf_counter() - t0, len(items))
 
         cls._propose = split
@@ -96,12 +181,22 @@ if os.environ.get("PROBE_OUT"):
         wrap(mod, "_widen", "widen", lambda a: len(a[1]))
         wrap(mod._DraftsCopy, "note", "drafts_copy_wait")
         wrap(mod._HostCopy, "lists", "step_tokens_wait")
+        wrap(cls, "_draft_masks", "draft_masks")
+
+    def worker(mod) -> None:
+        wrap(mod.VerifierWorker, "launch", "verify_launch")
+        wrap(mod.VerifierWorker, "finish", "verify_finish")
+
+    def logits_processors(mod) -> None:
+        wrap(mod, "apply", "verify_logits_apply")
 
     PATCHES = {
         "specsplit.runtime.grammar": grammar,
         "llguidance.numpy": llguidance_numpy,
         "specsplit.drafter.later_steps": later_steps,
         "specsplit.drafter.runner": runner,
+        "specsplit.verifier.worker": worker,
+        "specsplit.verifier.logits_processors": logits_processors,
     }
 
     class Patcher(importlib.abc.MetaPathFinder):

@@ -53,3 +53,34 @@ def test_the_probe_times_the_masks_host_functions_and_show_prints_them(tmp_path)
 def test_without_probe_out_nothing_is_wrapped(tmp_path):
     assert "WIDE_MASK 0.5 wrapped False" in run(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_trace_of_the_services_constrained_proposes_is_laid_out_by_timeline(tmp_path):
+    """PROBE_TRACE: the services' drafter traces its constrained Proposes 2 and 3, the verifier its steps meanwhile
+    (the benchmark's own process none); timeline.py finds both Proposes and lays the verifier's ranges beside them."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
+    environ |= {"PYTHONPATH": os.pathsep.join([str(PROBE), str(ROOT)]), "PROBE_OUT": str(tmp_path)}
+    args = ["--shape", "qwen2-tiny", "--load-format", "dummy", "--alpha", "0.8", "--batches", "2", "--ks", "3"]
+    args += ["--new-tokens", "12", "--repeats", "1", "--warmup-tokens", "4", "--num-blocks", "256"]
+    args += ["--structured", "json", "--out", str(tmp_path / "e2e.json")]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), *args],
+        cwd=ROOT,
+        env=environ | {"PROBE_TRACE": "2,2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traces = sorted(path.name for path in tmp_path.glob("trace-*.json.gz"))
+    assert len(traces) == 2 and not any("e2e.py" in name for name in traces), traces
+    assert not (tmp_path / "trace.on").exists()  # the window was closed
+    shown = subprocess.run(
+        [sys.executable, str(PROBE / "timeline.py"), str(tmp_path), "--show", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "2 constrained Proposes" in shown.stdout
+    assert "drafter:propose_constrained" in shown.stdout and "verifier:" in shown.stdout
