@@ -9,7 +9,8 @@ row has no probability there and is rejected, and every token the sampler emits 
 verification stays lossless against target-only decoding under the same constraint. Once the grammar is complete
 only EOS is allowed. The drafter masks its MTP logits the same way, one draft after another
 (`specsplit/drafter/runner.py`), so that its drafts are ones the grammar allows: unmasked, about half of them were not
-(docs/performance.md, "Structured output").
+(docs/performance.md, "Structured output"). Its grammar leaves a JSON schema's loose string length bounds out
+(`draft_grammar`): their masks are the slowest to fill, and a draft past one is rejected by the verifier's exact mask.
 
 A request's matcher follows its output (the history the worker keeps for it, prompt excluded): what the matcher has
 consumed is compared with the output at every step, the new tokens are consumed, and a history that went another way
@@ -20,6 +21,8 @@ allowing token 32 w + i.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -212,7 +215,8 @@ class Grammars:
             m = self._matchers[request_id]
         new = output[len(m.consumed) :]
         eos = self.eos
-        new = new[: next((j for j, t in enumerate(new) if t in eos), len(new))]
+        if not eos.isdisjoint(new):
+            new = new[: next(j for j, t in enumerate(new) if t in eos)]
         if new:
             if m.matcher.try_consume_tokens(new) != len(new):
                 del self._matchers[request_id]
@@ -233,13 +237,68 @@ class Grammars:
         self.free(list(self._matchers))
 
 
+# A JSON schema's string length bounds of at least LOOSE_LENGTH characters, which the drafter's masks leave out
+# (`draft_grammar`), and the keys of a schema whose values are schemas, lists of schemas, or maps of names to schemas.
+LENGTH_BOUNDS = ("maxLength", "minLength")
+LOOSE_LENGTH = 32
+_SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains")
+_SCHEMA_KEYS += ("propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+@functools.lru_cache(maxsize=256)
+def draft_grammar(grammar: str) -> str:
+    """The grammar the drafter masks its drafts with: `grammar` with its JSON schemas' loose string length bounds
+    (`maxLength`, `minLength` of `LOOSE_LENGTH` characters or more) left out, every other grammar as it is. Within a
+    length-bounded string each length is a lexer state of its own, whose first mask walks the vocabulary's trie
+    (0.3-1.6 ms a row at a 152k vocabulary, against 0.06 ms unbounded), and a batch's masks wait for their slowest row
+    while the device waits for the masks; a loose bound is seldom reached, so its drafts rarely cross it, while a
+    tight one is reached often and kept (docs/performance.md, "Structured output", has both). A draft past a bound
+    is one the verifier's exact mask refuses: it is rejected there, lossless as every other draft."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        return grammar
+    if not isinstance(top, dict) or not isinstance(top.get("grammars"), list):
+        return grammar
+    changed = False
+    for entry in top["grammars"]:
+        if isinstance(entry, dict) and "json_schema" in entry:
+            changed |= _drop_length_bounds(entry["json_schema"])
+    return json.dumps(top) if changed else grammar
+
+
+def _drop_length_bounds(schema) -> bool:
+    """Removes the loose `LENGTH_BOUNDS` from `schema` and the schemas within it, in place; whether any was there."""
+    if not isinstance(schema, dict):
+        return False
+    changed = False
+    for key in LENGTH_BOUNDS:
+        bound = schema.get(key)
+        if isinstance(bound, int | float) and bound >= LOOSE_LENGTH:
+            del schema[key]
+            changed = True
+    for key in _SCHEMA_KEYS:
+        changed |= _drop_length_bounds(schema.get(key))
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                changed |= _drop_length_bounds(sub)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                changed |= _drop_length_bounds(sub)
+    return changed
+
+
 class DraftMasks:
     """One Propose's masks, for the drafter: each constrained request's matcher follows its output once, then the
     drafts the Propose makes for it, each consumed once as it comes (not the drafts so far again at every step), and
     all of them rolled back at `close`, which leaves the matcher at the output. `requests`: per key (the caller's
-    index of the request), its (request id, grammar, output). A request whose output its grammar refuses (which
-    verification would not have let through: its error is in `errors`), or one of whose drafts it refuses (a row
-    drafted unmasked), allows everything from then on."""
+    index of the request), its (request id, grammar, output); its matcher is one of `draft_grammar(grammar)`. A
+    request whose output that grammar refuses (which verification would not have let through: its error is in
+    `errors`), or one of whose drafts it refuses (a row drafted unmasked), allows everything from then on."""
 
     def __init__(self, grammars: Grammars, requests: dict[int, tuple[str, str, list[int]]]):
         self._grammars = grammars
@@ -247,6 +306,7 @@ class DraftMasks:
         self._consumed: dict[int, int] = {}  # per key, the drafts its matcher consumed
         self._ended: set[int] = set()  # keys past an EOS draft: masked as their EOS row was (`Grammars.batch_masks`)
         self.errors: dict[int, InvalidArgument] = {}
+        requests = {key: (rid, draft_grammar(grammar), output) for key, (rid, grammar, output) in requests.items()}
         grammars._make_matchers([(rid, grammar) for rid, grammar, _ in requests.values()])
         for key, (rid, grammar, output) in requests.items():
             try:
@@ -263,18 +323,19 @@ class DraftMasks:
 
         eos = self._grammars.eos
         fill = []
+        consumed, ended = self._consumed, self._ended
         for row, key, drafts in jobs:
             matcher = self._matchers.get(key)
-            if matcher is not None and key not in self._ended and len(drafts) > self._consumed[key]:
-                new = drafts[self._consumed[key] :]
-                stop = next((j for j, t in enumerate(new) if t in eos), len(new))
+            if matcher is not None and len(drafts) > consumed[key] and key not in ended:
+                new = drafts[consumed[key] :]
+                stop = len(new) if eos.isdisjoint(new) else next(j for j, t in enumerate(new) if t in eos)
                 taken = matcher.try_consume_tokens(new[:stop]) if stop else 0
-                self._consumed[key] += taken
+                consumed[key] += taken
                 if taken < stop:  # a draft its grammar refuses: unmasked from here on
                     self._release(key)
                     matcher = None
                 elif stop < len(new):
-                    self._ended.add(key)
+                    ended.add(key)
             if matcher is None:
                 out[row] = -1
             else:

@@ -1,7 +1,7 @@
 """Structured output's benchmarks: `benchmarks/e2e.py --structured json` (every cell also under a JSON schema, checked
 against the constrained target-only output and the schema, forced acceptance following the constrained output), the
 synthetic tokenizer it gives a random-weight shape, the summary of its invocations, and
-`benchmarks/grammar_engines.py` without xgrammar."""
+`benchmarks/grammar_engines.py` without xgrammar, and the drafter's mask benchmark (`benchmarks/draft_masks.py`)."""
 
 from __future__ import annotations
 
@@ -232,3 +232,21 @@ def test_the_mask_benchmark_gives_every_column_of_a_batch():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 | 3 |")]
     assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 9
     assert all(float(cell) > 0 for cell in rows[0].strip("|").split("|")[2:])
+
+
+def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_grammars():
+    """`benchmarks/draft_masks.py`: per grammar (the drafter's, the exact one) and executor threads, a row per part of a
+    Propose (matchers, each step's masks and wide check, rollback, the whole), the parts adding up to the whole."""
+    script = ROOT / "benchmarks" / "draft_masks.py"
+    args = ["--batch", "2", "--proposes", "3", "--rounds", "2", "--threads", "1"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [[cell.strip() for cell in row] for row in rows[1:]]  # the header left out
+    cells = {(grammar, threads) for grammar, threads, *_ in rows}
+    assert cells == {("drafter's", "default"), ("exact", "default"), ("drafter's", "1"), ("exact", "1")}
+    for cell in cells:
+        parts = {part: float(mean) for grammar, threads, part, _, mean, *_ in rows if (grammar, threads) == cell}
+        assert len(parts) == 3 + 2 * 3 and parts["propose"] > 0
+        whole = pytest.approx(parts["propose"], rel=0.05, abs=0.01)
+        assert sum(v for part, v in parts.items() if part != "propose") == whole

@@ -3,6 +3,8 @@ after its output and drafts[:r]; rows after a draft the grammar refuses allow ev
 output step after step, starts afresh where the output went another way, and the drafts leave no trace; the masks
 reach the logits as -inf wherever a token is not allowed."""
 
+import json
+
 import llguidance
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specsplit.client.errors import InvalidArgument
-from specsplit.runtime.grammar import DraftMasks, Grammars
+from specsplit.runtime.grammar import DraftMasks, Grammars, draft_grammar
 from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply
 from tests.e2e.test_demo_model import DEMO
 
@@ -191,3 +193,34 @@ def test_kept_matchers_are_bounded_the_grammar_finished_longest_ago_dropped_firs
     assert grammars._num_idle == 1 and old not in grammars._idle
     grammars.clear()  # a new coordinator: every request's matcher kept as a finished one's
     assert grammars._num_idle == 3 and not grammars._matchers
+
+
+def test_the_drafter_masks_loose_string_bounds_away_and_keeps_tight_ones(tok):
+    """The drafter's grammar (`draft_grammar`) leaves out a JSON schema's loose string length bounds (a lexer state per
+    length, each first mask of one a walk of the vocabulary): at a string's 40th character the verifier allows only its
+    end, the drafter more; a tight bound is masked by both. Property names are kept whatever they are called, and
+    grammars other than JSON schemas are left as they are."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "maxLength": {"type": "string", "maxLength": 40},  # a property of that name, whose bound is loose
+            "tags": {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 2, "maxLength": 4}]}},
+        },
+        "$defs": {"long": {"type": "string", "minLength": 32}},
+        "required": ["maxLength", "tags"],
+    }
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    relaxed = json.loads(draft_grammar(grammar))["grammars"][0]["json_schema"]
+    assert relaxed["properties"]["maxLength"] == {"type": "string"}
+    assert relaxed["properties"]["tags"]["items"]["anyOf"][0] == {"type": "string", "minLength": 2, "maxLength": 4}
+    assert relaxed["$defs"]["long"] == {"type": "string"}
+    assert draft_grammar(GRAMMAR) is GRAMMAR  # a regex: nothing to relax
+
+    grammars = Grammars(DEMO)
+    (letter,) = tok.encode("a", add_special_tokens=False)
+    for field, prefix in (("maxLength", '{"maxLength":"' + "a" * 40), ("tags", '{"maxLength":"a","tags":["aaaa')):
+        output = tok.encode(prefix, add_special_tokens=False)
+        verifier = allowed_ids(grammars.masks(f"v-{field}", grammar, output, [])[0])
+        drafter = allowed_ids(drafter_row(Grammars(DEMO), f"d-{field}", grammar, output, []))
+        assert verifier and letter not in verifier  # at the bound: the string ends
+        assert (letter in drafter) == (field == "maxLength")  # the loose bound left out, the tight one kept
