@@ -5,9 +5,14 @@ synthetic 151,936-id vocabulary (a random allowed token each step, as a random-w
 growing by k tokens a Propose and its drafts the walk's next tokens; the Proposes' times over the walks, for the
 drafter's grammar (`draft_grammar`: loose string bounds left out) and the exact one, with llguidance's executor at
 its default threads and at each `--threads`. Mean and p90 matter more than the median: a length-bounded string's first
-mask at each length walks the vocabulary's trie.
+mask at each length walks the vocabulary's trie: the last table times a fresh matcher's first mask at a few lengths
+into the name, and the same mask again.
 
-    python benchmarks/draft_masks.py [--batch 32] [--proposes 25] [--threads 2 4]
+`--acceptance`: the demo checkpoint's acceptance (one process, k 3, greedy, `structured_output.py`'s prompts) under
+that schema (a name of at most 64 characters) and under one of short bounded strings, with the drafter's grammar as
+served, exact, and with every length bound left out, which is what the loose-bound threshold (`LOOSE_LENGTH`) is for.
+
+    python benchmarks/draft_masks.py [--batch 32] [--proposes 25] [--threads 2 4] [--acceptance]
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ from specsplit.drafter import runner as drafter_runner  # noqa: E402
 from specsplit.runtime import grammar as grammar_module  # noqa: E402
 from specsplit.runtime.grammar import DraftMasks, Grammars  # noqa: E402
 
+# A schema whose strings are short and bounded (every bound tight, below LOOSE_LENGTH).
+TIGHT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 PARTS = ("matchers", *(f"step {s} {what}" for s in range(K) for what in ("masks", "wide")), "rollback", "propose")
 
 
@@ -93,6 +108,62 @@ def _proposes(grammars: Grammars, grammar: str, paths: list[list[int]], count: i
     return times
 
 
+def first_masks(grammars: Grammars, grammars_by_name: dict[str, str]) -> None:
+    """ms of a fresh matcher's first mask, and of the same mask again, inside the schema's name (a string of at most 64
+    characters) at a few lengths, per grammar."""
+    import llguidance
+    import llguidance.numpy
+
+    from benchmarks.structured_output import SyntheticTokenizer
+
+    tok = SyntheticTokenizer(VOCAB)
+    out = np.empty((1, grammars.words), dtype=np.int32)
+    print("\n| grammar | characters into the name | first mask ms | again ms | allowed ids |")
+    print("|---|---|---|---|---|")
+    for name, grammar in grammars_by_name.items():
+        for length in (10, 30, 50, 60):
+            matcher = llguidance.LLMatcher(grammars.tokenizer, grammar)
+            prefix = tok(('{"name":"' + "ab" * (length // 2)).encode())
+            matcher.consume_tokens(prefix)
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                llguidance.numpy.fill_next_token_bitmask(matcher, out, 0)
+                times.append(1e3 * (time.perf_counter() - t0))
+            allowed = int(np.bitwise_count(out.view(np.uint32)).sum())
+            print(f"| {name} | {length} | {times[0]:.3f} | {times[1]:.3f} | {allowed} |", flush=True)
+
+
+def acceptance() -> None:
+    """The demo checkpoint's tokens per iteration under both schemas, the drafter's grammar as served, exact, and with
+    every string length bound left out."""
+    import json
+
+    import specsplit
+    from benchmarks.structured_output import PROMPTS
+
+    llm = specsplit.LLM(ROOT / "checkpoints" / "demo", num_speculative_tokens=K, adaptive=False, device="cpu")
+    served, loose = grammar_module.draft_grammar, grammar_module.LOOSE_LENGTH
+    print("\n| schema | drafter's grammar | acceptance per draft position | tokens per iteration |")
+    print("|---|---|---|---|")
+    for name, schema in (("benchmark's (name <= 64 characters)", SCHEMA), ("short strings (3-8)", TIGHT_SCHEMA)):
+        spec = {"json": schema if isinstance(schema, str) else json.dumps(schema)}
+        for variant in ("as served", "exact", "every bound left out"):
+            grammar_module.draft_grammar = (lambda g: g) if variant == "exact" else served
+            grammar_module.LOOSE_LENGTH = 0 if variant == "every bound left out" else loose
+            served.cache_clear()
+            try:
+                results = llm.generate(PROMPTS, max_tokens=48, structured_output=spec, detokenize=False)
+            finally:
+                grammar_module.draft_grammar, grammar_module.LOOSE_LENGTH = served, loose
+                served.cache_clear()
+            stats = results[0].stats
+            for r in results[1:]:
+                stats.merge(r.stats)
+            per = ", ".join(f"{a:.3f}" for a in stats.acceptance_per_position)
+            print(f"| {name} | {variant} | {per} | {stats.mean_accepted_length:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
@@ -100,6 +171,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="times over the walks, the first left out")
     p.add_argument("--threads", type=int, nargs="*", default=[], help="llguidance executor threads besides its default")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--acceptance", action="store_true", help="also the demo checkpoint's acceptance (CPU)")
     args = p.parse_args()
     import llguidance
 
@@ -124,6 +196,9 @@ def main() -> None:
                     f"| {statistics.fmean(v):.3f} | {np.percentile(v, 90):.3f} | {max(v):.3f} |",
                     flush=True,
                 )
+    first_masks(grammars, {"drafter's": grammar_module.draft_grammar(exact), "exact": exact})
+    if args.acceptance:
+        acceptance()
 
 
 if __name__ == "__main__":

@@ -252,10 +252,11 @@ def draft_grammar(grammar: str) -> str:
     """The grammar the drafter masks its drafts with: `grammar` with its JSON schemas' loose string length bounds
     (`maxLength`, `minLength` of `LOOSE_LENGTH` characters or more) left out, every other grammar as it is. Within a
     length-bounded string each length is a lexer state of its own, whose first mask walks the vocabulary's trie
-    (0.3-1.6 ms a row at a 152k vocabulary, against 0.06 ms unbounded), and a batch's masks wait for their slowest row
-    while the device waits for the masks; a loose bound is seldom reached, so its drafts rarely cross it, while a
-    tight one is reached often and kept (docs/performance.md, "Structured output", has both). A draft past a bound
-    is one the verifier's exact mask refuses: it is rejected there, lossless as every other draft."""
+    (0.3-1.5 ms a row at a 152k vocabulary on the 2-core CPU, against 0.07-0.16 ms unbounded:
+    `benchmarks/draft_masks.py`), and a batch's masks wait for their slowest row while the device waits for the
+    masks; a loose bound is seldom reached, so its drafts rarely cross it, while a tight one is reached often and kept
+    (docs/performance.md, "Structured output", has both). A draft past a bound is one the verifier's exact mask
+    refuses: it is rejected there, lossless as every other draft."""
     try:
         top = json.loads(grammar)
     except ValueError:

@@ -236,13 +236,19 @@ def test_the_mask_benchmark_gives_every_column_of_a_batch():
 
 def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_grammars():
     """`benchmarks/draft_masks.py`: per grammar (the drafter's, the exact one) and executor threads, a row per part of a
-    Propose (matchers, each step's masks and wide check, rollback, the whole), the parts adding up to the whole."""
+    Propose (matchers, each step's masks and wide check, rollback, the whole), the parts adding up to the whole; then
+    a fresh matcher's first mask at lengths into the schema's bounded string."""
     script = ROOT / "benchmarks" / "draft_masks.py"
     args = ["--batch", "2", "--proposes", "3", "--rounds", "2", "--threads", "1"]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    rows = [[cell.strip() for cell in row] for row in rows[1:]]  # the header left out
+    tables: list[list[list[str]]] = []  # runs of table lines, each without its header and rule
+    for line in proc.stdout.splitlines():
+        if not line.startswith("|"):
+            tables.append([])
+        elif not line.startswith("|---"):
+            tables[-1].append([cell.strip() for cell in line.split("|")[1:-1]])
+    rows, first = [table[1:] for table in tables if table]
     cells = {(grammar, threads) for grammar, threads, *_ in rows}
     assert cells == {("drafter's", "default"), ("exact", "default"), ("drafter's", "1"), ("exact", "1")}
     for cell in cells:
@@ -250,3 +256,7 @@ def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_gramm
         assert len(parts) == 3 + 2 * 3 and parts["propose"] > 0
         whole = pytest.approx(parts["propose"], rel=0.05, abs=0.01)
         assert sum(v for part, v in parts.items() if part != "propose") == whole
+    # A fresh matcher's first mask inside the name: near its 64-character bound the exact grammar allows the few ids
+    # that still fit, the drafter's (the bound left out) every string token.
+    allowed = {(grammar, int(length)): int(ids) for grammar, length, _, _, ids in first}
+    assert allowed[("exact", 60)] < allowed[("exact", 10)] <= allowed[("drafter's", 10)] == allowed[("drafter's", 60)]
