@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.structured_output import SCHEMA, VOCAB, K, synthetic_grammars  # noqa: E402
+from benchmarks.structured_output import SCHEMA, VOCAB, K, SyntheticTokenizer, synthetic_grammars  # noqa: E402
 from specsplit.drafter import runner as drafter_runner  # noqa: E402
 from specsplit.runtime import grammar as grammar_module  # noqa: E402
 from specsplit.runtime.grammar import DraftMasks, Grammars  # noqa: E402
@@ -108,15 +108,12 @@ def _proposes(grammars: Grammars, grammar: str, paths: list[list[int]], count: i
     return times
 
 
-def first_masks(grammars: Grammars, grammars_by_name: dict[str, str]) -> None:
+def first_masks(grammars: Grammars, tok: SyntheticTokenizer, grammars_by_name: dict[str, str]) -> None:
     """ms of a fresh matcher's first mask, and of the same mask again, inside the schema's name (a string of at most 64
     characters) at a few lengths, per grammar."""
     import llguidance
     import llguidance.numpy
 
-    from benchmarks.structured_output import SyntheticTokenizer
-
-    tok = SyntheticTokenizer(VOCAB)
     out = np.empty((1, grammars.words), dtype=np.int32)
     print("\n| grammar | characters into the name | first mask ms | again ms | allowed ids |")
     print("|---|---|---|---|---|")
@@ -139,10 +136,9 @@ def acceptance() -> None:
     every string length bound left out."""
     import json
 
-    import specsplit
-    from benchmarks.structured_output import PROMPTS
+    from benchmarks.structured_output import demo_llm, prompts_stats
 
-    llm = specsplit.LLM(ROOT / "checkpoints" / "demo", num_speculative_tokens=K, adaptive=False, device="cpu")
+    llm = demo_llm("cpu")
     served, loose = grammar_module.draft_grammar, grammar_module.LOOSE_LENGTH
     print("\n| schema | drafter's grammar | acceptance per draft position | tokens per iteration |")
     print("|---|---|---|---|")
@@ -153,13 +149,10 @@ def acceptance() -> None:
             grammar_module.LOOSE_LENGTH = 0 if variant == "every bound left out" else loose
             served.cache_clear()
             try:
-                results = llm.generate(PROMPTS, max_tokens=48, structured_output=spec, detokenize=False)
+                stats = prompts_stats(llm, spec)
             finally:
                 grammar_module.draft_grammar, grammar_module.LOOSE_LENGTH = served, loose
                 served.cache_clear()
-            stats = results[0].stats
-            for r in results[1:]:
-                stats.merge(r.stats)
             per = ", ".join(f"{a:.3f}" for a in stats.acceptance_per_position)
             print(f"| {name} | {variant} | {per} | {stats.mean_accepted_length:.2f} |", flush=True)
 
@@ -178,7 +171,7 @@ def main() -> None:
     from specsplit.client.sdk import structured_output_pb
     from specsplit.coordinator.structured_output import compile_grammar
 
-    grammars, _ = synthetic_grammars()
+    grammars, tok = synthetic_grammars()
     exact = compile_grammar(structured_output_pb({"json": SCHEMA}))
     paths = walks(grammars, exact, args.batch, 2 + K * args.proposes + K, args.seed)
     timed = args.rounds - 1
@@ -196,7 +189,7 @@ def main() -> None:
                     f"| {statistics.fmean(v):.3f} | {np.percentile(v, 90):.3f} | {max(v):.3f} |",
                     flush=True,
                 )
-    first_masks(grammars, {"drafter's": grammar_module.draft_grammar(exact), "exact": exact})
+    first_masks(grammars, tok, {"drafter's": grammar_module.draft_grammar(exact), "exact": exact})
     if args.acceptance:
         acceptance()
 

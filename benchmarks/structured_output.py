@@ -233,12 +233,26 @@ def start_ms(grammars: Grammars, grammar: str, text: list[int], batch: int) -> f
     return elapsed
 
 
+def demo_llm(device: str):
+    """The demo checkpoint in one process (specsplit.LLM), k 3 fixed."""
+    import specsplit
+
+    return specsplit.LLM(ROOT / "checkpoints" / "demo", num_speculative_tokens=K, adaptive=False, device=device)
+
+
+def prompts_stats(llm, spec: dict | None):
+    """The speculation stats of `PROMPTS` generated greedily under `spec` (48 tokens each), merged."""
+    results = llm.generate(PROMPTS, max_tokens=48, structured_output=spec, detokenize=False)
+    stats = results[0].stats
+    for r in results[1:]:
+        stats.merge(r.stats)
+    return stats
+
+
 def acceptance(device: str) -> None:
     """The demo checkpoint in one process (specsplit.LLM, k 3 fixed), greedy, under each kind of constraint, its
     drafts masked with the grammar (as served) and unmasked (the drafter without a tokenizer)."""
-    import specsplit
-
-    llm = specsplit.LLM(ROOT / "checkpoints" / "demo", num_speculative_tokens=K, adaptive=False, device=device)
+    llm = demo_llm(device)
     drafter_grammars, tokenizer_dir = llm.drafter.runner.grammars, llm.drafter.runner.grammars.tokenizer_dir
     verifier_grammars = llm.step.worker.grammars
     print("\n| constraint | drafts | acceptance per draft position | tokens per iteration | drafts refused |")
@@ -247,10 +261,7 @@ def acceptance(device: str) -> None:
         for drafts in ("masked", "unmasked") if spec else ("-",):
             drafter_grammars.tokenizer_dir = None if drafts == "unmasked" else tokenizer_dir
             refused0, checked0 = verifier_grammars.refused, verifier_grammars.checked
-            results = llm.generate(PROMPTS, max_tokens=48, structured_output=spec, detokenize=False)
-            stats = results[0].stats
-            for r in results[1:]:
-                stats.merge(r.stats)
+            stats = prompts_stats(llm, spec)
             refused = verifier_grammars.refused - refused0
             checked = verifier_grammars.checked - checked0
             share = f"{refused / checked:.3f}" if checked else "-"

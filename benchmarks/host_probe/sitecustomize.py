@@ -97,28 +97,29 @@ if os.environ.get("PROBE_OUT"):
             LAST[0] = time.monotonic()
             dump()
 
-    def wrap(owner, attr: str, name: str, rows=None) -> None:
-        """Times `owner.attr` as `name`; `rows(args)`: how many rows a call did."""
+    def measured(name: str, rows: int | None, f, *args, **kwargs):
+        """f(*args, **kwargs), timed as `name` (a named range of the trace while one is recorded)."""
+        t0 = time.perf_counter()
+        try:
+            if TRACING["prof"] is not None:
+                import torch
+
+                with torch.profiler.record_function(name):
+                    return f(*args, **kwargs)
+            return f(*args, **kwargs)
+        finally:
+            record(name, time.perf_counter() - t0, rows)
+
+    def wrap(owner, attr: str, name: str, rows=None, before=None) -> None:
+        """Times `owner.attr` as `name`; `rows(args)`: how many rows a call did; `before()` runs ahead of each call."""
         f = getattr(owner, attr, None)
         if f is None or getattr(f, "_probed", False):
             return
 
         def timed(*args, **kwargs):
-            if name == "verifier_batch_masks":
-                tick_verify()
-            if TRACING["prof"] is not None:
-                import torch
-
-                with torch.profiler.record_function(name):
-                    return timed_call(*args, **kwargs)
-            return timed_call(*args, **kwargs)
-
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                record(name, time.perf_counter() - t0, rows(args) if rows else None)
+            if before is not None:
+                before()
+            return measured(name, rows(args) if rows else None, f, *args, **kwargs)
 
         timed._probed = True
         setattr(owner, attr, timed)
@@ -134,7 +135,7 @@ if os.environ.get("PROBE_OUT"):
                 return self._executor
 
             mod.Grammars.executor = property(executor)
-        wrap(mod.Grammars, "batch_masks", "verifier_batch_masks", lambda a: len(a[1]))
+        wrap(mod.Grammars, "batch_masks", "verifier_batch_masks", lambda a: len(a[1]), before=tick_verify)
         wrap(mod.Grammars, "_make_matchers", "make_matchers", lambda a: len(a[1]))
         wrap(mod.Grammars, "_matcher", "matcher_lookup")
         wrap(mod.DraftMasks, "__init__", "draft_masks_init", lambda a: len(a[2]))
@@ -160,16 +161,7 @@ if os.environ.get("PROBE_OUT"):
             kind = "constrained" if any(item.grammar for item in items) else "plain"
             if kind == "constrained":
                 tick_propose()
-            t0 = time.perf_counter()
-            try:
-                if TRACING["prof"] is not None:
-                    import torch
-
-                    with torch.profiler.record_function(f"propose_{kind}"):
-                        return propose(self, items, *args, **kwargs)
-                return propose(self, items, *args, **kwargs)
-            finally:
-                record(f"propose_{kind}", time.perf_counter() - t0, len(items))
+            return measured(f"propose_{kind}", len(items), propose, self, items, *args, **kwargs)
 
         cls._propose = split
         wrap(cls, "_mask_grammars", "mask_grammars", lambda a: len(a[4]))
