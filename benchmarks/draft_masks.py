@@ -89,7 +89,10 @@ def _proposes(grammars: Grammars, grammar: str, paths: list[list[int]], count: i
         for n in range(count):
             at = 2 + K * n
             t0 = time.perf_counter()
-            masks = DraftMasks(grammars, {i: (ids[i], grammar, path[:at]) for i, path in enumerate(paths)})
+            before = at - K if n else 0  # what the request's earlier Proposes carried of its output, as served
+            masks = DraftMasks(
+                grammars, {i: (ids[i], grammar, path[before:at], before) for i, path in enumerate(paths)}
+            )
             marks = [t0, time.perf_counter()]
             wide: set[int] = set()
             for s in range(K):

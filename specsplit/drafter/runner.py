@@ -83,8 +83,10 @@ class ProposeItem:
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
     grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
-    # With a grammar: the request's output so far (on a device hand-off, until the step's tokens: `_add_step_tokens`).
+    # With a grammar: the request's output so far (on a device hand-off, until the step's tokens: `_add_step_tokens`),
+    # less its first output_offset tokens, which its earlier Proposes carried.
     output: list[int] = field(default_factory=list)
+    output_offset: int = 0
     # Prefix caching: the drafter keys of the cached blocks the verifier started the request on (their tokens are
     # start_position), on its first Propose after that; empty otherwise.
     cached_block_hashes: list[bytes] = field(default_factory=list)
@@ -97,6 +99,9 @@ class ProposeOutput:
     stamps_ns: tuple[int, int, int]
     # Per request, for sampled drafts: q's support and probabilities, [num_drafts, K] each.
     draft_probs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    # Constrained requests (their indices) whose output before their output_offset the drafter lacks: drafted without
+    # their grammar; their next Propose is to carry the whole output.
+    outputs_wanted: list[int] = field(default_factory=list)
 
     @property
     def step0_ns(self) -> int:
@@ -415,6 +420,8 @@ class DrafterRunner:
         t2 = time.time_ns()
         t1 = self._timer.split(t1, t2)
         out = _collect(items, [active, *actives], tokens, q_ids, q_probs, (t0, t1, t2))
+        if masks is not None:
+            out.outputs_wanted = masks.wanted
         if chained_steps:  # a row's drafts, and q rows, past its steps
             for i in active:
                 kept = 1 + plan.more_steps[i]
@@ -439,10 +446,18 @@ class DrafterRunner:
             return None
         masks = DraftMasks(
             self.grammars,
-            {i: (items[i].request_id, items[i].grammar, items[i].output) for i in active if items[i].grammar},
+            {
+                i: (items[i].request_id, items[i].grammar, items[i].output, items[i].output_offset)
+                for i in active
+                if items[i].grammar
+            },
         )
         for i, err in masks.errors.items():  # its rows allow everything
             log.warning("drafter: request %r drafted without its grammar: %s", items[i].request_id, err)
+        if masks.wanted:
+            log.info(
+                "drafter: %d requests drafted without their grammar, their whole output asked for", len(masks.wanted)
+            )
         return masks
 
     def _mask_grammars(

@@ -108,6 +108,7 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int, block_size: in
             and 0 <= r.num_rejected <= MAX_DRAFTS
             and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
+            and r.output_offset >= 0
             and (not keys or _keys_fit(keys, start, block_size))
             and r.num_rows == 0
         ):
@@ -116,7 +117,8 @@ def parse_items(msg: drafter_pb2.ProposeRequest, vocab_size: int, block_size: in
         items.append(
             ProposeItem(
                 rid, start, tokens, spec, temperature, sampling.seed & SEED_MASK, coupled=sampling.coupled,
-                grammar=sampling.grammar or None, output=list(r.output_token_ids), cached_block_hashes=list(keys),
+                grammar=sampling.grammar or None, output=list(r.output_token_ids), output_offset=r.output_offset,
+                cached_block_hashes=list(keys),
             )
         )  # fmt: skip
     return items
@@ -141,6 +143,7 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest, block_size: int) -> lis
             and 1 <= rows <= max_rows
             and 0 <= spec <= MAX_DRAFTS
             and 0 <= temperature <= 1e4
+            and r.output_offset >= 0
             and (not keys or _keys_fit(keys, start, block_size))
         ):
             raise _invalid_device_item(r, seen, width, block_size)
@@ -148,7 +151,8 @@ def _parse_device_items(msg: drafter_pb2.ProposeRequest, block_size: int) -> lis
         items.append(
             ProposeItem(
                 rid, start, [], spec, temperature, sampling.seed & SEED_MASK, rows, coupled=sampling.coupled,
-                grammar=sampling.grammar or None, output=list(r.output_token_ids), cached_block_hashes=list(keys),
+                grammar=sampling.grammar or None, output=list(r.output_token_ids), output_offset=r.output_offset,
+                cached_block_hashes=list(keys),
             )
         )  # fmt: skip
     return items
@@ -184,6 +188,8 @@ def _invalid_device_item(r: drafter_pb2.ProposeItem, seen: set[str], width: int,
         )
     if not 0 <= r.sampling.temperature <= 1e4:
         return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    if r.output_offset < 0:
+        return InvalidArgument(f"request {rid!r}: negative output_offset {r.output_offset}")
     return _invalid_keys(r, block_size)
 
 
@@ -204,6 +210,8 @@ def _invalid_item(r: drafter_pb2.ProposeItem, seen: set[str], vocab_size: int, b
         return InvalidArgument(f"request {rid!r}: num_spec_tokens {r.num_spec_tokens} not in [0, {MAX_DRAFTS}]")
     if not 0 <= r.sampling.temperature <= 1e4:
         return InvalidArgument(f"request {rid!r}: temperature {r.sampling.temperature} not in [0, 1e4]")
+    if r.output_offset < 0:
+        return InvalidArgument(f"request {rid!r}: negative output_offset {r.output_offset}")
     if r.cached_block_hashes and not _keys_fit(r.cached_block_hashes, r.start_position, block_size):
         return _invalid_keys(r, block_size)
     return InvalidArgument(f"request {rid!r}: num_rows {r.num_rows} without a device hand-off (tokens_on_device)")
@@ -441,6 +449,8 @@ def propose_response(items: list[ProposeItem], out: ProposeOutput, received_ns: 
         if probs is not None:
             q_msgs.append(d.draft_probs)
             q.append(probs)
+    for i in out.outputs_wanted:
+        response.drafts[i].output_wanted = True
     if q:
         fill_tensor_protos([m.token_ids for m in q_msgs], [ids for ids, _ in q], torch.int32)
         fill_tensor_protos([m.probs for m in q_msgs], [probs for _, probs in q], torch.float32)

@@ -25,6 +25,7 @@ from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
 from specsplit.verifier.batch import CachedPrefixes, DraftProbs, Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.proposal import Proposal
+from specsplit.verifier.propose_request import output_tail
 from specsplit.verifier.step import StepResult, VerifierStep
 
 IN_PROCESS = "in-process"  # the coordinator id of one process's iterations
@@ -54,6 +55,7 @@ class LocalDrafter:
         self.device_hand_off = device_hand_off
         self._pending: list[_Pending] = []  # sent, in order, not run yet
         self._cached_prefixes = CachedPrefixes()
+        self._outputs_sent: dict[str, int] = {}  # structured output: as `DrafterChannel`'s (`output_tail`)
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
@@ -69,18 +71,18 @@ class LocalDrafter:
                 batch.num_spec_tokens[i],
                 num_rows=rows[i],
                 grammar=sampling[i].grammar if i in outputs else None,
-                output=outputs.get(i, []),
             )
             for i, rid in enumerate(batch.req_ids)
         ]
         self._take_cached_prefixes(items)
+        self._add_outputs(items, outputs)
         if not can_propose_on_device(self.runner, items):
             return None
         tokens = DeviceTokens(launched.sampled, launched.num_sampled)
         return _Plan(items, launched.hidden[: batch.query_start[-1]], tokens)
 
     def build_request(self, iteration: int, batch, step, sampling) -> _Plan:
-        outputs = step.grammar_outputs or {}
+        outputs = step.grammar_outputs or {}  # constrained: the output before the step, then the step's tokens
         items = [
             ProposeItem(
                 rid,
@@ -91,12 +93,18 @@ class LocalDrafter:
                 (sampling[i].seed or 0) & SEED_MASK if sampling[i].temperature else 0,
                 coupled=sampling[i].coupled,
                 grammar=sampling[i].grammar if i in outputs else None,
-                output=outputs.get(i, []),
             )
             for i, rid in enumerate(batch.req_ids)
         ]
         self._take_cached_prefixes(items)
+        self._add_outputs(items, outputs, step.sampled_token_ids)
         return _Plan(items, step.hidden_states)
+
+    def _add_outputs(self, items: list[ProposeItem], outputs: dict[int, list[int]], step_tokens=None) -> None:
+        """Constrained items' output past what their earlier Proposes carried (`output_tail`)."""
+        for i, output in outputs.items():
+            item, tokens = items[i], step_tokens[i] if step_tokens is not None else ()
+            item.output_offset, item.output = output_tail(self._outputs_sent, item.request_id, output, tokens)
 
     def _take_cached_prefixes(self, items: list[ProposeItem]) -> None:
         """The drafter's keys of the cached blocks requests started on, on each one's first Propose from there."""
@@ -138,6 +146,8 @@ class LocalDrafter:
             proposal.hidden_state_bytes = hidden.numel() * hidden.element_size()
             if out.draft_probs:  # sampled drafts' q
                 proposal.draft_probs = [None if q is None else DraftProbs(*q) for q in out.draft_probs]
+            for i in out.outputs_wanted:  # the next Propose carries its whole output
+                self._outputs_sent.pop(items[i].request_id, None)
         proposal.received_ns = time.time_ns()
         proposal.propose_ns = time.perf_counter_ns() - t0
         pending.proposal = proposal
@@ -148,6 +158,8 @@ class LocalDrafter:
         is answered without running."""
         freed = set(request_ids)
         self._cached_prefixes.drop(freed)
+        for rid in freed:
+            self._outputs_sent.pop(rid, None)
         while self._pending:
             pending = self._pending.pop(0)
             self._run(pending, needed=not all(item.request_id in freed for item in pending.plan.items))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.proto import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdrafter.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\"\xf9\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x16\n\x0enext_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_rejected\x18\x04 \x01(\x05\x12\x17\n\x0fnum_spec_tokens\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x10\n\x08num_rows\x18\x07 \x01(\x05\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\t \x03(\x0c\"J\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\x05\x12\x12\n\nblock_hash\x18\x03 \x01(\x0c\"\x97\x03\n\x0eProposeRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12+\n\x08requests\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\x12-\n\rhidden_states\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.TensorH\x00\x12@\n\x14hidden_states_handle\x18\x05 \x01(\x0b\x32 .specsplit.v1.HiddenStatesHandleH\x00\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x45\n\rtrace_context\x18\n \x03(\x0b\x32..specsplit.v1.ProposeRequest.TraceContextEntry\x12\x30\n\rcached_blocks\x18\x0b \x03(\x0b\x32\x19.specsplit.v1.CachedBlock\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06hidden\"^\n\x06\x44rafts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\"\x8a\x01\n\x0fProposeResponse\x12$\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.Drafts\x12\x10\n\x08step0_ns\x18\x02 \x01(\x03\x12\x16\n\x0elater_steps_ns\x18\x03 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x04 \x01(\x03\x12\x12\n\nreplied_ns\x18\x05 \x01(\x03\")\n\x12\x44rafterFreeRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\".\n\x13\x44rafterFreeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\"\xd2\x01\n\x12HiddenStatesHandle\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0c\n\x04slot\x18\x06 \x01(\x05\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x18\n\x10tokens_on_device\x18\x08 \x01(\x08\x12\x13\n\x0btoken_width\x18\t \x01(\x05\"\xc4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xea\x02\n\x1aOpenHiddenTransportRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12,\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1b.specsplit.v1.CudaIpcBuffer\x12\x11\n\tslot_rows\x18\x06 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x07 \x01(\t\x12\x12\n\nrendezvous\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x02\x12\x32\n\rtoken_buffers\x18\x0b \x03(\x0b\x32\x1b.specsplit.v1.CudaIpcBuffer\x12\x15\n\revent_handles\x18\x0c \x03(\x0c\x12\x13\n\x0bslot_tokens\x18\r \x01(\x03\"F\n\x1bOpenHiddenTransportResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65vice_hand_off\x18\x02 \x01(\x08\x32\xe0\x02\n\x07\x44rafter\x12P\n\rProposeStream\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse(\x01\x30\x01\x12K\n\x04\x46ree\x12 .specsplit.v1.DrafterFreeRequest\x1a!.specsplit.v1.DrafterFreeResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12j\n\x13OpenHiddenTransport\x12(.specsplit.v1.OpenHiddenTransportRequest\x1a).specsplit.v1.OpenHiddenTransportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdrafter.proto\x12\x0cspecsplit.v1\x1a\x0c\x63ommon.proto\"\x90\x02\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x16\n\x0enext_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_rejected\x18\x04 \x01(\x05\x12\x17\n\x0fnum_spec_tokens\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x10\n\x08num_rows\x18\x07 \x01(\x05\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\t \x03(\x0c\x12\x15\n\routput_offset\x18\n \x01(\x05\"J\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\x05\x12\x12\n\nblock_hash\x18\x03 \x01(\x0c\"\x97\x03\n\x0eProposeRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12+\n\x08requests\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\x12-\n\rhidden_states\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.TensorH\x00\x12@\n\x14hidden_states_handle\x18\x05 \x01(\x0b\x32 .specsplit.v1.HiddenStatesHandleH\x00\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x45\n\rtrace_context\x18\n \x03(\x0b\x32..specsplit.v1.ProposeRequest.TraceContextEntry\x12\x30\n\rcached_blocks\x18\x0b \x03(\x0b\x32\x19.specsplit.v1.CachedBlock\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06hidden\"u\n\x06\x44rafts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\x12\x15\n\routput_wanted\x18\x04 \x01(\x08\"\x8a\x01\n\x0fProposeResponse\x12$\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.Drafts\x12\x10\n\x08step0_ns\x18\x02 \x01(\x03\x12\x16\n\x0elater_steps_ns\x18\x03 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x04 \x01(\x03\x12\x12\n\nreplied_ns\x18\x05 \x01(\x03\")\n\x12\x44rafterFreeRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\".\n\x13\x44rafterFreeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\"\xd2\x01\n\x12HiddenStatesHandle\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0c\n\x04slot\x18\x06 \x01(\x05\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x18\n\x10tokens_on_device\x18\x08 \x01(\x08\x12\x13\n\x0btoken_width\x18\t \x01(\x05\"\xc4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xea\x02\n\x1aOpenHiddenTransportRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12,\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1b.specsplit.v1.CudaIpcBuffer\x12\x11\n\tslot_rows\x18\x06 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x07 \x01(\t\x12\x12\n\nrendezvous\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x02\x12\x32\n\rtoken_buffers\x18\x0b \x03(\x0b\x32\x1b.specsplit.v1.CudaIpcBuffer\x12\x15\n\revent_handles\x18\x0c \x03(\x0c\x12\x13\n\x0bslot_tokens\x18\r \x01(\x03\"F\n\x1bOpenHiddenTransportResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65vice_hand_off\x18\x02 \x01(\x08\x32\xe0\x02\n\x07\x44rafter\x12P\n\rProposeStream\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse(\x01\x30\x01\x12K\n\x04\x46ree\x12 .specsplit.v1.DrafterFreeRequest\x1a!.specsplit.v1.DrafterFreeResponse\x12J\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12j\n\x13OpenHiddenTransport\x12(.specsplit.v1.OpenHiddenTransportRequest\x1a).specsplit.v1.OpenHiddenTransportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_PROPOSEITEM']._serialized_start=46
-  _globals['_PROPOSEITEM']._serialized_end=295
-  _globals['_CACHEDBLOCK']._serialized_start=297
-  _globals['_CACHEDBLOCK']._serialized_end=371
-  _globals['_PROPOSEREQUEST']._serialized_start=374
-  _globals['_PROPOSEREQUEST']._serialized_end=781
-  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=720
-  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=771
-  _globals['_DRAFTS']._serialized_start=783
-  _globals['_DRAFTS']._serialized_end=877
-  _globals['_PROPOSERESPONSE']._serialized_start=880
-  _globals['_PROPOSERESPONSE']._serialized_end=1018
-  _globals['_DRAFTERFREEREQUEST']._serialized_start=1020
-  _globals['_DRAFTERFREEREQUEST']._serialized_end=1061
-  _globals['_DRAFTERFREERESPONSE']._serialized_start=1063
-  _globals['_DRAFTERFREERESPONSE']._serialized_end=1109
-  _globals['_HIDDENSTATESHANDLE']._serialized_start=1112
-  _globals['_HIDDENSTATESHANDLE']._serialized_end=1322
-  _globals['_CUDAIPCBUFFER']._serialized_start=1325
-  _globals['_CUDAIPCBUFFER']._serialized_end=1521
-  _globals['_OPENHIDDENTRANSPORTREQUEST']._serialized_start=1524
-  _globals['_OPENHIDDENTRANSPORTREQUEST']._serialized_end=1886
-  _globals['_OPENHIDDENTRANSPORTRESPONSE']._serialized_start=1888
-  _globals['_OPENHIDDENTRANSPORTRESPONSE']._serialized_end=1958
-  _globals['_DRAFTER']._serialized_start=1961
-  _globals['_DRAFTER']._serialized_end=2313
+  _globals['_PROPOSEITEM']._serialized_end=318
+  _globals['_CACHEDBLOCK']._serialized_start=320
+  _globals['_CACHEDBLOCK']._serialized_end=394
+  _globals['_PROPOSEREQUEST']._serialized_start=397
+  _globals['_PROPOSEREQUEST']._serialized_end=804
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=743
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=794
+  _globals['_DRAFTS']._serialized_start=806
+  _globals['_DRAFTS']._serialized_end=923
+  _globals['_PROPOSERESPONSE']._serialized_start=926
+  _globals['_PROPOSERESPONSE']._serialized_end=1064
+  _globals['_DRAFTERFREEREQUEST']._serialized_start=1066
+  _globals['_DRAFTERFREEREQUEST']._serialized_end=1107
+  _globals['_DRAFTERFREERESPONSE']._serialized_start=1109
+  _globals['_DRAFTERFREERESPONSE']._serialized_end=1155
+  _globals['_HIDDENSTATESHANDLE']._serialized_start=1158
+  _globals['_HIDDENSTATESHANDLE']._serialized_end=1368
+  _globals['_CUDAIPCBUFFER']._serialized_start=1371
+  _globals['_CUDAIPCBUFFER']._serialized_end=1567
+  _globals['_OPENHIDDENTRANSPORTREQUEST']._serialized_start=1570
+  _globals['_OPENHIDDENTRANSPORTREQUEST']._serialized_end=1932
+  _globals['_OPENHIDDENTRANSPORTRESPONSE']._serialized_start=1934
+  _globals['_OPENHIDDENTRANSPORTRESPONSE']._serialized_end=2004
+  _globals['_DRAFTER']._serialized_start=2007
+  _globals['_DRAFTER']._serialized_end=2359
 # @@protoc_insertion_point(module_scope)

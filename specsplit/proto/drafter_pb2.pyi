@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling", "num_rows", "output_token_ids", "cached_block_hashes")
+    __slots__ = ("request_id", "start_position", "next_token_ids", "num_rejected", "num_spec_tokens", "sampling", "num_rows", "output_token_ids", "cached_block_hashes", "output_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ProposeItem(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class ProposeItem(_message.Message):
     num_rows: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_rows: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    output_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_rejected: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_rows: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("request_id", "block_index", "block_hash")
@@ -65,14 +67,16 @@ class ProposeRequest(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., hidden_states_handle: _Optional[_Union[HiddenStatesHandle, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
 
 class Drafts(_message.Message):
-    __slots__ = ("request_id", "token_ids", "draft_probs")
+    __slots__ = ("request_id", "token_ids", "draft_probs", "output_wanted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_WANTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.DraftProbs
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ...) -> None: ...
+    output_wanted: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., output_wanted: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "step0_ns", "later_steps_ns", "received_ns", "replied_ns")

@@ -13,9 +13,11 @@ only EOS is allowed. The drafter masks its MTP logits the same way, one draft af
 (`draft_grammar`): their masks are the slowest to fill, and a draft past one is rejected by the verifier's exact mask.
 
 A request's matcher follows its output (the history the worker keeps for it, prompt excluded): what the matcher has
-consumed is compared with the output at every step, the new tokens are consumed, and a history that went another way
-(a preemption, a re-prefill after a restart) starts a fresh matcher over the whole output. Drafts are consumed to
-mask the rows after them and rolled back. Masks are llguidance's packed bitmasks: int32 words, bit i of word w
+followed is compared with the output at every step, the new tokens are consumed, and a history that went another way
+(a preemption, a re-prefill after a restart) starts a fresh matcher over the whole output. The drafter is sent the
+output past what the request's earlier Proposes carried (`ProposeItem.output_offset`), and compares only what it
+followed past there: its cost per Propose is that of the new tokens, not of the output's length. Drafts are consumed
+to mask the rows after them and rolled back. Masks are llguidance's packed bitmasks: int32 words, bit i of word w
 allowing token 32 w + i.
 """
 
@@ -42,7 +44,12 @@ IDLE_MATCHERS = 256  # finished requests' matchers kept for reuse (`Grammars._re
 class _Matcher:
     grammar: str
     matcher: object  # llguidance.LLMatcher
-    consumed: list[int] = field(default_factory=list)  # the output tokens it has consumed
+    followed: list[int] = field(default_factory=list)  # the output tokens it has followed: consumed up to an EOS
+    ended: bool = False  # it followed an EOS: what came after was kept, not consumed
+
+
+class MissingOutput(Exception):
+    """A request's output came from an offset its matcher had not followed up to (`Grammars._matcher`)."""
 
 
 class Grammars:
@@ -203,28 +210,44 @@ class Grammars:
             del self._idle[grammar]
         return matcher
 
-    def _matcher(self, request_id: str, grammar: str, output: list[int]) -> _Matcher:
-        """The request's matcher, having consumed its output up to its first EOS (the request ends there: what a step
-        emitted past it is dropped). Only the tokens past what it consumed are looked at for an EOS: what it consumed
-        holds none, and a step's cost stays that of its new tokens however long the output grows."""
+    def _matcher(self, request_id: str, grammar: str, output: list[int], offset: int = 0) -> _Matcher:
+        """The request's matcher, having followed its output, which is `output` after its first `offset` tokens: those
+        the matcher followed before (the drafter is sent the output past what its earlier Proposes carried, `offset`
+        then the length they had; the verifier passes the whole output). What the matcher followed past `offset` is
+        compared with `output`; an output that went another way starts a fresh matcher where the whole output is
+        here, and raises `MissingOutput` where it is not (`offset` > 0). The output is consumed up to its first EOS
+        (the request ends there: what a step emitted past it is kept, not consumed). Only the new tokens are consumed
+        and looked at for an EOS, so a step's cost is that of its new tokens, plus, with `offset` 0, a comparison of
+        the whole output."""
         m = self._matchers.get(request_id)
-        if m is None or m.grammar != grammar or output[: len(m.consumed)] != m.consumed:
-            # none yet, another grammar, or an output that went another way
+        seen = len(m.followed) if m is not None else 0
+        if (
+            m is None
+            or m.grammar != grammar
+            or not offset <= seen <= offset + len(output)
+            or m.followed[offset:] != output[: seen - offset]
+        ):  # none yet, another grammar, or an output that went another way
+            if offset:
+                raise MissingOutput(request_id)
             self._recycle(self._matchers.pop(request_id, None))
             self._make_matchers([(request_id, grammar)])
-            m = self._matchers[request_id]
-        new = output[len(m.consumed) :]
-        eos = self.eos
-        if not eos.isdisjoint(new):
-            new = new[: next(j for j, t in enumerate(new) if t in eos)]
-        if new:
-            if m.matcher.try_consume_tokens(new) != len(new):
+            m, seen = self._matchers[request_id], 0
+        new = output[seen - offset :]
+        if not new:
+            return m
+        if not m.ended:
+            eos = self.eos
+            taken = new
+            if not eos.isdisjoint(new):
+                taken = new[: next(j for j, t in enumerate(new) if t in eos)]
+                m.ended = True
+            if taken and m.matcher.try_consume_tokens(taken) != len(taken):
                 del self._matchers[request_id]
                 raise InvalidArgument(
                     f"request {request_id!r}: its output does not follow its grammar "
                     f"({m.matcher.get_error() or 'a token the grammar does not allow'})"
                 )
-            m.consumed += new
+        m.followed += new
         if m.matcher.is_error():
             raise InvalidArgument(f"request {request_id!r}: grammar error: {m.matcher.get_error()}")
         return m
@@ -297,24 +320,30 @@ class DraftMasks:
     """One Propose's masks, for the drafter: each constrained request's matcher follows its output once, then the
     drafts the Propose makes for it, each consumed once as it comes (not the drafts so far again at every step), and
     all of them rolled back at `close`, which leaves the matcher at the output. `requests`: per key (the caller's
-    index of the request), its (request id, grammar, output); its matcher is one of `draft_grammar(grammar)`. A
-    request whose output that grammar refuses (which verification would not have let through: its error is in
-    `errors`), or one of whose drafts it refuses (a row drafted unmasked), allows everything from then on."""
+    index of the request), its (request id, grammar, output from `offset` on, offset); its matcher is one of
+    `draft_grammar(grammar)`. A request whose output that grammar refuses (which verification would not have let
+    through: its error is in `errors`), one whose matcher had not followed its output up to its offset (`wanted`: the
+    caller asks for the whole output), or one of whose drafts it refuses (a row drafted unmasked), allows everything
+    from then on."""
 
-    def __init__(self, grammars: Grammars, requests: dict[int, tuple[str, str, list[int]]]):
+    def __init__(self, grammars: Grammars, requests: dict[int, tuple[str, str, list[int], int]]):
         self._grammars = grammars
         self._matchers: dict[int, object] = {}  # llguidance.LLMatcher per key still masked
         self._consumed: dict[int, int] = {}  # per key, the drafts its matcher consumed
         self._ended: set[int] = set()  # keys past an EOS draft: masked as their EOS row was (`Grammars.batch_masks`)
         self.errors: dict[int, InvalidArgument] = {}
-        requests = {key: (rid, draft_grammar(grammar), output) for key, (rid, grammar, output) in requests.items()}
-        grammars._make_matchers([(rid, grammar) for rid, grammar, _ in requests.values()])
-        for key, (rid, grammar, output) in requests.items():
+        self.wanted: list[int] = []  # keys whose output before their offset the matcher did not follow
+        requests = {key: (rid, draft_grammar(g), output, at) for key, (rid, g, output, at) in requests.items()}
+        # New requests' matchers made together (their whole output is here); one missing past an offset is not made.
+        grammars._make_matchers([(rid, grammar) for rid, grammar, _, at in requests.values() if not at])
+        for key, (rid, grammar, output, offset) in requests.items():
             try:
-                self._matchers[key] = grammars._matcher(rid, grammar, output).matcher
+                self._matchers[key] = grammars._matcher(rid, grammar, output, offset).matcher
                 self._consumed[key] = 0
             except InvalidArgument as err:
                 self.errors[key] = err
+            except MissingOutput:
+                self.wanted.append(key)
 
     def fill(self, jobs: list[tuple[int, int, list[int]]], out: np.ndarray) -> None:
         """Per job (row, key, the drafts this Propose made for the key so far), row `row` of `out` ([rows, words]

@@ -101,6 +101,7 @@ class PendingPropose:
     transfer: Transfer | None = None  # SocketChannel: its rows with the transport
     future: object = None  # PoolChannel: the event loop's Propose (a concurrent.futures.Future)
     proposal: Proposal | None = None
+    constrained: list[str] = field(default_factory=list)  # its requests whose output the drafter follows
     unsent: bool = False  # failed for want of a connection that `prepare` did not make: the drafter was counted out
 
 
@@ -136,6 +137,10 @@ class DrafterChannel:
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop `prepare` last ran on
         self._done: list[PendingPropose] = []  # answered or failed since the loop last collected
         self._cached_prefixes = CachedPrefixes()
+        # Structured output: per request, the output its Proposes carried so far, which its drafter followed: the
+        # next one carries only what comes after (`build_propose`). A request whose Propose failed, or whose
+        # drafter lacked its output (restarted, another replica), is dropped: its next Propose carries it whole.
+        self._outputs_sent: dict[str, int] = {}
 
     # Event loop.
 
@@ -149,12 +154,15 @@ class DrafterChannel:
 
     def free(self, request_ids: list[str]) -> None:
         self._cached_prefixes.drop(request_ids)
+        for rid in request_ids:
+            self._outputs_sent.pop(rid, None)
         self.pool.free(request_ids)
 
     def free_all(self) -> None:
         """Every request placed on a drafter and not freed yet (a new coordinator took the verifier over: the old
         one's last finished ids may never come)."""
         self._cached_prefixes.clear()
+        self._outputs_sent.clear()
         self.pool.free(list(self.pool.owner))
 
     def cache_blocks(self, blocks: list[tuple[str, int, bytes]]) -> None:
@@ -189,6 +197,8 @@ class DrafterChannel:
             next_token_ids=step.next_token_ids,
             num_rejected=step.num_rejected,
             grammar_outputs=step.grammar_outputs,
+            sampled_token_ids=step.sampled_token_ids,
+            outputs_sent=self._outputs_sent,
             cached_prefixes=self._cached_prefixes,
         )
 
@@ -215,6 +225,7 @@ class DrafterChannel:
             sampled=launched.sampled,
             num_sampled=launched.num_sampled,
             grammar_outputs=launched.grammar_outputs,
+            outputs_sent=self._outputs_sent,
             cached_prefixes=self._cached_prefixes,
         )
 
@@ -228,6 +239,7 @@ class DrafterChannel:
             attributes={"specsplit.hidden_state_bytes": plan.hidden_state_bytes},
         )
         pending = PendingPropose(context, len(plan.items), plan.hidden_state_bytes, span, on_answer)
+        pending.constrained = plan.constrained
         self.transmit(plan, pending)
         return pending
 
@@ -248,6 +260,8 @@ class DrafterChannel:
     def answered(self, pending: PendingPropose, proposal: Proposal) -> None:
         """`pending`'s outcome: its span ended, handed to its `on_answer`, and kept for the loop's `collect`."""
         pending.proposal = proposal
+        for rid in pending.constrained if not proposal.ok else proposal.outputs_wanted:
+            self._outputs_sent.pop(rid, None)  # its next Propose carries its whole output
         if not proposal.ok:
             pending.span.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
         pending.span.end()

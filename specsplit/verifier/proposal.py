@@ -3,7 +3,7 @@ answers) and the stamps that say where its time went."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specsplit.verifier.batch import DraftProbs
 
@@ -24,3 +24,5 @@ class Proposal:
     drafter_replied_ns: int = 0
     step0_ns: int = 0
     later_steps_ns: int = 0
+    # Structured output: requests whose drafter lacked their output before the Propose's output_offset.
+    outputs_wanted: list[str] = field(default_factory=list)

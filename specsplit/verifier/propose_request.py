@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class ProposeBatch:
     # The Propose of every request, built with the items (`items` are its requests): the first `message` of
     # them all is this one, no copy of each item made.
     request: drafter_pb2.ProposeRequest | None = None
+    # Structured output: the constrained requests, whose output the drafter follows (`build_propose`).
+    constrained: list[str] = field(default_factory=list)
 
     @property
     def hidden_state_bytes(self) -> int:
@@ -71,18 +73,26 @@ def build_propose(
     sampled: torch.Tensor | None = None,
     num_sampled: torch.Tensor | None = None,
     grammar_outputs: dict[int, list[int]] | None = None,
+    sampled_token_ids: Sequence[Sequence[int]] | None = None,
+    outputs_sent: dict[str, int] | None = None,
     cached_prefixes: CachedPrefixes | None = None,
 ) -> ProposeBatch:
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
     what the drafter reads of its sampling; then either a finished step's `next_token_ids` (one row each) and
     `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
-    `grammar_outputs`: batch index -> a constrained request's output through this step (`StepOutput`; on a device
-    hand-off, before it: the drafter adds the step's tokens from the device), sent with its grammar so that the drafter
-    masks its drafts too. `cached_prefixes`: the drafter's keys of the cached blocks
-    requests started on, taken for the requests of this Propose."""
+    `grammar_outputs`: batch index -> a constrained request's output before this step, sent with its grammar so that
+    the drafter masks its drafts too, with the step's tokens after it (`sampled_token_ids`, a finished step's; on a
+    device hand-off the drafter reads them from the device). `outputs_sent`: request id -> the output tokens its
+    earlier Proposes carried, which its drafter followed: only those past them are sent
+    (`ProposeItem.output_offset`), and it is updated to what this Propose carries (the caller drops a request whose
+    drafter may not have followed it: a failed Propose, a drafter that asked for the whole output).
+    `cached_prefixes`: the drafter's keys of the cached blocks requests started on, taken for the requests of this
+    Propose."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add
     hand_off = num_rows is not None
+    constrained = []
+    sent = outputs_sent if outputs_sent is not None else {}
     for i, rid in enumerate(req_ids):
         item = add()  # fields set one by one: a ProposeItem(...) copied in costs several times more
         item.request_id = rid
@@ -104,8 +114,27 @@ def build_propose(
                 item.sampling.coupled = True
         if grammar_outputs and i in grammar_outputs:  # structured output: the drafter masks its drafts too
             item.sampling.grammar = sp.grammar
-            item.output_token_ids.extend(grammar_outputs[i])
+            step_tokens = sampled_token_ids[i] if sampled_token_ids is not None else ()
+            item.output_offset, tail = output_tail(sent, rid, grammar_outputs[i], step_tokens)
+            item.output_token_ids.extend(tail)
+            constrained.append(rid)
         if cached_prefixes is not None:
             item.cached_block_hashes.extend(cached_prefixes.take(rid, start_positions[i]))
     offsets = [0, *itertools.accumulate(num_rows if hand_off else map(len, next_token_ids))]
-    return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg)
+    return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg, constrained)
+
+
+def output_tail(
+    sent: dict[str, int], request_id: str, output: list[int], step_tokens: Sequence[int] = ()
+) -> tuple[int, list[int]]:
+    """What a constrained request's Propose carries of its output (`output`, then `step_tokens`: a finished step's,
+    which a hand-off's drafter reads from the device instead): (offset, the tokens from there), the offset being
+    what its earlier Proposes carried (`sent`, its drafter's to follow), which becomes what this one carries."""
+    offset = sent.get(request_id, 0)
+    if offset > len(output):  # not this output's (its request started over): the whole of it
+        offset = 0
+    tail = output[offset:]
+    if step_tokens:
+        tail += step_tokens
+    sent[request_id] = offset + len(tail)
+    return offset, tail

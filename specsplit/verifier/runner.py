@@ -61,7 +61,8 @@ class StepOutput:
     stamps_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
     # Per request, the target's log-probabilities of its sampled tokens (None: not asked; None for all: nobody).
     logprobs: list[list[TokenLogprobs] | None] | None = None
-    # Structured output: batch index -> the request's output through this step, for the drafter's grammar masks.
+    # Structured output: batch index -> the request's output before this step (its sampled tokens follow), for the
+    # drafter's grammar masks.
     grammar_outputs: dict[int, list[int]] | None = None
 
     @property

@@ -127,3 +127,5 @@ def merge_replica_drafts(proposal: Proposal, indices: list[int], resp: drafter_p
     for i, d in zip(indices, resp.drafts):
         proposal.drafts[i] = list(d.token_ids)
         proposal.draft_probs[i] = draft_probs_of(d.draft_probs, d.request_id) if d.HasField("draft_probs") else None
+        if d.output_wanted:
+            proposal.outputs_wanted.append(d.request_id)

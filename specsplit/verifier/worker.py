@@ -229,9 +229,8 @@ class VerifierWorker:
         if launched is None:
             return self.runner.step(batch)  # no request: an empty output, nothing on the device
         step = self.runner.finish(launched, with_rows=with_rows)
-        if launched.grammar_outputs:  # what the drafter's grammar masks follow (`specsplit/drafter/runner.py`)
-            outputs = launched.grammar_outputs
-            step.grammar_outputs = {i: out + step.sampled_token_ids[i] for i, out in outputs.items()}
+        # What the drafter's grammar masks follow (`specsplit/drafter/runner.py`), the step's tokens after it.
+        step.grammar_outputs = launched.grammar_outputs
         return step
 
     def keep(

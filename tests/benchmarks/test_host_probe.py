@@ -20,7 +20,7 @@ from specsplit.runtime.grammar import DraftMasks, Grammars
 grammars = Grammars("checkpoints/demo")
 grammar = '{"grammars": [{"lark_grammar": "start: /[a-z]+/"}]}'
 grammars.batch_masks([("r", grammar, [], [])])
-masks = DraftMasks(grammars, {0: ("r", grammar, [])})
+masks = DraftMasks(grammars, {0: ("r", grammar, [], 0)})
 masks.fill([(0, 0, [])], np.zeros((1, grammars.words), dtype=np.int32))
 masks.close()
 print("WIDE_MASK", runner.WIDE_MASK, "wrapped", getattr(DraftMasks.fill, "_probed", False))

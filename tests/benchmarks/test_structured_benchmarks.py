@@ -260,3 +260,18 @@ def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_gramm
     # that still fit, the drafter's (the bound left out) every string token.
     allowed = {(grammar, int(length)): int(ids) for grammar, length, _, _, ids in first}
     assert allowed[("exact", 60)] < allowed[("exact", 10)] <= allowed[("drafter's", 10)] == allowed[("drafter's", 60)]
+
+
+def test_the_propose_outputs_benchmark_times_both_ways_of_carrying_the_outputs_at_each_length():
+    """`benchmarks/propose_outputs.py`: per output length, a row for the outputs' tails (as served) and one for whole
+    outputs, each with the Propose's parts (the verifier's build, serialization, parsing, the drafter's matchers) and
+    their whole; its Proposes' outputs follow the grammar (the script checks that no matcher refused one or lacked
+    it)."""
+    script = ROOT / "benchmarks" / "propose_outputs.py"
+    args = ["--batch", "2", "--lengths", "16", "64", "--proposes", "3", "--rounds", "2"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    table = {(length, mode): [float(v) for v in cells] for length, mode, *cells in rows[1:]}
+    assert set(table) == {(length, mode) for length in ("16", "64") for mode in ("tails", "whole")}
+    assert all(len(cells) == 5 and cells[-1] > 0 for cells in table.values())

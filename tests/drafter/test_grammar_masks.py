@@ -53,3 +53,23 @@ def test_a_propose_whose_rows_are_all_wide_fills_masks_for_step_0_alone(mtp, tin
     rows = torch.randn(9, mtp.config.hidden_size, generator=torch.Generator().manual_seed(1))
     assert [len(d) for d in runner.propose(items, rows).drafts] == [3, 3, 3]
     assert masked == [["r0", "r1", "r2"]]
+
+
+def test_a_request_whose_output_the_runner_did_not_follow_is_drafted_unmasked_and_its_output_asked_for(mtp, tiny_dir):
+    """A Propose that carries a constrained request's output from an offset its drafter did not follow (it restarted,
+    or the request was another replica's) drafts it without its grammar and asks for the whole output
+    (`outputs_wanted`), which the next Propose brings: masked again from there."""
+    runner, masked = spied_runner(mtp, tiny_dir)
+    rows = torch.randn(2, mtp.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    lost = ProposeItem("narrow", 5, [5, 6], 3, grammar=NARROW, output=[7], output_offset=4)
+    out = runner.propose([lost], rows)
+    assert out.outputs_wanted == [0] and len(out.drafts[0]) == 3
+    assert masked == [["narrow"]]  # its step-0 row allows everything: wide, its later steps not masked
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    letter = tok.convert_tokens_to_ids("a")
+    whole = ProposeItem("narrow", 6, [letter], 3, grammar=NARROW, output=[letter] * 5)
+    out = runner.propose([whole], rows[:1])
+    assert out.outputs_wanted == [] and masked[1:] == [["narrow"]] * 3
+    assert all(
+        set(tok.convert_ids_to_tokens(d)) <= set("abcdefghijklm") for d in out.drafts[0] if d != tok.eos_token_id
+    )

@@ -28,9 +28,11 @@ def test_items_keep_request_order_and_fields():
 
 def test_a_constrained_item_carries_its_grammar_and_output():
     sampling = common_pb2.SamplingParams(temperature=0.5, seed=3, coupled=True, grammar="start: /[a-z]+/")
-    item = _item(sampling=sampling, output_token_ids=[5, 6, 7])
+    item = _item(sampling=sampling, output_token_ids=[5, 6, 7], output_offset=9)
     (parsed,) = parse_items(drafter_pb2.ProposeRequest(requests=[item]), VOCAB, BS)
-    assert parsed == ProposeItem("a", 3, [1, 2], 3, 0.5, 3, coupled=True, grammar="start: /[a-z]+/", output=[5, 6, 7])
+    assert parsed == ProposeItem(
+        "a", 3, [1, 2], 3, 0.5, 3, coupled=True, grammar="start: /[a-z]+/", output=[5, 6, 7], output_offset=9
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,6 +48,7 @@ def test_a_constrained_item_carries_its_grammar_and_output():
         (dict(num_spec_tokens=-1), "request 'x': num_spec_tokens -1 not in \\[0, 64\\]"),
         (dict(sampling=common_pb2.SamplingParams(temperature=-0.5)), "request 'x': temperature -0.5 not in"),
         (dict(sampling=common_pb2.SamplingParams(temperature=math.nan)), "request 'x': temperature nan not in"),
+        (dict(output_offset=-2), "request 'x': negative output_offset -2"),
         (dict(start_position=-1, num_rejected=65), "negative start_position"),  # the first check that fails
     ],
 )
@@ -100,3 +103,8 @@ def test_a_bad_device_hand_off_item_is_refused(bad, message):
     msg = _device_request(_device_item(), _device_item(**{"request_id": "x", **bad}))
     with pytest.raises(InvalidArgument, match=message):
         parse_items(msg, VOCAB, BS)
+
+
+def test_a_device_hand_off_item_with_a_negative_output_offset_is_refused():
+    with pytest.raises(InvalidArgument, match="request 'a': negative output_offset -1"):
+        parse_items(_device_request(_device_item(output_offset=-1)), VOCAB, BS)

@@ -21,3 +21,9 @@ def test_drafts_in_request_order_with_q_for_sampled_requests_only():
         got_ids = tensor_from_proto(d.draft_probs.token_ids, expected_dtype=torch.int32)
         got_probs = tensor_from_proto(d.draft_probs.probs, expected_dtype=torch.float32)
         assert torch.equal(got_ids, ids.to(torch.int32)) and torch.equal(got_probs, probs.to(torch.float32))
+
+
+def test_a_request_whose_output_the_drafter_lacked_asks_for_the_whole_of_it():
+    items = [ProposeItem("a", 0, [1], 1, grammar="g"), ProposeItem("b", 0, [1], 1, grammar="g", output_offset=4)]
+    out = ProposeOutput([[1], [2]], (0, 0, 0), outputs_wanted=[1])
+    assert [d.output_wanted for d in propose_response(items, out, received_ns=0).drafts] == [False, True]

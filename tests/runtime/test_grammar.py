@@ -31,7 +31,7 @@ def allowed_ids(row: np.ndarray) -> set[int]:
 def drafter_row(grammars: Grammars, rid: str, grammar: str, output: list[int], drafts: list[int]) -> np.ndarray:
     """The drafter's mask after the output and `drafts`, filled step after step as a Propose fills it (one draft more
     each step, `DraftMasks`), the drafts rolled back after."""
-    masks = DraftMasks(grammars, {0: (rid, grammar, output)})
+    masks = DraftMasks(grammars, {0: (rid, grammar, output, 0)})
     out = np.zeros((1, grammars.words), dtype=np.int32)
     for j in range(len(drafts) + 1):
         masks.fill([(0, 0, drafts[:j])], out)
@@ -120,7 +120,9 @@ def test_the_drafters_masks_follow_its_drafts_step_after_step_and_leave_no_trace
     hello, num = tok.encode("hello 42", add_special_tokens=False)
     rows = grammars.masks("r0", GRAMMAR, [], [hello, num])
     everything = grammars.words * 32
-    masks = DraftMasks(grammars, {0: ("r0", GRAMMAR, []), 1: ("r1", GRAMMAR, []), 2: ("bad", GRAMMAR, [num, num])})
+    masks = DraftMasks(
+        grammars, {0: ("r0", GRAMMAR, [], 0), 1: ("r1", GRAMMAR, [], 0), 2: ("bad", GRAMMAR, [num, num], 0)}
+    )
     assert list(masks.errors) == [2] and isinstance(masks.errors[2], InvalidArgument)
     out = np.zeros((3, grammars.words), dtype=np.int32)
     refused = [hello, hello]  # the second is not what the grammar allows after "hello"
@@ -132,6 +134,38 @@ def test_the_drafters_masks_follow_its_drafts_step_after_step_and_leave_no_trace
     masks.close()
     assert np.array_equal(grammars.masks("r0", GRAMMAR, [], []), rows[:1])  # the drafts were rolled back
     assert np.array_equal(grammars.masks("r1", GRAMMAR, [], []), rows[:1])
+
+
+def test_the_drafter_follows_the_output_past_its_offset_and_asks_for_the_whole_of_it_where_it_lacks_it(tok):
+    """A Propose carries a constrained request's output past what its earlier Proposes carried (`output_offset`): the
+    drafter's matcher takes the new tokens alone, and its masks are those of the whole output; a tail that overlaps
+    what the matcher followed (a device hand-off's tokens, read from the device the time before) is compared, not
+    consumed twice. A matcher that did not follow the output up to the offset (a restarted drafter, another replica,
+    an output that went another way) is not guessed at: the request allows everything and is `wanted`, and a whole
+    output (offset 0) then brings it back."""
+    grammars = Grammars(DEMO)
+    hello, space_num = tok.encode("hello 42", add_special_tokens=False)
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    output = [hello, space_num, digit, digit]
+    expected = [Grammars(DEMO).masks("x", GRAMMAR, output[:n], [])[0] for n in range(len(output) + 1)]
+    everything = grammars.words * 32
+
+    def row(tail: list[int], offset: int, rid: str = "r") -> tuple[np.ndarray, list[int]]:
+        masks = DraftMasks(grammars, {0: (rid, GRAMMAR, tail, offset)})
+        out = np.zeros((1, grammars.words), dtype=np.int32)
+        masks.fill([(0, 0, [])], out)
+        masks.close()
+        return out[0], masks.wanted
+
+    assert np.array_equal(row(output[:1], 0)[0], expected[1])  # the first Propose: the whole output
+    assert np.array_equal(row(output[1:3], 1)[0], expected[3])  # then what came after
+    assert np.array_equal(row(output[1:4], 1)[0], expected[4])  # overlapping what it followed: compared, not redone
+    assert grammars._matchers["r"].followed == output
+    missing, wanted = row(output[4:], 3, rid="new")  # a drafter that never saw this request
+    assert wanted == [0] and len(allowed_ids(missing)) == everything
+    other, wanted = row([hello, hello], 3)  # followed otherwise past the offset: another output
+    assert wanted == [0] and len(allowed_ids(other)) == everything
+    assert np.array_equal(row(output, 0, rid="new")[0], expected[4]) and not row(output, 0, rid="new")[1]
 
 
 def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
@@ -148,7 +182,7 @@ def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
     for job, got in zip(jobs, masks):
         assert np.array_equal(got, alone.batch_masks([job])[0]), job
     regrammared = [(rid, other if g == GRAMMAR else GRAMMAR, [], []) for rid, g, _, _ in jobs[:2]]
-    masks = DraftMasks(together, {j: (rid, g, []) for j, (rid, g, _, _) in enumerate(regrammared)})
+    masks = DraftMasks(together, {j: (rid, g, [], 0) for j, (rid, g, _, _) in enumerate(regrammared)})
     assert masks.errors == {}
     words = np.zeros((2, together.words), dtype=np.int32)
     masks.fill([(j, j, []) for j in range(2)], words)

@@ -6,13 +6,16 @@ import types
 
 import pytest
 import torch
+from opentelemetry import trace
 
 from specsplit.models.loader import load_target
-from specsplit.proto import common_pb2
+from specsplit.proto import common_pb2, drafter_pb2
 from specsplit.transport.base import HiddenStatesSender
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.channels import make_channel
+from specsplit.verifier.drafter_channel import PendingPropose
 from specsplit.verifier.input_batch import build_input_batch
+from specsplit.verifier.proposal import Proposal
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.step import HeldStep, VerifierStep
 from tests.fixtures.tiny import write_tiny_checkpoint
@@ -150,6 +153,7 @@ def test_a_propose_message_is_built_once_and_carries_only_what_the_drafter_reads
         num_rejected=[0, 1],
         hidden_states=torch.zeros(3, 2),
         grammar_outputs=None,
+        sampled_token_ids=[[7], [8, 9]],
     )
     sampling = [
         Sampling(temperature=0.0, top_p=0.5, seed=5, end_token_ids=(0, 1), presence_penalty=0.5),
@@ -189,3 +193,76 @@ def test_a_constrained_step_goes_as_a_hand_off_with_its_grammar_and_output_befor
     a, b = plan.items
     assert b.sampling.grammar == grammar and list(b.output_token_ids) == [9, 10] and b.num_rows == 2
     assert not a.sampling.grammar and not a.output_token_ids
+
+
+def test_a_constrained_requests_proposes_carry_the_output_past_what_its_drafter_followed():
+    """Each Propose of a constrained request carries its output past what its earlier Proposes carried
+    (`output_offset`): the first all of it, the next the steps' tokens since (a hand-off's before its step, whose tokens
+    the drafter reads from the device and the next Propose carries again for the drafter to compare). After a failed
+    Propose, a drafter that asked for the whole output, or a free, the next one carries the whole output again."""
+    client = make_channel("127.0.0.1:1")
+    batch_ = types.SimpleNamespace(req_ids=["c", "u"], num_spec_tokens=[3, 3])
+    sampling = [Sampling(grammar="start: /[a-z]+/"), Sampling()]
+
+    def propose(output: list[int], step_tokens: list[int]) -> drafter_pb2.ProposeItem:
+        step = types.SimpleNamespace(
+            start_positions=[4, 4],
+            next_token_ids=[step_tokens, [1]],
+            num_rejected=[0, 0],
+            hidden_states=torch.zeros(len(step_tokens) + 1, 2),
+            grammar_outputs={0: output},
+            sampled_token_ids=[step_tokens, [1]],
+        )
+        plan = client.build_request(1, batch_, step, sampling)
+        assert plan.constrained == ["c"] and not plan.items[1].output_token_ids
+        return plan.items[0]
+
+    def answered(ok: bool, wanted: list[str] = ()) -> None:
+        pending = PendingPropose(None, 2, 0, trace.INVALID_SPAN, lambda p: None, constrained=["c"])
+        client.answered(pending, Proposal(ok, [[], []], outputs_wanted=list(wanted)))
+
+    def carried(item: drafter_pb2.ProposeItem) -> tuple[int, list[int]]:
+        return item.output_offset, list(item.output_token_ids)
+
+    assert carried(propose([5, 6], [7])) == (0, [5, 6, 7])
+    answered(True)
+    assert carried(propose([5, 6, 7], [8, 9])) == (3, [8, 9])
+    answered(True)
+    assert carried(propose([5, 6, 7, 8, 9], [10])) == (5, [10])
+    answered(False)  # a failed Propose: the drafter may not have followed it
+    assert carried(propose([5, 6, 7, 8, 9, 10], [11])) == (0, [5, 6, 7, 8, 9, 10, 11])
+    answered(True, wanted=["c"])  # the drafter lacked it (restarted, another replica)
+    assert carried(propose([5, 6, 7, 8, 9, 10, 11], [12])) == (0, [5, 6, 7, 8, 9, 10, 11, 12])
+    answered(True)
+    client.free(["c"])
+    assert carried(propose([1], [2])) == (0, [1, 2])  # a new request of that id
+
+
+def test_a_hand_offs_output_ends_before_its_step_and_the_next_propose_carries_the_step_again(runner):
+    """A device hand-off carries the output before its step (the drafter reads the step's tokens on the device);
+    what it carried is where the next Propose starts, so that one carries the hand-off step's tokens again, which the
+    drafter compares with those it read."""
+    n, grammar = len(PROMPT), "start: /[a-z]+/"
+    client = make_channel("127.0.0.1:1", transport=HandOffSender())
+    launched = runner.launch(batch(runner, [("b", n, [4, 5], 1, True, 3)]))
+    launched.grammar_outputs = {0: [9, 10]}
+    try:
+        plan = client.device_plan(7, launched, [Sampling(grammar=grammar)])
+    finally:
+        runner.finish(launched)
+        runner.free(["b"])
+        runner.step(batch(runner, [("b", 0, PROMPT, 0, True, 2)]))
+    (item,) = plan.items
+    assert (item.output_offset, list(item.output_token_ids)) == (0, [9, 10])
+    step = types.SimpleNamespace(
+        start_positions=[n],
+        next_token_ids=[[3]],
+        num_rejected=[0],
+        hidden_states=torch.zeros(1, 2),
+        grammar_outputs={0: [9, 10, 11, 12]},  # the hand-off step emitted 11, 12
+        sampled_token_ids=[[3]],
+    )
+    (item,) = client.build_request(
+        8, types.SimpleNamespace(req_ids=["b"], num_spec_tokens=[1]), step, [Sampling(grammar=grammar)]
+    ).items
+    assert (item.output_offset, list(item.output_token_ids)) == (2, [11, 12, 3])
