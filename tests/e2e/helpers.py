@@ -101,11 +101,13 @@ def start_streams(
     return threads, results, errors
 
 
-def kill_under_streams(cluster, role: str, prompts: list[list[int]], max_tokens: int, finals: dict | None = None):
-    """Greedy streams of `prompts` (`start_streams`); once every stream has tokens (all admitted before the kill: on a
-    loaded machine a stream admitted after it would start differently, e.g. without the prefix cache the failure
-    dropped) and one has 8, `role` SIGKILLed and restarted; returns every stream's tokens by prompt index once all
-    ended, and raises the first stream's failure."""
+def kill_under_streams(
+    cluster, role: str, prompts: list[list[int]], max_tokens: int, finals: dict | None = None, per_prompt=None
+):
+    """Greedy streams of `prompts` (`start_streams`, with `per_prompt` options); once every stream has tokens (all
+    admitted before the kill: on a loaded machine a stream admitted after it would start differently, e.g. without the
+    prefix cache the failure dropped) and one has 8, `role` SIGKILLed and restarted; returns every stream's tokens by
+    prompt index once all ended, and raises the first stream's failure."""
     progressed, lock = threading.Event(), threading.Lock()
     started: set[int] = set()  # the stream threads that have tokens
     most = 0
@@ -118,7 +120,9 @@ def kill_under_streams(cluster, role: str, prompts: list[list[int]], max_tokens:
             if most >= 8 and len(started) == len(prompts):
                 progressed.set()
 
-    threads, results, errors = start_streams(cluster.address, prompts, max_tokens, on_progress, finals=finals)
+    threads, results, errors = start_streams(
+        cluster.address, prompts, max_tokens, on_progress, per_prompt=per_prompt, finals=finals
+    )
     assert progressed.wait(60)
     cluster.kill(role, signal.SIGKILL)
     time.sleep(0.5)

@@ -7,6 +7,7 @@ max_tokens that cuts a JSON text ends with finish_reason "length"."""
 import json
 import re
 import threading
+import time
 
 import grpc
 import llguidance
@@ -21,7 +22,7 @@ from specsplit.cli.launcher import LocalCluster
 from specsplit.client.errors import InvalidArgument
 from specsplit.client.sdk import structured_output_pb
 from specsplit.coordinator.structured_output import compile_grammar
-from tests.e2e.helpers import generate_concurrently
+from tests.e2e.helpers import generate_concurrently, kill_under_streams
 from tests.e2e.test_demo_model import DEMO, PROMPTS
 
 MAX_TOKENS = 48
@@ -226,3 +227,31 @@ def test_sampled_tokens_at_constrained_positions_follow_the_masked_target(demo_f
             exp *= obs.sum() / exp.sum()  # p's float sum
             assert len(obs) >= 3
             assert stats.chisquare(obs, exp).pvalue > 1e-3, (seeded, position)
+
+
+def test_a_drafter_killed_under_constrained_streams_and_restarted_leaves_their_output_as_target_only(
+    demo_fixed_k, oracle
+):
+    """Constrained streams (the drafter following each output's grammar, each Propose carrying only the output's new
+    tokens) while the drafter is SIGKILLed and started again: the verifier goes on without drafts (its failed Propose
+    drops what it had sent: a stream still running when the drafter is back sends its output whole). Every output
+    still equals target-only decoding under its constraint up to its first EOS (the streams ignore EOS, which under a
+    completed grammar is all that follows), and the restarted drafter's constrained drafts are accepted again."""
+    tok, greedy = oracle
+    kinds = ["json", "regex", "grammar", "json_object"]
+    prompts = [prompt_ids(i) for i in range(len(kinds))]
+    per = [{"structured_output": KINDS[kind]} for kind in kinds]
+    results = kill_under_streams(demo_fixed_k, "drafter", prompts, MAX_TOKENS, per_prompt=per)
+    eos = tok.eos_token_id
+    for i, kind in enumerate(kinds):
+        got = results[i][: results[i].index(eos) + 1] if eos in results[i] else results[i]
+        assert got == greedy(prompts[i], compile_grammar(structured_output_pb(KINDS[kind])), len(got)), kind
+    deadline = time.monotonic() + 30  # the verifier probes a lost drafter with backoff (<= 5 s)
+    with Client(demo_fixed_k.address, timeout=60) as client:  # the restarted drafter drafts constrained requests again
+        while True:
+            out = client.generate(prompt_token_ids=prompts[0], max_tokens=24, structured_output=KINDS["json"])
+            if out.stats.num_accepted_tokens > 0:
+                break
+            assert time.monotonic() < deadline, "no constrained drafts accepted 30 s after the drafter restarted"
+            time.sleep(0.2)
+    assert out.token_ids == greedy(prompts[0], compile_grammar(structured_output_pb(KINDS["json"])), 24)
