@@ -1,7 +1,8 @@
 """The verifier's penalties (repetition, frequency, presence: `logits_processors._apply_penalties`) at a batch of
-penalized requests verifying k drafts, by the length of their history (prompt + output): the median ms of one step's
-penalties. The host's work grows with the history; the [rows, vocabulary] tensor ops a GPU runs are kept small here by
-a small vocabulary (`--vocab`), so that on the CPU the time is mostly the host's.
+penalized requests verifying k drafts, by the length of their history (prompt + output, as the verifier's worker
+hands it over: a view of its `TokenHistory`): the median ms of one step's penalties. The [rows, vocabulary] tensor
+ops a GPU runs are kept small here by a small vocabulary (`--vocab`), so that on the CPU the time is mostly the
+host's, which grew with the history.
 
     python benchmarks/penalties.py [--batch 32] [--k 3] [--vocab 4096] [--repeats 10]
 """
@@ -19,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specsplit.verifier.logits_processors import LogitsOptions, RequestRows, _apply_penalties  # noqa: E402
+from specsplit.verifier.logits_processors import LogitsOptions, RequestRows, TokenHistory, _apply_penalties  # noqa: E402
 
 HISTORIES = ((128, 64), (1024, 1024), (2048, 4096))  # (prompt, output) tokens
 
@@ -41,9 +42,11 @@ def main() -> None:
         rows = args.k + 1
         requests = []
         for i in range(args.batch):
-            history = torch.randint(0, args.vocab, (prompt + output,), generator=gen).tolist()
+            # As the worker hands it over: a view of the request's `TokenHistory`.
+            history = TokenHistory(torch.randint(0, args.vocab, (prompt + output,), generator=gen).tolist())
             drafts = torch.randint(0, args.vocab, (args.k,), generator=gen).tolist()
-            requests.append(RequestRows(i, i * rows, drafts, history, prompt, prompt + output, options))
+            view = history.view(prompt + output)
+            requests.append(RequestRows(i, i * rows, drafts, view, prompt, prompt + output, options))
         logits = torch.randn(args.batch * rows, args.vocab, generator=gen)
         times = []
         for _ in range(args.repeats):

@@ -27,6 +27,7 @@ import functools
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,21 +114,25 @@ class Grammars:
         for one request)."""
         return self.batch_masks([(request_id, grammar, output, drafts)])[0]
 
-    def batch_masks(self, requests: list[tuple[str, str, list[int], list[int]]]) -> list[np.ndarray]:
+    def batch_masks(
+        self, requests: list[tuple[str, str, Sequence[int], list[int]]], kept: list[int] | None = None
+    ) -> list[np.ndarray]:
         """Per (request id, grammar, output, drafts): [len(drafts) + 1, words] int32, the tokens the grammar allows
-        at each of the request's rows. Rows after a draft the grammar does not allow allow everything (nothing is
-        emitted there: that draft is rejected). Rows after an EOS draft get the EOS row's mask: the matcher follows the
-        output up to its first EOS (`_matcher`), so under ignore_eos what follows an EOS is masked as the EOS was,
-        as target-only decoding masks it. The masks of every row are computed in parallel (llguidance's executor
-        threads, which drop the GIL)."""
+        at each of the request's rows. The output is a list or an int64 array; `kept`, per request, how many of its
+        tokens are those its earlier calls gave (the verifier's history up to its num_computed_tokens): only what
+        comes after them, and after what its matcher followed, is read (`_follow`); none where not given. Rows after a
+        draft the grammar does not allow allow everything (nothing is emitted there: that draft is rejected). Rows
+        after an EOS draft get the EOS row's mask: the matcher follows the output up to its first EOS (`_matcher`), so
+        under ignore_eos what follows an EOS is masked as the EOS was, as target-only decoding masks it. The masks of
+        every row are computed in parallel (llguidance's executor threads, which drop the GIL)."""
         import llguidance.numpy
 
         eos = self.eos
         self._make_matchers([(request_id, grammar) for request_id, grammar, _, _ in requests])
         jobs, firsts, after_eos = [], [], []
         total = 0
-        for request_id, grammar, output, drafts in requests:
-            m = self._matcher(request_id, grammar, output)
+        for j, (request_id, grammar, output, drafts) in enumerate(requests):
+            m = self._follow(request_id, grammar, output, kept[j] if kept is not None else 0)
             valid = m.matcher.validate_tokens(drafts)  # the leading drafts the grammar allows (an EOS not counted)
             used = drafts[:valid]
             if used and used[-1] in eos:
@@ -210,6 +215,19 @@ class Grammars:
             del self._idle[grammar]
         return matcher
 
+    def _follow(self, request_id: str, grammar: str, output: Sequence[int], kept: int) -> _Matcher:
+        """`_matcher` over the whole `output` (a list or an int64 array), of which the first `kept` tokens are those the
+        caller gave before: what the matcher followed of them is not read again. Where the output went another way
+        within what it followed past them, a fresh matcher follows the whole output."""
+        m = self._matchers.get(request_id)
+        offset = min(len(m.followed), kept) if m is not None and m.grammar == grammar else 0
+        if offset:
+            try:
+                return self._matcher(request_id, grammar, _token_list(output, offset), offset)
+            except MissingOutput:
+                pass
+        return self._matcher(request_id, grammar, _token_list(output, 0))
+
     def _matcher(self, request_id: str, grammar: str, output: list[int], offset: int = 0) -> _Matcher:
         """The request's matcher, having followed its output, which is `output` after its first `offset` tokens: those
         the matcher followed before (the drafter is sent the output past what its earlier Proposes carried, `offset`
@@ -258,6 +276,12 @@ class Grammars:
 
     def clear(self) -> None:
         self.free(list(self._matchers))
+
+
+def _token_list(tokens: Sequence[int], start: int) -> list[int]:
+    """tokens[start:] as a list of ints (from a list, or an int64 array)."""
+    tail = tokens[start:]
+    return tail if isinstance(tail, list) else tail.tolist()
 
 
 # A JSON schema's string length bounds of at least LOOSE_LENGTH characters, which the drafter's masks leave out

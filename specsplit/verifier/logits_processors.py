@@ -71,6 +71,38 @@ class LogitsOptions:
         return self.penalized or self.grammar is not None
 
 
+class TokenHistory:
+    """A request's tokens for its penalties and grammar (`VerifierWorker`): its prompt, its output and the drafts it
+    verifies, cut back to `num_computed_tokens` and extended in place every step (`set`), in one int64 array that
+    grows by doubling, so that a step's host work is that of its new tokens. `view(n)` is its first n tokens without
+    a copy: a later step writes from its own `num_computed_tokens` on (or into a new array), past a view of this
+    step's history before its drafts, which the step's penalties, masks and Propose read before the next one."""
+
+    def __init__(self, tokens=()):
+        self._tokens = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._len = len(tokens)
+        self._tokens[: self._len] = tokens
+
+    def __len__(self) -> int:
+        return self._len
+
+    def set(self, keep: int, tokens: list[int]) -> None:
+        """The history becomes its first `keep` tokens, then `tokens`."""
+        end = keep + len(tokens)
+        if end > len(self._tokens):
+            grown = np.empty(max(end, 2 * len(self._tokens)), dtype=np.int64)
+            grown[:keep] = self._tokens[:keep]
+            self._tokens = grown
+        self._tokens[keep:end] = tokens
+        self._len = end
+
+    def view(self, n: int) -> np.ndarray:
+        return self._tokens[:n]
+
+
+_NO_HISTORY = np.empty(0, dtype=np.int64)
+
+
 @dataclass
 class RequestRows:
     """A sampling request's rows in the step's logits and what processing them needs."""
@@ -78,7 +110,7 @@ class RequestRows:
     index: int  # the request's index in the batch
     first_row: int  # its last token's row; its drafts' rows follow
     drafts: list[int]  # the drafts it verifies (one row each after the first)
-    history: list[int]  # its tokens before its last token's row's prediction (penalties, grammar; else empty)
+    history: np.ndarray  # int64: its tokens before its last token's row's prediction (penalties, grammar; else none)
     num_prompt_tokens: int
     num_before: int  # tokens before the position its first row predicts (prompt + output so far)
     options: LogitsOptions
@@ -128,7 +160,7 @@ def plan_logits(
     num_computed_tokens: list[int],  # per request of the batch
     options: list[LogitsOptions | None],  # per request of the batch
     num_prompt_tokens: list[int],  # per request of the batch
-    histories: dict[int, list[int]],  # batch index -> history, for the requests with penalties
+    histories: dict[int, np.ndarray],  # batch index -> history (`TokenHistory.view`), for the requests that read it
 ) -> LogitsPlan | None:
     """Which rows of the step's logits need processing, and how; None when none does."""
     requests, row = [], 0
@@ -138,7 +170,7 @@ def plan_logits(
             tokens = token_ids[i]
             num_before = num_computed_tokens[i] + len(tokens) - d
             drafts = tokens[len(tokens) - d :]
-            history = histories.get(i, [])
+            history = histories.get(i, _NO_HISTORY)
             requests.append(RequestRows(i, row, drafts, history, num_prompt_tokens[i], num_before, options[i]))
         row += d + 1
     return LogitsPlan(requests) if requests else None
@@ -202,7 +234,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[RequestRows]) -> None:
     rep, freq, pres = [], [], []
     output_ids, output_of, prompt_ids, prompt_of = [], [], [], []
     for j, r in enumerate(requests):
-        history = np.asarray(r.history, dtype=np.int64)
+        history = np.asarray(r.history, dtype=np.int64)  # the worker's is one already
         output_ids.append(history[r.num_prompt_tokens :])
         prompt_ids.append(history[: r.num_prompt_tokens])
         output_of.append(np.full(len(output_ids[-1]), j, dtype=np.int64))

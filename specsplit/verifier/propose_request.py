@@ -125,7 +125,7 @@ def build_propose(
 
 
 def output_tail(
-    sent: dict[str, int], request_id: str, output: list[int], step_tokens: Sequence[int] = ()
+    sent: dict[str, int], request_id: str, output: Sequence[int], step_tokens: Sequence[int] = ()
 ) -> tuple[int, list[int]]:
     """What a constrained request's Propose carries of its output (`output`, then `step_tokens`: a finished step's,
     which a hand-off's drafter reads from the device instead): (offset, the tokens from there), the offset being
@@ -134,6 +134,8 @@ def output_tail(
     if offset > len(output):  # not this output's (its request started over): the whole of it
         offset = 0
     tail = output[offset:]
+    if not isinstance(tail, list):  # the worker's history (`TokenHistory.view`)
+        tail = tail.tolist()
     if step_tokens:
         tail += step_tokens
     sent[request_id] = offset + len(tail)

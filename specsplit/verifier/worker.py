@@ -26,7 +26,7 @@ from specsplit.verifier.input_batch import (
     upload_input_batch,
     with_held_drafts,
 )
-from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, plan_logits
+from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, TokenHistory, plan_logits
 from specsplit.verifier.runner import LaunchedStep, Prepared, StepOutput, VerifierRunner
 
 
@@ -55,7 +55,7 @@ class VerifierWorker:
         self.held = HeldDrafts()
         self._upload = StepUpload(device)  # input batches' host→device copies, one pinned buffer
         # The tokens each request with penalties or a grammar ran, drafts included (`logits_processors.py`).
-        self._histories: dict[str, list[int]] = {}
+        self._histories: dict[str, TokenHistory] = {}
         self.grammars = Grammars(tokenizer_dir)
 
     @property
@@ -121,7 +121,7 @@ class VerifierWorker:
                     "verifier's prefix cache (restarted?); re-prefill"
                 )
             self.runner.held_by(rid)
-            self._histories[rid] = list(r.cached_token_ids)
+            self._histories[rid] = TokenHistory(r.cached_token_ids)
             if r.drafter_block_hashes:
                 prefixes[rid] = (r.drafter_block_hashes, nc)
         return prefixes
@@ -190,15 +190,17 @@ class VerifierWorker:
             if o is None or not o.needs_history:
                 continue
             nc, tokens = planned.num_computed_tokens[i], planned.token_ids[i]
-            history = self._histories.get(r.request_id, [])
+            history = self._histories.get(r.request_id)
+            if history is None:
+                history = self._histories[r.request_id] = TokenHistory()
             if len(history) < nc:
                 raise FailedPrecondition(
                     f"request {r.request_id!r}: num_computed_tokens {nc} but this verifier knows {len(history)} of its "
                     "tokens for its penalties (restarted?); re-prefill it"
                 )
             # Kept with the drafts: the next step's num_computed_tokens says which of them were accepted.
-            self._histories[r.request_id] = history = history[:nc] + tokens
-            histories[i] = history[: len(history) - planned.num_draft_tokens[i]]
+            history.set(nc, tokens)
+            histories[i] = history.view(len(history) - planned.num_draft_tokens[i])
         plan = plan_logits(
             planned.sampling_indices,
             planned.num_drafts,
@@ -209,7 +211,7 @@ class VerifierWorker:
             histories,
         )
         constrained = [r for r in plan.requests if r.options.grammar is not None] if plan is not None else []
-        outputs = {r.index: r.history[r.num_prompt_tokens :] for r in constrained}
+        outputs = {r.index: r.history[r.num_prompt_tokens :] for r in constrained}  # views, no copies
         if constrained:
 
             def fill_masks():
@@ -217,7 +219,9 @@ class VerifierWorker:
                     (request.requests[r.index].request_id, r.options.grammar, outputs[r.index], r.drafts)
                     for r in constrained
                 ]
-                for r, masks in zip(constrained, self.grammars.batch_masks(jobs)):
+                # The output before num_computed_tokens is what earlier steps gave the matchers: only the rest is read.
+                kept = [max(0, planned.num_computed_tokens[r.index] - r.num_prompt_tokens) for r in constrained]
+                for r, masks in zip(constrained, self.grammars.batch_masks(jobs, kept)):
                     r.allowed = masks
 
             plan.fill_masks = fill_masks

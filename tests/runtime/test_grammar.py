@@ -168,6 +168,31 @@ def test_the_drafter_follows_the_output_past_its_offset_and_asks_for_the_whole_o
     assert np.array_equal(row(output, 0, rid="new")[0], expected[4]) and not row(output, 0, rid="new")[1]
 
 
+def test_the_verifiers_matcher_reads_only_the_output_past_what_earlier_steps_gave_it(tok):
+    """The verifier gives each step the whole output (its history's view, an int64 array) and how much of it earlier
+    steps gave too (`kept`: up to num_computed_tokens): the matcher reads only what comes after; where the history was
+    cut back below what it followed (a re-prefill) and went another way there, a fresh matcher follows the whole
+    output. The masks are those of a matcher given the whole output each time."""
+    grammars = Grammars(DEMO)
+    hello, space_num = tok.encode("hello 42", add_special_tokens=False)
+    world = tok.encode("world 42", add_special_tokens=False)
+    digit = tok.encode("7", add_special_tokens=False)[0]
+
+    def check(output: list[int], kept: int) -> None:
+        got = grammars.batch_masks([("r", GRAMMAR, np.array(output, dtype=np.int64), [digit])], [kept])[0]
+        assert np.array_equal(got, Grammars(DEMO).masks("x", GRAMMAR, output, [digit])), (output, kept)
+
+    for output, kept in (([hello], 0), ([hello, space_num], 1), ([hello, space_num, digit], 2)):
+        check(output, kept)
+    followed = grammars._matchers["r"]
+    assert followed.followed == [hello, space_num, digit]
+    check(world, 0)  # cut back to nothing and gone another way: a fresh matcher
+    assert grammars._matchers["r"] is not followed and grammars._matchers["r"].followed == world
+    redone = grammars._matchers["r"]
+    check([*world, digit], 1)  # cut back within what it followed, the same tokens again: the same matcher
+    assert grammars._matchers["r"] is redone and redone.followed == [*world, digit]
+
+
 def test_a_batchs_new_matchers_made_together_mask_as_ones_made_alone(tok):
     """New requests' matchers are built on threads together (`_make_matchers`): their masks equal those of matchers
     made one request at a time, for two grammars in one batch, and a request given another grammar gets a new one."""

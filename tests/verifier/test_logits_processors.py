@@ -9,7 +9,14 @@ import torch
 
 from specsplit.models.loader import load_target
 from specsplit.verifier.batch import Sampling, VerifyBatch, VerifyItem
-from specsplit.verifier.logits_processors import LogitsOptions, LogitsPlan, RequestRows, apply, take_logprobs
+from specsplit.verifier.logits_processors import (
+    LogitsOptions,
+    LogitsPlan,
+    RequestRows,
+    TokenHistory,
+    apply,
+    take_logprobs,
+)
 from specsplit.verifier.runner import VerifierRunner
 from specsplit.verifier.worker import VerifierWorker
 from tests.fixtures.tiny import write_tiny_checkpoint
@@ -208,3 +215,20 @@ def test_sampled_tokens_follow_the_penalised_target_where_a_draft_was_verified(m
     expected = [(p[b].sum() * n).item() for b in bins] + [((1 - p[binned].sum()) * n).item()]
     result = chisquare(observed, expected)
     assert result.pvalue > 1e-3, (observed, expected)
+
+
+def test_a_token_history_is_cut_back_and_extended_in_place_and_its_views_stay_as_they_were():
+    """`TokenHistory` (the worker's history of a request with penalties or a grammar): `set(keep, tokens)` is its
+    first `keep` tokens then `tokens`, growing past its array's size; a view taken before is not changed by a later
+    step's tokens, which go past it."""
+    history = TokenHistory([1, 2, 3])
+    history.set(3, [4, 5, 6])  # the step's last token and two drafts
+    assert list(history.view(len(history))) == [1, 2, 3, 4, 5, 6]
+    before = history.view(4)  # the history before the drafts
+    history.set(5, [9, 10])  # one draft accepted: num_computed_tokens 5
+    assert list(history.view(len(history))) == [1, 2, 3, 4, 5, 9, 10] and list(before) == [1, 2, 3, 4]
+    history.set(7, list(range(100, 300)))  # past the array's size
+    assert len(history) == 207 and list(history.view(9)) == [1, 2, 3, 4, 5, 9, 10, 100, 101]
+    assert list(before) == [1, 2, 3, 4]
+    history.set(2, [7])  # cut back (a re-prefill)
+    assert list(history.view(len(history))) == [1, 2, 7]
