@@ -5,6 +5,7 @@ ops a GPU runs are kept small here by a small vocabulary (`--vocab`), so that on
 host's, which grew with the history.
 
     python benchmarks/penalties.py [--batch 32] [--k 3] [--vocab 4096] [--repeats 10]
+    python benchmarks/penalties.py --device cuda --vocab 151936   # on a GPU: the model's vocabulary
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     options = LogitsOptions(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.5)
-    print(f"batch {args.batch}, k {args.k}, vocabulary {args.vocab}, median of {args.repeats} steps")
+    print(f"{args.device}: batch {args.batch}, k {args.k}, vocabulary {args.vocab}, median of {args.repeats} steps")
     print("| prompt tokens | output tokens | ms per step |")
     print("|---|---|---|")
     for prompt, output in HISTORIES:
@@ -47,13 +49,20 @@ def main() -> None:
             drafts = torch.randint(0, args.vocab, (args.k,), generator=gen).tolist()
             view = history.view(prompt + output)
             requests.append(RequestRows(i, i * rows, drafts, view, prompt, prompt + output, options))
-        logits = torch.randn(args.batch * rows, args.vocab, generator=gen)
+        logits = torch.randn(args.batch * rows, args.vocab, generator=gen).to(args.device)
         times = []
         for _ in range(args.repeats):
+            sync(args.device)
             t0 = time.perf_counter()
             _apply_penalties(logits, requests)
+            sync(args.device)
             times.append(1e3 * (time.perf_counter() - t0))
         print(f"| {prompt} | {output} | {statistics.median(times):.2f} |", flush=True)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
