@@ -38,6 +38,18 @@ def test_greedy_with_a_repetition_penalty_equals_transformers(cluster, hf_model)
     assert out.token_ids == want and out.stats.num_draft_tokens > 0  # speculation ran, lossless
 
 
+def test_a_penalised_request_started_on_cached_blocks_equals_transformers(cluster, hf_model):
+    """Prefix caching: a request whose prompt the cache holds starts on its blocks, its history (what its penalties
+    count) their tokens; greedy with a repetition penalty still equals transformers', the second time as the first."""
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(70)]  # several blocks
+    want, _ = _hf(hf_model, prompt, 16, repetition_penalty=1.8)
+    with Client(cluster.address, timeout=60) as client:
+        first = client.generate(prompt_token_ids=prompt, max_tokens=16, repetition_penalty=1.8)
+        again = client.generate(prompt_token_ids=prompt, max_tokens=16, repetition_penalty=1.8)
+    assert again.cached_tokens > 0  # the second started on the first's blocks
+    assert first.token_ids == want and again.token_ids == want
+
+
 def test_min_tokens_holds_back_the_stop_tokens_as_transformers_does(cluster, hf_model):
     plain, _ = _hf(hf_model, IDS, 8)
     stop = plain[1]  # greedy's second token, made a stop token
