@@ -27,7 +27,7 @@ from specsplit.drafter.servicer import parse_items  # noqa: E402
 from specsplit.proto import drafter_pb2  # noqa: E402
 from specsplit.runtime.grammar import DraftMasks  # noqa: E402
 from specsplit.verifier.batch import Sampling  # noqa: E402
-from specsplit.verifier.propose_request import build_propose  # noqa: E402
+from specsplit.verifier.propose_request import SentOutputs, build_propose  # noqa: E402
 
 SCHEMA = '{"type": "array", "items": {"type": "string"}}'
 PARTS = ("build", "serialize", "parse", "matchers", "propose")
@@ -48,7 +48,7 @@ def run(grammars, grammar: str, text: list[int], batch: int, length: int, count:
     ids = [f"r{rnd}-{'w' if whole else 't'}-{i}" for i in range(batch)]
     sampling = [Sampling(grammar=grammar)] * batch
     hidden = torch.zeros(batch * K, 2)
-    sent: dict[str, int] = {}
+    sent = SentOutputs()
     times = {part: [] for part in PARTS}
     for n in range(-1, count):  # the first Propose of the requests (their matchers made) is not timed
         at = length + K * max(n, 0)

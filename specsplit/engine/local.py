@@ -25,7 +25,7 @@ from specsplit.rpc.bidi_stream import StreamError
 from specsplit.transport.base import DeviceTokens
 from specsplit.verifier.batch import CachedPrefixes, DraftProbs, Sampling, VerifyBatch, VerifyItem
 from specsplit.verifier.proposal import Proposal
-from specsplit.verifier.propose_request import output_tail
+from specsplit.verifier.propose_request import SentOutputs
 from specsplit.verifier.step import StepResult, VerifierStep
 
 IN_PROCESS = "in-process"  # the coordinator id of one process's iterations
@@ -55,7 +55,7 @@ class LocalDrafter:
         self.device_hand_off = device_hand_off
         self._pending: list[_Pending] = []  # sent, in order, not run yet
         self._cached_prefixes = CachedPrefixes()
-        self._outputs_sent: dict[str, int] = {}  # structured output: as `DrafterChannel`'s (`output_tail`)
+        self._outputs_sent = SentOutputs()  # structured output: as `DrafterChannel`'s
 
     def device_plan(self, iteration: int, launched, sampling) -> _Plan | None:
         batch = launched.batch
@@ -101,10 +101,10 @@ class LocalDrafter:
         return _Plan(items, step.hidden_states)
 
     def _add_outputs(self, items: list[ProposeItem], outputs: dict[int, list[int]], step_tokens=None) -> None:
-        """Constrained items' output past what their earlier Proposes carried (`output_tail`)."""
+        """Constrained items' output past what their earlier Proposes carried (`SentOutputs`)."""
         for i, output in outputs.items():
             item, tokens = items[i], step_tokens[i] if step_tokens is not None else ()
-            item.output_offset, item.output = output_tail(self._outputs_sent, item.request_id, output, tokens)
+            item.output_offset, item.output = self._outputs_sent.tail(item.request_id, output, tokens)
 
     def _take_cached_prefixes(self, items: list[ProposeItem]) -> None:
         """The drafter's keys of the cached blocks requests started on, on each one's first Propose from there."""
@@ -146,8 +146,7 @@ class LocalDrafter:
             proposal.hidden_state_bytes = hidden.numel() * hidden.element_size()
             if out.draft_probs:  # sampled drafts' q
                 proposal.draft_probs = [None if q is None else DraftProbs(*q) for q in out.draft_probs]
-            for i in out.outputs_wanted:  # the next Propose carries its whole output
-                self._outputs_sent.pop(items[i].request_id, None)
+            self._outputs_sent.drop(items[i].request_id for i in out.outputs_wanted)  # next time: whole
         proposal.received_ns = time.time_ns()
         proposal.propose_ns = time.perf_counter_ns() - t0
         pending.proposal = proposal
@@ -158,8 +157,7 @@ class LocalDrafter:
         is answered without running."""
         freed = set(request_ids)
         self._cached_prefixes.drop(freed)
-        for rid in freed:
-            self._outputs_sent.pop(rid, None)
+        self._outputs_sent.drop(freed)
         while self._pending:
             pending = self._pending.pop(0)
             self._run(pending, needed=not all(item.request_id in freed for item in pending.plan.items))

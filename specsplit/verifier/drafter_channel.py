@@ -57,7 +57,7 @@ from specsplit.verifier.batch import CachedPrefixes, Sampling
 from specsplit.verifier.drafter_pool import DrafterPool, Replica, ReplicaStats
 from specsplit.verifier.input_batch import InputBatch
 from specsplit.verifier.proposal import Proposal
-from specsplit.verifier.propose_request import ProposeBatch, build_propose
+from specsplit.verifier.propose_request import ProposeBatch, SentOutputs, build_propose
 from specsplit.verifier.runner import StepOutput
 from specsplit.verifier.wire import merge_replica_drafts
 
@@ -137,10 +137,7 @@ class DrafterChannel:
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop `prepare` last ran on
         self._done: list[PendingPropose] = []  # answered or failed since the loop last collected
         self._cached_prefixes = CachedPrefixes()
-        # Structured output: per request, the output its Proposes carried so far, which its drafter followed: the
-        # next one carries only what comes after (`build_propose`). A request whose Propose failed, or whose
-        # drafter lacked its output (restarted, another replica), is dropped: its next Propose carries it whole.
-        self._outputs_sent: dict[str, int] = {}
+        self._outputs_sent = SentOutputs()  # structured output: what each request's Proposes carried
 
     # Event loop.
 
@@ -154,8 +151,7 @@ class DrafterChannel:
 
     def free(self, request_ids: list[str]) -> None:
         self._cached_prefixes.drop(request_ids)
-        for rid in request_ids:
-            self._outputs_sent.pop(rid, None)
+        self._outputs_sent.drop(request_ids)
         self.pool.free(request_ids)
 
     def free_all(self) -> None:
@@ -260,8 +256,8 @@ class DrafterChannel:
     def answered(self, pending: PendingPropose, proposal: Proposal) -> None:
         """`pending`'s outcome: its span ended, handed to its `on_answer`, and kept for the loop's `collect`."""
         pending.proposal = proposal
-        for rid in pending.constrained if not proposal.ok else proposal.outputs_wanted:
-            self._outputs_sent.pop(rid, None)  # its next Propose carries its whole output
+        # A failed Propose's requests, or those their drafter lacked: their next Propose carries their whole output.
+        self._outputs_sent.drop(pending.constrained if not proposal.ok else proposal.outputs_wanted)
         if not proposal.ok:
             pending.span.set_status(trace.Status(trace.StatusCode.ERROR, proposal.error))
         pending.span.end()

@@ -74,7 +74,7 @@ def build_propose(
     num_sampled: torch.Tensor | None = None,
     grammar_outputs: dict[int, list[int]] | None = None,
     sampled_token_ids: Sequence[Sequence[int]] | None = None,
-    outputs_sent: dict[str, int] | None = None,
+    outputs_sent: SentOutputs | None = None,
     cached_prefixes: CachedPrefixes | None = None,
 ) -> ProposeBatch:
     """The Propose of a step's requests: per request its id, the position its rows start at, the drafts it wants and
@@ -82,17 +82,15 @@ def build_propose(
     `num_rejected`, or a device hand-off's `num_rows` with its `sampled` tokens and `num_sampled` on the device.
     `grammar_outputs`: batch index -> a constrained request's output before this step, sent with its grammar so that
     the drafter masks its drafts too, with the step's tokens after it (`sampled_token_ids`, a finished step's; on a
-    device hand-off the drafter reads them from the device). `outputs_sent`: request id -> the output tokens its
-    earlier Proposes carried, which its drafter followed: only those past them are sent
-    (`ProposeItem.output_offset`), and it is updated to what this Propose carries (the caller drops a request whose
-    drafter may not have followed it: a failed Propose, a drafter that asked for the whole output).
+    device hand-off the drafter reads them from the device). `outputs_sent`: what each request's earlier Proposes
+    carried, which its drafter followed: only the output past it is sent (`SentOutputs`); None: the whole output.
     `cached_prefixes`: the drafter's keys of the cached blocks requests started on, taken for the requests of this
     Propose."""
     msg = drafter_pb2.ProposeRequest(iteration=iteration)
     add = msg.requests.add
     hand_off = num_rows is not None
     constrained = []
-    sent = outputs_sent if outputs_sent is not None else {}
+    sent = outputs_sent if outputs_sent is not None else SentOutputs()
     for i, rid in enumerate(req_ids):
         item = add()  # fields set one by one: a ProposeItem(...) copied in costs several times more
         item.request_id = rid
@@ -115,7 +113,7 @@ def build_propose(
         if grammar_outputs and i in grammar_outputs:  # structured output: the drafter masks its drafts too
             item.sampling.grammar = sp.grammar
             step_tokens = sampled_token_ids[i] if sampled_token_ids is not None else ()
-            item.output_offset, tail = output_tail(sent, rid, grammar_outputs[i], step_tokens)
+            item.output_offset, tail = sent.tail(rid, grammar_outputs[i], step_tokens)
             item.output_token_ids.extend(tail)
             constrained.append(rid)
         if cached_prefixes is not None:
@@ -124,19 +122,33 @@ def build_propose(
     return ProposeBatch(iteration, msg.requests, offsets, hidden_states, sampled, num_sampled, msg, constrained)
 
 
-def output_tail(
-    sent: dict[str, int], request_id: str, output: Sequence[int], step_tokens: Sequence[int] = ()
-) -> tuple[int, list[int]]:
-    """What a constrained request's Propose carries of its output (`output`, then `step_tokens`: a finished step's,
-    which a hand-off's drafter reads from the device instead): (offset, the tokens from there), the offset being
-    what its earlier Proposes carried (`sent`, its drafter's to follow), which becomes what this one carries."""
-    offset = sent.get(request_id, 0)
-    if offset > len(output):  # not this output's (its request started over): the whole of it
-        offset = 0
-    tail = output[offset:]
-    if not isinstance(tail, list):  # the worker's history (`TokenHistory.view`)
-        tail = tail.tolist()
-    if step_tokens:
-        tail += step_tokens
-    sent[request_id] = offset + len(tail)
-    return offset, tail
+class SentOutputs:
+    """Structured output: per constrained request, the output its Proposes carried so far, which its drafter followed;
+    the next Propose carries only what comes after (`ProposeItem.output_offset`). A request dropped (freed, its
+    Propose failed, its drafter lacked its output: restarted, another replica) has its next Propose carry it whole.
+    The verifier's `DrafterChannel` and the in-process `LocalDrafter` keep one each."""
+
+    def __init__(self):
+        self._sent: dict[str, int] = {}
+
+    def tail(self, request_id: str, output: Sequence[int], step_tokens: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """What the request's Propose carries of its output (`output`, then `step_tokens`: a finished step's, which a
+        hand-off's drafter reads from the device instead): (offset, the tokens from there), the offset being what its
+        earlier Proposes carried, which becomes what this one carries."""
+        offset = self._sent.get(request_id, 0)
+        if offset > len(output):  # not this output's (its request started over): the whole of it
+            offset = 0
+        tail = output[offset:]
+        if not isinstance(tail, list):  # the worker's history (`TokenHistory.view`)
+            tail = tail.tolist()
+        if step_tokens:
+            tail += step_tokens
+        self._sent[request_id] = offset + len(tail)
+        return offset, tail
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self._sent.pop(rid, None)
+
+    def clear(self) -> None:
+        self._sent.clear()
