@@ -148,7 +148,9 @@ def test_requests_stick_to_one_replica_and_drafts_merge_in_batch_order():
     async def body():
         a, b = await Replica(1).start(), await Replica(2).start()
         client = make_channel(f"{a.address},{b.address}", timeout_s=5)
-        rids = [f"r{i}" for i in range(16)]
+        # 64 requests: the ring's split depends on the replicas' (free) ports, and 16 left one replica fewer than 3
+        # about once in a few hundred runs
+        rids = [f"r{i}" for i in range(64)]
         first, offsets = await propose(client, rids)
         assert first.ok
         assert [d[0] for d in first.drafts] == offsets  # each request got its own rows, in order
@@ -156,8 +158,8 @@ def test_requests_stick_to_one_replica_and_drafts_merge_in_batch_order():
             again, _ = await propose(client, rids)
             assert drafted_by(again) == drafted_by(first)  # sticky
         stats = client.stats()
-        assert stats[a.address].requests + stats[b.address].requests == 16
-        assert stats[a.address].requests >= 3 and stats[b.address].requests >= 3  # load spreads
+        assert stats[a.address].requests + stats[b.address].requests == len(rids)
+        assert stats[a.address].requests >= 8 and stats[b.address].requests >= 8  # load spreads
         assert stats[a.address].calls == stats[b.address].calls == 4  # one call per replica per iteration
         assert set(a.fake.seen).isdisjoint(b.fake.seen)
         await client.close()
