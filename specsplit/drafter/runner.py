@@ -83,8 +83,9 @@ class ProposeItem:
     num_rejected: int = 0  # filled with next_token_ids on a device hand-off
     coupled: bool = False  # sampled with the verifier's noise (the seed is the user's: `sampling.py`)
     grammar: str | None = None  # structured output: its drafts are masked with this grammar (`_mask_grammars`)
-    # With a grammar: the request's output so far (on a device hand-off, until the step's tokens: `_add_step_tokens`),
-    # less its first output_offset tokens, which its earlier Proposes carried.
+    # With a grammar: the request's output so far, less its first output_offset tokens, which its earlier Proposes
+    # carried. On a device hand-off it ends before the step's tokens, which the masks follow once they are read from
+    # the device (`DraftMasks.follow`), or which `_add_step_tokens` adds where the hand-off is proposed on the host.
     output: list[int] = field(default_factory=list)
     output_offset: int = 0
     # Prefix caching: the drafter keys of the cached blocks the verifier started the request on (their tokens are
@@ -356,11 +357,12 @@ class DrafterRunner:
         drafted: dict[int, list[int]] = {i: [] for i in active}  # constrained: each item's drafts so far, on the host
         wide: set[int] = set()  # constrained items drafted unmasked from step 1 on (`_mask_grammars`)
         masks = None  # constrained, on rank 0: the Propose's masks (`DraftMasks`), its drafts rolled back at the end
-        if constrained:
+        if constrained:  # the matchers follow what the Propose carried, then (a hand-off) the step's tokens
+            masks = self._draft_masks(items, active)
             if step_tokens is not None:
                 tokens, num_sampled = step_tokens.lists()
-                _add_step_tokens(items, [row[:n] for row, n in zip(tokens, num_sampled)])
-            masks = self._draft_masks(items, active)
+                if masks is not None:
+                    masks.follow({i: tokens[i][: num_sampled[i]] for i in active if items[i].grammar is not None})
         try:
             if constrained:
                 self._mask_grammars(masks, logits, items, active, drafted, wide)
@@ -654,7 +656,7 @@ def _widen(words: np.ndarray, rows: list[int], keys: list[int], wide: set[int]) 
 
 def _add_step_tokens(items: list[ProposeItem], tokens: list[list[int]]) -> None:
     """A device hand-off's constrained items carry their output before the step (the verifier sent them before its
-    step finished): the step's tokens, read from the device, complete it."""
+    step finished): the step's tokens complete it where the hand-off is proposed from the host's inputs."""
     for item, step in zip(items, tokens):
         if item.grammar is not None:
             item.output = item.output + step

@@ -358,6 +358,8 @@ class DraftMasks:
         self.errors: dict[int, InvalidArgument] = {}
         self.wanted: list[int] = []  # keys whose output before their offset the matcher did not follow
         requests = {key: (rid, draft_grammar(g), output, at) for key, (rid, g, output, at) in requests.items()}
+        # per key still masked: its request id, grammar and the length of the output its matcher followed
+        self._requests = {key: (rid, g, at + len(output)) for key, (rid, g, output, at) in requests.items()}
         # New requests' matchers made together (their whole output is here); one missing past an offset is not made.
         grammars._make_matchers([(rid, grammar) for rid, grammar, _, at in requests.values() if not at])
         for key, (rid, grammar, output, offset) in requests.items():
@@ -368,6 +370,21 @@ class DraftMasks:
                 self.errors[key] = err
             except MissingOutput:
                 self.wanted.append(key)
+
+    def follow(self, tokens: dict[int, list[int]]) -> None:
+        """Each key's output grows by `tokens[key]` (a device hand-off's step, read from the device once the matchers
+        had followed what the Propose carried, so that the device's wait for the step hides that part). Before any
+        fill. A key whose grammar refuses them (which verification would not have let through) allows everything."""
+        for key, new in tokens.items():
+            if key not in self._matchers or not new:
+                continue
+            rid, grammar, length = self._requests[key]
+            try:
+                self._matchers[key] = self._grammars._matcher(rid, grammar, new, length).matcher
+                self._requests[key] = (rid, grammar, length + len(new))
+            except InvalidArgument as err:
+                del self._matchers[key], self._consumed[key]
+                self.errors[key] = err
 
     def fill(self, jobs: list[tuple[int, int, list[int]]], out: np.ndarray) -> None:
         """Per job (row, key, the drafts this Propose made for the key so far), row `row` of `out` ([rows, words]

@@ -67,8 +67,9 @@ def test_device_hand_off_drafts_equal_the_host_path(mtp, graphs, ks):
 
 def test_a_constrained_hand_off_masks_its_drafts_as_the_host_path_does(mtp, tiny_dir):
     """Structured output on a device hand-off: the item's output ends before the step (the verifier sent it before its
-    step finished) and the drafter adds the step's tokens from the device; its drafts equal the host path's, whose
-    output includes them, and every draft is one the grammar allows after the output and the drafts before it."""
+    step finished) and the drafter's masks follow the step's tokens from the device once they follow that output; its
+    drafts equal the host path's, whose output includes them, and every draft is one the grammar allows after the
+    output and the drafts before it."""
     grammar = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     letters = [tok.convert_tokens_to_ids(c) for c in "abcdefghijklm"]
@@ -90,7 +91,7 @@ def test_a_constrained_hand_off_masks_its_drafts_as_the_host_path_does(mtp, tiny
         host_item = ProposeItem("a", start, sampled, k, grammar=grammar, output=output + sampled)
         expected = host.propose([host_item], hidden[:n])
         assert got.drafts == expected.drafts, f"iteration {step}"
-        assert dev_item.output == output + sampled and dev_item.next_token_ids == sampled
+        assert dev_item.output == output and dev_item.next_token_ids == sampled  # the tokens went to the masks
         for draft in got.drafts[0]:
             assert draft == tok.eos_token_id or set(tok.convert_ids_to_tokens(draft)) <= set("abcdefghijklm")
         output, start = output + sampled, start + n

@@ -168,6 +168,34 @@ def test_the_drafter_follows_the_output_past_its_offset_and_asks_for_the_whole_o
     assert np.array_equal(row(output, 0, rid="new")[0], expected[4]) and not row(output, 0, rid="new")[1]
 
 
+def test_the_drafters_masks_follow_a_hand_offs_step_after_what_the_propose_carried(tok):
+    """A device hand-off's Propose carries the output before the step; its masks follow that first (while the device
+    finishes the step) and then the step's tokens (`follow`): the masks equal those of the whole output carried, the
+    next Propose's tail overlapping them is compared, not consumed again, and step tokens the grammar refuses leave
+    that request allowing everything (an error), the others masked."""
+    grammars = Grammars(DEMO)
+    hello, space_num = tok.encode("hello 42", add_special_tokens=False)
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    output = [hello, space_num, digit]
+    expected = [Grammars(DEMO).masks("x", GRAMMAR, output[:n], [])[0] for n in range(len(output) + 1)]
+    everything = grammars.words * 32
+    out = np.zeros((2, grammars.words), dtype=np.int32)
+
+    masks = DraftMasks(grammars, {0: ("r", GRAMMAR, output[:1], 0), 1: ("s", GRAMMAR, [], 0)})
+    masks.follow({0: output[1:3], 1: [digit]})  # "s" cannot start with a digit
+    masks.fill([(0, 0, []), (1, 1, [])], out)
+    masks.close()
+    assert np.array_equal(out[0], expected[3]) and grammars._matchers["r"].followed == output
+    assert list(masks.errors) == [1] and len(allowed_ids(out[1])) == everything
+
+    masks = DraftMasks(grammars, {0: ("r", GRAMMAR, output[1:], 1)})  # the next Propose: the step carried again
+    masks.follow({0: [digit]})
+    masks.fill([(0, 0, [])], out)
+    masks.close()
+    assert not masks.wanted and not masks.errors and grammars._matchers["r"].followed == [*output, digit]
+    assert np.array_equal(out[0], Grammars(DEMO).masks("x", GRAMMAR, [*output, digit], [])[0])
+
+
 def test_the_verifiers_matcher_reads_only_the_output_past_what_earlier_steps_gave_it(tok):
     """The verifier gives each step the whole output (its history's view, an int64 array) and how much of it earlier
     steps gave too (`kept`: up to num_computed_tokens): the matcher reads only what comes after; where the history was
