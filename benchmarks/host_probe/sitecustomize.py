@@ -110,6 +110,12 @@ if os.environ.get("PROBE_OUT"):
         finally:
             record(name, time.perf_counter() - t0, rows)
 
+    def _canary() -> int:
+        s = 0
+        for i in range(1000):
+            s += i * i
+        return s
+
     def wrap(owner, attr: str, name: str, rows=None, before=None) -> None:
         """Times `owner.attr` as `name`; `rows(args)`: how many rows a call did; `before()` runs ahead of each call."""
         f = getattr(owner, attr, None)
@@ -161,6 +167,7 @@ if os.environ.get("PROBE_OUT"):
             kind = "constrained" if any(item.grammar for item in items) else "plain"
             if kind == "constrained":
                 tick_propose()
+            measured("canary_python_loop", None, _canary)  # a fixed Python loop: this host's speed in the process
             return measured(f"propose_{kind}", len(items), propose, self, items, *args, **kwargs)
 
         cls._propose = split

@@ -275,3 +275,14 @@ def test_the_propose_outputs_benchmark_times_both_ways_of_carrying_the_outputs_a
     table = {(length, mode): [float(v) for v in cells] for length, mode, *cells in rows[1:]}
     assert set(table) == {(length, mode) for length in ("16", "64") for mode in ("tails", "whole")}
     assert all(len(cells) == 5 and cells[-1] > 0 for cells in table.values())
+
+
+def test_the_host_speed_benchmark_times_each_kind_of_host_work():
+    """`benchmarks/host_speed.py`: one row per kind of host work, each a positive median in microseconds."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_speed.py")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 7 and rows[0] == ["work", "median µs"]
+    assert all(float(us) > 0 for _, us in rows[1:])
