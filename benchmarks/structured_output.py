@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import statistics
 import sys
@@ -190,11 +191,14 @@ def propose_masks_ms(
     text, one token further each repeat; each step's drafts the text's next tokens), with every step masked (a
     `WIDE_MASK` no mask exceeds) and as served: `DrafterRunner._mask_grammars` itself, the masks applied to logits on
     the GPU (their upload and kernel launched); on the CPU their application, which a GPU runs, is left out."""
-    runner = types.SimpleNamespace(grammars=grammars, _column_ids=None)
+    runner = types.SimpleNamespace(
+        grammars=grammars, _column_ids=None, _words=None, _step_masks=None, graphs=None, device=torch.device(device)
+    )
+    runner._host_words = functools.partial(drafter_runner.DrafterRunner._host_words, runner)
     logits = torch.zeros(len(offsets), VOCAB, device=device)
-    served, apply_masks = drafter_runner.WIDE_MASK, drafter_runner.apply_masks
+    served, apply_packed = drafter_runner.WIDE_MASK, drafter_runner.apply_packed
     if device == "cpu":
-        drafter_runner.apply_masks = lambda *args: None
+        drafter_runner.apply_packed = lambda *args: None
     times = {}
     for wide_mask in (2.0, served):
         drafter_runner.WIDE_MASK = wide_mask
@@ -217,7 +221,7 @@ def propose_masks_ms(
                 torch.cuda.synchronize()
             per.append(time.perf_counter() - t0)
         times[wide_mask] = 1e3 * statistics.median(per)
-    drafter_runner.WIDE_MASK, drafter_runner.apply_masks = served, apply_masks
+    drafter_runner.WIDE_MASK, drafter_runner.apply_packed = served, apply_packed
     return times[2.0], times[served]
 
 

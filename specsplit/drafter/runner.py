@@ -44,14 +44,13 @@ from specsplit.drafter.draft_vocab import DraftVocabulary
 from specsplit.drafter.later_steps import LaterStepsGraphs, LaterStepsRun
 from specsplit.drafter.sampling import noise_seed, pick_drafts, to_ids
 from specsplit.drafter.step_timer import StepTimer
-from specsplit.kernels.grammar_mask import BITS
 from specsplit.models.attention import use_kernel_for, use_precompiled_sdpa
 from specsplit.models.kv_cache import AttentionMetadata, KVCacheFull, PagedKVCache, StepPlan
 from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.cuda_graphs import resolve_step_path
-from specsplit.runtime.grammar import DraftMasks, Grammars, apply_masks
+from specsplit.runtime.grammar import DraftMasks, Grammars, apply_packed
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
@@ -67,6 +66,11 @@ TABLES = 2  # the block tables' place in `StepPlan.int32_arrays`
 # A constrained row whose grammar allows more than this share of the vocabulary drafts its later steps unmasked
 # (`DrafterRunner._mask_grammars`).
 WIDE_MASK = 0.5
+# The share is estimated from about this many 64-bit words of each mask, evenly spaced (every word where a mask has
+# fewer): a mask is either narrow (a JSON integer: about 700 of 152k ids) or most of the vocabulary (inside a string),
+# and counting the bits of a whole mask took 0.13 ms a step at batch 32 on the H100 host, longer than a tenth of the
+# MTP step it waits beside (docs/performance.md, "Structured output").
+WIDE_SAMPLE = 128
 
 
 @dataclass
@@ -154,7 +158,10 @@ class DrafterRunner:
             if self.graphs is not None and tp_size() == 1
             else None
         )
-        self._later_words: torch.Tensor | None = None  # the masked later steps' masks on the host, pinned on a GPU
+        # A constrained step's masks: filled on the host (pinned on a GPU: `_host_words`), and, for the steps not
+        # replayed as the later steps' graphs, on the device with each row's index first (`apply_packed`'s layout).
+        self._words: torch.Tensor | None = None
+        self._step_masks: torch.Tensor | None = None
         use_precompiled_sdpa()  # eager steps: no per-shape cuDNN plan builds mid-run
         if kv_cache.device.type == "cuda":  # large eager MTP steps once, before any request waits for them
 
@@ -483,13 +490,18 @@ class DrafterRunner:
         "Structured output")."""
         if logits is None or masks is None:
             return
-        masked = [(row, i) for row, i in enumerate(rows) if _to_mask(items, i, wide)]
-        if not masked:
+        jobs = [(row, i, drafted[i]) for row, i in enumerate(rows) if _to_mask(items, i, wide)]
+        if not jobs:
             return
-        words = np.empty((len(masked), self.grammars.words), dtype=np.int32)
-        masks.fill([(j, i, drafted[i]) for j, (_, i) in enumerate(masked)], words)
-        _widen(words, list(range(len(masked))), [i for _, i in masked], wide)
-        apply_masks(logits, [row for row, _ in masked], words, self._column_ids)
+        n = len(rows)
+        words = self._host_words(n)
+        _fill_step(masks, jobs, words.numpy(), wide)
+        if self._step_masks is None or self._step_masks.shape[0] < n:
+            size = max(n, self.graphs.buckets[-1] if self.graphs is not None else 0)
+            self._step_masks = torch.empty((size, 1 + self.grammars.words), dtype=torch.int32, device=self.device)
+            self._step_masks[:, 0] = torch.arange(size, dtype=torch.int32, device=self.device)
+        self._step_masks[:n, 1:].copy_(words, non_blocking=True)  # the host writes `words` again after a later wait
+        apply_packed(logits, self._step_masks[:n], self._column_ids)
 
     def _masked_later_steps(
         self,
@@ -507,26 +519,27 @@ class DrafterRunner:
         queued, then, while the device runs it, its rows' masks filled on the host after the drafts before them
         (as `_mask_grammars` does: a row past its steps, wide or unconstrained allows everything), then its pick,
         whose drafts go to the host for the next step's masks."""
-        n = len(active)
-        if self._later_words is None or self._later_words.shape[0] < n:
-            size = max(n, self.graphs.buckets[-1])
-            pinned = self.later_steps.masks.is_cuda
-            self._later_words = torch.empty((size, self.grammars.words), dtype=torch.int32, pin_memory=pinned)
-        words = self._later_words[:n]
-        view = words.numpy()
+        words = self._host_words(len(active))
         for s in range(num_steps):
             run.forward(s)
             copying.note(drafted)
             jobs = [
                 (a, i, drafted[i]) for a, i in enumerate(active) if _to_mask(items, i, wide) and plan.more_steps[i] > s
             ]
-            unmasked = sorted(set(range(n)) - {a for a, _, _ in jobs})
-            view[unmasked] = -1
-            masks.fill(jobs, view)
-            _widen(view, [a for a, _, _ in jobs], [i for _, i, _ in jobs], wide)
+            _fill_step(masks, jobs, words.numpy(), wide)
             run.pick(s, words)
             if s + 1 < num_steps:
                 copying = _DraftsCopy(active, run.drafts(s))
+
+    def _host_words(self, n: int) -> torch.Tensor:
+        """[n, W] int32 on the host, pinned on a GPU: a constrained step's masks, one row per row of the step. The
+        same buffer every step: a step's masks are filled after the wait for the drafts before them, which the device
+        picks after the copy of the masks before."""
+        if self._words is None or self._words.shape[0] < n:
+            size = max(n, self.graphs.buckets[-1] if self.graphs is not None else 0)
+            pinned = self.device.type == "cuda"
+            self._words = torch.empty((size, self.grammars.words), dtype=torch.int32, pin_memory=pinned)
+        return self._words[:n]
 
     def _pick(self, logits: torch.Tensor | None, sampling: _Sampling | None, n: int) -> _Pick:
         """logits: [n, V] float32 (a draft vocabulary's: [n, N]) → drafts [n] (token ids); argmax alone when every row
@@ -642,15 +655,28 @@ def _to_mask(items: list[ProposeItem], i: int, wide: set[int]) -> bool:
     return items[i].grammar is not None and i not in wide
 
 
+def _fill_step(masks: DraftMasks, jobs: list[tuple[int, int, list[int]]], view: np.ndarray, wide: set[int]) -> None:
+    """A step's masks in `view` ([n, W] int32, a row per row of the step): per job (row, item, its drafts so far) what
+    its grammar allows next, all ones in every other row; the items whose masks allow most tokens join `wide`."""
+    masked = {row for row, _, _ in jobs}
+    unmasked = [row for row in range(view.shape[0]) if row not in masked]
+    if unmasked:
+        view[unmasked] = -1
+    masks.fill(jobs, view)
+    _widen(view, [row for row, _, _ in jobs], [i for _, i, _ in jobs], wide)
+
+
 def _widen(words: np.ndarray, rows: list[int], keys: list[int], wide: set[int]) -> None:
     """`wide` gains the keys (one per row of `rows`) whose masks (`words[row]`) allow more than `WIDE_MASK` of the
-    vocabulary. The bits of every row are counted, 64 at a time where the words pair up, without copying the rows out
-    (a third of what counting the rows' copies 32 bits at a time took)."""
+    vocabulary, as counted in `WIDE_SAMPLE` evenly spaced words of each row (all of a smaller mask's), 64 bits at a
+    time where the words pair up, without copying the rows out. A row judged otherwise than its whole mask would be
+    costs only time or acceptance: the verifier's exact masks decide what is emitted."""
     if not rows:
         return
     pairs = words.view(np.uint64) if words.shape[1] % 2 == 0 and words.flags.c_contiguous else words.view(np.uint32)
-    allowed = np.bitwise_count(pairs).sum(axis=1, dtype=np.int32).tolist()
-    limit = WIDE_MASK * words.shape[1] * BITS
+    sample = pairs[:, :: max(1, pairs.shape[1] // WIDE_SAMPLE)]
+    allowed = np.bitwise_count(sample).sum(axis=1, dtype=np.int32).tolist()
+    limit = WIDE_MASK * sample.shape[1] * sample.itemsize * 8
     wide.update(key for row, key in zip(rows, keys) if allowed[row] > limit)
 
 

@@ -3,10 +3,11 @@
 grammar allows most of the vocabulary (`WIDE_MASK`) drafts its later steps unmasked, with no mask filled for them."""
 
 import llguidance
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from specsplit.drafter.runner import DrafterRunner, ProposeItem
+from specsplit.drafter.runner import WIDE_SAMPLE, DrafterRunner, ProposeItem, _widen
 
 NARROW = llguidance.LLMatcher.grammar_from_regex("[a-m]+")
 WIDE = llguidance.grammar_from("grammar", "start: /(?s:.)*/")  # any text
@@ -73,3 +74,34 @@ def test_a_request_whose_output_the_runner_did_not_follow_is_drafted_unmasked_an
     assert all(
         set(tok.convert_ids_to_tokens(d)) <= set("abcdefghijklm") for d in out.drafts[0] if d != tok.eos_token_id
     )
+
+
+def test_the_wide_check_counts_a_sample_of_a_large_vocabularys_mask_and_all_of_a_small_ones():
+    """`_widen` judges a row by `WIDE_SAMPLE` evenly spaced 64-bit words of its mask: at a 151,936-id vocabulary a
+    JSON integer's narrow mask (a few hundred ids in one run), a string's (all but a few ids) and random masks well
+    off half the vocabulary are judged as their whole mask is; a 4,096-id mask is counted whole (one id more than
+    half is wide, one fewer narrow)."""
+    rng = np.random.default_rng(0)
+    words = -(-151_936 // 32)
+    masks = np.zeros((6, words), dtype=np.int32)
+    bits = np.zeros((6, words * 32), dtype=bool)
+    bits[0, 150:850] = True  # a JSON integer: digits
+    bits[1, :151_936] = True
+    bits[1, [0, 10, 220]] = False  # inside a string: all but a few
+    bits[2] = rng.random(words * 32) < 0.3
+    bits[3] = rng.random(words * 32) < 0.7
+    bits[4, : words * 32 // 4] = True  # a quarter, in one run
+    bits[5, words * 32 // 8 :] = True  # seven eighths, in one run
+    masks[:] = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+    assert masks.view(np.uint64).shape[1] > 4 * WIDE_SAMPLE  # sampled here
+    wide: set[int] = set()
+    _widen(masks, list(range(6)), ["int", "string", "30%", "70%", "quarter", "7/8"], wide)
+    assert wide == {"string", "70%", "7/8"}
+
+    small = np.zeros((2, 128), dtype=np.int32)  # 4,096 ids: every word counted
+    half = np.zeros((2, 4096), dtype=bool)
+    half[0, :2049] = half[1, :2047] = True
+    small[:] = np.packbits(half, axis=1, bitorder="little").view(np.int32)
+    wide = set()
+    _widen(small, [0, 1], ["over", "under"], wide)
+    assert wide == {"over"}
