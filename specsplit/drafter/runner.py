@@ -50,7 +50,7 @@ from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.cuda_graphs import resolve_step_path
-from specsplit.runtime.grammar import DraftMasks, Grammars, apply_packed
+from specsplit.runtime.grammar import DraftMasks, Grammars, apply_packed, row_masks
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
@@ -498,8 +498,7 @@ class DrafterRunner:
         _fill_step(masks, jobs, words.numpy(), wide)
         if self._step_masks is None or self._step_masks.shape[0] < n:
             size = max(n, self.graphs.buckets[-1] if self.graphs is not None else 0)
-            self._step_masks = torch.empty((size, 1 + self.grammars.words), dtype=torch.int32, device=self.device)
-            self._step_masks[:, 0] = torch.arange(size, dtype=torch.int32, device=self.device)
+            self._step_masks = row_masks(size, self.grammars.words, self.device)
         self._step_masks[:n, 1:].copy_(words, non_blocking=True)  # the host writes `words` again after a later wait
         apply_packed(logits, self._step_masks[:n], self._column_ids)
 

@@ -442,6 +442,14 @@ def apply_packed(logits: torch.Tensor, packed: torch.Tensor, column_ids: torch.T
     (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed, column_ids)
 
 
+def row_masks(size: int, words: int, device: torch.device) -> torch.Tensor:
+    """[size, 1 + words] int32 on `device`, all ones, row r's mask for logits row r (`apply_packed`'s layout): a
+    buffer that a step's masks are copied into, its first `n` rows applied to a step of n rows."""
+    masks = torch.full((size, 1 + words), -1, dtype=torch.int32, device=device)
+    masks[:, 0] = torch.arange(size, dtype=torch.int32, device=device)
+    return masks
+
+
 def upload_masks(rows: list[int], words: np.ndarray, device: torch.device) -> torch.Tensor:
     """[len(rows), 1 + W] int32 on `device`: each mask's logits row, then its words. From pinned memory without a
     wait where `device` is a GPU (torch's pinned allocator keeps the buffer until the copy is done)."""
