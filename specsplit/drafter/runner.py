@@ -50,7 +50,7 @@ from specsplit.models.mtp import MTPModule
 from specsplit.models.parallel import broadcast_from_first, broadcast_tensor_from_first, tp_rank, tp_size
 from specsplit.models.step_upload import StepUpload
 from specsplit.runtime.cuda_graphs import resolve_step_path
-from specsplit.runtime.grammar import DraftMasks, Grammars, apply_packed, row_masks
+from specsplit.runtime.grammar import DraftMasks, Grammars, apply_packed
 from specsplit.runtime.warm_up import warm_up_eager
 from specsplit.transport.base import DeviceTokens
 
@@ -490,17 +490,24 @@ class DrafterRunner:
         "Structured output")."""
         if logits is None or masks is None:
             return
-        jobs = [(row, i, drafted[i]) for row, i in enumerate(rows) if _to_mask(items, i, wide)]
-        if not jobs:
+        masked = [(row, i) for row, i in enumerate(rows) if _to_mask(items, i, wide)]
+        if not masked:
             return
-        n = len(rows)
-        words = self._host_words(n)
-        _fill_step(masks, jobs, words.numpy(), wide)
-        if self._step_masks is None or self._step_masks.shape[0] < n:
-            size = max(n, self.graphs.buckets[-1] if self.graphs is not None else 0)
-            self._step_masks = row_masks(size, self.grammars.words, self.device)
-        self._step_masks[:n, 1:].copy_(words, non_blocking=True)  # the host writes `words` again after a later wait
-        apply_packed(logits, self._step_masks[:n], self._column_ids)
+        m = len(masked)  # only the masked rows' masks are filled and copied: a batch may be mostly unconstrained
+        words = self._host_words(m)
+        view = words.numpy()
+        masks.fill([(j, i, drafted[i]) for j, (_, i) in enumerate(masked)], view)
+        _widen(view, list(range(m)), [i for _, i in masked], wide)
+        if self._step_masks is None or self._step_masks.shape[0] < m:
+            size = max(m, self.graphs.buckets[-1] if self.graphs is not None else 0)
+            self._step_masks = torch.empty((size, 1 + self.grammars.words), dtype=torch.int32, device=self.device)
+        packed = self._step_masks[:m]  # each mask's logits row, then its words (`apply_packed`)
+        pinned = self.device.type == "cuda"  # torch's pinned allocator keeps the rows until their copy is done
+        packed[:, 0].copy_(
+            torch.tensor([row for row, _ in masked], dtype=torch.int32, pin_memory=pinned), non_blocking=True
+        )
+        packed[:, 1:].copy_(words, non_blocking=True)  # the host writes `words` again after a later wait
+        apply_packed(logits, packed, self._column_ids)
 
     def _masked_later_steps(
         self,
