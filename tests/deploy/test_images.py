@@ -28,18 +28,12 @@ import pytest
 from deploy_tools import ROOT
 from test_docker import ROLES, dockerfile, instructions
 
+from specsplit.rpc.process import free_port
+
 pytestmark = pytest.mark.timeout(1200)
 
 IMAGE_ROOT = "/opt/specsplit"  # the images' WORKDIR
 IMAGE_VENV = "/opt/venv"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ReplayedImage:
@@ -158,15 +152,15 @@ def test_each_image_installs_only_its_role(images):
 
 
 def test_the_images_entry_points_serve_the_demo_checkpoint(images, tmp_path):
-    ports = {role: _free_port() for role in ROLES}
-    http_port = _free_port()
+    ports = {role: free_port() for role in ROLES}
+    http_port = free_port()
     procs: dict[str, subprocess.Popen] = {}
     logs = {role: open(tmp_path / f"{role}.log", "w") for role in ROLES}  # noqa: SIM115 (closed below)
     try:
         for role in ("drafter", "verifier", "coordinator"):  # as Kubernetes would start them, in any order
             image = images[role]
             procs[role] = subprocess.Popen(
-                image.entry_command(ports, _free_port(), http_port),
+                image.entry_command(ports, free_port(), http_port),
                 cwd=tmp_path,  # outside the checkout: only what the image installed can be imported
                 env=image.environ(),
                 stdout=logs[role],
@@ -236,7 +230,7 @@ def _free_ports(n: int) -> int:
     import socket
 
     for _ in range(100):
-        base = _free_port()
+        base = free_port()
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
@@ -255,7 +249,7 @@ class OverlayPods:
 
         self.docs = render(overlay)
         self.images, self.root = images, root
-        self.config = {**config(self.docs), **CPU, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}
+        self.config = {**config(self.docs), **CPU, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
         self.deployments = {
             name: dep["spec"]["template"]
             for name, dep in by_kind(self.docs, "Deployment").items()
@@ -274,7 +268,7 @@ class OverlayPods:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def port(self, deployment: str, port: int) -> int:
-        return self.ports[deployment].setdefault(port, _free_port())
+        return self.ports[deployment].setdefault(port, free_port())
 
     def volume_dirs(self, deployment: str) -> dict[str, Path]:
         """volume name → its local directory."""
