@@ -46,7 +46,7 @@ from specsplit.kernels.draft_step_inputs import step_inputs
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.mtp import MTPModule
 from specsplit.runtime.cuda_graphs import CudaGraphRunner, capturing
-from specsplit.runtime.grammar import apply_packed, row_masks
+from specsplit.runtime.grammar import apply_packed
 
 log = logging.getLogger(__name__)
 CAPTURED_WITH_THE_RUNNER = 2  # the most later steps whose graphs (greedy and sampled) are captured at start (k 3)
@@ -148,7 +148,9 @@ class LaterStepsGraphs:
         """The masked steps' masks on the device, [rows, 1 + words] int32 (`apply_packed`'s layout: row r's mask is
         row r's), made at the first constrained propose."""
         if self.masks is None:
-            self.masks = row_masks(self.step_graphs.buckets[-1], words, self.tokens.device)
+            size = self.step_graphs.buckets[-1]
+            self.masks = torch.full((size, 1 + words), -1, dtype=torch.int32, device=self.tokens.device)
+            self.masks[:, 0] = torch.arange(size, dtype=torch.int32, device=self.tokens.device)
         elif self.masks.shape[1] != 1 + words:
             raise ValueError(f"masks of {words} words; the drafter's tokenizer has {self.masks.shape[1] - 1}")
 

@@ -532,7 +532,10 @@ class DrafterRunner:
             jobs = [
                 (a, i, drafted[i]) for a, i in enumerate(active) if _to_mask(items, i, wide) and plan.more_steps[i] > s
             ]
-            _fill_step(masks, jobs, words.numpy(), wide)
+            view, masked = words.numpy(), {a for a, _, _ in jobs}
+            view[[a for a in range(len(active)) if a not in masked]] = -1  # a row past its steps, wide or unconstrained
+            masks.fill(jobs, view)
+            _widen(view, [a for a, _, _ in jobs], [i for _, i, _ in jobs], wide)
             run.pick(s, words)
             if s + 1 < num_steps:
                 copying = _DraftsCopy(active, run.drafts(s))
@@ -659,17 +662,6 @@ class DrafterRunner:
 def _to_mask(items: list[ProposeItem], i: int, wide: set[int]) -> bool:
     """Whether item i's drafts are masked: constrained, and its grammar not found wide (`WIDE_MASK`) in this Propose."""
     return items[i].grammar is not None and i not in wide
-
-
-def _fill_step(masks: DraftMasks, jobs: list[tuple[int, int, list[int]]], view: np.ndarray, wide: set[int]) -> None:
-    """A step's masks in `view` ([n, W] int32, a row per row of the step): per job (row, item, its drafts so far) what
-    its grammar allows next, all ones in every other row; the items whose masks allow most tokens join `wide`."""
-    masked = {row for row, _, _ in jobs}
-    unmasked = [row for row in range(view.shape[0]) if row not in masked]
-    if unmasked:
-        view[unmasked] = -1
-    masks.fill(jobs, view)
-    _widen(view, [row for row, _, _ in jobs], [i for _, i, _ in jobs], wide)
 
 
 def _widen(words: np.ndarray, rows: list[int], keys: list[int], wide: set[int]) -> None:

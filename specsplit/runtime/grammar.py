@@ -223,10 +223,10 @@ class Grammars:
         offset = min(len(m.followed), kept) if m is not None and m.grammar == grammar else 0
         if offset:
             try:
-                return self._matcher(request_id, grammar, _token_list(output, offset), offset)
+                return self._matcher(request_id, grammar, token_list(output, offset), offset)
             except MissingOutput:
                 pass
-        return self._matcher(request_id, grammar, _token_list(output, 0))
+        return self._matcher(request_id, grammar, token_list(output, 0))
 
     def _matcher(self, request_id: str, grammar: str, output: list[int], offset: int = 0) -> _Matcher:
         """The request's matcher, having followed its output, which is `output` after its first `offset` tokens: those
@@ -278,7 +278,7 @@ class Grammars:
         self.free(list(self._matchers))
 
 
-def _token_list(tokens: Sequence[int], start: int) -> list[int]:
+def token_list(tokens: Sequence[int], start: int) -> list[int]:
     """tokens[start:] as a list of ints (from a list, or an int64 array)."""
     tail = tokens[start:]
     return tail if isinstance(tail, list) else tail.tolist()
@@ -358,8 +358,7 @@ class DraftMasks:
         self.errors: dict[int, InvalidArgument] = {}
         self.wanted: list[int] = []  # keys whose output before their offset the matcher did not follow
         requests = {key: (rid, draft_grammar(g), output, at) for key, (rid, g, output, at) in requests.items()}
-        # per key still masked: its request id, grammar and the length of the output its matcher followed
-        self._requests = {key: (rid, g, at + len(output)) for key, (rid, g, output, at) in requests.items()}
+        self._requests = {key: (rid, g) for key, (rid, g, _, _) in requests.items()}  # for `follow`
         # New requests' matchers made together (their whole output is here); one missing past an offset is not made.
         grammars._make_matchers([(rid, grammar) for rid, grammar, _, at in requests.values() if not at])
         for key, (rid, grammar, output, offset) in requests.items():
@@ -378,10 +377,10 @@ class DraftMasks:
         for key, new in tokens.items():
             if key not in self._matchers or not new:
                 continue
-            rid, grammar, length = self._requests[key]
+            rid, grammar = self._requests[key]
+            followed = len(self._grammars._matchers[rid].followed)
             try:
-                self._matchers[key] = self._grammars._matcher(rid, grammar, new, length).matcher
-                self._requests[key] = (rid, grammar, length + len(new))
+                self._matchers[key] = self._grammars._matcher(rid, grammar, new, followed).matcher
             except InvalidArgument as err:
                 del self._matchers[key], self._consumed[key]
                 self.errors[key] = err
@@ -440,14 +439,6 @@ def apply_packed(logits: torch.Tensor, packed: torch.Tensor, column_ids: torch.T
     """The masks of `packed` ([R, 1 + W] int32 on the logits' device: each mask's logits row, then its words) applied
     to `logits`: by the Triton kernel on a GPU, by torch ops elsewhere."""
     (apply_masks_triton if logits.is_cuda else apply_masks_reference)(logits, packed, column_ids)
-
-
-def row_masks(size: int, words: int, device: torch.device) -> torch.Tensor:
-    """[size, 1 + words] int32 on `device`, all ones, row r's mask for logits row r (`apply_packed`'s layout): a
-    buffer that a step's masks are copied into, its first `n` rows applied to a step of n rows."""
-    masks = torch.full((size, 1 + words), -1, dtype=torch.int32, device=device)
-    masks[:, 0] = torch.arange(size, dtype=torch.int32, device=device)
-    return masks
 
 
 def upload_masks(rows: list[int], words: np.ndarray, device: torch.device) -> torch.Tensor:

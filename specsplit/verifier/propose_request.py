@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.proto import drafter_pb2
+from specsplit.runtime.grammar import token_list
 from specsplit.verifier.batch import CachedPrefixes, Sampling
 
 
@@ -138,9 +139,7 @@ class SentOutputs:
         offset = self._sent.get(request_id, 0)
         if offset > len(output):  # not this output's (its request started over): the whole of it
             offset = 0
-        tail = output[offset:]
-        if not isinstance(tail, list):  # the worker's history (`TokenHistory.view`)
-            tail = tail.tolist()
+        tail = token_list(output, offset)  # a list, or the worker's history (`TokenHistory.view`)
         if step_tokens:
             tail += step_tokens
         self._sent[request_id] = offset + len(tail)
