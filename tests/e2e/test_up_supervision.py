@@ -36,7 +36,7 @@ PROMPTS = [
     "if __name__ == '__main__':\n",
 ]
 N_TOKENS = 40
-KILL_TOKENS = 160  # streams long enough that `up` is signalled while they run
+KILL_TOKENS = 160  # streams long enough that a service or `up` is signalled while they run (40 ran out once in CI)
 NO_ADAPTIVE = ["--no-adaptive"]  # drafts every iteration: a drafter restarted is seen by its drafts
 
 
@@ -51,10 +51,10 @@ def up(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_and_reference(up):
-    return _target_only(up)
+    return _target_only(up, KILL_TOKENS)
 
 
-def _target_only(up: Up, n_tokens: int = N_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
+def _target_only(up: Up, n_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """The prompts' token ids and, for each, the target's greedy output alone (num_speculative_tokens=0)."""
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
@@ -73,7 +73,7 @@ def _target_only(up: Up, n_tokens: int = N_TOKENS) -> tuple[list[list[int]], lis
 def test_a_killed_service_is_restarted_and_every_stream_equals_target_only_greedy(up, prompts_and_reference, role):
     prompts, reference = prompts_and_reference
     progressed = threading.Event()
-    threads, results, errors = start_streams(up.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
+    threads, results, errors = start_streams(up.address, prompts, KILL_TOKENS, lambda n: n >= 8 and progressed.set())
     assert progressed.wait(120)
     old = up.pid(role)
     os.kill(old, signal.SIGKILL)
@@ -142,7 +142,7 @@ def test_sigterm_finishes_the_streams_in_flight_and_every_child_exits_0(up, prom
     ]
     assert {int(stat(pid)[1]) for pid in children} == {up.proc.pid}  # `up`'s own children, restarted ones too
     progressed = threading.Event()
-    threads, results, errors = start_streams(up.address, prompts, N_TOKENS, lambda n: n >= 8 and progressed.set())
+    threads, results, errors = start_streams(up.address, prompts, KILL_TOKENS, lambda n: n >= 8 and progressed.set())
     assert progressed.wait(120)
     up.proc.send_signal(signal.SIGTERM)
     assert len(results) < len(prompts)  # the signal lands mid-stream
