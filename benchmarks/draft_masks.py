@@ -4,7 +4,9 @@ wide rows (`_widen`), then the drafts rolled back. Each request walks the JSON s
 synthetic 151,936-id vocabulary (a random allowed token each step, as a random-weight model writes), its output
 growing by k tokens a Propose and its drafts the walk's next tokens; the Proposes' times over the walks, for the
 drafter's grammar (`draft_grammar`: loose string bounds left out) and the exact one, with llguidance's executor at
-its default threads and at each `--threads`. Mean and p90 matter more than the median: a length-bounded string's first
+its default threads and at each `--threads` (0: no executor, each row filled in turn on the calling thread, which
+spares the executor's hand-off to its threads: on the 2-core CPU that hand-off costs about 45 µs a fill, more than
+a few cheap rows' masks). Mean and p90 matter more than the median: a length-bounded string's first
 mask at each length walks the vocabulary's trie: the last table times a fresh matcher's first mask at a few lengths
 into the name, and the same mask again.
 
@@ -12,7 +14,7 @@ into the name, and the same mask again.
 that schema (a name of at most 64 characters) and under one of short bounded strings, with the drafter's grammar as
 served, exact, and with every length bound left out, which is what the loose-bound threshold (`LOOSE_LENGTH`) is for.
 
-    python benchmarks/draft_masks.py [--batch 32] [--proposes 25] [--threads 2 4] [--acceptance]
+    python benchmarks/draft_masks.py [--batch 32] [--proposes 25] [--threads 0 2 4] [--acceptance]
 """
 
 from __future__ import annotations
@@ -111,6 +113,14 @@ def _proposes(grammars: Grammars, grammar: str, paths: list[list[int]], count: i
     return times
 
 
+def fill_in_turn(executor, jobs: list[tuple[object, int]], out: np.ndarray) -> None:
+    """`llguidance.numpy.fill_next_token_bitmask_par`'s work without its executor: each (matcher, row) in turn."""
+    import llguidance.numpy
+
+    for matcher, row in jobs:
+        llguidance.numpy.fill_next_token_bitmask(matcher, out, row)
+
+
 def first_masks(grammars: Grammars, tok: SyntheticTokenizer, grammars_by_name: dict[str, str]) -> None:
     """ms of a fresh matcher's first mask, and of the same mask again, inside the schema's name (a string of at most 64
     characters) at a few lengths, per grammar."""
@@ -165,11 +175,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--proposes", type=int, default=25, help="Proposes per walk (the output grows by k each)")
     p.add_argument("--rounds", type=int, default=3, help="times over the walks, the first left out")
-    p.add_argument("--threads", type=int, nargs="*", default=[], help="llguidance executor threads besides its default")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="llguidance executor threads besides its default (0: none, each row filled in turn on the calling thread)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--acceptance", action="store_true", help="also the demo checkpoint's acceptance (CPU)")
     args = p.parse_args()
     import llguidance
+    import llguidance.numpy
 
     from specsplit.client.sdk import structured_output_pb
     from specsplit.coordinator.structured_output import compile_grammar
@@ -181,17 +198,21 @@ def main() -> None:
     print(f"batch {args.batch}, k {K}, {args.proposes} Proposes per walk, {timed} rounds timed; ms per Propose")
     print("| grammar | executor threads | part | median | mean | p90 | max |")
     print("|---|---|---|---|---|---|---|")
+    par = llguidance.numpy.fill_next_token_bitmask_par
     for threads in [None, *args.threads]:
         grammars._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par = fill_in_turn if threads == 0 else par
+        label = "default" if threads is None else threads or "none, in turn"
         for name, grammar in (("drafter's", grammar_module.draft_grammar(exact)), ("exact", exact)):
             times = proposes(grammars, grammar, paths, args.proposes, args.rounds)
             for part in PARTS:
                 v = times[part]
                 print(
-                    f"| {name} | {threads or 'default'} | {part} | {statistics.median(v):.3f} "
+                    f"| {name} | {label} | {part} | {statistics.median(v):.3f} "
                     f"| {statistics.fmean(v):.3f} | {np.percentile(v, 90):.3f} | {max(v):.3f} |",
                     flush=True,
                 )
+    llguidance.numpy.fill_next_token_bitmask_par = par
     first_masks(grammars, tok, {"drafter's": grammar_module.draft_grammar(exact), "exact": exact})
     if args.acceptance:
         acceptance()

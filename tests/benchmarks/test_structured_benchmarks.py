@@ -239,7 +239,7 @@ def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_gramm
     Propose (matchers, each step's masks and wide check, rollback, the whole), the parts adding up to the whole; then
     a fresh matcher's first mask at lengths into the schema's bounded string."""
     script = ROOT / "benchmarks" / "draft_masks.py"
-    args = ["--batch", "2", "--proposes", "3", "--rounds", "2", "--threads", "1"]
+    args = ["--batch", "2", "--proposes", "3", "--rounds", "2", "--threads", "1", "0"]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tables: list[list[list[str]]] = []  # runs of table lines, each without its header and rule
@@ -250,7 +250,8 @@ def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_gramm
             tables[-1].append([cell.strip() for cell in line.split("|")[1:-1]])
     rows, first = [table[1:] for table in tables if table]
     cells = {(grammar, threads) for grammar, threads, *_ in rows}
-    assert cells == {("drafter's", "default"), ("exact", "default"), ("drafter's", "1"), ("exact", "1")}
+    labels = ("default", "1", "none, in turn")
+    assert cells == {(grammar, threads) for grammar in ("drafter's", "exact") for threads in labels}
     for cell in cells:
         parts = {part: float(mean) for grammar, threads, part, _, mean, *_ in rows if (grammar, threads) == cell}
         assert len(parts) == 3 + 2 * 3 and parts["propose"] > 0
@@ -260,6 +261,34 @@ def test_the_drafters_mask_benchmark_times_each_part_of_a_propose_for_both_gramm
     # that still fit, the drafter's (the bound left out) every string token.
     allowed = {(grammar, int(length)): int(ids) for grammar, length, _, _, ids in first}
     assert allowed[("exact", 60)] < allowed[("exact", 10)] <= allowed[("drafter's", 10)] == allowed[("drafter's", 60)]
+
+
+def test_the_mask_benchmarks_fill_in_turn_writes_the_executors_masks():
+    """`draft_masks.py --threads 0` times each row filled in turn on the calling thread: the same masks as llguidance's
+    executor fills, row for row, at matchers in several states of the benchmark's schema."""
+    import llguidance
+    import llguidance.numpy
+    import numpy as np
+
+    from benchmarks.draft_masks import fill_in_turn, walks
+    from benchmarks.structured_output import SCHEMA, synthetic_grammars
+    from specsplit.client.sdk import structured_output_pb
+    from specsplit.coordinator.structured_output import compile_grammar
+
+    grammars, _ = synthetic_grammars()
+    grammar = compile_grammar(structured_output_pb({"json": SCHEMA}))
+    paths = walks(grammars, grammar, 3, 12, seed=1)
+    jobs = []
+    for row, cut in enumerate([0, 1, 5, 9, 12]):
+        matcher = llguidance.LLMatcher(grammars.tokenizer, grammar)
+        matcher.consume_tokens(paths[row % 3][:cut])
+        jobs.append((matcher, row))
+    by_executor = np.zeros((len(jobs), grammars.words), dtype=np.int32)
+    in_turn = np.zeros_like(by_executor)
+    llguidance.numpy.fill_next_token_bitmask_par(grammars.executor, jobs, by_executor)
+    fill_in_turn(grammars.executor, jobs, in_turn)
+    assert len({bytes(row) for row in in_turn}) > 2  # the states differ
+    np.testing.assert_array_equal(in_turn, by_executor)
 
 
 def test_the_propose_outputs_benchmark_times_both_ways_of_carrying_the_outputs_at_each_length():
