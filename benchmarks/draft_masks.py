@@ -5,10 +5,9 @@ synthetic 151,936-id vocabulary (a random allowed token each step, as a random-w
 growing by k tokens a Propose and its drafts the walk's next tokens; the Proposes' times over the walks, for the
 drafter's grammar (`draft_grammar`: loose string bounds left out) and the exact one, with llguidance's executor at
 its default threads and at each `--threads` (0: no executor, each row filled in turn on the calling thread, which
-spares the executor's hand-off to its threads: on the 2-core CPU that hand-off costs about 45 µs a fill, more than
-a few cheap rows' masks). Mean and p90 matter more than the median: a length-bounded string's first
-mask at each length walks the vocabulary's trie: the last table times a fresh matcher's first mask at a few lengths
-into the name, and the same mask again.
+spares the executor's hand-off to its threads, which can cost more than a few cheap rows' masks: cpu_2core.md).
+Mean and p90 matter more than the median: a length-bounded string's first mask at each length walks the vocabulary's
+trie: the last table times a fresh matcher's first mask at a few lengths into the name, and the same mask again.
 
 `--acceptance`: the demo checkpoint's acceptance (one process, k 3, greedy, `structured_output.py`'s prompts) under
 that schema (a name of at most 64 characters) and under one of short bounded strings, with the drafter's grammar as
