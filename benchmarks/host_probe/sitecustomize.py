@@ -110,12 +110,6 @@ if os.environ.get("PROBE_OUT"):
         finally:
             record(name, time.perf_counter() - t0, rows)
 
-    def _canary() -> int:
-        s = 0
-        for i in range(1000):
-            s += i * i
-        return s
-
     def wrap(owner, attr: str, name: str, rows=None, before=None) -> None:
         """Times `owner.attr` as `name`; `rows(args)`: how many rows a call did; `before()` runs ahead of each call."""
         f = getattr(owner, attr, None)
@@ -160,6 +154,8 @@ if os.environ.get("PROBE_OUT"):
     def runner(mod) -> None:
         if os.environ.get("PROBE_WIDE"):
             mod.WIDE_MASK = float(os.environ["PROBE_WIDE"])
+        from benchmarks.host_speed import python_loop  # host_speed.py's fixed loop (the repository is on the path)
+
         cls = mod.DrafterRunner
         propose = cls._propose
 
@@ -167,7 +163,7 @@ if os.environ.get("PROBE_OUT"):
             kind = "constrained" if any(item.grammar for item in items) else "plain"
             if kind == "constrained":
                 tick_propose()
-            measured("canary_python_loop", None, _canary)  # a fixed Python loop: this host's speed in the process
+            measured("canary_python_loop", None, python_loop)  # this host's speed, in the process
             return measured(f"propose_{kind}", len(items), propose, self, items, *args, **kwargs)
 
         cls._propose = split

@@ -366,10 +366,9 @@ class DrafterRunner:
         masks = None  # constrained, on rank 0: the Propose's masks (`DraftMasks`), its drafts rolled back at the end
         if constrained:  # the matchers follow what the Propose carried, then (a hand-off) the step's tokens
             masks = self._draft_masks(items, active)
-            if step_tokens is not None:
+            if step_tokens is not None and masks is not None:  # a tensor-parallel follower has no masks to follow
                 tokens, num_sampled = step_tokens.lists()
-                if masks is not None:
-                    masks.follow({i: tokens[i][: num_sampled[i]] for i in active if items[i].grammar is not None})
+                masks.follow({i: tokens[i][: num_sampled[i]] for i in active if items[i].grammar is not None})
         try:
             if constrained:
                 self._mask_grammars(masks, logits, items, active, drafted, wide)
