@@ -1,6 +1,6 @@
 """The host timing probe (`benchmarks/host_probe/`): a process with it on its path times the grammar masks' host
-functions and writes what it timed, `show.py` prints it, `PROBE_WIDE` sets the drafter's wide-row share, and without
-PROBE_OUT nothing is wrapped."""
+functions and writes what it timed, `show.py` prints it, `PROBE_WIDE` sets the drafter's wide-row share,
+`PROBE_INTURN` fills the drafter's masks row by row (the same masks), and without PROBE_OUT nothing is wrapped."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ grammars = Grammars("checkpoints/demo")
 grammar = '{"grammars": [{"lark_grammar": "start: /[a-z]+/"}]}'
 grammars.batch_masks([("r", grammar, [], [])])
 masks = DraftMasks(grammars, {0: ("r", grammar, [], 0)})
-masks.fill([(0, 0, [])], np.zeros((1, grammars.words), dtype=np.int32))
+words = np.zeros((1, grammars.words), dtype=np.int32)
+masks.fill([(0, 0, [])], words)
 masks.close()
 print("WIDE_MASK", runner.WIDE_MASK, "wrapped", getattr(DraftMasks.fill, "_probed", False))
+print("allowed", int(np.unpackbits(words.view(np.uint8)).sum()))
 """
 
 
@@ -48,6 +50,18 @@ def test_the_probe_times_the_masks_host_functions_and_show_prints_them(tmp_path)
         [sys.executable, str(PROBE / "show.py"), str(tmp_path)], capture_output=True, text=True, timeout=60
     ).stdout
     assert "draft_masks_fill" in shown and "calls       1" in shown
+
+
+def test_in_turn_the_drafters_masks_skip_the_executor_and_stay_the_same(tmp_path):
+    (tmp_path / "executor").mkdir()
+    by_executor = run(tmp_path, PROBE_OUT=str(tmp_path / "executor"))
+    in_turn = run(tmp_path, PROBE_OUT=str(tmp_path), PROBE_INTURN="1")
+    allowed = [line for line in by_executor.splitlines() if line.startswith("allowed")]
+    assert allowed and allowed[0] in in_turn and allowed[0] != "allowed 0"
+    (path,) = tmp_path.glob("probe-*.json")
+    stats = json.loads(path.read_text())
+    assert stats["draft_masks_fill"]["count"] == 1
+    assert stats["llguidance_fill"]["count"] == 1  # the verifier's row alone: the drafter's went in turn
 
 
 def test_without_probe_out_nothing_is_wrapped(tmp_path):
