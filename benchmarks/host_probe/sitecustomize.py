@@ -9,7 +9,8 @@ breakdown) run beside it, each timer adding about a microsecond a call.
 PROBE_WIDE=X sets the drafter's `WIDE_MASK` to X in every process: -1 masks step 0 alone (every row counts as wide),
 the ceiling of what the later steps' masks cost. PROBE_THREADS=N gives llguidance's executor (the masks' threads) N
 threads in every process. PROBE_INTURN=1 fills the drafter's masks (`DraftMasks.fill`) row by row on its own thread
-instead of by the executor (the verifier's stay with the executor). Timers nest: a function's time includes the timed functions it calls.
+(`benchmarks/draft_masks.py`'s `fill_in_turn`) instead of by the executor, which still fills the verifier's. Timers
+nest: a function's time includes the timed functions it calls.
 
 PROBE_TRACE=START,SPAN records a torch.profiler trace (CPU and CUDA, the timed functions as named ranges) of the
 services' processes: the drafter's constrained Proposes START .. START + SPAN - 1, and the verifier's steps that run
@@ -137,24 +138,28 @@ if os.environ.get("PROBE_OUT"):
 
             mod.Grammars.executor = property(executor)
         if os.environ.get("PROBE_INTURN"):  # the drafter's masks filled row by row on its thread, not by the executor
+            import llguidance.numpy
+
+            par, drafting = llguidance.numpy.fill_next_token_bitmask_par, threading.local()
+
+            def dispatch(executor, jobs, out):
+                if getattr(drafting, "on", False):
+                    from benchmarks.draft_masks import fill_in_turn  # the repository is on the path
+
+                    return fill_in_turn(executor, jobs, out)
+                return par(executor, jobs, out)
+
+            llguidance.numpy.fill_next_token_bitmask_par = dispatch
             fill = mod.DraftMasks.fill
 
-            def fill_in_turn(self, jobs, out):
-                import llguidance.numpy
-
-                par = llguidance.numpy.fill_next_token_bitmask_par
-
-                def in_turn(executor, rows, words):
-                    for matcher, row in rows:
-                        llguidance.numpy.fill_next_token_bitmask(matcher, words, row)
-
-                llguidance.numpy.fill_next_token_bitmask_par = in_turn
+            def filled_in_turn(self, jobs, out):
+                drafting.on = True
                 try:
                     return fill(self, jobs, out)
                 finally:
-                    llguidance.numpy.fill_next_token_bitmask_par = par
+                    drafting.on = False
 
-            mod.DraftMasks.fill = fill_in_turn
+            mod.DraftMasks.fill = filled_in_turn
         wrap(mod.Grammars, "batch_masks", "verifier_batch_masks", lambda a: len(a[1]), before=tick_verify)
         wrap(mod.Grammars, "_make_matchers", "make_matchers", lambda a: len(a[1]))
         wrap(mod.Grammars, "_matcher", "matcher_lookup")
