@@ -19,7 +19,6 @@ from specsplit.models.fp8_linear import Fp8Linear
 from specsplit.models.kv_cache import AttentionMetadata, PagedKVCache
 from specsplit.models.layer_ops import apply_rotary_qk, apply_rotary_qk_and_write_kv, linear, rms_norm, silu_mul
 from specsplit.models.meta_init import on_meta
-from specsplit.models.moe import MoE
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
 from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 from specsplit.models.rotary import RotaryEmbedding
@@ -79,29 +78,43 @@ def _concat_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuses the projections of every `SelfAttention` and `MLP` in `model` and stacks the routed experts of
-    every `MoE` (`specsplit.models.moe.StackedExperts`; other modules, e.g. MLA, are left alone). The loader
-    calls it on every model it returns; parameters are then named by `FUSED_PROJECTIONS` instead of the
-    checkpoint's q/k/v and gate/up names, and `experts.gate_up_proj` / `experts.down_proj` (transformers' names
-    and layout) instead of `experts.{e}.*`."""
-    for module in [m for m in model.modules() if isinstance(m, (SelfAttention, MLP, MoE))]:
-        module.fuse_projections()
+    """Calls `fuse_projections` on every module of `model` that has one, a module's children before the module:
+    every `SelfAttention` and `MLP` (q/k/v → `qkv_proj`, gate/up → `gate_up_proj`: one GEMM each instead of three
+    and two), then each `MoE` stacks its fused experts (`specsplit.models.moe.StackedExperts`); modules without
+    one (e.g. MLA) are left alone. The loader calls it on every model it returns; parameters are then named by
+    `FUSED_PROJECTIONS` instead of the checkpoint's q/k/v and gate/up names, and `experts.gate_up_proj` /
+    `experts.down_proj` (transformers' names and layout) instead of `experts.{e}.*`."""
+    _fuse_children_first(model)
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # hand back the originals' blocks, which the fused tensors did not reuse
     return model
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Tensor-parallel: gate and up column-parallel, down row-parallel
-    (its partial sums all-reduced)."""
+def _fuse_children_first(module: nn.Module) -> None:
+    """Nothing here holds a module past its parent's fusion (no list of the model's modules): a MoE's per-expert
+    weights are freed as it stacks them, so the peak stays one layer's experts twice, not the whole model's."""
+    for child in list(module.children()):
+        _fuse_children_first(child)
+    if hasattr(module, "fuse_projections"):
+        module.fuse_projections()
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class MLP(nn.Module):
+    """SwiGLU, down(silu(gate(x)) * up(x)): the dense MLP, the MoE's shared experts and each routed expert (until
+    its MoE stacks them). Tensor-parallel (`sharded`, the default): gate and up column-parallel, down row-parallel,
+    whose partial sums it all-reduces itself (`reduce`) or leaves to its MoE (the shared experts: one all-reduce
+    with the routed experts'); a routed expert is whole on its rank (`sharded=False`)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, *, sharded: bool = True, reduce: bool = True
+    ) -> None:
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = column_parallel_linear(hidden, inter, bias)
-        self.up_proj = column_parallel_linear(hidden, inter, bias)
-        self.down_proj = row_parallel_linear(inter, hidden, bias)
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections, replacing gate and up
+        column, row = (column_parallel_linear, row_parallel_linear) if sharded else (nn.Linear, nn.Linear)
+        self.gate_proj = column(hidden_size, intermediate_size, bias)
+        self.up_proj = column(hidden_size, intermediate_size, bias)
+        self.down_proj = row(intermediate_size, hidden_size, bias)
+        self.reduce = reduce
+        self.gate_up_proj: nn.Linear | Fp8Linear | None = None  # set by fuse_projections, replacing gate and up
 
     def fuse_projections(self) -> None:
         if self.gate_up_proj is None:
@@ -111,8 +124,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]
         if self.gate_up_proj is None:
-            return all_reduce(linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj))
-        return all_reduce(linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj))
+            out = linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        else:
+            out = linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return all_reduce(out) if self.reduce else out
 
 
 def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
@@ -233,4 +248,4 @@ class DecoderLayer(PreNormBlock):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)

@@ -1,5 +1,5 @@
-"""DeepSeek-V3's feed-forward blocks, which GLM-4.5 (`Glm4MoeForCausalLM`) shares: the SwiGLU MLP
-and the mixture of experts.
+"""DeepSeek-V3's mixture of experts, which GLM-4.5 (`Glm4MoeForCausalLM`) shares; its shared experts and each
+routed expert are SwiGLU `MLP`s (`specsplit.models.layers`), as the dense layers' MLP.
 
 MoE(x) = Σ_{e ∈ topk(x)} w_e(x) · expert_e(x) + shared_experts(x), with the router of DeepSeek-V3
 (`topk_method: noaux_tc`, `scoring_func: sigmoid`):
@@ -33,8 +33,8 @@ from torch import nn
 from specsplit.kernels.fused_moe import fused_routed_experts, routed_experts_reference
 from specsplit.kernels.router import route_reference, route_triton
 from specsplit.models.fp8_linear import Fp8Linear
+from specsplit.models.layers import MLP
 from specsplit.models.parallel import all_reduce, tp_rank, tp_size
-from specsplit.models.parallel_layers import column_parallel_linear, row_parallel_linear
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -51,25 +51,6 @@ class MoEConfig(Protocol):
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases: the dense MLP, each expert and the shared experts.
-    `parallel`: gate/up column-parallel and down row-parallel, whose partial output the dense MLP all-reduces
-    itself (`reduce`) and the shared experts leave to their MoE; experts are whole on their rank."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, *, parallel: bool = False, reduce: bool = False):
-        super().__init__()
-        column, row = (column_parallel_linear, row_parallel_linear) if parallel else (nn.Linear, nn.Linear)
-        self.gate_proj = column(hidden_size, intermediate_size, False)
-        self.up_proj = column(hidden_size, intermediate_size, False)
-        self.down_proj = row(intermediate_size, hidden_size, False)
-        self.reduce = reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] → [T, hidden]
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return all_reduce(out) if self.reduce else out
 
 
 class Router(nn.Module):
@@ -107,23 +88,19 @@ class StackedExperts(nn.Module):
     [E_local, 2 * inter, hidden] (each expert's gate rows, then its up rows) and `down_proj` [E_local, hidden,
     inter] (transformers' names and layout), in the model dtype, or e4m3 with their block scales
     (`gate_up_proj_scale_inv`, `down_proj_scale_inv`) where the experts were `Fp8Linear`s (kept FP8: on CUDA).
-    Built from the loaded per-expert `SwiGLU`s (`MoE.fuse_projections`)."""
+    Built from the loaded experts, each an `MLP` whose gate and up are fused (`MoE.fuse_projections`)."""
 
-    def __init__(self, experts: list[SwiGLU], first_expert: int) -> None:
+    def __init__(self, experts: list[MLP], first_expert: int) -> None:
         super().__init__()
         self.first_expert = first_expert
         first = experts[0]
         self.fp8_blocks: tuple[int, int, int] | None = None  # scale rows of gate_up and down, group along K
-        if isinstance(first.gate_proj, Fp8Linear):
-            fused = [Fp8Linear.concat(e.gate_proj, e.up_proj) for e in experts]  # per-row scales where unaligned
-            self.gate_up_proj = _stacked([f.weight for f in fused])
-            self.gate_up_proj_scale_inv = _stacked([f.weight_scale_inv for f in fused])
-            self.down_proj = _stacked([e.down_proj.weight for e in experts])
+        self.gate_up_proj = _stacked([e.gate_up_proj.weight for e in experts])
+        self.down_proj = _stacked([e.down_proj.weight for e in experts])
+        if isinstance(first.gate_up_proj, Fp8Linear):  # per-row scales where gate's rows cut a scale block
+            self.gate_up_proj_scale_inv = _stacked([e.gate_up_proj.weight_scale_inv for e in experts])
             self.down_proj_scale_inv = _stacked([e.down_proj.weight_scale_inv for e in experts])
-            self.fp8_blocks = (fused[0].scale_block_n, first.down_proj.scale_block_n, first.down_proj.block_k)
-        else:
-            self.gate_up_proj = _stacked([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-            self.down_proj = _stacked([e.down_proj.weight for e in experts])
+            self.fp8_blocks = (first.gate_up_proj.scale_block_n, first.down_proj.scale_block_n, first.down_proj.block_k)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden], topk_ids / topk_weights: [T, top_k] → [T, hidden]: the routed experts' weighted sum
@@ -152,19 +129,24 @@ class MoE(nn.Module):
         self.first_expert = tp_rank() * per_rank
         # This rank's experts, keyed by their checkpoint index (`experts.{e}.…`, as the checkpoint names them),
         # until `fuse_projections` stacks them into one `StackedExperts`.
+        local = range(self.first_expert, self.first_expert + per_rank)
         self.experts: nn.ModuleDict | StackedExperts = nn.ModuleDict(
-            {str(e): SwiGLU(hidden, inter) for e in range(self.first_expert, self.first_expert + per_rank)}
+            {str(e): MLP(hidden, inter, sharded=False, reduce=False) for e in local}
         )
         self.num_experts = num_experts
         self.shared_experts = (
-            SwiGLU(hidden, inter * config.n_shared_experts, parallel=True) if config.n_shared_experts else None
+            MLP(hidden, inter * config.n_shared_experts, reduce=False) if config.n_shared_experts else None
         )
 
     def fuse_projections(self) -> None:
-        """The loaded experts → one `StackedExperts` (`experts.gate_up_proj`, `experts.down_proj`, ...); the
-        per-expert tensors are freed once stacked (the peak is one layer's experts twice)."""
+        """The loaded experts, their gate and up fused, → one `StackedExperts` (`experts.gate_up_proj`,
+        `experts.down_proj`, ...); the per-expert tensors are freed once stacked (the peak is one layer's experts
+        twice)."""
         if isinstance(self.experts, nn.ModuleDict):
-            self.experts = StackedExperts(list(self.experts.values()), self.first_expert)
+            experts = list(self.experts.values())
+            for expert in experts:  # done already where the loader fused the model (children first)
+                expert.fuse_projections()
+            self.experts = StackedExperts(experts, self.first_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] → [T, hidden]

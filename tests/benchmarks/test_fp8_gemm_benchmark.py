@@ -3,6 +3,9 @@ Triton interpreter and matches the torch reference; the JSON lands in --out."""
 
 import json
 
+import pytest
+import torch
+
 from benchmarks.fp8_gemm import main
 
 
@@ -53,3 +56,34 @@ def test_compile_jobs_cover_every_kernel_variant_once_and_run():
     defaults = {sweep.candidates(n, 512, m, sweep.TINY_NUM_SMS, False, True)[0] for n in (96, 200) for m in (1, 3)}
     assert len(jobs) == len({(c.block_m, c.block_n, c.split_k > 1, c.prequantize) for c in defaults}) >= 1
     assert sweep.compile_kernels(jobs, "cpu") == 0
+
+
+@pytest.mark.parametrize(
+    "shape, prefix, layers", [("glm-4.5-air-fp8", "glm45air.", 2), ("deepseek-v3-fp8", "dsv3.", 4)]
+)
+def test_the_swept_shapes_are_the_fp8_linears_the_models_run(tmp_path, shape, prefix, layers):
+    """The sweep tunes the (N, K) of every FP8 linear the target and its MTP layer run once the loader has fused
+    their projections (the dense MLP's and the shared experts' gate/up among them), and no other: a linear the
+    models run unfused, or one the sweep lacks, would take `default_config` untuned. Built on the meta device as
+    the loader builds a dummy FP8 model (a few layers: one of each kind)."""
+    from benchmarks.fp8_gemm import SHAPES
+    from benchmarks.lib.shapes import write_shape
+    from specsplit.models import loader
+    from specsplit.models.fp8_linear import Fp8Linear, dequantize_fp8_linears, use_fp8_linears
+    from specsplit.models.layers import fuse_projections
+    from specsplit.models.meta_init import on_meta
+
+    path = write_shape(shape, tmp_path / shape)
+    config_json = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config_json, "num_hidden_layers": layers}))
+    config, quantization = loader.load_config(path), loader.load_quantization(path)
+    run = set()
+    for model_class in loader.FAMILIES[type(config)]:  # the target, then the MTP layer
+        with on_meta():
+            model = model_class(config)
+        names = loader._fp8_linears_of_dummy(model, quantization)
+        use_fp8_linears(model, names, quantization.block_n, quantization.block_k)
+        dequantize_fp8_linears(model, torch.bfloat16, keep_fp8=True)  # as on CUDA: MLA's kv_b_proj leaves
+        fuse_projections(model)
+        run |= {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Fp8Linear)}
+    assert run == {nk for name, nk in SHAPES.items() if name.startswith(prefix)}

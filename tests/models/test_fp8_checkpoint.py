@@ -206,7 +206,7 @@ def test_moe_families_load_fp8_target_and_mtp(tmp_path, family):
     assert (
         experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn and experts.fp8_blocks is not None
     )
-    assert isinstance(layer.mlp.shared_experts.up_proj, Fp8Linear)
+    assert isinstance(layer.mlp.shared_experts.gate_up_proj, Fp8Linear)  # fused as the dense MLP's
     if family == "deepseek_v3":
         assert not isinstance(layer.self_attn.kv_b_proj, Fp8Linear) and isinstance(layer.self_attn.q_b_proj, Fp8Linear)
     tokens = _tokens(model.config.vocab_size)

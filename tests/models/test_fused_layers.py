@@ -193,3 +193,27 @@ def test_the_servers_eager_switch_turns_every_kernel_off_and_only_then(monkeypat
     assert not layer_ops._enabled and layer_ops._gemv_mode == "off"
     assert apply_eager_option(False) == {"attention_kernel": None, "cuda_graphs": None}
     assert layer_ops._enabled and layer_ops._gemv_mode == "measured"
+
+
+def test_each_moe_layers_experts_are_freed_as_it_stacks_them(tmp_path, monkeypatch):
+    """Fusing holds no module past its parent's fusion: the fused per-expert weights of a MoE layer are gone as soon as
+    the layer has stacked them (the loader's peak is one layer's experts twice, not the whole model's), the shared
+    experts fused as the dense MLP is."""
+    import weakref
+
+    from specsplit.models.glm4_moe.model import Glm4MoeTarget
+    from specsplit.models.moe import MoE
+    from tests.fixtures.tiny_glm4_moe import write_tiny_glm4_moe_checkpoint
+
+    model = Glm4MoeTarget(load_config(write_tiny_glm4_moe_checkpoint(tmp_path / "glm", seed=0)))
+    stack, freed = MoE.fuse_projections, []
+
+    def stack_and_check(self: MoE) -> None:
+        fused_experts = [weakref.ref(expert.gate_up_proj.weight) for expert in self.experts.values()]
+        stack(self)
+        freed.append(all(ref() is None for ref in fused_experts))
+
+    monkeypatch.setattr(MoE, "fuse_projections", stack_and_check)
+    fuse_projections(model)
+    assert len(freed) == sum(isinstance(layer.mlp, MoE) for layer in model.model.layers) >= 2 and all(freed)
+    assert all(layer.mlp.shared_experts.gate_up_proj is not None for layer in model.model.layers[1:])

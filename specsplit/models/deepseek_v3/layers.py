@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from specsplit.models.deepseek_v3.config import DeepseekV3Config
 from specsplit.models.deepseek_v3.mla import MLAttention
-from specsplit.models.layers import PreNormBlock, RMSNorm
-from specsplit.models.moe import MoE, SwiGLU
+from specsplit.models.layers import MLP, PreNormBlock, RMSNorm
+from specsplit.models.moe import MoE
 
 
 class DeepseekV3DecoderLayer(PreNormBlock):
@@ -22,4 +22,4 @@ class DeepseekV3DecoderLayer(PreNormBlock):
         if config.is_moe_layer(layer):
             self.mlp = MoE(config)
         else:
-            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, parallel=True, reduce=True)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)

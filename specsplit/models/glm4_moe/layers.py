@@ -19,4 +19,7 @@ class Glm4MoeDecoderLayer(PreNormBlock):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
